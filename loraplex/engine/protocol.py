@@ -1,0 +1,97 @@
+"""The contract between the platform (HTTP) and the engine. Pure Python: no torch import.
+
+The platform builds an :class:`EngineRequest` and iterates :class:`TokenDelta` objects from
+:meth:`EngineClient.generate`; the engine runs in its own thread or process so the HTTP event
+loop never stalls a GPU step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    lora_request: LoRARequest | None = None
+    tenant_id: str | None = None
+    # set by the server from the tenant (HMAC), never by a client; part of every prefix-cache key
+    cache_salt: str | None = None
+    priority: int = 0  # lower runs first
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class TopLogprob:
+    token_id: int
+    logprob: float
+    token: str
+
+
+@dataclass
+class TokenDelta:
+    """New output of one sample (``index`` of ``n``) since the last delta."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    text: str
+    # one entry per new token: (sampled token logprob, top-N alternatives) when logprobs were asked for
+    logprobs: list[tuple[float, list[TopLogprob]]] | None = None
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # the stop string or stop token id that matched
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_generated_tokens: int = 0  # cumulative for this sample
+    error: str | None = None
+    # timings (monotonic seconds) for metering: set on the first delta / the final one
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class EngineStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    active_adapters: list[str] = field(default_factory=list)  # names resident on the device
+    tokens_per_second: float = 0.0
+    num_lora_loads: int = 0
+    num_lora_evictions: int = 0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop died; in-flight and new requests fail with this."""
+
+
+class EngineClient(Protocol):
+    model_id: str
+    max_model_len: int
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def is_healthy(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]: ...
+
+    async def remove_adapter(self, adapter_id: int) -> None: ...
+
+    async def shutdown(self) -> None: ...

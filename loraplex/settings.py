@@ -1,0 +1,107 @@
+"""One settings object for every command and component.
+
+Values come from environment variables prefixed ``LORAPLEX_`` (e.g. ``LORAPLEX_DATA_DIR``,
+``LORAPLEX_DATABASE_URL``); CLI flags override them through :func:`Settings.with_overrides`.
+The embedded default keeps all state under ``data_dir``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+ENV_PREFIX = "LORAPLEX_"
+
+
+def _default_data_dir() -> str:
+    return str(Path(os.path.expanduser("~")) / ".loraplex")
+
+
+@dataclass(frozen=True)
+class Settings:
+    # where the embedded default keeps its SQLite database, adapter store and demo model
+    data_dir: str = field(default_factory=_default_data_dir)
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # storage; None = embedded default (SQLite file in data_dir / in-process cache, limiter, bus)
+    database_url: str | None = None
+    redis_url: str | None = None
+    # model + engine
+    model: str | None = None  # HF directory; None = demo model generated in data_dir
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"
+    enable_lora: bool = True
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 64
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None = sized from free memory
+    gpu_memory_utilization: float = 0.85
+    # platform limits
+    max_concurrent_requests: int = 512  # global admission cap -> 503
+    max_tokens_limit: int = 4096
+    max_n: int = 16
+    max_stop_sequences: int = 8
+    max_upload_bytes: int = 512 * 1024 * 1024
+    default_requests_per_minute: int = 600
+    default_tokens_per_minute: int = 200_000
+    drain_timeout_s: float = 30.0
+    # secrets: server secret for cache-salt HMAC and session cookies; generated into data_dir if unset
+    server_secret: str | None = None
+    log_level: str = "INFO"
+    log_prompts: bool = False
+
+    @property
+    def data_path(self) -> Path:
+        return Path(self.data_dir)
+
+    @property
+    def effective_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{self.data_path / 'loraplex.db'}"
+
+    @property
+    def embedded(self) -> bool:
+        return self.database_url is None and self.redis_url is None
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Settings:
+        env = os.environ if environ is None else environ
+        hints = get_type_hints(cls)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = _coerce(f.name, raw, hints[f.name])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def with_overrides(self, **overrides: Any) -> Settings:
+        return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _coerce(name: str, raw: str, hint: Any) -> Any:
+    text = str(hint)
+    try:
+        if "bool" in text:
+            low = raw.strip().lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(raw)
+        if "int" in text:
+            return None if raw == "" and "None" in text else int(raw)
+        if "float" in text:
+            return float(raw)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {text}") from exc
+    return raw if raw != "" or "None" not in text else None

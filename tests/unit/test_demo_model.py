@@ -1,0 +1,92 @@
+"""The demo model loads unchanged in transformers/PEFT, and its adapters change greedy output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, adapter_dir
+
+
+def test_loads_with_hf_and_adapters_change_output(tiny_model):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = tiny_model["model_dir"]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hello there"}], add_generation_prompt=True,
+                                   tokenize=False)
+    assert chat == "<s><|user|>Hello there<|end|><|assistant|>"
+    ids = tok("The river runs past the old mill", return_tensors="pt").input_ids
+    assert ids[0, 0].item() == tok.bos_token_id
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    cfg = model.config
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
+    assert cfg.rope_scaling["rope_type"] == "llama3"
+
+    def greedy(m):
+        out = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=10,
+                         do_sample=False, min_new_tokens=10)
+        return out[0, ids.shape[1]:].tolist()
+
+    base = greedy(model)
+    outputs = {}
+    for i in range(2):
+        peft_model = PeftModel.from_pretrained(model, adapter_dir(tiny_model, i))
+        outputs[i] = greedy(peft_model)
+        model = peft_model.unload()  # back to the base model for the next adapter
+    assert greedy(model) == base
+    assert outputs[0] != base and outputs[1] != base and outputs[0] != outputs[1]
+
+
+def test_adapters_have_mixed_ranks_and_nonzero_b(tiny_model):
+    from safetensors import safe_open
+
+    ranks = {a["rank"] for a in tiny_model["adapters"]}
+    assert len(ranks) >= 4
+    path = Path(adapter_dir(tiny_model, 0))
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    assert cfg["peft_type"] == "LORA" and cfg["bias"] == "none"
+    with safe_open(str(path / "adapter_model.safetensors"), "pt") as f:
+        b_keys = [k for k in f.keys() if "lora_B" in k]
+        assert b_keys and all(f.get_tensor(k).abs().sum() > 0 for k in b_keys)
+
+
+def test_demo_model_is_deterministic(tmp_path):
+    from loraplex.demo import DemoModelSpec, build_demo_model
+
+    for d in ("a", "b"):
+        build_demo_model(tmp_path / d, DemoModelSpec(adapters=1, seed=7))
+    for rel in ("model.safetensors", "tokenizer.json", "adapters/adapter-0/adapter_model.safetensors"):
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes()
+
+
+def test_cli_demo_model_and_qwen2(tmp_path):
+    out = tmp_path / "qwen"
+    proc = subprocess.run(
+        [sys.executable, "-m", "loraplex.cli", "demo-model", str(out), "--arch", "qwen2", "--adapters", "1",
+         "--layers", "1"],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "qwen2" and cfg["num_hidden_layers"] == 1
+
+
+def test_bad_shape_is_a_clear_error(tmp_path):
+    from loraplex.demo import DemoModelSpec, build_demo_model
+
+    with pytest.raises(ValueError, match="heads"):
+        build_demo_model(tmp_path, DemoModelSpec(hidden_size=64, heads=5))
+
+
+def test_import_platform_is_stdlib():
+    # run from the repository root, where a top-level platform/ package would shadow the stdlib
+    proc = subprocess.run([sys.executable, "-c", "import platform; print(platform.python_implementation())"],
+                          cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() in ("CPython", "PyPy")
