@@ -1,0 +1,76 @@
+"""Pure-torch reference twins for the paged-attention kernels (and the CPU path of the engine).
+
+KV cache layout (per layer): ``key_cache``/``value_cache`` are ``[num_blocks, block_size, num_kv_heads,
+head_dim]``. A sequence's KV lives in the blocks listed by its row of ``block_tables``; token ``t`` of a
+sequence sits in block ``block_tables[b, t // block_size]`` at offset ``t % block_size``. The engine
+addresses a cache slot as ``slot = block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def store_kv_ref(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int, -1 = do not store (padding)
+) -> None:
+    """Semantics: for t with slot_mapping[t] = s >= 0:
+    key_cache[s // block_size, s % block_size] = key[t]; value_cache[...] = value[t]."""
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    num_blocks, block_size = key_cache.shape[:2]
+    flat_k = key_cache.view(num_blocks * block_size, *key_cache.shape[2:])
+    flat_v = value_cache.view(num_blocks * block_size, *value_cache.shape[2:])
+    flat_k[slots] = key[valid].to(key_cache.dtype)
+    flat_v[slots] = value[valid].to(value_cache.dtype)
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [T, Hq, D]: the new tokens of all sequences, concatenated
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int
+    query_start_loc: torch.Tensor,  # [B + 1] int, cumulative query lengths
+    seq_lens: torch.Tensor,  # [B] int, KV length of each sequence INCLUDING its new tokens
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, Hq, D]
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged KV (cached prefix + new).
+
+    Semantics, for sequence b with L = query_start_loc[b+1] - query_start_loc[b] new tokens and
+    N = seq_lens[b] keys: new token i sits at position p_i = N - L + i, and with g = Hq // Hkv
+    (query head h reads KV head h // g)::
+
+        out[i, h] = softmax_j(scale * q[i, h] . K[j, h // g]  for j <= p_i) @ V[:, h // g]
+
+    computed in float32 and returned in the query's dtype. Decode is the case L = 1.
+    """
+    num_tokens, num_q_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for b, n in enumerate(lens):
+        q_start, q_end = starts[b], starts[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        num_blocks = (n + block_size - 1) // block_size
+        blocks = block_tables[b, :num_blocks].long()
+        k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()  # [N, Hkv, D]
+        v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()
+        q = query[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
+        scores = torch.einsum("lkgd,nkd->kgln", q, k) * scale  # [Hkv, g, L, N]
+        q_pos = torch.arange(n - q_len, n, device=query.device)
+        kv_pos = torch.arange(n, device=query.device)
+        scores.masked_fill_(kv_pos[None, :] > q_pos[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.einsum("kgln,nkd->lkgd", probs, v)  # [L, Hkv, g, D]
+        out[q_start:q_end] = o.reshape(q_len, num_q_heads, head_dim).to(out.dtype)
+    return out
