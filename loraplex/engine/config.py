@@ -1,0 +1,53 @@
+"""One engine configuration object (pure Python): what the scheduler, block manager and runner read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class EngineConfig:
+    model: str = ""  # Hugging Face directory (config.json + *.safetensors + tokenizer)
+    tokenizer: str | None = None  # default: the model directory
+    device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "float32" | "bfloat16" | "float16" | "auto" (config's dtype; float32 on the CPU)
+    seed: int = 0  # seeds sampling for requests without their own seed
+    # KV cache
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from memory (kv_cache_memory_gb on the CPU, free HBM on CUDA)
+    kv_cache_memory_gb: float = 1.0  # CPU only
+    gpu_memory_utilization: float = 0.85  # CUDA only: fraction of total memory the engine may hold
+    enable_prefix_caching: bool = True
+    # scheduling
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # token budget per step; default max(2048, max_model_len)
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    lora_max_wait_steps: int = 16  # a request kept out by the max_loras limit this long stops other admissions
+    # LoRA
+    enable_lora: bool = False
+    max_loras: int = 8  # distinct adapters in one step (GPU slots)
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None  # host cache size; default managed by the LoRA manager
+    model_id: str | None = None  # served name; default the model directory's name
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.model_id is None and self.model:
+            self.model_id = Path(self.model).resolve().name
+
+    def resolve(self, max_position_embeddings: int) -> None:
+        """Fill the limits that depend on the model."""
+        if self.max_model_len is None:
+            self.max_model_len = max_position_embeddings
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(2048, min(self.max_model_len, 8192))
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")

@@ -1,0 +1,74 @@
+"""Incremental detokenization and stop strings (pure Python; the tokenizer is passed in).
+
+Decodes a small window of recent tokens each step (vLLM's prefix/read offsets), so the cost per token is
+constant and multi-byte characters split across tokens appear only once complete.
+"""
+
+from __future__ import annotations
+
+import copy
+
+_PROMPT_CONTEXT = 6  # prompt tokens kept as left context for the first output tokens
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True,
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.output_text = ""
+        # streamed text lags by the longest stop string minus one, so a stop string is never half-sent
+        self.holdback = 0 if include_stop_str_in_output or not stop else max(len(s) for s in stop) - 1
+        self._checked_upto = 0
+
+    def fork(self) -> IncrementalDetokenizer:
+        child = copy.copy(self)
+        child.token_ids = list(self.token_ids)
+        return child
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def append(self, token_id: int) -> str:
+        """Add one token; returns the newly completed text (may be empty)."""
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.output_text += delta
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        # keep the window small: drop tokens left of prefix_offset
+        if self.prefix_offset > _PROMPT_CONTEXT:
+            drop = self.prefix_offset
+            self.token_ids = self.token_ids[drop:]
+            self.prefix_offset -= drop
+            self.read_offset -= drop
+        return delta
+
+    def check_stop_strings(self, stop: list[str], include_stop_str_in_output: bool) -> str | None:
+        """Search the text added since the last check; on a match truncate the text and return it."""
+        start = max(0, self._checked_upto - max(len(s) for s in stop) + 1)
+        self._checked_upto = len(self.output_text)
+        best = None
+        for s in stop:
+            pos = self.output_text.find(s, start)
+            if pos != -1 and (best is None or pos < best[0]):
+                best = (pos, s)
+        if best is None:
+            return None
+        pos, s = best
+        self.output_text = self.output_text[:pos + len(s)] if include_stop_str_in_output else self.output_text[:pos]
+        return s
+
+    def streamable_text_len(self, finished: bool) -> int:
+        """How much of ``output_text`` may be sent now."""
+        if finished:
+            return len(self.output_text)
+        return max(0, len(self.output_text) - self.holdback)

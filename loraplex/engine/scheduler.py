@@ -1,0 +1,251 @@
+"""Iteration-level scheduler (pure Python, no torch).
+
+Every step: running sequences first (in priority order), each gets its remaining tokens up to the step's
+token budget (one for a decode, a chunk for a prefill); when KV blocks run out the lowest-priority running
+sequence is preempted (its blocks freed, recomputed later). Then waiting requests are admitted in order
+(lower ``priority`` value first, FCFS within one) while the budget, ``max_num_seqs``, free blocks and the
+``max_loras`` distinct-adapter limit allow; a waiting request of higher priority may preempt lower-priority
+running work. ``update_from_output`` applies the sampled tokens, forks ``n > 1`` samples once the prompt
+is computed, checks stop conditions and frees finished sequences' blocks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        assert config.max_model_len is not None and config.max_num_batched_tokens is not None
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: list[Request] = []  # sorted by Request.sort_key
+        self.running: list[Request] = []  # sorted by Request.sort_key
+        self.samples: dict[str, list[Request]] = {}  # request_id -> its live samples
+        self.num_preemptions = 0
+        self.num_steps = 0
+        self.num_computed_prompt_tokens = 0  # prompt tokens actually run through the model
+        self.last_kv_waste = 0.0
+
+    # ---- queue management ----------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.samples:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        max_len = self.config.max_model_len
+        if req.num_prompt_tokens >= max_len:
+            raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; the limit is {max_len - 1} "
+                             f"(max_model_len {max_len})")
+        longest = min(max_len, req.num_prompt_tokens + (req.sampling_params.max_tokens or max_len))
+        if self.block_manager.blocks_for(longest) > self.block_manager.num_blocks:
+            raise ValueError(f"a sequence of {longest} tokens needs more KV blocks than the cache has "
+                             f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")
+        req.status = RequestStatus.WAITING
+        self.samples[req.request_id] = [req]
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    def abort_request(self, request_id: str) -> list[Request]:
+        """Finish every live sample of the request; returns them (empty when unknown or done)."""
+        aborted = [r for r in self.samples.get(request_id, []) if not r.is_finished]
+        for req in aborted:
+            req.num_pending_forks = 0
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- scheduling ----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[int, ScheduledRequest] = {}
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert num_new > 0, "a running sequence always has a token to compute"
+            while not bm.allocate_slots(req, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled[req.seq_id] = self._scheduled(req, num_new)
+                budget -= num_new
+                i += 1
+
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled, preempted)
+
+        out = SchedulerOutput(scheduled=list(scheduled.values()), blocks_to_copy=bm.take_pending_copies(),
+                              preempted=preempted)
+        out.lora_ids = {s.request.lora_id for s in out.scheduled if s.request.lora_id}
+        assert len(out.lora_ids) <= self.config.max_loras
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+            if s.request.num_computed_tokens < s.request.num_prompt_tokens:
+                self.num_computed_prompt_tokens += min(
+                    s.num_new_tokens, s.request.num_prompt_tokens - s.request.num_computed_tokens)
+        self.last_kv_waste = self._kv_waste(scheduled)
+        self.num_steps += 1
+        return out
+
+    def _admit_waiting(self, budget: int, scheduled: dict[int, ScheduledRequest],
+                       preempted: list[Request]) -> int:
+        bm, cfg = self.block_manager, self.config
+        active_loras = {r.lora_id for r in self.running if r.lora_id}
+        for req in list(self.waiting):
+            if budget <= 0:
+                break
+            if req.lora_id and req.lora_id not in active_loras and len(active_loras) >= cfg.max_loras:
+                req.wait_steps += 1
+                if req.wait_steps >= cfg.lora_max_wait_steps:
+                    break  # aged: nothing behind it is admitted until its adapter fits
+                continue
+            num_seqs = 1 + req.num_pending_forks
+            while len(self.running) + num_seqs > cfg.max_num_seqs:
+                budget = self._preempt_lower_priority(req, scheduled, preempted, budget)
+                if budget is None:
+                    return 0
+            cached = bm.find_cached_prefix(req)
+            num_new = min(req.num_tokens - len(cached) * bm.block_size, budget)
+            while not bm.allocate_slots(req, num_new, cached):
+                budget = self._preempt_lower_priority(req, scheduled, preempted, budget)
+                if budget is None:
+                    return 0
+                num_new = min(req.num_tokens - len(cached) * bm.block_size, budget)
+            if req.num_preemptions == 0 and req.num_output_tokens == 0:
+                req.num_cached_tokens = len(cached) * bm.block_size
+                bm.record_prefix_query(req.num_prompt_tokens, req.num_cached_tokens)
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            req.wait_steps = 0
+            bisect.insort(self.running, req, key=lambda r: r.sort_key)
+            if req.lora_id:
+                active_loras.add(req.lora_id)
+            scheduled[req.seq_id] = self._scheduled(req, num_new)
+            budget -= num_new
+        return budget
+
+    def _preempt_lower_priority(self, req: Request, scheduled: dict[int, ScheduledRequest],
+                                preempted: list[Request], budget: int) -> int | None:
+        """Preempt the worst running sequence if it ranks below ``req``; None when there is none."""
+        if not self.running or self.running[-1].priority <= req.priority:
+            return None
+        victim = self.running.pop()
+        gone = scheduled.pop(victim.seq_id, None)
+        if gone is not None:
+            budget += gone.num_new_tokens
+        self._preempt(victim)
+        preempted.append(victim)
+        return budget
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        completes = req.num_computed_tokens + num_new == req.num_tokens
+        return ScheduledRequest(req, num_new, (1 + req.num_pending_forks) if completes else 0)
+
+    def _preempt(self, req: Request) -> None:
+        self.block_manager.free_blocks(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    def _kv_waste(self, scheduled: dict[int, ScheduledRequest]) -> float:
+        """Allocated slots not holding a token / allocated slots. Block tables are sized exactly, so only
+        the last block of each sequence can be partly empty (a block shared by forks counts once)."""
+        bm = self.block_manager
+        allocated = bm.num_used_blocks * bm.block_size
+        if not allocated:
+            return 0.0
+        filled_last: dict[int, int] = {}
+        for req in self.running:
+            if not req.block_ids:
+                continue
+            s = scheduled.get(req.seq_id)
+            num_slots = req.num_computed_tokens + (s.num_new_tokens if s else 0)
+            filled = num_slots - (len(req.block_ids) - 1) * bm.block_size
+            last = req.block_ids[-1]
+            filled_last[last] = max(filled_last.get(last, 0), filled)
+        return sum(bm.block_size - f for f in filled_last.values()) / allocated
+
+    # ---- results -------------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
+        """Apply one step's results. Returns the samples that got a token or finished (forks included)."""
+        bm = self.block_manager
+        touched: list[Request] = []
+        now = time.monotonic()
+        for s in out.scheduled:
+            req = s.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += s.num_new_tokens
+            chunk_logprobs = result.prompt_logprobs.get(req.seq_id)
+            if chunk_logprobs:
+                if not req.prompt_logprobs:
+                    req.prompt_logprobs.append(None)
+                req.prompt_logprobs.extend(chunk_logprobs)
+            bm.register_full_blocks(req)
+            if s.num_samples == 0:
+                continue
+            token_ids = result.sampled_token_ids[req.seq_id]
+            assert len(token_ids) == s.num_samples
+            samples = [req] + [self._fork(req, i) for i in range(1, s.num_samples)]
+            req.num_pending_forks = 0
+            logprobs = result.logprobs.get(req.seq_id)
+            sampled_logprobs = result.sampled_logprobs.get(req.seq_id)
+            for k, (sample, token_id) in enumerate(zip(samples, token_ids)):
+                sample.append_token(token_id)
+                if sampled_logprobs is not None:
+                    sample.cumulative_logprob += sampled_logprobs[k]
+                if logprobs is not None:
+                    sample.logprobs.append(logprobs[k])
+                if sample.first_token_time is None:
+                    sample.first_token_time = now
+                status = sample.check_stop(self.config.max_model_len)
+                if status is not None:
+                    self._finish(sample, status)
+                touched.append(sample)
+        return touched
+
+    def _fork(self, parent: Request, index: int) -> Request:
+        child = parent.fork(index)
+        if parent.detokenizer is not None:
+            child.detokenizer = parent.detokenizer.fork()
+        self.block_manager.fork(parent, child)
+        self.samples[parent.request_id].append(child)
+        bisect.insort(self.running, child, key=lambda r: r.sort_key)
+        return child
+
+    def finish_request(self, req: Request, status: RequestStatus, error: str | None = None) -> None:
+        req.error = error
+        self._finish(req, status)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        assert status.finished
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        self.block_manager.free_blocks(req)
+        req.status = status
+        req.finished_time = time.monotonic()
+        live = self.samples.get(req.request_id)
+        if live is not None and all(r.is_finished for r in live) and not any(r.num_pending_forks for r in live):
+            del self.samples[req.request_id]

@@ -1,0 +1,52 @@
+"""What the scheduler hands the model runner each step, and what comes back (pure Python)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loraplex.engine.request import Request, TokenLogprobs
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
+    num_samples: int  # tokens to sample from its last position: 0 (prompt chunk), 1, or n (fork)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        req = self.request
+        return (req.sampling_params.prompt_logprobs is not None
+                and req.num_computed_tokens < req.num_prompt_tokens
+                and len(req.prompt_logprobs) < req.num_prompt_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: the batch (in order), block copies to make before the forward, and the adapters used.
+
+    The runner reads each request's tokens, positions and block table directly from the ``Request``
+    objects (same process); nothing else about the step lives outside this object."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block ids
+    lora_ids: set[int] = field(default_factory=set)  # distinct non-zero adapter ids in the step
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Keyed by ``Request.seq_id``: the sampled tokens (n of them for a fork) and their logprobs."""
+
+    sampled_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    sampled_logprobs: dict[int, list[float]] = field(default_factory=dict)  # raw logprob of each sample
+    logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # when asked for
+    prompt_logprobs: dict[int, list[TokenLogprobs]] = field(default_factory=dict)  # this chunk's
