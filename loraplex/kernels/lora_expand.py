@@ -1,0 +1,120 @@
+"""LoRA expand in Triton: out += scaling * (y @ B), several slices per launch, in place.
+
+Semantics (twin: ``lora_ref.lora_expand_ref``), for token t with slot l = token_slots[t] >= 0, slice s with
+r = rank[s, l] > 0, column n of slice s (slice_loc[s] <= n < slice_loc[s+1]):
+
+    y_t[j]    = sum_p y[p, s, t, j]                          (split-K partials of the shrink, j < r)
+    out[t, n] = cast(float32(out[t, n]) + scaling[l] * sum_{j<r} y_t[j] * B[l, j, n])
+
+Rows of slot -1 tokens and slices an adapter does not target are never written (bit-identical).
+
+Shape:
+    y          [SPLIT_K, S, T, R] float32      shrink partials
+    lora_b     [num_slots, R, N_total]         B transposed: rank rows packed first, columns contiguous
+    ranks      [S, num_slots] int32
+    scaling    [num_slots] float32
+    slice_loc  [S + 1] int32                   column offsets, unequal widths allowed (GQA q|k|v)
+    out        [T, N_total]                    base projection output, updated in place
+
+Grid: (cdiv(max slice width, BLOCK_N), max_chunks, S); programs beyond their slice's width, of unused
+chunks or of rank-0 slices exit at once. Each chunk's tokens are distinct and slices own disjoint
+columns, so stores never race.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.kernels.lora_meta import LoRAKernelMeta
+from loraplex.kernels.lora_shrink import dot_precision
+
+
+@triton.jit
+def _lora_expand_kernel(
+    y_ptr, b_ptr, out_ptr, ranks_ptr, scaling_ptr, slice_loc_ptr,
+    sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr,
+    stride_yp, stride_ys, stride_yt, stride_yr,
+    stride_bl, stride_br, stride_bn,
+    stride_ot, stride_on,
+    stride_rs,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    n_tile = tl.program_id(0)
+    chunk = tl.program_id(1)
+    sl = tl.program_id(2)
+    slot = tl.load(chunk_slots_ptr + chunk)
+    if slot < 0:
+        return
+    rank = tl.load(ranks_ptr + sl * stride_rs + slot)
+    if rank == 0:
+        return
+    n_begin = tl.load(slice_loc_ptr + sl)
+    n_end = tl.load(slice_loc_ptr + sl + 1)
+    n0 = n_begin + n_tile * BLOCK_N
+    if n0 >= n_end:
+        return
+    start = tl.load(chunk_starts_ptr + chunk)
+    length = tl.load(chunk_lens_ptr + chunk)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < length
+    tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < rank
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_end
+    y_ptrs = y_ptr + sl * stride_ys + tok[:, None] * stride_yt + offs_r[None, :] * stride_yr
+    y_mask = m_mask[:, None] & r_mask[None, :]
+    ys = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    for p in range(1, SPLIT_K):
+        ys += tl.load(y_ptrs + p * stride_yp, mask=y_mask, other=0.0)
+    b_ptrs = (b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None].to(tl.int64) * stride_br
+              + offs_n[None, :].to(tl.int64) * stride_bn)
+    b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+    acc = tl.dot(ys.to(b.dtype), b, input_precision=DOT_PRECISION)
+    acc = acc * tl.load(scaling_ptr + slot)
+    o_ptrs = out_ptr + tok[:, None] * stride_ot + offs_n[None, :].to(tl.int64) * stride_on
+    o_mask = m_mask[:, None] & n_mask[None, :]
+    base = tl.load(o_ptrs, mask=o_mask, other=0.0)
+    tl.store(o_ptrs, (base.to(tl.float32) + acc).to(base.dtype), mask=o_mask)
+
+
+def lora_expand(
+    y: torch.Tensor,  # [SPLIT_K, S, T, R] float32
+    lora_b: torch.Tensor,  # [num_slots, R, N_total]
+    ranks: torch.Tensor,  # [S, num_slots] int32
+    scaling: torch.Tensor,  # [num_slots] float32
+    slice_loc: torch.Tensor,  # [S + 1] int32 on the device
+    max_slice_width: int,  # max_s slice_loc[s+1] - slice_loc[s], known on the host
+    meta: LoRAKernelMeta,
+    out: torch.Tensor,  # [T, N_total], updated in place
+    *,
+    block_n: int = 128,
+) -> torch.Tensor:
+    split_k, num_slices, num_tokens, max_rank = y.shape
+    num_slots, b_rank, n_total = lora_b.shape
+    assert b_rank == max_rank, f"y has R={max_rank}, lora_b has R={b_rank}"
+    assert out.shape == (num_tokens, n_total), f"out is {tuple(out.shape)}, want ({num_tokens}, {n_total})"
+    assert out.dtype == lora_b.dtype, f"out is {out.dtype}, lora_b is {lora_b.dtype}"
+    assert y.dtype == torch.float32 and scaling.dtype == torch.float32
+    assert ranks.shape == (num_slices, num_slots) and ranks.dtype == torch.int32 and ranks.stride(1) == 1
+    assert slice_loc.shape == (num_slices + 1,) and slice_loc.dtype == torch.int32
+    assert lora_b.stride(2) == 1, "lora_b must be contiguous along N"
+    assert meta.num_tokens == num_tokens and meta.num_slots == num_slots
+    if num_tokens == 0 or meta.max_chunks == 0:
+        return out
+    block_r = max(16, triton.next_power_of_2(max_rank))
+    grid = (triton.cdiv(max_slice_width, block_n), meta.max_chunks, num_slices)
+    _lora_expand_kernel[grid](
+        y, lora_b, out, ranks, scaling, slice_loc,
+        meta.sorted_token_ids, meta.chunk_slots, meta.chunk_starts, meta.chunk_lens,
+        y.stride(0), y.stride(1), y.stride(2), y.stride(3),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        out.stride(0), out.stride(1),
+        ranks.stride(0),
+        SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
+        DOT_PRECISION=dot_precision(out.dtype),
+    )
+    return out

@@ -1,0 +1,105 @@
+"""Compiled Triton LoRA kernels on CUDA (bf16 and fp32) against the fp32 twins; CUDA-graph replay."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from loraplex.kernels import lora_expand, lora_shrink
+from loraplex.kernels.lora_meta import build_lora_meta
+from loraplex.kernels.lora_ops import choose_config, lora_apply
+from loraplex.kernels.lora_ref import lora_apply_ref
+from loraplex.kernels.lora_testing import MIXES, make_lora_batch, token_slots_for
+
+TOL = {torch.bfloat16: dict(rtol=3e-2, atol=2e-2), torch.float32: dict(rtol=1e-4, atol=1e-4)}
+QKV = (4096 // 8, 1024 // 8, 1024 // 8)  # Llama-3 q|k|v widths, scaled down
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_kernels():
+    """The unit kernel tests set TRITON_INTERPRET=1 in this process; these tests need compiled kernels."""
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    from triton.runtime.interpreter import InterpretedFunction
+
+    interpreted = isinstance(lora_shrink._lora_shrink_kernel, InterpretedFunction)
+    if interpreted:
+        for module in (lora_shrink, lora_expand):
+            importlib.reload(module)
+    yield
+    if saved is not None:
+        os.environ["TRITON_INTERPRET"] = saved
+    if interpreted:
+        for module in (lora_shrink, lora_expand):
+            importlib.reload(module)
+
+
+def _reference(batch):
+    # the twin in fp32 on the same (rounded) weights; the output is cast back like the kernel's
+    ref = lora_apply_ref(batch.x.float(), batch.out.float(), batch.lora_a.float(), batch.lora_b.float(),
+                         batch.token_slots, batch.ranks, batch.scaling, batch.slice_loc)
+    return ref.to(batch.out.dtype)
+
+
+def _apply(batch, num_active):
+    k_dim = batch.x.shape[1]
+    cfg = choose_config(batch.x.shape[0], num_active, batch.lora_a.shape[0], batch.lora_a.shape[2], k_dim)
+    meta = build_lora_meta(batch.token_slots, batch.lora_a.shape[0], cfg.block_m)
+    out = batch.out.clone()
+    lora_apply(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
+               batch.max_slice_width, meta, cfg)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("max_rank", [8, 16, 32, 64, 24])
+@pytest.mark.parametrize("mix", MIXES)
+@pytest.mark.parametrize("num_tokens", [1, 7, 133, 2048])
+def test_against_twin(num_tokens, mix, max_rank, dtype):
+    batch = make_lora_batch(num_tokens, 512 + 8, QKV, num_slots=16, max_rank=max_rank, mix=mix, dtype=dtype,
+                            device="cuda", seed=num_tokens + max_rank)
+    if num_tokens == 1:
+        batch.token_slots[0] = 5
+    out = _apply(batch, num_active=16)
+    base = batch.token_slots < 0
+    assert torch.equal(out[base], batch.out[base])
+    torch.testing.assert_close(out.float(), _reference(batch).float(), **TOL[dtype])
+
+
+def test_llama3_decode_shapes_bf16():
+    batch = make_lora_batch(64, 4096, (4096, 1024, 1024), num_slots=64, max_rank=16, dtype=torch.bfloat16,
+                            device="cuda", token_slots=torch.arange(64, dtype=torch.int32))
+    out = _apply(batch, num_active=64)
+    torch.testing.assert_close(out.float(), _reference(batch).float(), **TOL[torch.bfloat16])
+
+
+def test_cuda_graph_replay_with_another_batch():
+    gen = torch.Generator().manual_seed(0)
+    batch = make_lora_batch(48, 520, QKV, num_slots=8, max_rank=32, mix="zipf", dtype=torch.bfloat16,
+                            device="cuda", seed=1)
+    cfg = choose_config(48, 8, 8, 32, 520)
+    slots_buf = batch.token_slots.clone()
+    out = batch.out.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+
+    def step():
+        out.copy_(batch.out)
+        meta = build_lora_meta(slots_buf, 8, cfg.block_m)
+        lora_apply(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
+                   batch.max_slice_width, meta, cfg)
+
+    with torch.cuda.stream(stream):
+        step()  # warm-up compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for mix in ("identical", "distinct", "skewed"):  # other mixes than at capture
+        slots_buf.copy_(token_slots_for(mix, 48, 8, gen).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        batch.token_slots = slots_buf.clone()
+        torch.testing.assert_close(out.float(), _reference(batch).float(), **TOL[torch.bfloat16])

@@ -1,0 +1,111 @@
+"""Triton LoRA shrink/expand (interpreter, fp32/fp16) against the pure-torch twins in ``lora_ref``."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest; kept here so this module runs alone
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from loraplex.kernels import lora_expand, lora_shrink
+from loraplex.kernels.lora_meta import build_lora_meta
+from loraplex.kernels.lora_ops import choose_config, lora_apply
+from loraplex.kernels.lora_ref import lora_apply_ref, lora_expand_ref, lora_shrink_ref
+from loraplex.kernels.lora_testing import MIXES, make_lora_batch
+
+if not isinstance(lora_shrink._lora_shrink_kernel, InterpretedFunction):
+    # another test module imported the kernels before TRITON_INTERPRET was set: rebuild them
+    for module in (lora_shrink, lora_expand):
+        importlib.reload(module)
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.float16: dict(rtol=1e-2, atol=2e-2)}
+QKV = (48, 16, 16)  # GQA: q wider than k and v
+K_DIM = 40  # not a multiple of 16
+
+
+def _run_both(batch, *, block_m=16, block_r=16, block_k=32, split_k=1, block_n=32):
+    meta = build_lora_meta(batch.token_slots, batch.lora_a.shape[0], block_m)
+    y = lora_shrink.lora_shrink(batch.x, batch.lora_a, batch.ranks, meta, split_k=split_k, block_r=block_r,
+                                block_k=block_k)
+    out = batch.out.clone()
+    lora_expand.lora_expand(y, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
+                            batch.max_slice_width, meta, out, block_n=block_n)
+    ref = lora_apply_ref(batch.x, batch.out.clone(), batch.lora_a, batch.lora_b, batch.token_slots,
+                         batch.ranks, batch.scaling, batch.slice_loc)
+    return y, out, ref
+
+
+def _check(batch, out, ref):
+    base_rows = batch.token_slots < 0
+    assert torch.equal(out[base_rows], batch.out[base_rows]), "slot -1 rows must stay bit-identical"
+    assert not torch.equal(out[~base_rows], batch.out[~base_rows]) or not (~base_rows).any()
+    torch.testing.assert_close(out, ref, **TOL[out.dtype])
+
+
+@pytest.mark.parametrize("num_tokens", [1, 7, 133])
+@pytest.mark.parametrize("mix", MIXES)
+def test_mixes_and_token_counts(mix, num_tokens):
+    batch = make_lora_batch(num_tokens, K_DIM, QKV, max_rank=16, mix=mix, seed=num_tokens)
+    if num_tokens == 1:
+        batch.token_slots[0] = 3  # a lone token that does carry an adapter
+    _, out, ref = _run_both(batch)
+    _check(batch, out, ref)
+
+
+@pytest.mark.parametrize("max_rank", [8, 16, 32, 64, 12])
+def test_ranks(max_rank):
+    batch = make_lora_batch(29, K_DIM, QKV, max_rank=max_rank, mix="uniform", seed=max_rank)
+    y, out, ref = _run_both(batch, block_r=16 if max_rank <= 16 else 32)
+    _check(batch, out, ref)
+    # the shrink output matches its twin wherever it is defined (r < rank, adapter tokens)
+    y_ref = lora_shrink_ref(batch.x, batch.lora_a, batch.token_slots, batch.ranks)
+    rank_of = batch.ranks[:, batch.token_slots.clamp(min=0).long()]  # [S, T]
+    valid = (torch.arange(max_rank)[None, None, :] < rank_of[:, :, None]) & (batch.token_slots >= 0)[None, :, None]
+    torch.testing.assert_close(y.sum(0)[valid], y_ref[valid], **TOL[torch.float32])
+
+
+def test_split_k_and_prefill_regime_single_slice():
+    batch = make_lora_batch(133, 200, (72,), max_rank=32, mix="skewed", seed=5)
+    _, out, ref = _run_both(batch, block_m=64, block_r=32, block_k=32, split_k=4, block_n=64)
+    _check(batch, out, ref)
+
+
+def test_fp16_gate_up():
+    batch = make_lora_batch(40, K_DIM, (56, 56), max_rank=16, mix="zipf", dtype=torch.float16, seed=7)
+    _, out, ref = _run_both(batch)
+    _check(batch, out, ref)
+
+
+def test_lora_apply_with_chosen_config_and_all_base_batch():
+    batch = make_lora_batch(20, K_DIM, QKV, max_rank=16, mix="distinct", seed=11)
+    cfg = choose_config(20, 8, 8, 16, K_DIM)
+    meta = build_lora_meta(batch.token_slots, 8, cfg.block_m)
+    out = batch.out.clone()
+    lora_apply(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
+               batch.max_slice_width, meta, cfg)
+    ref = lora_apply_ref(batch.x, batch.out.clone(), batch.lora_a, batch.lora_b, batch.token_slots,
+                         batch.ranks, batch.scaling, batch.slice_loc)
+    _check(batch, out, ref)
+    # a step with no adapter at all leaves the base output untouched
+    base_only = torch.full_like(batch.token_slots, -1)
+    meta = build_lora_meta(base_only, 8, cfg.block_m)
+    out = batch.out.clone()
+    lora_apply(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
+               batch.max_slice_width, meta, cfg)
+    assert torch.equal(out, batch.out)
+
+
+def test_expand_twin_skips_untargeted_slice():
+    batch = make_lora_batch(12, K_DIM, QKV, max_rank=8, mix="identical", seed=3)
+    slot = int(batch.token_slots[batch.token_slots >= 0][0])
+    batch.ranks[1, slot] = 0
+    y = lora_shrink_ref(batch.x, batch.lora_a, batch.token_slots, batch.ranks)
+    out = lora_expand_ref(y, batch.lora_b, batch.token_slots, batch.ranks, batch.scaling, batch.slice_loc,
+                          batch.out.clone())
+    rows = batch.token_slots == slot
+    assert torch.equal(out[rows, 48:64], batch.out[rows, 48:64])
+    assert not torch.equal(out[rows, :48], batch.out[rows, :48])
