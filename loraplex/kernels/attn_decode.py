@@ -1,0 +1,253 @@
+"""Triton paged decode attention: split-KV (flash-decoding) with the GQA group in one ``tl.dot``.
+
+Semantics (twin: ``attention_ref.paged_attention_ref`` with one new token per sequence)::
+
+    for b, kv_head h_kv, query head h = h_kv * g + j (j < g = Hq // Hkv):
+        N = seq_lens[b]; K_b, V_b = the first N cached keys/values of b (through block_tables[b])
+        out[b, h] = softmax(scale * q[b, h] . K_b[:, h_kv]) @ V_b[:, h_kv]        (fp32 math)
+
+    split s of S covers keys [s * C, min((s + 1) * C, N)), C = ceil(ceil(N / S) / BLOCK_N) * BLOCK_N:
+        o_s = softmax over the split @ V,  lse_s = log2 sum_j 2^(x_j)  with x = scale * log2(e) * q.k
+        out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m),  m = max_s lse_s;  empty split: lse_s = -inf
+
+Shape:
+    query:                    [B, Hq, D]
+    key_cache, value_cache:   [num_blocks, block_size, Hkv, D]
+    block_tables:             [B, max_blocks_per_seq] int32
+    seq_lens:                 [B] int32   (keys including the new token; 0 gives a zero output)
+    out:                      [B, Hq, D]
+    partial_out (S > 1):      [B, Hq, S, D] fp32;  partial_lse: [B, Hq, S] fp32
+
+Grid ``(B, Hkv, S)``: one program per (sequence, KV head, split) reads each K/V tile once for the
+whole GQA group; the group's query heads are the rows of the ``tl.dot`` (padded to 16 rows). ``S`` is
+fixed by the host from shapes (batch, heads and, when the caller knows it, the longest context), never
+from device values, so a CUDA graph captured at one batch size replays correctly for any contexts.
+FP8 KV would scale the ``k``/``v`` tiles after their loads (per-tensor scales as two more arguments).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,  # [B, Hq, D], written when NUM_SPLITS == 1
+    part_out_ptr,  # [B, Hq, S, D] fp32, written when NUM_SPLITS > 1
+    part_lse_ptr,  # [B, Hq, S] fp32
+    qk_scale,  # scale * log2(e)
+    stride_qb,
+    stride_qh,
+    stride_ob,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    block_size,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_q_heads = tl.num_programs(1) * GROUP
+
+    seq_len = tl.load(seq_lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    rows = tl.arange(0, BLOCK_H)
+    row_mask = rows < GROUP
+    heads = kv_head * GROUP + rows
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    block_table_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for tile_start in range(start, end, BLOCK_N):
+        t = tile_start + tl.arange(0, BLOCK_N)
+        t_mask = t < end
+        block_ids = tl.load(block_table_row + t // block_size, mask=t_mask, other=0).to(tl.int64)
+        in_block = (t % block_size).to(tl.int64)
+        kv_mask = t_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            key_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks
+            + kv_head * stride_kh + d[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        v = tl.load(
+            value_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs
+            + kv_head * stride_vh + d[None, :],
+            mask=kv_mask, other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+        s = tl.where(t_mask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has >= 1 valid key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    has_keys = l_i > 0.0  # False only for an empty split (or seq_len 0): no 0/0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    out_mask = row_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(
+            out_ptr + b * stride_ob + heads[:, None] * stride_oh + d[None, :],
+            o.to(out_ptr.dtype.element_ty), mask=out_mask,
+        )
+    else:
+        part_row = (b * num_q_heads + heads) * NUM_SPLITS + split  # [BLOCK_H]
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], o, mask=out_mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part_row, lse, mask=row_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_out_ptr,  # [B, Hq, S, D] fp32
+    part_lse_ptr,  # [B, Hq, S] fp32
+    out_ptr,  # [B, Hq, D]
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b * tl.num_programs(1) + h
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + row * NUM_SPLITS + s, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights below are all 0
+    w = tl.exp2(lse - m)
+    denom = tl.sum(w, 0)
+    o = tl.load(
+        part_out_ptr + (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0.0, denom, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + d, res.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def paged_attention_decode(
+    query: torch.Tensor,  # [B, Hq, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    out: torch.Tensor | None = None,  # [B, Hq, D]
+    num_splits: int | None = None,
+    max_seq_len: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged KV (see module doc).
+
+    ``num_splits`` defaults to :func:`choose_num_splits` of the shapes (and ``max_seq_len`` when the
+    caller knows it on the host; leave it None under CUDA-graph capture). No host-device sync.
+    """
+    batch, num_q_heads, head_dim = query.shape
+    num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    assert cache_head_dim == head_dim and value_cache.shape == key_cache.shape
+    assert num_q_heads % num_kv_heads == 0, f"Hq {num_q_heads} not a multiple of Hkv {num_kv_heads}"
+    assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
+    assert key_cache.dtype == value_cache.dtype == query.dtype, "FP8 KV is not supported yet"
+    assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == batch
+    assert block_tables.stride(1) == 1
+    assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,) and seq_lens.is_contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    assert out.shape == query.shape and out.stride(2) == 1
+    if batch == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, query.device)
+    if block_n is None:
+        block_n = 64
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        part_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32,
+                               device=query.device)
+        part_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0), block_size,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _decode_merge_kernel[(batch, num_q_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+        )
+    return out
+
+
+_SM_COUNT: dict[int, int] = {}
+MAX_SPLITS = 16
+MIN_KEYS_PER_SPLIT = 256
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_seq_len: int | None = None, device: torch.device | None = None
+) -> int:
+    """Splits so that ``batch * Hkv * splits`` covers the SMs about four times, each split >= 256 keys.
+
+    Depends on host-known numbers only; with ``max_seq_len=None`` it assumes long contexts.
+    """
+    num_sms = _sm_count(device) if device is not None else 132
+    splits = max(1, min(MAX_SPLITS, triton.cdiv(4 * num_sms, max(1, batch * num_kv_heads))))
+    if max_seq_len is not None:
+        splits = max(1, min(splits, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
+    return triton.next_power_of_2(splits) if splits > 1 else 1

@@ -1,0 +1,96 @@
+"""Triton kernel that writes the new tokens' K/V into the paged KV cache.
+
+Semantics (twin: ``attention_ref.store_kv_ref``)::
+
+    for t in range(T):
+        s = slot_mapping[t]                    # s = block_id * block_size + offset, -1 = padding
+        if s >= 0:
+            key_cache[s // block_size, s % block_size] = key[t]
+            value_cache[s // block_size, s % block_size] = value[t]
+
+Shape:
+    key, value:               [T, Hkv, D]   (token and head strides free, last dim contiguous)
+    key_cache, value_cache:   [num_blocks, block_size, Hkv, D]   (contiguous)
+    slot_mapping:             [T] int32 or int64
+
+One program per token copies its ``Hkv * D`` values of K and of V. Offsets into the cache are int64
+(a 100 GB cache overflows int32). An FP8 cache would multiply by ``1 / k_scale`` before the store;
+that is the only change this kernel needs for it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    block_size,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,  # next power of two >= NUM_KV_HEADS * HEAD_DIM
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    block_id = slot // block_size
+    offset = slot % block_size
+    i = tl.arange(0, BLOCK)
+    mask = i < NUM_KV_HEADS * HEAD_DIM
+    head = i // HEAD_DIM
+    d = i % HEAD_DIM
+    src_k = t.to(tl.int64) * stride_kt + head * stride_kh + d
+    src_v = t.to(tl.int64) * stride_vt + head * stride_vh + d
+    dst = block_id * stride_cache_block + offset * stride_cache_slot + head * stride_cache_head + d
+    k = tl.load(key_ptr + src_k, mask=mask)
+    v = tl.load(value_ptr + src_v, mask=mask)
+    tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int32/int64, -1 = do not store
+) -> None:
+    """Write ``key``/``value`` rows into the cache slots named by ``slot_mapping`` (see module doc)."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    assert value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}"
+    assert key_cache.shape == value_cache.shape and key_cache.dim() == 4
+    assert key_cache.shape[2:] == (num_kv_heads, head_dim), (
+        f"cache heads/dim {tuple(key_cache.shape[2:])} != key {(num_kv_heads, head_dim)}"
+    )
+    assert key_cache.is_contiguous() and value_cache.is_contiguous(), "KV cache must be contiguous"
+    assert key.stride(2) == 1 and value.stride(2) == 1, "last dim of key/value must be contiguous"
+    assert slot_mapping.shape == (num_tokens,), f"slot_mapping {tuple(slot_mapping.shape)} != ({num_tokens},)"
+    assert slot_mapping.dtype in (torch.int32, torch.int64)
+    assert key.device == key_cache.device == slot_mapping.device
+    if num_tokens == 0:
+        return
+    block_size = key_cache.shape[1]
+    _store_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        block_size,
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK=triton.next_power_of_2(num_kv_heads * head_dim),
+        num_warps=4,
+    )

@@ -1,0 +1,58 @@
+"""Paged attention entry points (Triton, CUDA): decode and varlen prefill / chunked prefill / mixed.
+
+Semantics: exactly ``attention_ref.paged_attention_ref`` (the CPU path and the test twin)::
+
+    for sequence b with L new tokens (query_start_loc[b] .. query_start_loc[b+1]) and N = seq_lens[b]
+    keys in the cache (prefix + new tokens), new token i at position N - L + i, g = Hq // Hkv:
+        out[i, h] = softmax_j(scale * q[i, h] . K[j, h // g], j <= N - L + i) @ V[:, h // g]
+
+Shape:
+    query, out:               [T, Hq, D]
+    key_cache, value_cache:   [num_blocks, block_size, Hkv, D]
+    block_tables:             [B, max_blocks_per_seq] int32
+    query_start_loc:          [B + 1] int32
+    seq_lens:                 [B] int32
+
+Kernels: ``attn_decode`` (one new token per sequence, split-KV) and ``attn_prefill`` (any lengths).
+The caller tells which one applies through ``max_query_len`` (it knows the lengths on the host), so
+dispatch never reads device memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.kernels.attn_decode import choose_num_splits, paged_attention_decode
+from loraplex.kernels.attn_prefill import paged_attention_varlen
+
+__all__ = ["choose_num_splits", "paged_attention", "paged_attention_decode", "paged_attention_varlen"]
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, D]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32
+    query_start_loc: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,  # [B] int32
+    scale: float,
+    out: torch.Tensor | None = None,  # [T, Hq, D]
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of the new tokens (see module doc).
+
+    ``max_query_len == 1`` (every sequence has exactly one new token, so ``T == B``) runs the
+    split-KV decode kernel; anything else, or ``None`` (unknown), runs the varlen kernel, which is
+    correct for every case. ``max_seq_len`` (optional, host int) only tunes the decode split count.
+    """
+    num_tokens = query.shape[0]
+    batch = seq_lens.shape[0]
+    if max_query_len == 1:
+        assert num_tokens == batch, f"max_query_len=1 needs one token per sequence: T={num_tokens}, B={batch}"
+        return paged_attention_decode(
+            query, key_cache, value_cache, block_tables, seq_lens, scale, out=out, max_seq_len=max_seq_len
+        )
+    return paged_attention_varlen(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out=out
+    )
