@@ -27,6 +27,12 @@ def _cuda_available() -> bool:
         return False
 
 
+# Triton chooses its CPU interpreter once, when first imported: without CUDA, set it before any test
+# module (a kernel unit test, or a GPU test module collected and then skipped) imports triton.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = _cuda_available()
     skip_gpu = pytest.mark.skip(reason="needs CUDA (gpu marker): run tests/gpu on a GPU machine")
