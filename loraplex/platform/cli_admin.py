@@ -1,0 +1,179 @@
+"""``loraplex admin tenant create|list|suspend|activate`` and ``loraplex admin key create|list|revoke``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from datetime import datetime, timedelta
+
+from loraplex.platform.cli import add_common, settings_from_args
+from loraplex.platform.db import as_utc
+from loraplex.platform.models import ALL_SCOPES
+
+
+def register(subparsers) -> None:
+    admin = subparsers.add_parser("admin", help="tenants and API keys (acts on the configured database)")
+    groups = admin.add_subparsers(dest="admin_group", metavar="GROUP", required=True)
+
+    tenant = groups.add_parser("tenant", help="tenants")
+    t_sub = tenant.add_subparsers(dest="admin_action", metavar="ACTION", required=True)
+    p = t_sub.add_parser("create", help="create a tenant")
+    p.add_argument("name")
+    p.add_argument("--requests-per-minute", type=int)
+    p.add_argument("--tokens-per-minute", type=int)
+    p.set_defaults(func=_run, action_fn=_tenant_create)
+    p = t_sub.add_parser("list", help="list tenants")
+    p.set_defaults(func=_run, action_fn=_tenant_list)
+    for name, fn in (("suspend", _tenant_suspend), ("activate", _tenant_activate)):
+        p = t_sub.add_parser(name, help=f"{name} a tenant")
+        p.add_argument("name", help="tenant name or id")
+        p.set_defaults(func=_run, action_fn=fn)
+
+    key = groups.add_parser("key", help="API keys")
+    k_sub = key.add_subparsers(dest="admin_action", metavar="ACTION", required=True)
+    p = k_sub.add_parser("create", help="create a key (printed once)")
+    p.add_argument("--tenant", required=True, help="tenant name or id")
+    p.add_argument("--scope", action="append", choices=ALL_SCOPES, dest="scopes",
+                   help="repeatable; default: inference")
+    p.add_argument("--name", help="a label for the key")
+    p.add_argument("--expires-in-days", type=float, help="expire after this many days")
+    p.set_defaults(func=_run, action_fn=_key_create)
+    p = k_sub.add_parser("list", help="list keys (never the secrets)")
+    p.add_argument("--tenant", help="only this tenant's keys")
+    p.set_defaults(func=_run, action_fn=_key_list)
+    p = k_sub.add_parser("revoke", help="revoke a key")
+    p.add_argument("key_id", help="the key id (middle part of lpx-<id>-<secret>)")
+    p.set_defaults(func=_run, action_fn=_key_revoke)
+
+    for parser in (tenant, key, *t_sub.choices.values(), *k_sub.choices.values()):
+        if parser in (tenant, key):
+            continue
+        add_common(parser)
+        parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from loraplex.platform.errors import ApiError
+
+    try:
+        return asyncio.run(_with_services(args))
+    except ApiError as exc:
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 1
+
+
+async def _with_services(args: argparse.Namespace) -> int:
+    from loraplex.platform import migrate
+    from loraplex.platform.db import is_sqlite, make_engine, make_session_factory
+    from loraplex.platform.kv import make_kv
+
+    settings = settings_from_args(args)
+    url = settings.effective_database_url
+    if is_sqlite(url):
+        # the embedded default: create/upgrade the database so the CLI works before the first serve
+        settings.data_path.mkdir(parents=True, exist_ok=True)
+        await migrate.upgrade_async(url)
+    engine = make_engine(url)
+    kv = make_kv(settings.redis_url)
+    try:
+        async with make_session_factory(engine)() as session:
+            return await args.action_fn(args, session, kv)
+    finally:
+        await kv.close()
+        await engine.dispose()
+
+
+def _emit(args, rows: list[dict], columns: list[str], single: bool = True) -> None:
+    """A table, or JSON (one object for single-item commands, else a list)."""
+    if args.json:
+        print(json.dumps(rows[0] if single else rows, default=str, indent=2))
+        return
+    widths = {c: max(len(c), *(len(str(r.get(c) or "")) for r in rows)) if rows else len(c) for c in columns}
+    print("  ".join(c.upper().ljust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(str(r.get(c) if r.get(c) is not None else "-").ljust(widths[c]) for c in columns))
+
+
+def _tenant_row(t) -> dict:
+    return {"id": t.id, "name": t.name, "status": t.status, "created_at": as_utc(t.created_at),
+            "requests_per_minute": t.requests_per_minute, "tokens_per_minute": t.tokens_per_minute}
+
+
+_TENANT_COLS = ["name", "id", "status", "requests_per_minute", "tokens_per_minute", "created_at"]
+
+
+async def _tenant_create(args, session, kv) -> int:
+    from loraplex.platform import tenants
+
+    t = await tenants.create_tenant(session, args.name, args.requests_per_minute, args.tokens_per_minute)
+    _emit(args, [_tenant_row(t)], _TENANT_COLS)
+    return 0
+
+
+async def _tenant_list(args, session, kv) -> int:
+    from loraplex.platform import tenants
+
+    _emit(args, [_tenant_row(t) for t in await tenants.list_tenants(session)], _TENANT_COLS, single=False)
+    return 0
+
+
+async def _set_status(args, session, kv, status: str) -> int:
+    from loraplex.platform import tenants
+
+    t = await tenants.set_tenant_status(session, kv, args.name, status)
+    _emit(args, [_tenant_row(t)], _TENANT_COLS)
+    return 0
+
+
+async def _tenant_suspend(args, session, kv) -> int:
+    return await _set_status(args, session, kv, "suspended")
+
+
+async def _tenant_activate(args, session, kv) -> int:
+    return await _set_status(args, session, kv, "active")
+
+
+def _key_row(k, tenant_name: str) -> dict:
+    return {"id": k.id, "tenant": tenant_name, "scopes": ",".join(k.scopes or []), "name": k.name,
+            "created_at": as_utc(k.created_at), "expires_at": as_utc(k.expires_at),
+            "revoked_at": as_utc(k.revoked_at), "last_used_at": as_utc(k.last_used_at)}
+
+
+_KEY_COLS = ["id", "tenant", "scopes", "name", "created_at", "expires_at", "revoked_at", "last_used_at"]
+
+
+async def _key_create(args, session, kv) -> int:
+    from loraplex.platform import tenants
+    from loraplex.platform.db import utcnow
+
+    expires_at: datetime | None = None
+    if args.expires_in_days is not None:
+        expires_at = utcnow() + timedelta(days=args.expires_in_days)
+    key, new = await tenants.create_key(session, args.tenant, args.scopes, args.name, expires_at)
+    if args.json:
+        row = _key_row(key, args.tenant)
+        row["key"] = new.key
+        print(json.dumps(row, default=str, indent=2))
+    else:
+        print(new.key)
+        print(f"(key id {key.id}, scopes {','.join(key.scopes)}; the key is shown once: store it now)",
+              file=sys.stderr)
+    return 0
+
+
+async def _key_list(args, session, kv) -> int:
+    from loraplex.platform import tenants
+
+    rows = [_key_row(k, t.name) for k, t in await tenants.list_keys(session, args.tenant)]
+    _emit(args, rows, _KEY_COLS, single=False)
+    return 0
+
+
+async def _key_revoke(args, session, kv) -> int:
+    from loraplex.platform import tenants
+
+    k = await tenants.revoke_key(session, kv, args.key_id)
+    print(f"revoked {k.id}")
+    return 0

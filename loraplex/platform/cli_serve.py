@@ -1,0 +1,78 @@
+"""``loraplex serve``: uvicorn, run programmatically, with a draining SIGTERM.
+
+On SIGTERM (or Ctrl-C): ``/ready`` turns 503, the listening socket closes (new connections are
+refused), in-flight requests and streams finish within ``drain_timeout_s``, then the engine stops
+and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from loraplex.platform.cli import add_common, settings_from_args
+
+log = logging.getLogger(__name__)
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "serve", help="run the API server (no arguments: embedded default with a demo model)",
+    )
+    p.add_argument("model", nargs="?", help="a Llama-family HF model directory (default: demo model in data dir)")
+    p.add_argument("--host", help="bind address (env LORAPLEX_HOST, default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port (env LORAPLEX_PORT, default 8000; 0 = any free port)")
+    add_common(p)
+    p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--max-loras", type=int, help="adapters in one step (GPU slots)")
+    p.add_argument("--max-lora-rank", type=int)
+    p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory")
+    p.add_argument("--device", help="auto | cpu | cuda")
+    p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--num-kv-blocks", type=int)
+    p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight requests")
+    p.set_defaults(func=serve)
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from loraplex.platform.app import create_app
+
+    settings = settings_from_args(
+        args, model=args.model, host=args.host, port=args.port, enable_lora=args.enable_lora,
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=args.num_kv_blocks, drain_timeout_s=args.drain_timeout_s,
+    )
+
+    def show_key(key: str) -> None:
+        # stdout, once: the only time this key is ever shown
+        print(f"Bootstrap admin key (shown once, store it now): {key}", flush=True)
+
+    app = create_app(settings, on_bootstrap_key=show_key)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, lifespan="on", log_config=None,
+        timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)), access_log=False,
+        proxy_headers=False, server_header=False,
+    )
+    server = _make_server(config, app)
+    server.run()
+    return 0 if server.started else 1
+
+
+def _make_server(config, app):
+    """A uvicorn.Server whose exit signal first marks the app as draining (``/ready`` -> 503)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # runs in the event loop's signal handler
+            services = app.state.get("services")
+            if services is not None and not services.draining:
+                services.draining = True
+                log.info("signal %s: draining (in-flight requests finish, new ones are refused)", sig)
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)

@@ -1,0 +1,74 @@
+"""Start the engine for ``loraplex serve``: the demo model on first run, engine knobs from Settings.
+
+The engine's step loop runs in its own thread (``AsyncEngine``), so the HTTP event loop never stalls
+a step; loading happens off the event loop too, and ``/ready`` stays 503 until it is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+from loraplex.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def demo_model_dir(settings: Settings) -> Path:
+    from loraplex.platform.app import DEMO_MODEL_DIR
+
+    return settings.data_path / DEMO_MODEL_DIR
+
+
+def ensure_model(settings: Settings) -> Path:
+    """The model directory to serve; generates the demo model (and adapters) on first run."""
+    if settings.model:
+        path = Path(settings.model)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model directory {path} has no config.json")
+        return path
+    out = demo_model_dir(settings)
+    if not (out / "loraplex_demo.json").is_file():
+        from loraplex.demo import build_demo_model
+
+        log.info("generating the demo model and adapters in %s (first run)", out)
+        build_demo_model(out)
+    return out
+
+
+def engine_config(settings: Settings, model_dir: Path, model_id: str):
+    from loraplex.engine.config import EngineConfig
+
+    device = settings.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return EngineConfig(
+        model=str(model_dir), model_id=model_id, device=device, dtype=settings.dtype,
+        block_size=settings.block_size, num_kv_blocks=settings.num_kv_blocks,
+        gpu_memory_utilization=settings.gpu_memory_utilization, max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens, max_model_len=settings.max_model_len,
+        enable_lora=settings.enable_lora, max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank,
+        max_cpu_loras=settings.max_cpu_loras,
+    )
+
+
+def build_engine(settings: Settings, model_id: str):
+    """Blocking: load weights and start the engine thread."""
+    from loraplex.engine.async_engine import AsyncEngine
+
+    model_dir = ensure_model(settings)
+    return AsyncEngine(engine_config(settings, model_dir, model_id))
+
+
+async def start_engine_in_background(services) -> None:
+    try:
+        engine = await asyncio.to_thread(build_engine, services.settings, services.base_model_id)
+    except Exception as exc:
+        log.exception("the engine failed to start")
+        services.engine_error = f"{type(exc).__name__}: {exc}"
+        return
+    services.engine = engine
+    log.info("engine ready: model %s, max_model_len %s", engine.model_id, engine.max_model_len)

@@ -1,0 +1,162 @@
+"""OpenAI-style errors: every error response is ``{"error": {"message", "type", "param", "code"}}``.
+
+Raise :class:`ApiError` (or a helper below) from any handler; :func:`exception_handlers` maps it and
+every framework exception (404, 405, 422 validation, 500) to the same shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+from litestar import MediaType, Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+log = logging.getLogger(__name__)
+
+
+class ErrorBody(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    """The body of every error response."""
+
+    error: ErrorBody
+
+
+class ApiError(HTTPException):
+    """An error a client can cause; never logged as a server fault."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(detail=message, status_code=status_code, headers=headers)
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def unauthorized(message: str = "Invalid API key") -> ApiError:
+    return ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def forbidden(message: str) -> ApiError:
+    return ApiError(403, message, type="permission_error", code="insufficient_scope")
+
+
+def not_found(message: str, param: str | None = None, code: str | None = "not_found") -> ApiError:
+    return ApiError(404, message, param=param, code=code)
+
+
+def model_not_found(model: str) -> ApiError:
+    # identical for "does not exist" and "belongs to another tenant"
+    return ApiError(
+        404, f"The model '{model}' does not exist or you do not have access to it.",
+        param="model", code="model_not_found",
+    )
+
+
+def rate_limited(message: str, retry_after_s: int, headers: dict[str, str], code: str = "rate_limit_exceeded"):
+    return ApiError(
+        429, message, type="rate_limit_error", code=code, headers={"Retry-After": str(retry_after_s), **headers}
+    )
+
+
+def overloaded(message: str, retry_after_s: int = 1) -> ApiError:
+    return ApiError(503, message, type="server_error", code="overloaded", headers={"Retry-After": str(retry_after_s)})
+
+
+def error_response(
+    status_code: int, message: str, type: str, param: str | None = None, code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response[Any]:
+    return Response(
+        content=ErrorResponse(ErrorBody(message=message, type=type, param=param, code=code)),
+        status_code=status_code,
+        media_type=MediaType.JSON,
+        headers=headers,
+    )
+
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
+
+
+def _validation_param(exc: ValidationException) -> str | None:
+    extra = exc.extra
+    if isinstance(extra, list) and extra and isinstance(extra[0], dict):
+        key = extra[0].get("key")
+        return str(key) if key else None
+    return None
+
+
+def _handle_api_error(_: Request, exc: ApiError) -> Response[Any]:
+    return error_response(exc.status_code, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+
+def _handle_http(_: Request, exc: HTTPException) -> Response[Any]:
+    status = exc.status_code
+    param = None
+    message = str(exc.detail or "error")
+    if isinstance(exc, ValidationException):
+        # framework validation (malformed JSON, wrong types, missing fields): 400 like OpenAI
+        status = 400
+        param = _validation_param(exc)
+        if isinstance(exc.extra, list) and exc.extra and isinstance(exc.extra[0], dict):
+            message = f"{message}: {exc.extra[0].get('message', '')}".rstrip(": ")
+    if status >= 500:
+        return error_response(status, message, "server_error", code="server_error", headers=exc.headers)
+    return error_response(
+        status, message, _TYPES.get(status, "invalid_request_error"), param,
+        _CODES.get(status, "invalid_value" if status == 400 else None), exc.headers,
+    )
+
+
+def _handle_internal(request: Request, exc: Exception) -> Response[Any]:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, "The server had an error while processing your request.", "server_error",
+                          code="internal_error")
+
+
+def exception_handlers() -> dict:
+    return {ApiError: _handle_api_error, HTTPException: _handle_http, Exception: _handle_internal}
+
+
+# declare in OpenAPI: every route can fail with these
+def error_responses(*codes: int) -> dict:
+    from litestar.openapi.datastructures import ResponseSpec
+
+    desc = {
+        400: "Bad request (names the parameter)", 401: "Missing or invalid API key", 403: "Missing scope",
+        404: "Not found", 409: "Conflict", 413: "Body too large", 422: "Unprocessable",
+        429: "Rate limited (Retry-After)", 503: "Overloaded or draining (Retry-After)",
+    }
+    return {c: ResponseSpec(data_container=ErrorResponse, description=desc.get(c, "Error")) for c in codes}

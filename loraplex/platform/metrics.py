@@ -1,0 +1,93 @@
+"""Prometheus metrics: vLLM's names where one exists, plus per-tenant counters.
+
+One registry per app (tests build many apps in one process). Engine gauges are read from
+``EngineClient.stats()`` at scrape time, so they are never stale and cost nothing per step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from loraplex.engine.protocol import EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, model_name: Callable[[], str], stats: Callable[[], EngineStats | None], max_loras: int):
+        self._model_name, self._stats, self._max_loras = model_name, stats, max_loras
+
+    def collect(self):
+        stats = self._stats() or EngineStats()
+        labels = ["model_name"]
+        model = [self._model_name()]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).", stats.kv_cache_usage),
+            ("vllm:prefix_cache_hit_rate", "Prefix cache hit rate.", stats.prefix_cache_hit_rate),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(model, float(value))
+            yield g
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info", "Running LoRA adapters (value: scrape time).",
+            labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        info.add_metric([str(self._max_loras), ",".join(sorted(stats.active_adapters)), ""], time.time())
+        yield info
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", ["model_name"], registry=r)
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Generation tokens produced.", ["model_name"], registry=r
+        )
+        self.request_success = Counter(
+            "vllm:request_success", "Finished requests.", ["model_name", "finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", ["model_name"], buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds", "Time between output tokens.", ["model_name"],
+            buckets=_ITL_BUCKETS, registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to last token.", ["model_name"], buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "loraplex_tenant_requests", "Inference requests per tenant by outcome.", ["tenant", "status"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            "loraplex_tenant_tokens", "Tokens per tenant (kind: prompt, cached, completion).", ["tenant", "kind"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "loraplex_rejected_requests", "Requests refused before the engine.", ["reason"], registry=r
+        )
+
+    def attach_engine(self, model_name: Callable[[], str], stats: Callable[[], EngineStats | None],
+                      max_loras: int) -> None:
+        self.registry.register(_EngineCollector(model_name, stats, max_loras))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

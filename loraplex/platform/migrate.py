@@ -1,0 +1,84 @@
+"""Alembic, driven from code: ``loraplex db upgrade`` and the embedded default's first start.
+
+Migrations live in the repository's top-level ``migrations/`` and ship inside the wheel as the
+package ``loraplex.migrations_pkg`` (see pyproject.toml); :func:`migrations_dir` finds either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+from pathlib import Path
+
+# every module that defines tables on Base; a module not built yet is skipped
+MODEL_MODULES = (
+    "loraplex.platform.models",
+    "loraplex.platform.registry.models",
+    "loraplex.platform.usage.models",
+)
+
+HEAD = "heads"
+
+
+def import_all_models() -> None:
+    for path in MODEL_MODULES:
+        try:
+            importlib.import_module(path)
+        except ModuleNotFoundError as exc:
+            if exc.name and path.startswith(exc.name):
+                continue
+            raise
+
+
+def migrations_dir() -> Path:
+    source_tree = Path(__file__).resolve().parents[2] / "migrations"
+    if (source_tree / "env.py").is_file():
+        return source_tree
+    spec = importlib.util.find_spec("loraplex.migrations_pkg")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    raise RuntimeError("Alembic migrations not found (neither ./migrations nor loraplex.migrations_pkg)")
+
+
+def alembic_config(url: str):
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(migrations_dir()))
+    # '%' is ConfigParser interpolation syntax; passwords may contain it
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url: str, revision: str = HEAD) -> None:
+    """Run migrations up to ``revision`` (blocking; call from a thread when inside an event loop)."""
+    import logging
+
+    from alembic import command
+
+    # alembic's per-step INFO lines are noise for CLI users and server logs
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+    command.upgrade(alembic_config(url), revision)
+
+
+async def upgrade_async(url: str, revision: str = HEAD) -> None:
+    # env.py runs its own event loop, so it needs a thread of its own
+    await asyncio.to_thread(upgrade, url, revision)
+
+
+def current_heads(url: str) -> set[str]:
+    from alembic.script import ScriptDirectory
+
+    return set(ScriptDirectory.from_config(alembic_config(url)).get_heads())
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return "<database url>"

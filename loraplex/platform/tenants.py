@@ -1,0 +1,173 @@
+"""Tenant and API-key operations shared by the admin routes and the ``loraplex admin`` CLI."""
+
+from __future__ import annotations
+
+import re
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from loraplex.platform.auth import NewKey, generate_key, publish_invalidation
+from loraplex.platform.db import utcnow
+from loraplex.platform.errors import ApiError, bad_request, not_found
+from loraplex.platform.kv import KV
+from loraplex.platform.models import (
+    ALL_SCOPES,
+    SCOPE_ADMIN,
+    SCOPE_INFERENCE,
+    TENANT_ACTIVE,
+    TENANT_STATUSES,
+    TENANT_SUSPENDED,
+    ApiKey,
+    Tenant,
+)
+
+TENANT_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+ADMIN_TENANT = "admin"
+
+
+def validate_tenant_name(name: str) -> str:
+    if not TENANT_NAME_RE.match(name or ""):
+        raise bad_request(
+            "Tenant name must be 1-63 characters of lowercase letters, digits, '-' or '_', starting with a "
+            "letter or digit.", param="name",
+        )
+    return name
+
+
+def validate_scopes(scopes: list[str] | None) -> list[str]:
+    scopes = list(dict.fromkeys(scopes or [SCOPE_INFERENCE]))
+    bad = [s for s in scopes if s not in ALL_SCOPES]
+    if bad:
+        raise bad_request(f"Unknown scope(s) {bad}; allowed: {list(ALL_SCOPES)}", param="scopes")
+    return scopes
+
+
+def _positive_or_none(value: int | None, param: str) -> int | None:
+    if value is not None and value < 1:
+        raise bad_request(f"{param} must be >= 1 (or null for the server default), got {value}", param=param)
+    return value
+
+
+async def create_tenant(
+    session: AsyncSession, name: str, requests_per_minute: int | None = None, tokens_per_minute: int | None = None
+) -> Tenant:
+    tenant = Tenant(
+        name=validate_tenant_name(name),
+        status=TENANT_ACTIVE,
+        requests_per_minute=_positive_or_none(requests_per_minute, "requests_per_minute"),
+        tokens_per_minute=_positive_or_none(tokens_per_minute, "tokens_per_minute"),
+        created_at=utcnow(),
+    )
+    session.add(tenant)
+    try:
+        await session.commit()
+    except IntegrityError as exc:
+        await session.rollback()
+        raise ApiError(409, f"A tenant named '{name}' already exists.", param="name", code="conflict") from exc
+    return tenant
+
+
+async def list_tenants(session: AsyncSession) -> list[Tenant]:
+    return list((await session.execute(select(Tenant).order_by(Tenant.created_at, Tenant.name))).scalars())
+
+
+async def get_tenant(session: AsyncSession, name_or_id: str) -> Tenant:
+    row = (
+        await session.execute(select(Tenant).where((Tenant.name == name_or_id) | (Tenant.id == name_or_id)))
+    ).scalars().first()
+    if row is None:
+        raise not_found(f"No tenant '{name_or_id}'.", param="tenant")
+    return row
+
+
+async def set_tenant_status(session: AsyncSession, kv: KV, name_or_id: str, status: str) -> Tenant:
+    assert status in TENANT_STATUSES
+    tenant = await get_tenant(session, name_or_id)
+    if tenant.name == ADMIN_TENANT and status == TENANT_SUSPENDED:
+        raise bad_request("The admin tenant cannot be suspended.", param="tenant")
+    tenant.status = status
+    await session.commit()
+    await publish_invalidation(kv, tenant_id=tenant.id)
+    return tenant
+
+
+async def update_tenant_limits(
+    session: AsyncSession, kv: KV, name_or_id: str, requests_per_minute: int | None, tokens_per_minute: int | None
+) -> Tenant:
+    tenant = await get_tenant(session, name_or_id)
+    tenant.requests_per_minute = _positive_or_none(requests_per_minute, "requests_per_minute")
+    tenant.tokens_per_minute = _positive_or_none(tokens_per_minute, "tokens_per_minute")
+    await session.commit()
+    await publish_invalidation(kv, tenant_id=tenant.id)
+    return tenant
+
+
+async def create_key(
+    session: AsyncSession,
+    tenant_name_or_id: str,
+    scopes: list[str] | None = None,
+    name: str | None = None,
+    expires_at: datetime | None = None,
+) -> tuple[ApiKey, NewKey]:
+    tenant = await get_tenant(session, tenant_name_or_id)
+    scopes = validate_scopes(scopes)
+    if SCOPE_ADMIN in scopes and tenant.name != ADMIN_TENANT:
+        # an admin key acts on every tenant; keeping them in one tenant keeps that visible
+        raise bad_request(f"The '{SCOPE_ADMIN}' scope is only granted to keys of the '{ADMIN_TENANT}' tenant.",
+                          param="scopes")
+    if expires_at is not None and expires_at <= utcnow():
+        raise bad_request("expires_at must be in the future.", param="expires_at")
+    if name is not None and len(name) > 128:
+        raise bad_request("name must be at most 128 characters.", param="name")
+    new = generate_key()
+    key = ApiKey(
+        id=new.key_id, tenant_id=tenant.id, key_hash=new.key_hash, scopes=scopes, name=name,
+        created_at=utcnow(), expires_at=expires_at,
+    )
+    session.add(key)
+    await session.commit()
+    return key, new
+
+
+async def list_keys(session: AsyncSession, tenant_name_or_id: str | None = None) -> list[tuple[ApiKey, Tenant]]:
+    stmt = select(ApiKey, Tenant).join(Tenant).order_by(ApiKey.created_at)
+    if tenant_name_or_id:
+        tenant = await get_tenant(session, tenant_name_or_id)
+        stmt = stmt.where(ApiKey.tenant_id == tenant.id)
+    return [(k, t) for k, t in (await session.execute(stmt)).all()]
+
+
+async def get_key(session: AsyncSession, key_id: str, tenant_id: str | None = None) -> ApiKey:
+    stmt = select(ApiKey).where(ApiKey.id == key_id)
+    if tenant_id is not None:
+        stmt = stmt.where(ApiKey.tenant_id == tenant_id)
+    key = (await session.execute(stmt)).scalars().first()
+    if key is None:
+        raise not_found(f"No API key '{key_id}'.", param="key_id")
+    return key
+
+
+async def revoke_key(session: AsyncSession, kv: KV, key_id: str, tenant_id: str | None = None) -> ApiKey:
+    key = await get_key(session, key_id, tenant_id)
+    if key.revoked_at is None:
+        key.revoked_at = utcnow()
+        await session.commit()
+    await publish_invalidation(kv, key_id=key.id)
+    return key
+
+
+async def bootstrap_admin(session: AsyncSession) -> str | None:
+    """On first start: the ``admin`` tenant and one admin key. Returns the key (to print once) or None."""
+    has_admin = (
+        await session.execute(select(ApiKey.id, ApiKey.scopes).join(Tenant).where(Tenant.name == ADMIN_TENANT))
+    ).all()
+    if any(SCOPE_ADMIN in (scopes or []) for _, scopes in has_admin):
+        return None
+    tenant = (await session.execute(select(Tenant).where(Tenant.name == ADMIN_TENANT))).scalars().first()
+    if tenant is None:
+        tenant = await create_tenant(session, ADMIN_TENANT)
+    _, new = await create_key(session, tenant.id, scopes=[SCOPE_ADMIN], name="bootstrap")
+    return new.key

@@ -1,0 +1,165 @@
+"""Start ``loraplex serve`` as a real subprocess on a free port, for end-to-end tests of any area.
+
+    from tests.e2e.server import start_server
+
+    @pytest.fixture(scope="module")
+    def server(tmp_path_factory, tiny_model):
+        srv = start_server(tmp_path_factory.mktemp("srv"), model=tiny_model["model_dir"])
+        yield srv
+        srv.stop()
+
+    srv.base_url        # "http://127.0.0.1:PORT"
+    srv.admin_key       # the bootstrap admin key printed once on first start
+    srv.client()        # an httpx.Client with the admin key
+    srv.create_tenant("acme") -> {"tenant": ..., "key": "lpx-..."}   # via the admin API
+    srv.cli("admin", "tenant", "list")  # run the loraplex CLI against this server's settings
+
+Without ``model`` the embedded default generates its demo model in the data dir (slower: prefer the
+session ``tiny_model`` fixture). ``database_url`` / ``redis_url`` switch to Postgres / Redis (run
+``db upgrade`` first: ``start_server`` does it for non-SQLite URLs).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+KEY_RE = re.compile(r"lpx-[a-z0-9]{12}-[A-Za-z0-9]{40}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveServer:
+    base_url: str
+    admin_key: str
+    data_dir: Path
+    env: dict[str, str]
+    proc: subprocess.Popen
+    output: list[str] = field(default_factory=list)  # stdout+stderr lines so far
+
+    def client(self, key: str | None = None, timeout: float = 30.0) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.base_url, timeout=timeout,
+            headers={"Authorization": f"Bearer {key or self.admin_key}"},
+        )
+
+    def create_tenant(self, name: str, scopes: list[str] | None = None, **limits) -> dict:
+        """Create a tenant and one key for it through the admin API; returns both."""
+        with self.client() as c:
+            r = c.post("/admin/tenants", json={"name": name, **limits})
+            r.raise_for_status()
+            tenant = r.json()
+            r = c.post("/admin/keys", json={"tenant": name, "scopes": scopes or ["inference"]})
+            r.raise_for_status()
+        return {"tenant": tenant, "key": r.json()["key"], "key_id": r.json()["id"]}
+
+    def cli(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "loraplex.cli", *args], env=self.env, cwd=ROOT,
+            capture_output=True, text=True, timeout=timeout,
+        )
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_text(self) -> str:
+        return "\n".join(self.output)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (drain), wait, return the exit code (SIGKILL after ``timeout``)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _pump(stream, sink: list[str]) -> None:
+    for line in iter(stream.readline, ""):
+        sink.append(line.rstrip("\n"))
+    stream.close()
+
+
+def start_server(
+    data_dir: Path,
+    *,
+    model: str | None = None,
+    database_url: str | None = None,
+    redis_url: str | None = None,
+    env: dict[str, str] | None = None,
+    args: list[str] | tuple[str, ...] = (),
+    ready_timeout: float = 180.0,
+    admin_key: str | None = None,
+) -> LiveServer:
+    """Start ``loraplex serve`` and wait for ``/ready``. ``env`` adds LORAPLEX_* settings.
+
+    The bootstrap admin key is read from the server's output on first start; pass ``admin_key`` when
+    restarting on a data dir / database that already has one."""
+    port = free_port()
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+    full_env.update({
+        "LORAPLEX_DATA_DIR": str(data_dir),
+        "LORAPLEX_HOST": "127.0.0.1",
+        "LORAPLEX_PORT": str(port),
+        "LORAPLEX_DEVICE": "cpu",
+        "LORAPLEX_DRAIN_TIMEOUT_S": "30",
+        "PYTHONUNBUFFERED": "1",
+    })
+    if model:
+        full_env["LORAPLEX_MODEL"] = str(model)
+    if database_url:
+        full_env["LORAPLEX_DATABASE_URL"] = database_url
+    if redis_url:
+        full_env["LORAPLEX_REDIS_URL"] = redis_url
+    full_env.update(env or {})
+    if database_url and not database_url.startswith("sqlite"):
+        subprocess.run([sys.executable, "-m", "loraplex.cli", "db", "upgrade"], env=full_env, cwd=ROOT,
+                       check=True, capture_output=True, timeout=120)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loraplex.cli", "serve", *args], env=full_env, cwd=ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+    )
+    output: list[str] = []
+    threading.Thread(target=_pump, args=(proc.stdout, output), daemon=True).start()
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"loraplex serve exited with {proc.returncode}:\n" + "\n".join(output[-60:]))
+        if admin_key is None:
+            for line in output:
+                m = KEY_RE.search(line)
+                if m and "admin key" in line:
+                    admin_key = m.group(0)
+        try:
+            r = httpx.get(base + "/ready", timeout=2.0)
+            if r.status_code == 200 and admin_key:
+                return LiveServer(base, admin_key, data_dir, full_env, proc, output)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    proc.kill()
+    proc.wait()
+    raise TimeoutError(f"loraplex serve not ready after {ready_timeout}s:\n" + "\n".join(output[-60:]))
