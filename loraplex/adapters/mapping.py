@@ -1,0 +1,78 @@
+"""Per-step LoRA mapping: which slot each token uses, and ``add()`` for the model's projections.
+
+``LoRAStep.add(layer, proj, x, out)`` runs after each fused base projection and adds every token's own
+adapter delta into ``out`` in place: Triton kernels on CUDA, the pure-torch twins elsewhere. Tokens of
+base-model requests (slot -1) are left bit-identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.adapters.modules import PROJ_MODULES
+from loraplex.adapters.slot_pool import SlotPool
+
+
+def token_slots_from_ids(token_adapter_ids: torch.Tensor, slot_of: dict[int, int]) -> torch.Tensor:
+    """[T] adapter ids (0 = base) -> [T] int32 slots (-1 = base), on the ids' device, without a host sync."""
+    device = token_adapter_ids.device
+    if not slot_of:
+        return torch.full(token_adapter_ids.shape, -1, dtype=torch.int32, device=device)
+    ids = sorted(slot_of)
+    ids_t = torch.tensor(ids, dtype=torch.int64, device=device)
+    slots_t = torch.tensor([slot_of[i] for i in ids], dtype=torch.int32, device=device)
+    token_ids = token_adapter_ids.to(torch.int64)
+    pos = torch.searchsorted(ids_t, token_ids).clamp(max=len(ids) - 1)
+    hit = ids_t[pos] == token_ids
+    return torch.where(hit, slots_t[pos], torch.full_like(slots_t[pos], -1))
+
+
+class LoRAStep:
+    """One step's token->slot mapping and device metadata, shared by every layer and projection."""
+
+    def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool) -> None:
+        self.pool = pool
+        self.token_slots = token_slots  # [T] int32
+        self.num_active = num_active  # distinct adapters in the step (host-known)
+        self.use_triton = use_triton
+        self._meta = None
+        self._scratch = None
+        self._configs: dict[str, object] = {}
+        if use_triton and num_active:
+            from loraplex.kernels.lora_meta import build_lora_meta
+            from loraplex.kernels.lora_ops import choose_config
+
+            num_tokens = token_slots.shape[0]
+            shapes = pool.shapes
+            self._configs = {p: choose_config(num_tokens, num_active, pool.max_loras, pool.max_rank,
+                                              shapes.proj_in(p), len(mods)) for p, mods in PROJ_MODULES.items()}
+            block_m = self._configs["qkv"].block_m  # same regime for every proj (depends on T and adapters)
+            self._meta = build_lora_meta(token_slots, pool.max_loras, block_m)
+            max_split = max(c.split_k for c in self._configs.values())
+            self._scratch = torch.empty(max_split, 3, num_tokens, pool.max_rank, dtype=torch.float32,
+                                        device=token_slots.device)
+
+    @property
+    def has_adapters(self) -> bool:
+        return self.num_active > 0
+
+    def add(self, layer_idx: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [T, N_total] += LoRA delta of x [T, K] for ``proj`` in qkv | o | gate_up | down."""
+        if not self.num_active:
+            return out
+        if proj not in PROJ_MODULES:
+            raise ValueError(f"proj must be one of {', '.join(PROJ_MODULES)}, got {proj!r}")
+        a, bt, ranks = self.pool.layer_view(proj, layer_idx)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if self.use_triton:
+            from loraplex.kernels.lora_ops import lora_apply
+
+            loc = self.pool.slice_loc_host[proj]
+            width = max(hi - lo for lo, hi in zip(loc[:-1], loc[1:]))
+            return lora_apply(x, out, a, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj], width,
+                              self._meta, self._configs[proj], self._scratch)
+        from loraplex.kernels.lora_ref import lora_apply_ref
+
+        return lora_apply_ref(x, out, a, bt, self.token_slots, ranks, self.pool.scaling,
+                              self.pool.slice_loc_host[proj])

@@ -1,0 +1,176 @@
+"""Adapter validation: every problem is refused with a message naming the file, tensor or field and limit."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import math
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loraplex.adapters import AdapterError, validate_adapter_dir
+from tests.conftest import adapter_dir
+
+Q_A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+Q_B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+
+
+@pytest.fixture(scope="module")
+def base_config(tiny_model):
+    return json.loads((Path(tiny_model["model_dir"]) / "config.json").read_text())
+
+
+@pytest.fixture
+def adapter(tiny_model, tmp_path) -> Path:
+    """A writable copy of adapter-0 (rank 8, all seven modules)."""
+    dst = tmp_path / "adapter"
+    shutil.copytree(adapter_dir(tiny_model, 0), dst)
+    return dst
+
+
+def _edit_config(path: Path, **changes) -> None:
+    cfg = json.loads((path / "adapter_config.json").read_text())
+    cfg.update(changes)
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+
+
+def _edit_tensors(path: Path, fn) -> None:
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    fn(tensors)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+
+
+def _raw_safetensors(path: Path, header: bytes, claimed_len: int | None = None) -> None:
+    n = len(header) if claimed_len is None else claimed_len
+    (path / "adapter_model.safetensors").write_bytes(struct.pack("<Q", n) + header)
+
+
+def test_valid_adapters_and_their_spec(tiny_model, base_config):
+    for i, info in enumerate(tiny_model["adapters"]):
+        spec = validate_adapter_dir(adapter_dir(tiny_model, i), base_config, max_rank=64)
+        assert spec.rank == info["rank"]
+        assert set(spec.target_modules) == set(info["target_modules"])
+        assert spec.scaling == pytest.approx(2.0)  # the demo writes lora_alpha = 2 r
+        assert spec.dtype == "F32"
+
+
+def test_rslora_and_alpha_scaling(adapter, base_config):
+    _edit_config(adapter, lora_alpha=32, use_rslora=True)
+    assert validate_adapter_dir(adapter, base_config, 64).scaling == pytest.approx(32 / math.sqrt(8))
+    _edit_config(adapter, lora_alpha=4, use_rslora=False)
+    assert validate_adapter_dir(adapter, base_config, 64).scaling == pytest.approx(0.5)
+
+
+def test_pickle_file_refused_without_being_opened(adapter, base_config, monkeypatch):
+    (adapter / "adapter_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    real_open = builtins.open
+
+    def guarded_open(file, *args, **kwargs):
+        assert not str(file).endswith(".bin"), "the pickle file was opened"
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", guarded_open)
+    with pytest.raises(AdapterError, match="pickle") as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert err.value.file == "adapter_model.bin"
+
+
+def test_rank_over_limit_names_the_limit(adapter, base_config):
+    with pytest.raises(AdapterError, match="max_lora_rank") as err:
+        validate_adapter_dir(adapter, base_config, max_rank=4)
+    assert err.value.field == "r" and err.value.limit == 4 and err.value.file == "adapter_config.json"
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"bias": "all"}, "bias"),
+    ({"use_dora": True}, "use_dora"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"target_modules": ["q_proj", "lm_head"]}, "target_modules"),
+    ({"target_modules": ".*proj"}, "target_modules"),
+    ({"auto_map": {"AutoModel": "evil.Model"}}, "auto_map"),
+    ({"peft_type": "IA3"}, "peft_type"),
+    ({"lora_alpha": -1}, "lora_alpha"),
+    ({"r": "8"}, "r"),
+    ({"rank_pattern": {"q_proj": 4}}, "rank_pattern"),
+])
+def test_config_problems_name_the_field(adapter, base_config, changes, field):
+    _edit_config(adapter, **changes)
+    with pytest.raises(AdapterError) as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert err.value.field == field and field in str(err.value)
+
+
+def test_target_module_without_weights_in_config_is_refused(adapter, base_config):
+    _edit_config(adapter, target_modules=["q_proj", "v_proj"])  # weights exist for all seven
+    with pytest.raises(AdapterError, match="not in target_modules") as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert err.value.tensor.split(".")[-3] not in ("q_proj", "v_proj")
+
+
+def test_config_not_json_or_too_big(adapter, base_config):
+    (adapter / "adapter_config.json").write_text("{not json")
+    with pytest.raises(AdapterError, match="not valid JSON"):
+        validate_adapter_dir(adapter, base_config, 64)
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "pad": "x" * 70_000}))
+    with pytest.raises(AdapterError, match="over the cap") as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert err.value.limit == 64 << 10
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda t: t.update({Q_A: t[Q_A][:, :-1].contiguous()}), "does not match the base model"),
+    (lambda t: t.update({Q_B: t[Q_B].double()}), "F64"),
+    (lambda t: t[Q_A].__setitem__((0, 0), float("nan")), "NaN"),
+    (lambda t: t[Q_B].__setitem__((1, 1), float("inf")), "NaN or Inf"),
+    (lambda t: t.pop(Q_B), "no lora_B"),
+    (lambda t: t.update({"base_model.model.model.layers.0.self_attn.q_proj.bias": torch.ones(64)}),
+     "unexpected tensor"),
+    (lambda t: t.update({Q_A.replace("layers.0", "layers.9"): t[Q_A].clone()}), "does not exist"),
+])
+def test_tensor_problems_name_the_tensor(adapter, base_config, mutate, match):
+    _edit_tensors(adapter, mutate)
+    with pytest.raises(AdapterError, match=match) as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert err.value.tensor and err.value.file == "adapter_model.safetensors"
+
+
+def test_huge_header_claim_refused_before_reading(adapter, base_config):
+    _raw_safetensors(adapter, b"{}", claimed_len=100_000_000)
+    with pytest.raises(AdapterError, match="header claims 100000000 bytes") as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert err.value.limit == 1 << 20
+
+
+def test_too_many_entries_refused_before_parsing(adapter, base_config):
+    entry = '"t{}": {{"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}}'
+    header = ("{" + ", ".join(entry.format(i) for i in range(300)) + "}").encode()
+    _raw_safetensors(adapter, header)
+    with pytest.raises(AdapterError, match="300 entries") as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert err.value.limit == 2 * 7 * base_config["num_hidden_layers"] + 64
+
+
+@pytest.mark.parametrize("header", [
+    b"[1, 2]",
+    b'{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 999]}}',
+    b'{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "a": {}}',
+    b"\xff\xfe",
+])
+def test_malformed_headers(adapter, base_config, header):
+    _raw_safetensors(adapter, header)
+    with pytest.raises(AdapterError) as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert err.value.file == "adapter_model.safetensors"
+
+
+def test_missing_files(adapter, base_config, tmp_path):
+    (adapter / "adapter_model.safetensors").unlink()
+    with pytest.raises(AdapterError, match="missing adapter_model.safetensors"):
+        validate_adapter_dir(adapter, base_config, 64)
+    with pytest.raises(AdapterError, match="not a directory"):
+        validate_adapter_dir(tmp_path / "nope", base_config, 64)
