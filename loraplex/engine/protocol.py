@@ -36,6 +36,7 @@ class TopLogprob:
     token_id: int
     logprob: float
     token: str
+    rank: int | None = None  # 1 = the most likely token
 
 
 @dataclass
@@ -46,14 +47,19 @@ class TokenDelta:
     index: int
     token_ids: list[int]
     text: str
-    # one entry per new token: (sampled token logprob, top-N alternatives) when logprobs were asked for
+    # one entry per new token: (sampled token logprob, top-N alternatives) when logprobs were asked for;
+    # the alternatives also hold the sampled token (with its rank) when it is not among the top N
     logprobs: list[tuple[float, list[TopLogprob]]] | None = None
+    # on the first delta of each sample when prompt_logprobs was asked for: one entry per prompt token,
+    # None for the first (nothing predicts it)
+    prompt_logprobs: list[tuple[float, list[TopLogprob]] | None] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_generated_tokens: int = 0  # cumulative for this sample
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs so far
     error: str | None = None
     # timings (monotonic seconds) for metering: set on the first delta / the final one
     first_scheduled_time: float | None = None

@@ -82,6 +82,9 @@ class Request:
         self.logprobs: list[TokenLogprobs] = []  # one per output token when asked for
         self.prompt_logprobs: list[TokenLogprobs | None] = []  # [0] is None, when asked for
         self.detokenizer: Any = None  # set by the engine (incremental text + stop strings)
+        self.num_deltas = 0  # streaming progress: deltas, tokens and characters already sent
+        self.num_sent_tokens = 0
+        self.num_sent_chars = 0
         self.wait_steps = 0  # steps spent kept out by the adapter limit
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

@@ -1,0 +1,83 @@
+"""Attention metadata built once per step, and the backend that stores KV and runs paged attention.
+
+Backends share one interface (the kernels' signatures): ``store_kv(key, value, key_cache, value_cache,
+slot_mapping)`` and ``attention(query, key_cache, value_cache, metadata, scale)``. The CPU path calls the
+pure-torch reference twins in ``loraplex.kernels.attention_ref``; a Triton backend for CUDA registers
+itself in ``ATTENTION_BACKENDS`` under ``"triton"`` and is preferred on CUDA when present.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.kernels.attention_ref import paged_attention_ref, store_kv_ref
+
+
+@dataclass
+class AttentionMetadata:
+    backend: AttentionBackend
+    slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    query_start_loc: torch.Tensor  # [B + 1] int32: cumulative new-token counts
+    seq_lens: torch.Tensor  # [B] int32: KV length of each sequence including its new tokens
+    max_query_len: int
+    max_seq_len: int
+
+
+class AttentionBackend:
+    name = "base"
+
+    def store_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        raise NotImplementedError
+
+    def attention(self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The reference twins: any device, one varlen causal call for mixed prefill and decode."""
+
+    name = "torch"
+
+    def store_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        store_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+
+    def attention(self, query, key_cache, value_cache, meta, scale):
+        return paged_attention_ref(query, key_cache, value_cache, meta.block_tables, meta.query_start_loc,
+                                   meta.seq_lens, scale)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """CUDA kernels with the reference's signatures (``loraplex.kernels.paged_attention`` / ``kv_store``)."""
+
+    name = "triton"
+
+    def __init__(self):
+        from loraplex.kernels.kv_store import store_kv
+        from loraplex.kernels.paged_attention import paged_attention
+
+        self._store_kv, self._paged_attention = store_kv, paged_attention
+
+    def store_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+        self._store_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    def attention(self, query, key_cache, value_cache, meta, scale):
+        return self._paged_attention(query, key_cache, value_cache, meta.block_tables, meta.query_start_loc,
+                                     meta.seq_lens, scale, max_query_len=meta.max_query_len,
+                                     max_seq_len=meta.max_seq_len)
+
+
+ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {
+    "torch": TorchAttentionBackend, "triton": TritonAttentionBackend}
+
+
+def get_attention_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
+    """``name`` forces a backend; otherwise Triton on CUDA, else the torch reference."""
+    if name is None:
+        name = "triton" if torch.device(device).type == "cuda" else "torch"
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend {name!r} is not available (have: {', '.join(ATTENTION_BACKENDS)})")
+    return ATTENTION_BACKENDS[name]()

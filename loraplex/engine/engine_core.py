@@ -1,0 +1,212 @@
+"""LLMEngine: add requests, then ``step()`` = schedule -> execute -> update, returning token deltas."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from loraplex.engine.block_manager import BlockManager
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.protocol import EngineStats, TokenDelta, TopLogprob
+from loraplex.engine.request import Request, RequestStatus, TokenLogprobs
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
+    """EOS ids from config.json, generation_config.json and the tokenizer (what HF generate stops on)."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.exists():
+            value = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from loraplex.engine.model_runner import ModelRunner
+
+        self.config = config
+        self.runner = ModelRunner(config)
+        mc = self.runner.model_config
+        limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {limit}")
+        config.resolve(limit)
+        num_blocks = self.runner.plan_num_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
+        self._pending: list[TokenDelta] = []  # deltas produced outside a step (errors, aborts)
+        self._num_samples: dict[str, int] = {}  # request_id -> n, while unfinished
+        self._finished_indices: dict[str, set[int]] = {}
+        self.num_generated_tokens = 0
+        self._kv_waste_sum = 0.0
+        self._tokens_per_second = 0.0
+        log.info("engine ready: %s on %s (%s), %d KV blocks of %d, max_model_len %d", config.model,
+                 config.device, self.runner.dtype, num_blocks, config.block_size, config.max_model_len)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                    lora_request: LoRARequest | None = None, cache_salt: str | None = None, priority: int = 0,
+                    arrival_time: float | None = None, prompt: str | None = None) -> None:
+        """Queue a request. Bad input raises ValueError; an adapter that fails to load fails only this
+        request (its deltas say finish_reason "error")."""
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.runner.model_config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                      sampling_params=sampling_params, eos_token_ids=self.eos_token_ids,
+                      lora_request=lora_request, cache_salt=cache_salt, priority=priority, prompt=prompt,
+                      **({"arrival_time": arrival_time} if arrival_time is not None else {}))
+        self.scheduler.add_request(req)  # validates lengths and the id before anything else happens
+        self._num_samples[request_id] = sampling_params.n
+        self._finished_indices[request_id] = set()
+        if lora_request is not None:
+            try:
+                self.runner.get_lora_manager().validate_and_prefetch(lora_request)
+            except Exception as exc:  # noqa: BLE001 (any adapter failure fails this request only)
+                log.warning("request %s: adapter %s failed: %s", request_id, lora_request.lora_name, exc)
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR, error=str(exc))
+                self._pending.extend(self._final_deltas(request_id, [req]))
+                return
+        params = sampling_params
+        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens,
+                                                 params.stop, params.include_stop_str_in_output)
+
+    def abort_request(self, request_id: str) -> None:
+        aborted = self.scheduler.abort_request(request_id)
+        if aborted or request_id in self._num_samples:
+            self._pending.extend(self._final_deltas(request_id, aborted))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> list[TokenDelta]:
+        deltas, self._pending = self._pending, []
+        started = time.monotonic()
+        out = self.scheduler.schedule()
+        result = self.runner.execute(out)
+        touched = self.scheduler.update_from_output(out, result)
+        self._kv_waste_sum += self.scheduler.last_kv_waste
+        num_new = 0
+        for req in touched:
+            num_new += 1
+            deltas.append(self._delta(req))
+        if num_new:
+            self.num_generated_tokens += num_new
+            rate = num_new / max(time.monotonic() - started, 1e-9)
+            self._tokens_per_second = 0.9 * self._tokens_per_second + 0.1 * rate
+        for d in deltas:
+            if d.finished:
+                self._mark_finished(d.request_id, d.index)
+        return deltas
+
+    def _mark_finished(self, request_id: str, index: int) -> None:
+        done = self._finished_indices.get(request_id)
+        if done is None:
+            return
+        done.add(index)
+        if len(done) >= self._num_samples[request_id]:
+            del self._finished_indices[request_id], self._num_samples[request_id]
+
+    def _final_deltas(self, request_id: str, samples: list[Request]) -> list[TokenDelta]:
+        """Final deltas for finished samples, plus samples that were never forked (abort/error early)."""
+        deltas = [self._delta(r) for r in samples]
+        have = {r.index for r in samples} | self._finished_indices.get(request_id, set())
+        if samples:
+            template = samples[0]
+            for index in range(self._num_samples.get(request_id, 1)):
+                if index not in have:
+                    deltas.append(TokenDelta(
+                        request_id=request_id, index=index, token_ids=[], text="", finished=True,
+                        finish_reason=template.status.finish_reason, error=template.error,
+                        num_prompt_tokens=template.num_prompt_tokens, finished_time=time.monotonic()))
+        return deltas
+
+    def _delta(self, req: Request) -> TokenDelta:
+        finished = req.is_finished
+        sent = req.num_sent_tokens
+        new_ids = req.output_token_ids[sent:]
+        text = ""
+        if req.detokenizer is not None:
+            upto = max(req.num_sent_chars, req.detokenizer.streamable_text_len(finished))
+            text = req.detokenizer.output_text[req.num_sent_chars:upto]
+            req.num_sent_chars = upto
+        first = req.num_deltas == 0
+        req.num_deltas += 1
+        req.num_sent_tokens = req.num_output_tokens
+        params = req.sampling_params
+        logprobs = None
+        if params.logprobs is not None:
+            logprobs = [self._logprob_entry(lp) for lp in req.logprobs[sent:]]
+        prompt_logprobs = None
+        if first and params.prompt_logprobs is not None and req.prompt_logprobs:
+            prompt_logprobs = [None if lp is None else self._logprob_entry(lp) for lp in req.prompt_logprobs]
+        return TokenDelta(
+            request_id=req.request_id, index=req.index, token_ids=new_ids, text=text, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs, finished=finished, finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens, num_generated_tokens=req.num_output_tokens,
+            cumulative_logprob=req.cumulative_logprob,
+            error=req.error, first_scheduled_time=req.first_scheduled_time if first else None,
+            first_token_time=req.first_token_time if first else None,
+            finished_time=req.finished_time if finished else None,
+        )
+
+    def _logprob_entry(self, lp: TokenLogprobs) -> tuple[float, list[TopLogprob]]:
+        decode = self.tokenizer.decode
+        tops = [TopLogprob(t, v, decode([t]), rank=i + 1) for i, (t, v) in enumerate(zip(lp.top_token_ids,
+                                                                                          lp.top_logprobs))]
+        if lp.token_id not in lp.top_token_ids:
+            tops.append(TopLogprob(lp.token_id, lp.logprob, decode([lp.token_id]), rank=lp.rank))
+        return lp.logprob, tops
+
+    # ---- observability -------------------------------------------------------------------------
+    def get_stats(self) -> EngineStats:
+        manager = self.runner.lora_manager
+        active = []
+        if manager is not None and hasattr(manager, "active_adapter_names"):
+            active = list(manager.active_adapter_names())
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.block_manager.usage, prefix_cache_hit_rate=self.block_manager.prefix_hit_rate,
+            num_preemptions=self.scheduler.num_preemptions, active_adapters=active,
+            tokens_per_second=self._tokens_per_second,
+            num_lora_loads=getattr(manager, "num_loads", 0), num_lora_evictions=getattr(manager, "num_evictions", 0),
+        )
+
+    @property
+    def counters(self) -> dict[str, float]:
+        bm, sched = self.block_manager, self.scheduler
+        return {
+            "num_kv_blocks": bm.num_blocks, "num_used_blocks": bm.num_used_blocks, "kv_cache_usage": bm.usage,
+            "prefix_cache_hit_rate": bm.prefix_hit_rate, "prefix_cache_query_tokens": bm.num_prefix_query_tokens,
+            "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens, "prefix_cache_evictions": bm.num_evictions,
+            "cow_block_copies": bm.num_cow_copies, "num_preemptions": sched.num_preemptions,
+            "num_computed_prompt_tokens": sched.num_computed_prompt_tokens,
+            "num_generated_tokens": self.num_generated_tokens, "num_steps": sched.num_steps,
+            "kv_waste_last": sched.last_kv_waste,
+            "kv_waste_mean": self._kv_waste_sum / sched.num_steps if sched.num_steps else 0.0,
+        }

@@ -1,0 +1,73 @@
+"""The offline API (vLLM-compatible): ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.engine_core import LLMEngine
+from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.outputs import CompletionOutput, RequestOutput, apply_delta
+from loraplex.engine.sampling_params import SamplingParams
+
+Prompt = str | dict
+
+
+class LLM:
+    def __init__(self, model: str, *, enable_lora: bool = False, max_loras: int = 8, max_lora_rank: int = 64,
+                 max_cpu_loras: int | None = None, device: str = "cpu", dtype: str = "auto", block_size: int = 16,
+                 num_kv_blocks: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, seed: int = 0, tokenizer: str | None = None, **kwargs):
+        config = EngineConfig(
+            model=str(model), tokenizer=tokenizer, device=device, dtype=dtype, seed=seed, block_size=block_size,
+            num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len, enable_lora=enable_lora,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, **kwargs)
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of ``prompts``."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        num = len(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), num, "sampling_params")
+        loras = _per_prompt(lora_request, num, "lora_request")
+        priorities = _per_prompt(list(priority) if priority is not None else 0, num, "priority")
+        outputs: dict[str, RequestOutput] = {}
+        order = []
+        for prompt, p, lora, prio in zip(prompts, params, loras, priorities):
+            text, token_ids = self._tokenize(prompt)
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, token_ids, p, lora_request=lora, priority=prio, prompt=text)
+            outputs[request_id] = RequestOutput(request_id, text, token_ids,
+                                                [CompletionOutput(index=i) for i in range(p.n)])
+            order.append(request_id)
+        while self.engine.has_unfinished_requests():
+            for delta in self.engine.step():
+                out = outputs.get(delta.request_id)
+                if out is not None:
+                    apply_delta(out, delta)
+        return [outputs[r] for r in order]
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        raise ValueError("each prompt must be a string or a dict with 'prompt_token_ids'")
+
+
+def _per_prompt(value, num: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != num:
+            raise ValueError(f"{name}: got {len(value)} values for {num} prompts")
+        return list(value)
+    return [value] * num

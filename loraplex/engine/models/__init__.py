@@ -1,0 +1,1 @@
+"""Model implementations over the paged KV cache (one flat file per family)."""

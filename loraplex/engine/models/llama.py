@@ -1,0 +1,224 @@
+"""The Llama family over a paged KV cache: Llama 2/3 (rope scaling ``llama3``/``linear``), Mistral, Qwen2
+(qkv bias). GQA and MQA; q|k|v and gate|up fused at load. Mirrors Hugging Face's math (RMSNorm in float32,
+rotate-half RoPE computed in float32) so float32 results match it token for token.
+
+LoRA hook: after each base projection the model calls ``lora.add(layer_idx, proj, x, out)`` (in place) with
+``proj`` in ``"qkv" | "o" | "gate_up" | "down"`` when ``lora`` is not None.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> LlamaConfig:
+        arch = (cfg.get("architectures") or ["?"])[0]
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
+        heads = cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        attention_bias = bool(cfg.get("attention_bias", False))
+        window = cfg.get("sliding_window")
+        if is_qwen2 and not cfg.get("use_sliding_window", False):
+            window = None
+        return cls(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rope_scaling=rope if rope_type != "default" else None,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=is_qwen2 or attention_bias, o_bias=attention_bias and not is_qwen2,
+            mlp_bias=bool(cfg.get("mlp_bias", False)), sliding_window=window,
+        )
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Per-pair inverse frequencies [D/2] in float32, with Hugging Face's rope scaling rules."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling
+    if scaling is None:
+        return inv_freq
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"rope scaling {rope_type!r} is not supported (supported: linear, llama3)")
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [T, H, D]; cos/sin: [T, D]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, device, dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(size, device=device, dtype=dtype), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _param(*shape, device, dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, idx: int, device, dtype):
+        super().__init__()
+        self.idx = idx
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
+        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, h, device=device, dtype=dtype)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, device=device, dtype=dtype) if cfg.qkv_bias else None
+        self.o_weight = _param(h, self.q_size, device=device, dtype=dtype)
+        self.o_bias = _param(h, device=device, dtype=dtype) if cfg.o_bias else None
+        self.gate_up_weight = _param(2 * cfg.intermediate_size, h, device=device, dtype=dtype)
+        self.gate_up_bias = _param(2 * cfg.intermediate_size, device=device, dtype=dtype) if cfg.mlp_bias else None
+        self.down_weight = _param(h, cfg.intermediate_size, device=device, dtype=dtype)
+        self.down_bias = _param(h, device=device, dtype=dtype) if cfg.mlp_bias else None
+        self.scale = d ** -0.5
+
+    def forward(self, hidden, cos, sin, kv_cache, attn, lora):
+        # hidden: [T, H]
+        x = self.input_layernorm(hidden)
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2kv]
+        if lora is not None:
+            lora.add(self.idx, "qkv", x, qkv)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        num_tokens = hidden.shape[0]
+        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
+        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        attn.backend.store_kv(k, v, key_cache, value_cache, attn.slot_mapping)
+        o = attn.backend.attention(q, key_cache, value_cache, attn, self.scale).view(num_tokens, self.q_size)
+        out = F.linear(o, self.o_weight, self.o_bias)
+        if lora is not None:
+            lora.add(self.idx, "o", o, out)
+        hidden = hidden + out
+        x = self.post_attention_layernorm(hidden)
+        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
+        if lora is not None:
+            lora.add(self.idx, "gate_up", x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.silu(gate) * up
+        down = F.linear(act, self.down_weight, self.down_bias)
+        if lora is not None:
+            lora.add(self.idx, "down", act, down)
+        return hidden + down
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig, device, dtype):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
+        self.layers = nn.ModuleList(LlamaLayer(cfg, i, device, dtype) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, device=device,
+                                                                   dtype=dtype)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, kv_caches, attn, lora=None) -> torch.Tensor:
+        # input_ids, positions: [T]; returns final hidden states [T, H]
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, attn, lora)
+        return self.norm(hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()  # [N, V]
+
+    # ---- weights -------------------------------------------------------------------------------
+    def weight_targets(self, name: str):
+        """Map a Hugging Face tensor name to (parameter, row offset into a fused parameter or None)."""
+        cfg = self.config
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens, None
+        if name == "model.norm.weight":
+            return self.norm.weight, None
+        if name == "lm_head.weight":
+            return (self.lm_head, None) if self.lm_head is not None else (None, None)
+        parts = name.split(".")
+        if parts[:2] != ["model", "layers"]:
+            return None, None
+        layer = self.layers[int(parts[2])]
+        sub = ".".join(parts[3:])
+        q, kv, inter = layer.q_size, layer.kv_size, cfg.intermediate_size
+        table = {
+            "input_layernorm.weight": (layer.input_layernorm.weight, None),
+            "post_attention_layernorm.weight": (layer.post_attention_layernorm.weight, None),
+            "self_attn.q_proj.weight": (layer.qkv_weight, 0), "self_attn.k_proj.weight": (layer.qkv_weight, q),
+            "self_attn.v_proj.weight": (layer.qkv_weight, q + kv),
+            "self_attn.q_proj.bias": (layer.qkv_bias, 0), "self_attn.k_proj.bias": (layer.qkv_bias, q),
+            "self_attn.v_proj.bias": (layer.qkv_bias, q + kv),
+            "self_attn.o_proj.weight": (layer.o_weight, None), "self_attn.o_proj.bias": (layer.o_bias, None),
+            "mlp.gate_proj.weight": (layer.gate_up_weight, 0), "mlp.up_proj.weight": (layer.gate_up_weight, inter),
+            "mlp.gate_proj.bias": (layer.gate_up_bias, 0), "mlp.up_proj.bias": (layer.gate_up_bias, inter),
+            "mlp.down_proj.weight": (layer.down_weight, None), "mlp.down_proj.bias": (layer.down_bias, None),
+        }
+        return table.get(sub, (None, None))

@@ -1,0 +1,123 @@
+"""Sampling from a batch of logits rows: penalties, temperature, top-k, top-p, min-p, per-row seeds, and
+logprobs of the raw model distribution (vLLM's default: before penalties and temperature).
+
+A row with a seed draws its noise from a generator seeded by (seed, sample index, output position), so a
+seeded request gets the same tokens whatever else is in the batch, and after preemption too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.engine.sampling_params import SamplingParams
+
+_MASK = float("-inf")
+
+
+@dataclass
+class SampleRow:
+    params: SamplingParams
+    index: int  # sample index (of n)
+    num_output_tokens: int  # before this token
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [R] int64
+    logprobs: torch.Tensor  # [R] float32: raw logprob of each sampled token
+    ranks: torch.Tensor | None  # [R] int64 (only when logprobs were asked for)
+    top_ids: torch.Tensor | None  # [R, N]
+    top_logprobs: torch.Tensor | None  # [R, N]
+
+
+def row_seed(seed: int, index: int, position: int) -> int:
+    return (seed * 0x9E3779B1 + index * 0x85EBCA77 + position * 0xC2B2AE3D) % (1 << 63)
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        # logits: [R, V] float32
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = self._apply_penalties(logits, rows)
+        token_ids = logits.argmax(dim=-1)
+        if not all(r.params.greedy for r in rows):
+            greedy = torch.tensor([r.params.greedy for r in rows], device=self.device)
+            token_ids = torch.where(greedy, token_ids, self._sample(logits, rows))
+        sampled_logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
+        num_top = max((r.params.logprobs or 0) for r in rows)
+        ranks = top_ids = top_logprobs = None
+        if any(r.params.logprobs is not None for r in rows):
+            ranks = (raw_logprobs > sampled_logprobs[:, None]).sum(dim=-1) + 1
+            if num_top:
+                top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1)
+        return SamplerOutput(token_ids, sampled_logprobs, ranks, top_ids, top_logprobs)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        need = [r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
+                for r in rows]
+        if not any(need):
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i, r in enumerate(rows):  # per penalized row: vectorized over the vocabulary
+            if not need[i]:
+                continue
+            p = r.params
+            out_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=self.device)
+            counts = torch.zeros(vocab, device=self.device).index_add_(
+                0, out_ids, torch.ones(len(out_ids), device=self.device))
+            if p.repetition_penalty != 1.0:
+                seen = counts > 0
+                seen[torch.tensor(r.prompt_token_ids, dtype=torch.long, device=self.device)] = True
+                row = logits[i]
+                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                logits[i] = torch.where(seen, penalized, row)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        return logits
+
+    def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        dev = self.device
+        temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=dev)
+        logits = logits / temps[:, None]
+        top_ks = [r.params.top_k for r in rows]
+        top_ps = [r.params.top_p for r in rows]
+        if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
+            logits = _top_k_top_p(logits, top_ks, top_ps)
+        probs = torch.softmax(logits, dim=-1)
+        min_ps = [r.params.min_p for r in rows]
+        if any(min_ps):
+            min_p = torch.tensor(min_ps, device=dev)
+            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
+        if unseeded:
+            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
+                generator=self.generator)
+        for i, r in enumerate(rows):
+            if r.params.seed is not None:
+                gen = torch.Generator(device=dev).manual_seed(row_seed(r.params.seed, r.index, r.num_output_tokens))
+                noise[i].exponential_(generator=gen)
+        # Gumbel-max in exponential form: argmax p / E with E ~ Exp(1) samples from p
+        return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device).clamp(max=vocab)
+    kth = sorted_logits.gather(1, (vocab - k)[:, None])
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _MASK)
+    p = torch.tensor(top_ps, device=logits.device)
+    cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cum <= (1 - p)[:, None]
+    drop[:, -1] = False  # always keep the most likely token
+    sorted_logits = sorted_logits.masked_fill(drop, _MASK)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)

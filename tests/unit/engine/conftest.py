@@ -1,0 +1,28 @@
+"""Engines on the tiny fixture models, shared per module (loading takes a fraction of a second)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def hf_llama(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model["model_dir"], dtype=torch.float32).eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
+    """log_softmax of Hugging Face's logits at every position: [len, V]."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([token_ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
