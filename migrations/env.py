@@ -30,9 +30,15 @@ def _configure(connection) -> None:
     )
 
 
+# replicas starting together must not run the same migration twice
+_PG_MIGRATION_LOCK = 0x6C707801
+
+
 def _run_sync(connection) -> None:
     _configure(connection)
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_MIGRATION_LOCK})")
         context.run_migrations()
 
 

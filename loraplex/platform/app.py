@@ -132,6 +132,8 @@ def create_app(
         try:
             yield
         finally:
+            # usage records of the last requests land before the areas tear down
+            await services.wait_background()
             for module in reversed(modules):
                 teardown = getattr(module, "teardown", None)
                 if teardown is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -42,6 +43,19 @@ class Services:
     engine_error: str | None = None  # why the engine could not start
     draining: bool = False
     extras: dict[str, object] = field(default_factory=dict)  # per-area state (e.g. "registry")
+    background: set[asyncio.Task] = field(default_factory=set)
+
+    def spawn(self, coro, name: str | None = None) -> asyncio.Task:
+        """Run ``coro`` on its own task (kept until done; awaited at shutdown). For work that must
+        finish even when the request's task is cancelled (aborts, usage records)."""
+        task = asyncio.create_task(coro, name=name)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
+
+    async def wait_background(self, timeout_s: float = 10.0) -> None:
+        if self.background:
+            await asyncio.wait(list(self.background), timeout=timeout_s)
 
     def cache_salt(self, tenant_id: str) -> str:
         """Per-tenant prefix-cache salt; never from the client (tenants never share cached KV)."""

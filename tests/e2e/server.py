@@ -163,3 +163,43 @@ def start_server(
     proc.kill()
     proc.wait()
     raise TimeoutError(f"loraplex serve not ready after {ready_timeout}s:\n" + "\n".join(output[-60:]))
+
+
+# ---- a throwaway PostgreSQL database per test run ----------------------------------------------
+
+
+class FreshPostgres:
+    """``with FreshPostgres(postgres_url) as url:`` creates ``loraplex_test_<random>`` on the same server
+    and drops it afterwards, so parallel and repeated runs never collide."""
+
+    def __init__(self, base_url: str):
+        import uuid
+
+        from sqlalchemy.engine import make_url
+
+        self._base = make_url(base_url)
+        self.name = f"loraplex_test_{uuid.uuid4().hex[:12]}"
+        self.url = self._base.set(database=self.name).render_as_string(hide_password=False)
+
+    def _admin(self, sql: str) -> None:
+        import asyncio
+
+        import asyncpg
+
+        async def run() -> None:
+            b = self._base
+            conn = await asyncpg.connect(host=b.host, port=b.port or 5432, user=b.username, password=b.password,
+                                         database=b.database)
+            try:
+                await conn.execute(sql)
+            finally:
+                await conn.close()
+
+        asyncio.run(run())
+
+    def __enter__(self) -> str:
+        self._admin(f'CREATE DATABASE "{self.name}"')
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self._admin(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')

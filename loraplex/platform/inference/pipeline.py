@@ -1,0 +1,149 @@
+"""From a validated OpenAI request to a running :class:`Generation` (shared by both endpoints)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from litestar import Request
+
+from loraplex.platform.auth import principal_of
+from loraplex.platform.errors import ApiError, bad_request, model_not_found
+from loraplex.platform.inference import schemas as s
+from loraplex.platform.inference.runner import Generation, engine_unavailable, new_response_id
+from loraplex.platform.inference.validation import (
+    MAX_PROMPTS,
+    Limits,
+    check_max_tokens,
+    check_n,
+    normalize_stop,
+    sampling_params,
+)
+
+# tokenizing in a worker thread only pays off for long inputs
+_THREAD_TOKENIZE_CHARS = 20_000
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+
+
+@dataclass
+class Prepared:
+    generation: Generation
+    headers: dict[str, str]  # x-ratelimit-*
+    prompt_texts: list[str | None]  # for echo
+
+
+async def _encode(engine, text: str) -> list[int]:
+    if len(text) > _THREAD_TOKENIZE_CHARS:
+        return await asyncio.to_thread(engine.encode, text)
+    return engine.encode(text)
+
+
+def _check_ids(ids: list[int], engine, param: str) -> list[int]:
+    vocab = getattr(engine, "vocab_size", None)
+    for t in ids:
+        if t < 0 or (vocab is not None and t >= vocab):
+            raise bad_request(f"Token id {t} is outside the vocabulary (0..{vocab}).", param=param)
+    return ids
+
+
+async def completion_prompts(req: s.CompletionRequest, engine) -> tuple[list[list[int]], list[str | None]]:
+    p = req.prompt
+    if isinstance(p, str):
+        return [await _encode(engine, p)], [p]
+    if not p:
+        raise bad_request("prompt must not be empty.", param="prompt")
+    if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        return [_check_ids(list(p), engine, "prompt")], [None]
+    if all(isinstance(x, str) for x in p):
+        if len(p) > MAX_PROMPTS:
+            raise bad_request(f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
+        return [await _encode(engine, x) for x in p], list(p)
+    if all(isinstance(x, list) for x in p):
+        if len(p) > MAX_PROMPTS:
+            raise bad_request(f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
+        if any(not x for x in p):
+            raise bad_request("Token-id prompts must not be empty.", param="prompt")
+        return [_check_ids(x, engine, "prompt") for x in p], [None] * len(p)
+    raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of "
+                      "token-id lists.", param="prompt")
+
+
+async def chat_prompt(req: s.ChatCompletionRequest, engine) -> list[int]:
+    if not req.messages:
+        raise bad_request("messages must contain at least one message.", param="messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        role = CHAT_ROLES.get(m.role)
+        if role is None:
+            raise bad_request(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {m.role!r}.",
+                              param=f"messages[{i}].role")
+        if isinstance(m.content, list):
+            parts = []
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise bad_request(f"messages[{i}].content: only text parts are supported (got {part.type!r}).",
+                                      param=f"messages[{i}].content")
+                parts.append(part.text)
+            content = "".join(parts)
+        else:
+            content = m.content or ""
+        messages.append({"role": role, "content": content})
+    total = sum(len(m["content"]) for m in messages)
+    if total > _THREAD_TOKENIZE_CHARS:
+        return await asyncio.to_thread(engine.apply_chat_template, messages, True)
+    return engine.apply_chat_template(messages, True)
+
+
+async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]], texts: list[str | None],
+                  resolved, principal, *, max_tokens: int | None, max_tokens_param: str, prompt_param: str,
+                  logprobs: int | None) -> Prepared:
+    services = request.app.state.services
+    engine = services.engine
+    limits = Limits.from_settings(services.settings, engine.max_model_len)
+    n = check_n(req.n, len(prompts), limits)
+    stop = normalize_stop(req.stop, limits)
+    budget = min(check_max_tokens(max_tokens, len(ids), limits, max_tokens_param, prompt_param) for ids in prompts)
+    params = sampling_params(req, n=n, max_tokens=budget, stop=stop, logprobs=logprobs)
+    try:
+        services.admission.acquire()
+    except ApiError:
+        services.metrics.rejected.labels("admission").inc()
+        raise
+    try:
+        estimate = sum(len(ids) for ids in prompts) + budget * n * len(prompts)
+        grant = await services.limiter.admit(principal, estimate)
+    except ApiError as exc:
+        services.admission.release()
+        services.metrics.rejected.labels("rate_limit" if exc.status_code == 429 else "other").inc()
+        raise
+    except BaseException:
+        services.admission.release()
+        raise
+    prefix = "chatcmpl" if endpoint == "chat.completions" else "cmpl"
+    gen = Generation(
+        services=services, principal=principal, model=resolved, endpoint=endpoint,
+        response_id=new_response_id(prefix), prompts=prompts, params=params, grant=grant,
+    )
+    return Prepared(gen, grant.headers, texts)
+
+
+async def authorize_and_resolve(request: Request, model: str):
+    """Principal, engine readiness, and the model (one 404 for missing and foreign)."""
+    services = request.app.state.services
+    principal = await principal_of(request)
+    resolved = await services.models.resolve(principal, model)
+    if resolved is None:
+        raise model_not_found(model)
+    err = engine_unavailable(services)
+    if err is not None:
+        services.metrics.rejected.labels("engine_unavailable").inc()
+        raise err
+    return principal, resolved
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the request body has been read already)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

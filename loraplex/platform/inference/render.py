@@ -1,0 +1,81 @@
+"""Engine deltas -> OpenAI response objects and stream chunks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loraplex.engine.protocol import TokenDelta, TopLogprob
+from loraplex.platform.inference import schemas as s
+
+_FINISH = {"stop": "stop", "length": "length"}
+
+
+def finish_reason(engine_reason: str | None) -> str | None:
+    if engine_reason is None:
+        return None
+    return _FINISH.get(engine_reason, "stop")
+
+
+def usage(prompt: int, completion: int, cached: int) -> s.Usage:
+    return s.Usage(prompt, completion, prompt + completion, s.PromptTokensDetails(cached_tokens=cached))
+
+
+def _token_text(engine, token_id: int, tops: list[TopLogprob]) -> str:
+    for t in tops:
+        if t.token_id == token_id:
+            return t.token
+    decode = getattr(engine, "decode", None)
+    return decode([token_id]) if decode else ""
+
+
+def completion_logprobs(engine, delta: TokenDelta, offset: int) -> s.CompletionLogprobs | None:
+    if delta.logprobs is None:
+        return None
+    out = s.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for token_id, (lp, tops) in zip(delta.token_ids, delta.logprobs):
+        text = _token_text(engine, token_id, tops)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp)
+        out.top_logprobs.append({t.token: t.logprob for t in tops})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(engine, delta: TokenDelta, top_n: int) -> s.ChatLogprobs | None:
+    if delta.logprobs is None:
+        return None
+    content = []
+    for token_id, (lp, tops) in zip(delta.token_ids, delta.logprobs):
+        text = _token_text(engine, token_id, tops)
+        content.append(s.ChatLogprobEntry(
+            token=text, logprob=lp, bytes=list(text.encode()),
+            top_logprobs=[s.TopLogprobOut(t.token, t.logprob, list(t.token.encode())) for t in tops[:top_n]],
+        ))
+    return s.ChatLogprobs(content=content)
+
+
+@dataclass
+class ChoiceAccumulator:
+    """Collects one choice for a non-streaming response."""
+
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[s.CompletionLogprobs] = field(default_factory=list)
+    chat_logprobs: list[s.ChatLogprobEntry] = field(default_factory=list)
+    offset: int = 0
+
+    def add_text(self, text: str) -> None:
+        self.text.append(text)
+        self.offset += len(text)
+
+    def completion_logprobs(self) -> s.CompletionLogprobs | None:
+        if not self.logprobs:
+            return None
+        out = s.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+        for part in self.logprobs:
+            out.tokens += part.tokens
+            out.token_logprobs += part.token_logprobs
+            out.top_logprobs += part.top_logprobs
+            out.text_offset += part.text_offset
+        return out

@@ -1,0 +1,248 @@
+"""``/v1/models``, ``/v1/completions``, ``/v1/chat/completions`` (OpenAI-compatible, SSE streaming)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from litestar import Request, Response, get, post
+from litestar.openapi.datastructures import ResponseSpec
+from litestar.params import Parameter
+
+from loraplex.platform.auth import principal_of, require_scope
+from loraplex.platform.errors import ApiError, ErrorBody, ErrorResponse, error_responses, model_not_found
+from loraplex.platform.hooks import ResolvedModel
+from loraplex.platform.inference import render
+from loraplex.platform.inference import schemas as s
+from loraplex.platform.inference.pipeline import (
+    Prepared,
+    authorize_and_resolve,
+    chat_prompt,
+    completion_prompts,
+    prepare,
+    wait_for_disconnect,
+)
+from loraplex.platform.inference.runner import EngineFailure
+from loraplex.platform.inference.sse import DONE, SSEStream, sse_event
+from loraplex.platform.models import SCOPE_INFERENCE
+
+_ERRORS = error_responses(400, 401, 403, 404, 429, 503)
+_INFER = [require_scope(SCOPE_INFERENCE)]
+
+
+def _model_out(m: ResolvedModel) -> s.Model:
+    return s.Model(id=m.name, created=m.created, owned_by=m.owned_by, root=m.parent or m.name, parent=m.parent)
+
+
+@get("/v1/models", guards=_INFER, responses=error_responses(401, 403), tags=["openai"], summary="List models")
+async def list_models(request: Request) -> s.ModelList:
+    """The base model and the adapters this tenant may use."""
+    principal = await principal_of(request)
+    models = await request.app.state.services.models.list_models(principal)
+    return s.ModelList(data=[_model_out(m) for m in models])
+
+
+@get("/v1/models/{model:str}", guards=_INFER, responses=error_responses(401, 403, 404), tags=["openai"],
+     summary="Retrieve a model")
+async def get_model(request: Request, model: str = Parameter(max_length=256)) -> s.Model:
+    principal = await principal_of(request)
+    resolved = await request.app.state.services.models.resolve(principal, model)
+    if resolved is None:
+        raise model_not_found(model)
+    return _model_out(resolved)
+
+
+def _engine_failure_error(exc: EngineFailure) -> ApiError:
+    return ApiError(503, f"The inference engine failed: {exc}", type="server_error", code="engine_error",
+                    headers={"Retry-After": "5"})
+
+
+def _error_event(exc: EngineFailure) -> bytes:
+    return sse_event(ErrorResponse(ErrorBody(message=f"The inference engine failed: {exc}", type="server_error",
+                                             code="engine_error")))
+
+
+async def _collect(request: Request, prep: Prepared, on_delta) -> None:
+    """Run to completion; a client that disconnects has its engine requests aborted at once."""
+
+    async def consume() -> None:
+        async for cd in prep.generation.stream():
+            on_delta(cd)
+
+    work = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()
+            prep.generation.close()
+    if work.cancelled():
+        raise ApiError(499, "client disconnected", code="client_closed_request")
+    try:
+        work.result()
+    except EngineFailure as exc:
+        raise _engine_failure_error(exc) from exc
+
+
+def _usage(gen) -> s.Usage:
+    return render.usage(gen.prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+
+
+# ---- completions ----------------------------------------------------------------------------------
+
+
+@post("/v1/completions", guards=_INFER, status_code=200, tags=["openai"], summary="Create a completion",
+      responses={**_ERRORS, 200: ResponseSpec(data_container=s.CompletionResponse, description="A completion, "
+                 "or with stream=true a text/event-stream of CompletionChunk events ending in [DONE]")})
+async def create_completion(request: Request, data: s.CompletionRequest) -> Response[s.CompletionResponse]:
+    principal, resolved = await authorize_and_resolve(request, data.model)
+    engine = request.app.state.services.engine
+    if data.best_of is not None and data.best_of != (data.n or 1):
+        raise ApiError(400, "best_of is not supported (use n).", param="best_of", code="unsupported")
+    if data.suffix:
+        raise ApiError(400, "suffix is not supported.", param="suffix", code="unsupported")
+    prompts, texts = await completion_prompts(data, engine)
+    if data.echo and any(t is None for t in texts):
+        raise ApiError(400, "echo needs string prompts.", param="echo", code="unsupported")
+    prep = await prepare(request, data, "completions", prompts, texts, resolved, principal,
+                         max_tokens=16 if data.max_tokens is None else data.max_tokens,
+                         max_tokens_param="max_tokens", prompt_param="prompt", logprobs=data.logprobs)
+    gen = prep.generation
+    n = gen.params.n
+    created = int(time.time())
+    echo = [texts[i // n] if data.echo else None for i in range(n * len(prompts))]
+    if data.stream:
+        include_usage = bool(data.stream_options and data.stream_options.include_usage)
+        return SSEStream(_completion_events(prep, resolved, created, echo, include_usage, engine),
+                         on_close=gen.close, headers=prep.headers)
+    choices = [render.ChoiceAccumulator() for _ in range(n * len(prompts))]
+    for i, text in enumerate(echo):
+        if text:
+            choices[i].add_text(text)
+
+    def on_delta(cd) -> None:
+        acc = choices[cd.index]
+        lp = render.completion_logprobs(engine, cd.delta, acc.offset)
+        if lp is not None:
+            acc.logprobs.append(lp)
+        acc.add_text(cd.delta.text)
+        if cd.delta.finished:
+            acc.finish_reason = render.finish_reason(cd.delta.finish_reason)
+
+    await _collect(request, prep, on_delta)
+    body = s.CompletionResponse(
+        id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
+        choices=[s.CompletionChoice(index=i, text="".join(c.text), logprobs=c.completion_logprobs(),
+                                    finish_reason=c.finish_reason or "stop") for i, c in enumerate(choices)],
+    )
+    return Response(body, headers=prep.headers)
+
+
+async def _completion_events(prep: Prepared, resolved, created: int, echo: list[str | None], include_usage: bool,
+                             engine) -> AsyncIterator[bytes]:
+    gen = prep.generation
+    offsets = [len(e or "") for e in echo]
+
+    def chunk(choices, usage=None) -> bytes:
+        return sse_event(s.CompletionChunk(id=gen.response_id, created=created, model=resolved.name,
+                                           choices=choices, usage=usage))
+
+    for i, text in enumerate(echo):
+        if text:
+            yield chunk([s.CompletionChoice(index=i, text=text, logprobs=None, finish_reason=None)])
+    try:
+        async for cd in gen.stream():
+            d = cd.delta
+            lp = render.completion_logprobs(engine, d, offsets[cd.index])
+            offsets[cd.index] += len(d.text)
+            if d.text or d.finished or lp is not None:
+                yield chunk([s.CompletionChoice(index=cd.index, text=d.text, logprobs=lp,
+                                                finish_reason=render.finish_reason(d.finish_reason))])
+    except EngineFailure as exc:
+        yield _error_event(exc)
+        return
+    if include_usage:
+        yield chunk([], _usage(gen))
+    yield DONE
+
+
+# ---- chat -----------------------------------------------------------------------------------------
+
+
+@post("/v1/chat/completions", guards=_INFER, status_code=200, tags=["openai"], summary="Create a chat completion",
+      responses={**_ERRORS, 200: ResponseSpec(data_container=s.ChatCompletionResponse, description="A chat "
+                 "completion, or with stream=true a text/event-stream of ChatCompletionChunk events ending in [DONE]")})
+async def create_chat_completion(request: Request, data: s.ChatCompletionRequest) -> Response[s.ChatCompletionResponse]:
+    principal, resolved = await authorize_and_resolve(request, data.model)
+    engine = request.app.state.services.engine
+    top_n = 0
+    if data.top_logprobs is not None:
+        if not data.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
+        if not 0 <= data.top_logprobs <= 20:
+            raise ApiError(400, "top_logprobs must be between 0 and 20.", param="top_logprobs")
+        top_n = data.top_logprobs
+    prompt = await chat_prompt(data, engine)
+    max_tokens, param = data.max_tokens, "max_tokens"
+    if data.max_completion_tokens is not None:
+        max_tokens, param = data.max_completion_tokens, "max_completion_tokens"
+    prep = await prepare(request, data, "chat.completions", [prompt], [None], resolved, principal,
+                         max_tokens=max_tokens, max_tokens_param=param, prompt_param="messages",
+                         logprobs=top_n if data.logprobs else None)
+    gen = prep.generation
+    created = int(time.time())
+    if data.stream:
+        include_usage = bool(data.stream_options and data.stream_options.include_usage)
+        return SSEStream(_chat_events(prep, resolved, created, include_usage, engine, top_n),
+                         on_close=gen.close, headers=prep.headers)
+    choices = [render.ChoiceAccumulator() for _ in range(gen.params.n)]
+
+    def on_delta(cd) -> None:
+        acc = choices[cd.index]
+        lp = render.chat_logprobs(engine, cd.delta, top_n)
+        if lp is not None:
+            acc.chat_logprobs.extend(lp.content or [])
+        acc.add_text(cd.delta.text)
+        if cd.delta.finished:
+            acc.finish_reason = render.finish_reason(cd.delta.finish_reason)
+
+    await _collect(request, prep, on_delta)
+    body = s.ChatCompletionResponse(
+        id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
+        choices=[s.ChatChoice(index=i, message=s.AssistantMessage(content="".join(c.text)),
+                              logprobs=s.ChatLogprobs(content=c.chat_logprobs) if data.logprobs else None,
+                              finish_reason=c.finish_reason or "stop") for i, c in enumerate(choices)],
+    )
+    return Response(body, headers=prep.headers)
+
+
+async def _chat_events(prep: Prepared, resolved, created: int, include_usage: bool, engine,
+                       top_n: int) -> AsyncIterator[bytes]:
+    gen = prep.generation
+
+    def chunk(choices, usage=None) -> bytes:
+        return sse_event(s.ChatCompletionChunk(id=gen.response_id, created=created, model=resolved.name,
+                                               choices=choices, usage=usage))
+
+    for i in range(gen.params.n):
+        yield chunk([s.ChatChunkChoice(index=i, delta=s.ChatDelta(role="assistant", content=""))])
+    try:
+        async for cd in gen.stream():
+            d = cd.delta
+            lp = render.chat_logprobs(engine, d, top_n)
+            if d.text or d.finished or lp is not None:
+                yield chunk([s.ChatChunkChoice(index=cd.index, delta=s.ChatDelta(content=d.text or None),
+                                               logprobs=lp, finish_reason=render.finish_reason(d.finish_reason))])
+    except EngineFailure as exc:
+        yield _error_event(exc)
+        return
+    if include_usage:
+        yield chunk([], _usage(gen))
+    yield DONE
+
+
+def route_handlers() -> list:
+    return [list_models, get_model, create_completion, create_chat_completion]

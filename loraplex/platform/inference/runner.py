@@ -1,0 +1,233 @@
+"""One HTTP inference request's engine work: admission, rate limits, engine requests, accounting.
+
+:class:`Generation` turns prepared prompts into a merged stream of per-choice deltas. Whatever ends
+it (completion, client disconnect, engine failure) its ``close`` aborts unfinished engine requests
+and records usage exactly once, on a task of its own so a cancelled HTTP task cannot skip it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from loraplex.engine.protocol import EngineDeadError, EngineRequest, TokenDelta
+from loraplex.engine.sampling_params import SamplingParams
+from loraplex.platform.auth import Principal
+from loraplex.platform.errors import ApiError
+from loraplex.platform.hooks import STATUS_ABORTED, STATUS_COMPLETED, STATUS_ERROR, ResolvedModel, UsageEvent
+from loraplex.platform.limits import RateGrant
+
+log = logging.getLogger(__name__)
+
+# how often a waiting stream re-checks that the engine is alive (a dead engine never hangs a stream)
+ENGINE_HEALTH_POLL_S = 0.5
+
+
+class EngineFailure(Exception):
+    """The engine failed mid-request (the stream ends with an error event)."""
+
+
+def new_response_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class ChoiceDelta:
+    index: int  # global choice index: prompt_index * n + sample index
+    delta: TokenDelta
+
+
+@dataclass
+class _PromptState:
+    request_id: str
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    finished_samples: int = 0
+    done: bool = False
+
+
+@dataclass
+class Generation:
+    services: object  # Services (kept loose to avoid an import cycle)
+    principal: Principal
+    model: ResolvedModel
+    endpoint: str
+    response_id: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    grant: RateGrant
+    arrival: float = field(default_factory=time.monotonic)
+    completion_tokens: int = 0  # delivered to the client
+    status: str = STATUS_COMPLETED
+    finish_reasons: list[str] = field(default_factory=list)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    _last_token: float | None = None
+    _states: list[_PromptState] = field(default_factory=list)
+    _closed: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(s.num_prompt_tokens for s in self._states)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(s.num_cached_tokens for s in self._states)
+
+    def _engine_requests(self) -> list[EngineRequest]:
+        salt = self.services.cache_salt(self.principal.tenant_id)
+        reqs = []
+        for i, ids in enumerate(self.prompts):
+            rid = self.response_id if len(self.prompts) == 1 else f"{self.response_id}-{i}"
+            self._states.append(_PromptState(rid, len(ids)))
+            reqs.append(EngineRequest(
+                request_id=rid, prompt_token_ids=ids, sampling_params=self.params,
+                lora_request=self.model.lora_request, tenant_id=self.principal.tenant_id, cache_salt=salt,
+                arrival_time=self.arrival,
+            ))
+        return reqs
+
+    async def stream(self) -> AsyncIterator[ChoiceDelta]:
+        """Merged deltas of every prompt's samples. Raises :class:`EngineFailure` if the engine fails."""
+        engine = self.services.engine
+        queue: asyncio.Queue = asyncio.Queue()
+        reqs = self._engine_requests()
+
+        async def pump(i: int, req: EngineRequest) -> None:
+            try:
+                async for delta in engine.generate(req):
+                    await queue.put((i, delta))
+            except Exception as exc:  # EngineDeadError or a bug: surfaced to the stream, not swallowed
+                await queue.put((i, exc))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i, r), name=f"gen:{r.request_id}") for i, r in enumerate(reqs)]
+        open_prompts = len(reqs)
+        try:
+            while open_prompts:
+                try:
+                    i, item = await asyncio.wait_for(queue.get(), ENGINE_HEALTH_POLL_S)
+                except asyncio.TimeoutError:
+                    if not engine.is_healthy():
+                        raise EngineFailure("the engine stopped") from None
+                    continue
+                if item is None:
+                    open_prompts -= 1
+                    self._states[i].done = True
+                    continue
+                if isinstance(item, Exception):
+                    if not isinstance(item, EngineDeadError):
+                        log.error("engine stream failed for %s", reqs[i].request_id, exc_info=item)
+                    raise EngineFailure(str(item) or type(item).__name__)
+                if item.finish_reason == "error" or item.error:
+                    raise EngineFailure(item.error or "engine error")
+                self._observe(i, item)
+                yield ChoiceDelta(i * self.params.n + item.index, item)
+                self.completion_tokens += len(item.token_ids)
+        except EngineFailure:
+            self.status = STATUS_ERROR
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            self.status = STATUS_ABORTED
+            raise
+        finally:
+            for t in tasks:
+                t.cancel()
+            if any(not s.done for s in self._states) and self.status == STATUS_COMPLETED:
+                self.status = STATUS_ABORTED
+            self.close()
+
+    def _observe(self, i: int, d: TokenDelta) -> None:
+        state = self._states[i]
+        if d.num_prompt_tokens:
+            state.num_prompt_tokens = d.num_prompt_tokens
+        state.num_cached_tokens = max(state.num_cached_tokens, d.num_cached_tokens)
+        now = time.monotonic()
+        if d.first_scheduled_time and self.first_scheduled is None:
+            self.first_scheduled = d.first_scheduled_time
+        if d.token_ids:
+            metrics, model = self.services.metrics, self.services.base_model_id
+            if self.first_token is None:
+                self.first_token = now
+                metrics.ttft.labels(model).observe(now - self.arrival)
+            elif self._last_token is not None:
+                metrics.itl.labels(model).observe((now - self._last_token) / len(d.token_ids))
+            self._last_token = now
+        if d.finished:
+            state.finished_samples += 1
+            if d.finish_reason:
+                self.finish_reasons.append(d.finish_reason)
+
+    def close(self) -> None:
+        """Abort what is still running and record usage, once (safe to call from a cancelled task)."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._states:  # never reached the engine: no usage, give back the reservation
+            self.services.spawn(self._release_unstarted(), name=f"release:{self.response_id}")
+            return
+        unfinished = [s.request_id for s in self._states if not s.done]
+        self.services.spawn(self._finish(unfinished), name=f"finish:{self.response_id}")
+
+    async def _release_unstarted(self) -> None:
+        try:
+            await self.services.limiter.settle(self.principal, self.grant, 0)
+        finally:
+            self.services.admission.release()
+
+    async def _finish(self, unfinished: list[str]) -> None:
+        s = self.services
+        for rid in unfinished:
+            try:
+                await s.engine.abort(rid)
+            except Exception:
+                log.warning("abort of %s failed", rid, exc_info=True)
+        end = time.monotonic()
+        tenant = self.principal.tenant_name
+        model = s.base_model_id
+        s.metrics.prompt_tokens.labels(model).inc(self.prompt_tokens)
+        s.metrics.generation_tokens.labels(model).inc(self.completion_tokens)
+        s.metrics.e2e.labels(model).observe(end - self.arrival)
+        reason = self.status if self.status != STATUS_COMPLETED else (self.finish_reasons or ["stop"])[-1]
+        s.metrics.request_success.labels(model, reason).inc()
+        s.metrics.tenant_requests.labels(tenant, self.status).inc()
+        s.metrics.tenant_tokens.labels(tenant, "prompt").inc(self.prompt_tokens)
+        s.metrics.tenant_tokens.labels(tenant, "cached").inc(self.cached_tokens)
+        s.metrics.tenant_tokens.labels(tenant, "completion").inc(self.completion_tokens)
+        try:
+            await s.limiter.settle(self.principal, self.grant, self.prompt_tokens + self.completion_tokens)
+        except Exception:
+            log.warning("rate-limit settlement failed for %s", self.response_id, exc_info=True)
+        m = self.model
+        event = UsageEvent(
+            request_id=self.response_id, tenant_id=self.principal.tenant_id, tenant_name=tenant,
+            key_id=self.principal.key_id, model=m.name, endpoint=self.endpoint,
+            prompt_tokens=self.prompt_tokens, cached_prompt_tokens=self.cached_tokens,
+            completion_tokens=self.completion_tokens, status=self.status, adapter_id=m.adapter_id,
+            adapter_version=m.adapter_version, adapter_name=m.adapter_name,
+            queue_s=None if self.first_scheduled is None else max(0.0, self.first_scheduled - self.arrival),
+            ttft_s=None if self.first_token is None else self.first_token - self.arrival,
+            total_s=end - self.arrival, finish_reason=(self.finish_reasons or [None])[-1],
+        )
+        try:
+            await s.usage.record(event)
+        except Exception:
+            log.exception("usage sink failed for %s", self.response_id)
+        finally:
+            s.admission.release()
+
+
+def engine_unavailable(services) -> ApiError | None:
+    from loraplex.platform.errors import overloaded
+
+    if services.engine is None:
+        return overloaded("The model is still loading; retry shortly.", 2)
+    if not services.engine.is_healthy():
+        return ApiError(503, "The inference engine is not running.", type="server_error", code="engine_unavailable",
+                        headers={"Retry-After": "5"})
+    return None

@@ -1,0 +1,54 @@
+"""A Litestar ``Stream`` that always runs a close callback, even when the client disconnects.
+
+Litestar cancels a streaming body on disconnect; an async generator suspended at ``yield`` would
+then not be closed until garbage collection. The callback aborts the engine request at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import msgspec
+from litestar.response import Stream
+from litestar.response.streaming import ASGIStreamingResponse
+from litestar.utils.helpers import get_enum_string_value
+
+SSE_MEDIA_TYPE = "text/event-stream"
+DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(payload: msgspec.Struct | dict) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+class _ClosingStreamingResponse(ASGIStreamingResponse):
+    __slots__ = ("on_close",)
+
+    async def send_body(self, send, receive) -> None:
+        try:
+            await super().send_body(send, receive)
+        finally:
+            self.on_close()
+
+
+class SSEStream(Stream):
+    def __init__(self, content, *, on_close: Callable[[], None], headers: dict[str, str] | None = None):
+        super().__init__(
+            content, media_type=SSE_MEDIA_TYPE,
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
+        )
+        self.on_close = on_close
+
+    def to_asgi_response(self, app, request, *, background=None, cookies=None, encoded_headers=None, headers=None,
+                         is_head_response=False, media_type=None, status_code=None, type_encoders=None):
+        headers = {**headers, **self.headers} if headers is not None else self.headers
+        cookies = self.cookies if cookies is None else itertools.chain(self.cookies, cookies)
+        response = _ClosingStreamingResponse(
+            background=self.background or background, content_length=0, cookies=cookies,
+            encoded_headers=encoded_headers, encoding=self.encoding, headers=headers,
+            is_head_response=is_head_response, iterator=self.iterator,
+            media_type=get_enum_string_value(media_type or self.media_type), status_code=self.status_code or status_code,
+        )
+        response.on_close = self.on_close
+        return response
