@@ -40,7 +40,9 @@ class LoRAStep:
         self._configs: dict[str, object] = {}
         if use_triton and num_active:
             from loraplex.kernels.lora_meta import build_lora_meta
-            from loraplex.kernels.lora_ops import choose_config
+            from loraplex.kernels.lora_ops import choose_config, lora_apply
+
+            self._lora_apply = lora_apply
 
             num_tokens = token_slots.shape[0]
             shapes = pool.shapes
@@ -66,11 +68,9 @@ class LoRAStep:
         if x.stride(-1) != 1:
             x = x.contiguous()
         if self.use_triton:
-            from loraplex.kernels.lora_ops import lora_apply
-
             loc = self.pool.slice_loc_host[proj]
             width = max(hi - lo for lo, hi in zip(loc[:-1], loc[1:]))
-            return lora_apply(x, out, a, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj], width,
+            return self._lora_apply(x, out, a, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj], width,
                               self._meta, self._configs[proj], self._scratch)
         from loraplex.kernels.lora_ref import lora_apply_ref
 

@@ -1,0 +1,246 @@
+"""Microbenchmark of the LoRA shrink/expand kernels on Llama-3-8B projection shapes.
+
+    python -m loraplex.bench.lora_kernels --out docs/benchmarks/lora_kernels_h200.json     # on a GPU
+    TRITON_INTERPRET=1 python -m loraplex.bench.lora_kernels --smoke --out /tmp/lora.json   # CPU check
+
+Measures, in one run: the device copy bandwidth (bytes read + written by a large device-to-device copy);
+shrink and expand per fused projection (q|k|v, o, gate|up, down) for decode (64 tokens over 64 distinct
+adapters) and prefill (8,192 tokens over 8 adapters) at ranks 16 and 64: median time (triton's do_bench,
+L2 flushed between calls), the bytes each kernel must move at the adapters' real rank, GB/s and % of the
+copy bandwidth; and all LoRA work of one decode step (32 layers x 4 fused projections = all 7 modules,
+64 tokens on 64 distinct rank-16 adapters) replayed as one CUDA graph through the engine's own
+``LoRAStep.add`` path. Writes JSON to --out and a markdown table next to it (.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import shlex
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 32}
+SMOKE = {"hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 16, "num_hidden_layers": 2}
+STEP_TARGET_MS = 2.0
+
+
+def _median_seconds(fn, device: torch.device, reps: int) -> float:
+    if device.type == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=10, rep=max(20, reps), return_mode="median") / 1e3
+    fn()
+    times = []
+    for _ in range(max(1, reps // 20)):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    seconds = _median_seconds(lambda: dst.copy_(src), device, reps=100)
+    return 2 * nbytes / seconds
+
+
+def _pool_case(shapes, proj: str, num_tokens: int, num_adapters: int, rank: int, device, dtype, seed: int):
+    """One fused projection: x, out, stacked weights (one slot per adapter), ranks, scaling, tokens."""
+    from loraplex.kernels.lora_testing import make_lora_batch
+
+    widths = shapes.slice_widths(proj)
+    slots = (torch.arange(num_tokens) * num_adapters // num_tokens).to(torch.int32)  # equal runs per adapter
+    return make_lora_batch(num_tokens, shapes.proj_in(proj), widths, num_slots=num_adapters, max_rank=rank,
+                           slot_ranks=[[rank] * num_adapters for _ in widths], dtype=dtype, device=device,
+                           seed=seed, token_slots=slots)
+
+
+def _bench_case(shapes, regime: str, num_tokens: int, num_adapters: int, rank: int, proj: str, device, dtype,
+                copy_bw: float, reps: int) -> list[dict]:
+    from loraplex.kernels.lora_expand import lora_expand
+    from loraplex.kernels.lora_meta import build_lora_meta
+    from loraplex.kernels.lora_ops import choose_config
+    from loraplex.kernels.lora_shrink import lora_shrink
+
+    elem = torch.finfo(dtype).bits // 8
+    b = _pool_case(shapes, proj, num_tokens, num_adapters, rank, device, dtype, seed=rank)
+    k_dim, n_total, num_slices = b.x.shape[1], b.out.shape[1], len(b.slice_loc) - 1
+    cfg = choose_config(num_tokens, num_adapters, num_adapters, rank, k_dim, num_slices)
+    meta = build_lora_meta(b.token_slots, num_adapters, cfg.block_m)
+    y = lora_shrink(b.x, b.lora_a, b.ranks, meta, split_k=cfg.split_k, block_r=cfg.block_r, block_k=cfg.block_k)
+    width = b.max_slice_width
+
+    def shrink():
+        lora_shrink(b.x, b.lora_a, b.ranks, meta, split_k=cfg.split_k, block_r=cfg.block_r, block_k=cfg.block_k,
+                    y=y)
+
+    def expand():
+        lora_expand(y, b.lora_b, b.ranks, b.scaling, b.slice_loc, width, meta, b.out, block_n=cfg.block_n)
+
+    y_bytes = cfg.split_k * num_slices * num_tokens * rank * 4
+    figures = (
+        ("shrink", shrink, (num_tokens * k_dim + num_adapters * num_slices * rank * k_dim) * elem + y_bytes),
+        ("expand", expand, y_bytes + (num_adapters * rank * n_total + 2 * num_tokens * n_total) * elem),
+    )
+    rows = []
+    for kernel, fn, nbytes in figures:
+        seconds = _median_seconds(fn, device, reps)
+        rows.append({
+            "regime": regime, "tokens": num_tokens, "adapters": num_adapters, "rank": rank, "proj": proj,
+            "kernel": kernel, "K": k_dim if kernel == "shrink" else rank,
+            "N": num_slices * rank if kernel == "shrink" else n_total, "split_k": cfg.split_k,
+            "block_m": cfg.block_m, "time_us": seconds * 1e6, "bytes": nbytes, "gb_s": nbytes / seconds / 1e9,
+            "pct_copy_bw": 100 * nbytes / seconds / copy_bw,
+        })
+        log.info("%s", rows[-1])
+    return rows
+
+
+def bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw: float, reps: int) -> list[dict]:
+    from loraplex.adapters.modules import PROJ_MODULES
+
+    rows = []
+    for regime, num_tokens, num_adapters in regimes:
+        for rank in ranks:
+            for proj in PROJ_MODULES:
+                rows += _bench_case(shapes, regime, num_tokens, num_adapters, rank, proj, device, dtype, copy_bw,
+                                    reps)
+    return rows
+
+
+def bench_decode_step(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: float, reps: int) -> dict:
+    """All LoRA work of one decode step through LoRAStep.add, one adapter per token, replayed as a CUDA graph."""
+    from loraplex.adapters.mapping import LoRAStep
+    from loraplex.adapters.modules import PROJ_MODULES
+    from loraplex.adapters.slot_pool import SlotPool
+
+    pool = SlotPool(shapes, num_tokens, rank, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for t in (*pool.a.values(), *pool.bt.values()):
+        t.normal_(0.0, 0.02, generator=gen)
+    pool.ranks.fill_(rank)
+    pool.scaling.fill_(2.0)
+    token_slots = torch.arange(num_tokens, dtype=torch.int32, device=device)
+    step = LoRAStep(pool, token_slots, num_tokens, use_triton=True)
+    xs = {p: torch.randn(num_tokens, shapes.proj_in(p), dtype=dtype, device=device) for p in PROJ_MODULES}
+    outs = {p: torch.randn(num_tokens, sum(shapes.slice_widths(p)), dtype=dtype, device=device)
+            for p in PROJ_MODULES}
+
+    def run_step():
+        for layer in range(shapes.num_layers):
+            for p in PROJ_MODULES:
+                step.add(layer, p, xs[p], outs[p])
+
+    elem = torch.finfo(dtype).bits // 8
+    lora_bytes = sum(t.numel() for t in (*pool.a.values(), *pool.bt.values())) * elem  # every slot is active
+    result = {"tokens": num_tokens, "adapters": num_tokens, "rank": rank, "layers": shapes.num_layers,
+              "launches": 2 * len(PROJ_MODULES) * shapes.num_layers, "lora_bytes": lora_bytes,
+              "floor_ms": lora_bytes / copy_bw * 1e3, "target_ms": STEP_TARGET_MS}
+    if device.type == "cuda":
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            run_step()  # compile and warm up outside the capture
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run_step()
+        times = []
+        for _ in range(5):
+            graph.replay()
+        for _ in range(reps):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(begin.elapsed_time(end) / 1e3)
+        seconds = statistics.median(times)
+        result["cuda_graph"] = True
+    else:
+        seconds = _median_seconds(run_step, device, reps)
+        result["cuda_graph"] = False
+    result.update(time_ms=seconds * 1e3, gb_s=lora_bytes / seconds / 1e9,
+                  pct_copy_bw=100 * lora_bytes / seconds / copy_bw)
+    return result
+
+
+def _markdown(payload: dict) -> str:
+    env, step = payload["environment"], payload["decode_step"]
+    lines = [f"# LoRA shrink/expand microbenchmark ({env['device_name']})", "", "Command:", "", "```",
+             payload["command"], "```", "",
+             f"Copy bandwidth (device-to-device, read + write): **{payload['copy_bandwidth_gb_s']:.0f} GB/s**. "
+             f"Bytes: what each kernel must move at the adapters' real rank (x or y, A or B, out read + write).",
+             "", "| regime | tokens | adapters | rank | proj | kernel | split-K | time (us) | MB | GB/s | % copy BW |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in payload["kernels"]:
+        lines.append(f"| {r['regime']} | {r['tokens']} | {r['adapters']} | {r['rank']} | {r['proj']} | "
+                     f"{r['kernel']} | {r['split_k']} | {r['time_us']:.1f} | {r['bytes'] / 1e6:.2f} | "
+                     f"{r['gb_s']:.0f} | {r['pct_copy_bw']:.1f} |")
+    lines += ["", "## All LoRA work of one decode step", "",
+              f"{step['tokens']} tokens on {step['adapters']} distinct rank-{step['rank']} adapters, "
+              f"{step['layers']} layers x q|k|v, o, gate|up, down ({step['launches']} kernel launches"
+              f"{', one CUDA graph' if step['cuda_graph'] else ''}):", "",
+              "| time (ms) | LoRA bytes (GB) | bandwidth floor (ms) | target (ms) | GB/s | % copy BW |",
+              "|---|---|---|---|---|---|",
+              f"| {step['time_ms']:.3f} | {step['lora_bytes'] / 1e9:.2f} | {step['floor_ms']:.3f} | "
+              f"{step['target_ms']:.1f} | {step['gb_s']:.0f} | {step['pct_copy_bw']:.1f} |", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loraplex.bench.lora_kernels", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="docs/benchmarks/lora_kernels_h200.json", help="JSON path (.md beside it)")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU with TRITON_INTERPRET=1)")
+    parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    parser.add_argument("--reps", type=int, default=100, help="timed repetitions per figure")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from loraplex.adapters.modules import BaseShapes
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda" and not args.smoke:
+        parser.error("the full benchmark needs CUDA; use --smoke on the CPU (with TRITON_INTERPRET=1)")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter has no bf16 dot
+    if args.smoke:
+        shapes, reps = BaseShapes.from_config(SMOKE), min(args.reps, 20)
+        regimes, ranks, step_tokens, copy_bytes = [("decode", 8, 8), ("prefill", 96, 2)], [16], 8, 1 << 22
+    else:
+        shapes, reps = BaseShapes.from_config(LLAMA3_8B), args.reps
+        regimes, ranks, step_tokens, copy_bytes = [("decode", 64, 64), ("prefill", 8192, 8)], [16, 64], 64, 1 << 30
+    copy_bw = measure_copy_bandwidth(device, copy_bytes)
+    log.info("copy bandwidth %.0f GB/s", copy_bw / 1e9)
+    kernels = bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw, reps)
+    step = bench_decode_step(shapes, step_tokens, 16, device, dtype, copy_bw, reps)
+    log.info("decode step: %s", step)
+    import triton
+
+    env = {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+           "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype).replace("torch.", "")}
+    payload = {"command": "python -m loraplex.bench.lora_kernels " + " ".join(shlex.quote(a) for a in
+                                                                            (sys.argv[1:] if argv is None else argv)),
+               "environment": env, "smoke": args.smoke, "shapes": dataclasses.asdict(shapes),
+               "copy_bandwidth_gb_s": copy_bw / 1e9, "kernels": kernels, "decode_step": step}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    out.with_suffix(".md").write_text(_markdown(payload))
+    log.info("wrote %s and %s", out, out.with_suffix(".md"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
