@@ -1,0 +1,100 @@
+"""``loraplex bench offline``: model + adapters, the HF + PEFT peer, throughput by popularity, decode step vs
+roofline, one report. The peer runs first and frees the GPU before the engine takes its KV cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _smoke(args) -> None:
+    """CPU-sized settings: the tiny demo-model shape, a handful of requests."""
+    args.layers = 2
+    args.num_requests = min(args.num_requests, 6)
+    args.input_len, args.output_len = 12, 4
+    args.rank = min(args.rank, 8)
+    args.num_adapter_files, args.max_loras, args.max_num_seqs = 3, 4, 8
+    args.step_batch, args.step_context, args.step_count = 3, 16, 3
+    args.peer_requests, args.peer_batch, args.peer_adapters = 2, 2, 2
+    args.dtype = "float32"
+
+
+def prepare_model(args, device: torch.device) -> Path:
+    from loraplex.bench.llama8b import RandomModelSpec, write_random_model
+
+    if args.model:
+        return Path(args.model)
+    if args.smoke:
+        spec = RandomModelSpec(num_layers=2, hidden_size=64, intermediate_size=176, num_heads=4, num_kv_heads=2,
+                               vocab_size=512, max_position_embeddings=512)
+        return write_random_model(Path(args.work_dir) / "smoke-model", spec, device)
+    spec = RandomModelSpec(num_layers=args.layers)
+    return write_random_model(Path(args.work_dir) / f"llama3-8b-shape-{args.layers}l", spec, device)
+
+
+def run_offline_bench(args, device: torch.device, out_dir: str | None) -> int:
+    from loraplex.bench.llama8b import write_adapter_pool
+    from loraplex.bench.offline import make_llm, measure_decode_step, run_popularities
+    from loraplex.bench.report import environment, write_report
+    from loraplex.bench.roofline import ModelShape, decode_step_bytes, measure_copy_bandwidth, roofline
+    from loraplex.bench.sections import peer_section, step_section, throughput_section
+
+    if args.smoke:
+        _smoke(args)
+    model_dir = prepare_model(args, device)
+    hf_cfg = json.loads((model_dir / "config.json").read_text())
+    shape = ModelShape.from_hf(hf_cfg)
+    num_files = max(args.num_adapter_files, args.peer_adapters if args.peer != "none" else 0)
+    adapter_dirs = write_adapter_pool(model_dir, num_files, args.rank, device)
+    dtype = getattr(torch, args.dtype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
+    result: dict = {"environment": environment(device), "model_dir": str(model_dir), "model_shape": vars(shape),
+                    "copy_bandwidth_Bps": bandwidth, "settings": {k: v for k, v in vars(args).items()
+                                                                  if k != "func"}}
+    sections = []
+
+    if args.peer == "hf-peft":
+        from loraplex.bench.peer_hf import run_hf_peft
+
+        result["peer"] = run_hf_peft(
+            model_dir, adapter_dirs[: args.peer_adapters], device, dtype, args.peer_requests, args.peer_batch,
+            args.input_len, args.peer_output_len or args.output_len, shape.vocab_size, seed=args.seed)
+
+    llm = make_llm(model_dir, str(device), args.dtype, args.max_loras, args.rank,
+                   max_num_seqs=args.max_num_seqs, max_cpu_loras=args.max_cpu_loras,
+                   max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+    # warm-up: compiles kernels, fills allocator pools; with adapters so their path warms too
+    run_popularities(llm, ["uniform"], min(8, args.num_requests), min(args.input_len, 64), 4, "fixed",
+                     shape.vocab_size, adapter_dirs, seed=args.seed + 99)
+
+    rows = run_popularities(llm, args.popularity, args.num_requests, args.input_len, args.output_len,
+                            args.len_dist, shape.vocab_size, adapter_dirs, seed=args.seed)
+    result["throughput"] = rows
+    sections.append(throughput_section(rows))
+
+    if args.step_batch > 0:
+        steps = []
+        for label, distinct in (("base", False), (f"{args.step_batch} distinct rank-{args.rank} adapters", True)):
+            step = measure_decode_step(llm, args.step_batch, args.step_context, args.step_count, shape.vocab_size,
+                                       adapter_dirs, distinct_adapters=distinct)
+            ctx = round(step["mean_context"])
+            ranks = [args.rank] * args.step_batch if distinct else []
+            step_bytes = decode_step_bytes(shape, [ctx] * args.step_batch, ranks, elem_bytes=elem)
+            step["roofline"] = roofline(step_bytes, bandwidth, step["step_mean_s"])
+            step["label"] = label
+            steps.append(step)
+        result["decode_step"] = steps
+        sections.append(step_section(steps))
+
+    if "peer" in result:
+        sections.append(peer_section(result["peer"], rows))
+    json_path, md_path = write_report("offline", result, sections, out_dir)
+    print(md_path.read_text())
+    print(f"wrote {json_path} and {md_path}")
+    return 0

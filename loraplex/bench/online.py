@@ -1,0 +1,195 @@
+"""``loraplex bench online``: Poisson arrivals at rate R through the OpenAI-compatible HTTP API.
+
+Each request streams ``/v1/completions`` (SSE, ``stream_options.include_usage``, ``ignore_eos``, greedy).
+Per request: TTFT (send → first token chunk), ITL (gaps between token chunks), TPOT ((E2E − TTFT) ÷
+(output tokens − 1)) and E2E latency. Reported: p50/p90/p99 and mean of each, output throughput, and
+goodput = requests per second that met both SLOs (TTFT ≤ --slo-ttft-ms and TPOT ≤ --slo-tpot-ms).
+Module-level imports stay light: ``loraplex bench --help`` imports this file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestRecord:
+    start: float
+    first_token: float | None = None
+    end: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.start
+
+    @property
+    def e2e(self) -> float | None:
+        return None if self.end is None else self.end - self.start
+
+    @property
+    def tpot(self) -> float | None:
+        if self.end is None or self.first_token is None or self.output_tokens < 2:
+            return None
+        return (self.end - self.first_token) / (self.output_tokens - 1)
+
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:])]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _dist(values: list[float]) -> dict:
+    return {"mean": sum(values) / len(values) if values else None, "p50": percentile(values, 50),
+            "p90": percentile(values, 90), "p99": percentile(values, 99), "count": len(values)}
+
+
+def summarize(records: list[RequestRecord], duration: float, slo_ttft: float, slo_tpot: float) -> dict:
+    ok = [r for r in records if r.error is None and r.end is not None]
+    good = [r for r in ok if r.ttft is not None and r.ttft <= slo_ttft and (r.tpot is None or r.tpot <= slo_tpot)]
+    out_tokens = sum(r.output_tokens for r in ok)
+    return {
+        "num_requests": len(records), "completed": len(ok), "failed": len(records) - len(ok),
+        "duration_s": duration, "output_tokens": out_tokens,
+        "output_tok_per_s": out_tokens / duration if duration else None,
+        "req_per_s": len(ok) / duration if duration else None,
+        "goodput_req_per_s": len(good) / duration if duration else None,
+        "slo_ttft_s": slo_ttft, "slo_tpot_s": slo_tpot,
+        "ttft_s": _dist([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_s": _dist([r.tpot for r in ok if r.tpot is not None]),
+        "itl_s": _dist([x for r in ok for x in r.itls]),
+        "e2e_s": _dist([r.e2e for r in ok if r.e2e is not None]),
+        "errors": sorted({r.error for r in records if r.error})[:5],
+    }
+
+
+def poisson_offsets(n: int, rate: float, rng: random.Random) -> list[float]:
+    """Send times (s from the start) of n requests arriving as a Poisson process; rate inf = all at once."""
+    if rate == float("inf"):
+        return [0.0] * n
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+async def _one(client, url: str, headers: dict, body: dict, record: RequestRecord) -> None:
+    try:
+        async with client.stream("POST", url, headers=headers, json=body) as resp:
+            if resp.status_code != 200:
+                record.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    record.output_tokens = chunk["usage"].get("completion_tokens", record.output_tokens)
+                    record.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+                if any(c.get("text") for c in chunk.get("choices") or []):
+                    if record.first_token is None:
+                        record.first_token = now
+                    record.chunk_times.append(now)
+        record.end = time.perf_counter()
+        if not record.output_tokens:
+            record.output_tokens = len(record.chunk_times)
+    except Exception as exc:  # a failed request is counted, never fatal to the run
+        record.error = f"{type(exc).__name__}: {exc}"
+
+
+async def run_online(
+    base_url: str, api_key: str | None, models: list[str], prompts: list, output_lens: list[int], rate: float,
+    seed: int = 0, timeout_s: float = 600.0,
+) -> tuple[list[RequestRecord], float]:
+    """Send ``prompts[i]`` (text or token ids) to ``models[i]`` at Poisson times; returns records + duration."""
+    import asyncio
+
+    import httpx
+
+    url = base_url.rstrip("/") + "/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    offsets = poisson_offsets(len(prompts), rate, random.Random(seed))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        start = time.perf_counter()
+        tasks, records = [], []
+        for offset, model, prompt, out_len in zip(offsets, models, prompts, output_lens):
+            delay = start + offset - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0.0,
+                    "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+            record = RequestRecord(start=time.perf_counter())
+            records.append(record)
+            tasks.append(asyncio.create_task(_one(client, url, headers, body, record)))
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+    return records, duration
+
+
+def add_online_args(p) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
+    p.add_argument("--api-key", default=os.environ.get("LORAPLEX_API_KEY"), help="env LORAPLEX_API_KEY")
+    p.add_argument("--model", required=False, help="served base model name")
+    p.add_argument("--adapters", default="", help="comma-separated served adapter names used by --popularity")
+    p.add_argument("--popularity", default="base", choices=("base", "identical", "zipf", "uniform", "distinct"))
+    p.add_argument("--rate", type=float, default=4.0, help="requests per second (inf = all at once)")
+    p.add_argument("--num-requests", type=int, default=200)
+    p.add_argument("--input-len", type=int, default=512, help="prompt tokens (sent as token ids)")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--len-dist", default="fixed", choices=("fixed", "uniform", "exponential"))
+    p.add_argument("--vocab-size", type=int, default=512, help="prompt token ids are drawn below this")
+    p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run_online_cli(args) -> int:
+    import asyncio
+    import tempfile
+
+    from loraplex.bench.report import write_report
+    from loraplex.bench.sections import online_section
+    from loraplex.bench.workload import make_requests
+
+    if not args.model:
+        raise SystemExit("--model is required: the served base model name (GET /v1/models lists it)")
+    adapters = [a for a in args.adapters.split(",") if a]
+    if args.popularity != "base" and not adapters:
+        raise SystemExit(f"--popularity {args.popularity} needs --adapters (served adapter names)")
+    reqs = make_requests(args.num_requests, args.input_len, args.output_len, args.popularity, args.vocab_size,
+                         args.seed, args.len_dist)
+    models = [args.model if r.adapter is None else adapters[r.adapter % len(adapters)] for r in reqs]
+    records, duration = asyncio.run(run_online(
+        args.url, args.api_key, models, [r.prompt_token_ids for r in reqs], [r.output_len for r in reqs],
+        args.rate, seed=args.seed))
+    summary = summarize(records, duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    result = {"url": args.url, "rate": args.rate, "popularity": args.popularity, "adapters": adapters,
+              "input_len": args.input_len, "output_len": args.output_len, "summary": summary}
+    out_dir = args.out_dir or (tempfile.mkdtemp(prefix="loraplex-bench-smoke-") if args.smoke else None)
+    json_path, md_path = write_report("online", result, [online_section(result)], out_dir)
+    print(md_path.read_text())
+    print(f"wrote {json_path} and {md_path}")
+    return 0 if summary["completed"] else 1

@@ -1,0 +1,78 @@
+"""Write a benchmark result as JSON + a markdown report (tables + the exact command) to docs/benchmarks/."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_OUT_DIR = Path("docs/benchmarks")
+
+
+def environment(device) -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if getattr(device, "type", str(device)).startswith("cuda"):
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, gpu_memory_gb=round(props.total_memory / 2**30, 1),
+                   sm_count=props.multi_processor_count)
+    return env
+
+
+def command_line(argv: list[str] | None = None) -> str:
+    args = sys.argv[1:] if argv is None else argv
+    return "loraplex " + " ".join(shlex.quote(a) for a in args)
+
+
+def fmt(value) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3g}"
+    return str(value)
+
+
+def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """Markdown table; ``columns`` = (key, header). Missing keys print as a dash."""
+    head = "| " + " | ".join(h for _, h in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    body = ["| " + " | ".join(fmt(r.get(k)) for k, _ in columns) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
+
+
+def write_report(
+    name: str, result: dict, sections: list[tuple[str, str]], out_dir: str | Path | None = None,
+    argv: list[str] | None = None,
+) -> tuple[Path, Path]:
+    """``sections``: (title, markdown body). Returns the JSON and markdown paths."""
+    out = Path(out_dir) if out_dir else DEFAULT_OUT_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    cmd = command_line(argv)
+    payload = {"name": name, "time_utc": stamp, "command": cmd, **result}
+    json_path = out / f"{name}-{stamp}.json"
+    md_path = out / f"{name}-{stamp}.md"
+    json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    env = result.get("environment", {})
+    lines = [f"# {name} ({stamp} UTC)", "", "Command:", "", "```", cmd, "```", ""]
+    if env:
+        lines += ["Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), ""]
+    for title, body in sections:
+        lines += [f"## {title}", "", body, ""]
+    lines += [f"Raw figures: `{json_path.name}`.", ""]
+    md_path.write_text("\n".join(lines))
+    return json_path, md_path

@@ -1,0 +1,101 @@
+"""The HBM roofline of a decode step: bytes it must read ÷ the device copy bandwidth measured in this run.
+
+A decode step reads every base weight once (the embedding only for the batch's rows), the weights of each
+adapter that is active in the step (A and B of all targeted projections, at the adapter's real rank),
+and the whole KV of every sequence in the batch. Activations and the new tokens' KV writes are
+kilobytes and are left out, so the floor is a lower bound on the step time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from loraplex.bench.timing import time_per_call
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModelShape:
+        heads = cfg["num_attention_heads"]
+        return cls(
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, vocab_size=cfg["vocab_size"],
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+    def proj_dims(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of each LoRA-targetable projection."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def layer_params(self) -> int:
+        return sum(a * b for a, b in self.proj_dims().values()) + 2 * self.hidden_size
+
+    def lora_params_per_rank(self, targets: tuple[str, ...] = PROJECTIONS) -> int:
+        """A and B elements of one adapter of rank 1 over all layers (81,920 per layer for Llama-3-8B)."""
+        dims = self.proj_dims()
+        return self.num_layers * sum(dims[t][0] + dims[t][1] for t in targets)
+
+    def kv_bytes_per_token(self, elem_bytes: int) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem_bytes
+
+
+@dataclass
+class StepBytes:
+    weights: int
+    lora: int
+    kv: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.lora + self.kv
+
+
+def decode_step_bytes(
+    shape: ModelShape, context_lens: list[int], adapter_ranks: list[int], elem_bytes: int = 2,
+    targets: tuple[str, ...] = PROJECTIONS,
+) -> StepBytes:
+    """Bytes one decode step reads: ``context_lens`` per sequence, ``adapter_ranks`` per *distinct* active adapter."""
+    batch = len(context_lens)
+    lm_head = shape.vocab_size * shape.hidden_size
+    embed_rows = batch * shape.hidden_size
+    weights = (shape.num_layers * shape.layer_params() + lm_head + embed_rows + shape.hidden_size) * elem_bytes
+    lora = sum(adapter_ranks) * shape.lora_params_per_rank(targets) * elem_bytes
+    kv = sum(context_lens) * shape.kv_bytes_per_token(elem_bytes)
+    return StepBytes(weights=weights, lora=lora, kv=kv)
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    n = nbytes // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
+    dst = torch.empty_like(src)
+    seconds = time_per_call(lambda: dst.copy_(src), device, iters=iters)
+    return 2 * nbytes / seconds
+
+
+def roofline(step: StepBytes, bandwidth: float, measured_step_s: float | None = None) -> dict:
+    floor = step.total / bandwidth
+    out = {**asdict(step), "total_bytes": step.total, "copy_bandwidth_Bps": bandwidth, "floor_s": floor}
+    if measured_step_s is not None:
+        out["measured_step_s"] = measured_step_s
+        out["measured_over_floor"] = measured_step_s / floor
+    return out
