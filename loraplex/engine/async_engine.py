@@ -61,13 +61,14 @@ class AsyncEngine:
         added = concurrent.futures.Future()
         self._send(("add", request, stream, added))
         await asyncio.wrap_future(added)
+        finished: set[int] = set()  # as seen here (stream.finished is the loop thread's view)
         done = False
         try:
             while not done:
                 delta = await stream.queue.get()
                 if delta.finished:
-                    stream.finished.add(delta.index)
-                    done = len(stream.finished) >= stream.num_samples
+                    finished.add(delta.index)
+                    done = len(finished) >= stream.num_samples
                 yield delta
         finally:
             if not done:

@@ -38,11 +38,19 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
+def _line_id(line: str, line_no: int) -> str:
+    try:
+        item = json.loads(line)
+    except ValueError:
+        return str(line_no)
+    return str(item.get("id", line_no)) if isinstance(item, dict) else str(line_no)
+
+
 def _parse(line: str, defaults: dict, line_no: int):
     item = json.loads(line)
     if not isinstance(item, dict):
         raise ValueError("each line must be a JSON object")
-    rid = str(item.get("id", line_no))
+    rid = _line_id(line, line_no)
     if "prompt_token_ids" in item:
         prompt = {"prompt_token_ids": [int(t) for t in item["prompt_token_ids"]]}
     elif isinstance(item.get("prompt"), str):
@@ -73,7 +81,7 @@ def run(args) -> int:
             try:
                 pending.append(_parse(line, defaults, line_no))
             except (ValueError, TypeError, KeyError) as exc:
-                pending.append((str(line_no), None, None, str(exc)))
+                pending.append((_line_id(line, line_no), None, None, str(exc)))
             if len(pending) >= CHUNK:
                 ok, failed = _flush(llm, pending, dst)
                 num_ok, num_failed = num_ok + ok, num_failed + failed

@@ -43,13 +43,19 @@ class LLM:
         priorities = _per_prompt(list(priority) if priority is not None else 0, num, "priority")
         outputs: dict[str, RequestOutput] = {}
         order = []
-        for prompt, p, lora, prio in zip(prompts, params, loras, priorities):
-            text, token_ids = self._tokenize(prompt)
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, token_ids, p, lora_request=lora, priority=prio, prompt=text)
-            outputs[request_id] = RequestOutput(request_id, text, token_ids,
-                                                [CompletionOutput(index=i) for i in range(p.n)])
-            order.append(request_id)
+        try:
+            for prompt, p, lora, prio in zip(prompts, params, loras, priorities):
+                text, token_ids = self._tokenize(prompt)
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, token_ids, p, lora_request=lora, priority=prio, prompt=text)
+                outputs[request_id] = RequestOutput(request_id, text, token_ids,
+                                                    [CompletionOutput(index=i) for i in range(p.n)])
+                order.append(request_id)
+        except Exception:
+            for request_id in order:  # all or nothing: a bad prompt leaves no work behind
+                self.engine.abort_request(request_id)
+            self.engine.step()
+            raise
         while self.engine.has_unfinished_requests():
             for delta in self.engine.step():
                 out = outputs.get(delta.request_id)

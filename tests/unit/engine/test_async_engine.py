@@ -1,0 +1,102 @@
+"""AsyncEngine: streaming deltas from the loop thread, aborts, and a dead loop that never hangs a caller."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from loraplex import LLM, SamplingParams
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.protocol import EngineDeadError, EngineRequest
+
+
+@pytest.fixture
+async def engine(tiny_model):
+    eng = AsyncEngine.from_config(EngineConfig(model=tiny_model["model_dir"], dtype="float32"))
+    yield eng
+    await eng.shutdown()
+
+
+async def _collect(eng, req):
+    return [d async for d in eng.generate(req)]
+
+
+async def test_streams_match_offline_api(engine, tiny_model):
+    assert engine.model_id == tiny_model["model_dir"].rstrip("/").split("/")[-1]
+    prompt = engine.apply_chat_template([{"role": "user", "content": "Hello there"}])
+    assert prompt == engine.encode("<|user|>Hello there<|end|><|assistant|>", add_special_tokens=True)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    reqs = [EngineRequest(f"r{i}", prompt[: 5 + i * 3], params) for i in range(3)]
+    streams = await asyncio.gather(*(_collect(engine, r) for r in reqs))
+    offline = LLM(tiny_model["model_dir"], dtype="float32").generate(
+        [{"prompt_token_ids": r.prompt_token_ids} for r in reqs], params)
+    for deltas, want in zip(streams, offline):
+        assert sum((d.token_ids for d in deltas), []) == want.outputs[0].token_ids
+        assert "".join(d.text for d in deltas) == want.outputs[0].text
+        final = deltas[-1]
+        assert final.finished and final.finish_reason == "length" and final.num_generated_tokens == 12
+        assert deltas[0].first_token_time is not None and final.finished_time is not None
+        assert not any(d.finished for d in deltas[:-1])
+    assert engine.is_healthy() and engine.stats().num_running == 0
+
+
+async def test_n_samples_stream_until_all_finish(engine):
+    params = SamplingParams(n=3, max_tokens=5, temperature=1.0, seed=1, ignore_eos=True)
+    deltas = await _collect(engine, EngineRequest("multi", [1, 50, 60, 70], params))
+    assert sorted(d.index for d in deltas if d.finished) == [0, 1, 2]
+
+
+async def test_abort_and_early_exit_end_the_stream(engine):
+    params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+    got = []
+
+    async def consume():
+        async for d in engine.generate(EngineRequest("long", [1, 40, 41], params)):
+            got.append(d)
+
+    task = asyncio.create_task(consume())
+    while not got:
+        await asyncio.sleep(0.01)
+    await engine.abort("long")
+    await asyncio.wait_for(task, 10)
+    assert got[-1].finished and got[-1].finish_reason == "abort"
+    # leaving the iterator early aborts too: the engine drains
+    stream = engine.generate(EngineRequest("left", [1, 40, 41], params))
+    await stream.__anext__()
+    await stream.aclose()
+    for _ in range(200):
+        if engine.stats().num_running == 0 and not engine.engine.has_unfinished_requests():
+            break
+        await asyncio.sleep(0.01)
+    assert not engine.engine.has_unfinished_requests()
+
+
+async def test_bad_request_raises_before_streaming(engine):
+    with pytest.raises(ValueError, match="max_model_len"):
+        await _collect(engine, EngineRequest("huge", [5] * 5000, SamplingParams()))
+    assert engine.is_healthy()
+
+
+async def test_dead_loop_fails_open_streams_and_new_requests(engine):
+    params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+    got = []
+
+    async def consume():
+        async for d in engine.generate(EngineRequest("victim", [1, 40, 41], params)):
+            got.append(d)
+
+    task = asyncio.create_task(consume())
+    while not got:
+        await asyncio.sleep(0.01)
+
+    def boom(out):
+        raise RuntimeError("device fell over")
+
+    engine.engine.runner.execute = boom
+    await asyncio.wait_for(task, 10)
+    assert got[-1].finished and got[-1].finish_reason == "error" and "device fell over" in got[-1].error
+    assert not engine.is_healthy()
+    with pytest.raises(EngineDeadError):
+        await _collect(engine, EngineRequest("after", [1, 2], params))

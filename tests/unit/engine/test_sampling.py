@@ -1,0 +1,92 @@
+"""Sampling: n>1 forks sharing prompt blocks, per-request seeds independent of the batch, and each
+sampling knob's effect on the distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex import LLM, SamplingParams
+from loraplex.engine.sampler import Sampler, SampleRow
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model):
+    return LLM(tiny_model["model_dir"], dtype="float32", seed=123)
+
+
+PROMPT = {"prompt_token_ids": [1] + list(range(40, 80))}  # 41 tokens: 2 full blocks + 9 in a third
+
+
+def test_n4_samples_share_prompt_blocks_until_they_diverge(llm):
+    engine = llm.engine
+    engine.add_request("n4", PROMPT["prompt_token_ids"], SamplingParams(n=4, max_tokens=20, temperature=1.0,
+                                                                        seed=7, ignore_eos=True))
+    engine.step()  # the whole prompt, then 4 samples forked from its last position
+    samples = engine.scheduler.samples["n4"]
+    assert len(samples) == 4 and len({tuple(s.block_ids) for s in samples}) == 1
+    bm = engine.block_manager
+    assert [bm.blocks[b].ref_count for b in samples[0].block_ids] == [4, 4, 4]
+    engine.step()  # each sample writes into the shared partial block: 3 copies, the full blocks stay shared
+    assert bm.num_cow_copies == 3
+    assert len({s.block_ids[2] for s in samples}) == 4
+    assert all(s.block_ids[:2] == samples[0].block_ids[:2] for s in samples)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len({tuple(s.output_token_ids) for s in samples}) == 4  # they diverged
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_seed_gives_same_tokens_whatever_the_batch(llm):
+    seeded = SamplingParams(n=2, max_tokens=16, temperature=0.9, top_p=0.95, seed=42, ignore_eos=True)
+    alone = llm.generate(PROMPT, seeded)[0]
+    noise = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True)
+    crowd = [{"prompt_token_ids": [1] + list(range(100 + i, 130 + 2 * i))} for i in range(5)]
+    mixed = llm.generate(crowd[:2] + [PROMPT] + crowd[2:], [noise, noise, seeded, noise, noise, noise])[2]
+    assert [c.token_ids for c in mixed.outputs] == [c.token_ids for c in alone.outputs]
+    assert alone.outputs[0].token_ids != alone.outputs[1].token_ids
+    other_seed = llm.generate(PROMPT, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=43,
+                                                     ignore_eos=True))[0]
+    assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
+
+
+def _rows(params: SamplingParams, num: int, output=(), prompt=(1,)) -> list[SampleRow]:
+    return [SampleRow(params, i, len(output), list(prompt), list(output)) for i in range(num)]
+
+
+def _draw(logits_row: torch.Tensor, params: SamplingParams, num=2000, **kw) -> torch.Tensor:
+    logits = logits_row.repeat(num, 1)
+    return Sampler(torch.device("cpu"), seed=0)(logits, _rows(params, num, **kw)).token_ids
+
+
+LOGITS = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.07, 0.03]))
+
+
+def test_temperature_sampling_follows_the_distribution():
+    counts = torch.bincount(_draw(LOGITS, SamplingParams(temperature=1.0, seed=None)), minlength=5).float() / 2000
+    assert torch.allclose(counts, LOGITS.exp(), atol=0.04)
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    assert set(_draw(LOGITS, SamplingParams(temperature=1.0, top_k=2)).tolist()) == {0, 1}
+    assert set(_draw(LOGITS, SamplingParams(temperature=1.0, top_p=0.65)).tolist()) == {0, 1}
+    assert set(_draw(LOGITS, SamplingParams(temperature=1.0, min_p=0.4)).tolist()) == {0, 1, 2}
+    assert set(_draw(LOGITS, SamplingParams(temperature=1.0, top_k=1)).tolist()) == {0}
+
+
+def test_penalties_move_greedy_choice_away_from_seen_tokens():
+    logits = torch.tensor([[2.0, 1.9, 0.5, 0.1]])
+    s = Sampler(torch.device("cpu"))
+    greedy = SamplingParams(temperature=0)
+    assert s(logits, _rows(greedy, 1)).token_ids.item() == 0
+    rep = SamplingParams(temperature=0, repetition_penalty=1.2)
+    assert s(logits, _rows(rep, 1, prompt=[0])).token_ids.item() == 1  # 2.0/1.2 < 1.9
+    pres = SamplingParams(temperature=0, presence_penalty=0.2)
+    assert s(logits, _rows(pres, 1, output=[0])).token_ids.item() == 1
+    freq = SamplingParams(temperature=0, frequency_penalty=0.06)
+    assert s(logits, _rows(freq, 1, output=[0])).token_ids.item() == 0  # one occurrence: 1.94 > 1.9
+    assert s(logits, _rows(freq, 1, output=[0, 0])).token_ids.item() == 1  # two: 1.88 < 1.9
+    # logprobs report the raw distribution, before penalties
+    out = s(logits, _rows(SamplingParams(temperature=0, presence_penalty=0.2, logprobs=2), 1, output=[0]))
+    assert out.logprobs.item() == pytest.approx(torch.log_softmax(logits, -1)[0, 1].item())
+    assert out.ranks.item() == 2
