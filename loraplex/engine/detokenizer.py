@@ -22,7 +22,7 @@ class IncrementalDetokenizer:
         self.output_text = ""
         # streamed text lags by the longest stop string minus one, so a stop string is never half-sent
         self.holdback = 0 if include_stop_str_in_output or not stop else max(len(s) for s in stop) - 1
-        self._checked_upto = 0
+        self._new_text_start = 0  # where the last append's text begins (stop strings are searched from there)
 
     def fork(self) -> IncrementalDetokenizer:
         child = copy.copy(self)
@@ -36,6 +36,7 @@ class IncrementalDetokenizer:
     def append(self, token_id: int) -> str:
         """Add one token; returns the newly completed text (may be empty)."""
         self.token_ids.append(token_id)
+        self._new_text_start = len(self.output_text)
         prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.token_ids[self.prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
@@ -53,9 +54,9 @@ class IncrementalDetokenizer:
         return delta
 
     def check_stop_strings(self, stop: list[str], include_stop_str_in_output: bool) -> str | None:
-        """Search the text added since the last check; on a match truncate the text and return it."""
-        start = max(0, self._checked_upto - max(len(s) for s in stop) + 1)
-        self._checked_upto = len(self.output_text)
+        """Search for a stop string ending in the last token's text; on a match truncate the text and
+        return it. (Called after every token once min_tokens is reached, as vLLM does.)"""
+        start = max(0, self._new_text_start - max(len(s) for s in stop) + 1)
         best = None
         for s in stop:
             pos = self.output_text.find(s, start)

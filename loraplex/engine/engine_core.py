@@ -56,6 +56,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self._pending: list[TokenDelta] = []  # deltas produced outside a step (errors, aborts)
+        self._pinned_loras: set[int] = set()  # adapters of running requests, pinned in the LoRA manager
         self._num_samples: dict[str, int] = {}  # request_id -> n, while unfinished
         self._finished_indices: dict[str, set[int]] = {}
         self.num_generated_tokens = 0
@@ -107,6 +108,8 @@ class LLMEngine:
         deltas, self._pending = self._pending, []
         started = time.monotonic()
         out = self.scheduler.schedule()
+        if self.runner.lora_manager is not None:
+            pass
         result = self.runner.execute(out)
         touched = self.scheduler.update_from_output(out, result)
         self._kv_waste_sum += self.scheduler.last_kv_waste
@@ -122,6 +125,17 @@ class LLMEngine:
             if d.finished:
                 self._mark_finished(d.request_id, d.index)
         return deltas
+
+    def _pin_running_adapters(self) -> None:
+        """Running requests' adapters keep their GPU slots: only adapters of waiting or finished requests
+        are evicted (the scheduler keeps the running adapters within max_loras)."""
+        manager = self.runner.lora_manager
+        running = {r.lora_id for r in self.scheduler.running if r.lora_id}
+        for lora_id in running - self._pinned_loras:
+            manager.acquire(lora_id)
+        for lora_id in self._pinned_loras - running:
+            manager.release(lora_id)
+        self._pinned_loras = running
 
     def _mark_finished(self, request_id: str, index: int) -> None:
         done = self._finished_indices.get(request_id)

@@ -76,9 +76,11 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         mc = self.model_config
         shape = (num_blocks, self.config.block_size, mc.num_kv_heads, mc.head_dim)
-        # uninitialized: attention only reads slots below each sequence's length, all written first
-        self.kv_caches = [(torch.empty(shape, device=self.device, dtype=self.dtype),
-                           torch.empty(shape, device=self.device, dtype=self.dtype)) for _ in range(mc.num_layers)]
+        # Zeroed on CUDA: a kernel that masks the tail of a block still multiplies its values by 0, and
+        # 0 * NaN garbage is NaN. The CPU reference slices exactly, so the host skips the memset and RSS.
+        alloc = torch.zeros if self.device.type == "cuda" else torch.empty
+        self.kv_caches = [(alloc(shape, device=self.device, dtype=self.dtype),
+                           alloc(shape, device=self.device, dtype=self.dtype)) for _ in range(mc.num_layers)]
 
     # ---- LoRA ----------------------------------------------------------------------------------
     def get_lora_manager(self):

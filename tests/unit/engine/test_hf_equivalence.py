@@ -38,7 +38,7 @@ def _run_with_late_arrivals(engine: LLMEngine, prompts, params) -> dict[str, lis
     return got
 
 
-@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_qwen2"])
+@pytest.mark.parametrize("fixture", ["tiny_model", "tiny_qwen2", "tiny_mistral_tied"])
 def test_greedy_tokens_match_hf_with_requests_joining_mid_generation(fixture, request):
     from transformers import AutoModelForCausalLM
 
