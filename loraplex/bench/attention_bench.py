@@ -47,7 +47,7 @@ def _paged_from_contiguous(k: torch.Tensor, v: torch.Tensor, block_size: int, se
 def bench_decode_case(
     batch: int, ctx: int, device: torch.device, dtype: torch.dtype, bandwidth: float,
     num_q_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128, block_size: int = 16,
-    iters: int = 20, sweep: bool = False,
+    iters: int = 20, sweep: bool = False, warmup: int = 3,
 ) -> dict:
     from loraplex.kernels.paged_attention import choose_num_splits, paged_attention_decode
 
@@ -70,8 +70,8 @@ def bench_decode_case(
 
     ref = sdpa()[:, :, 0, :].float()
     max_err = (paged().float() - ref).abs().max().item()
-    t_sdpa = time_per_call(sdpa, device, iters=iters)
-    t_paged = time_per_call(paged, device, iters=iters)
+    t_sdpa = time_per_call(sdpa, device, iters=iters, warmup=warmup)
+    t_paged = time_per_call(paged, device, iters=iters, warmup=warmup)
     row = {
         "batch": batch, "context": ctx, "num_q_heads": num_q_heads, "num_kv_heads": num_kv_heads,
         "head_dim": head_dim, "block_size": block_size, "kv_bytes": kv_bytes,
@@ -105,12 +105,12 @@ def _sweep(paged, device: torch.device, iters: int, ref: torch.Tensor) -> dict:
 def run_attention_bench(
     device: torch.device, batch: int = 64, contexts: tuple[int, ...] = (1024, 2048, 4096),
     dtype: torch.dtype = torch.bfloat16, iters: int = 20, sweep: bool = False, bandwidth: float | None = None,
-    **shape,
+    warmup: int = 3, **shape,
 ) -> dict:
     from loraplex.bench.roofline import measure_copy_bandwidth
 
     if bandwidth is None:
         bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
-    rows = [bench_decode_case(batch, ctx, device, dtype, bandwidth, iters=iters, sweep=sweep, **shape)
+    rows = [bench_decode_case(batch, ctx, device, dtype, bandwidth, iters=iters, sweep=sweep, warmup=warmup, **shape)
             for ctx in contexts]
     return {"copy_bandwidth_Bps": bandwidth, "decode": rows}

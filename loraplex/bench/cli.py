@@ -10,6 +10,8 @@ import logging
 import os
 import tempfile
 
+from loraplex.bench.report import command_line
+
 log = logging.getLogger(__name__)
 
 
@@ -37,19 +39,19 @@ def register(subparsers) -> None:
     att.add_argument("--contexts", type=_csv_ints, default=(1024, 2048, 4096), help="comma-separated")
     att.add_argument("--iters", type=int, default=50)
     att.add_argument("--sweep", action="store_true", help="also try tile/split configs; report the fastest")
-    att.set_defaults(func=_run_attention)
+    att.set_defaults(func=_run_attention, bench_parser=att)
 
     off = sub.add_parser("offline", help="throughput by adapter popularity, decode step vs roofline, HF+PEFT peer")
     common(off)
     add_offline_args(off)
-    off.set_defaults(func=_run_offline)
+    off.set_defaults(func=_run_offline, bench_parser=off)
 
     onl = sub.add_parser("online", help="Poisson arrivals through the HTTP API: TTFT, TPOT, ITL, E2E, goodput")
     common(onl)
     from loraplex.bench.online import add_online_args, run_online_cli
 
     add_online_args(onl)
-    onl.set_defaults(func=run_online_cli)
+    onl.set_defaults(func=run_online_cli, bench_parser=onl)
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
 
 
@@ -96,6 +98,7 @@ def _out_dir(args) -> str | None:
 
 
 def _run_attention(args) -> int:
+    args.report_command = command_line(args)
     device = _device(args)
     if device.type != "cuda":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
@@ -107,18 +110,19 @@ def _run_attention(args) -> int:
 
     if args.smoke:
         result = run_attention_bench(device, batch=2, contexts=(37, 100), dtype=torch.float32, iters=1,
-                                     sweep=False, num_q_heads=8, num_kv_heads=2, head_dim=32)
+                                     warmup=0, num_q_heads=8, num_kv_heads=2, head_dim=32)
     else:
         result = run_attention_bench(device, batch=args.batch, contexts=args.contexts, iters=args.iters,
                                      sweep=args.sweep)
     result["environment"] = environment(device)
-    json_path, md_path = write_report("attention", result, [attention_section(result)], _out_dir(args))
+    json_path, md_path = write_report("attention", result, [attention_section(result)], _out_dir(args), args)
     print(md_path.read_text())
     print(f"wrote {json_path} and {md_path}")
     return 0
 
 
 def _run_offline(args) -> int:
+    args.report_command = command_line(args)  # before --smoke rewrites the settings
     from loraplex.bench.offline_run import run_offline_bench
 
     return run_offline_bench(args, _device(args), _out_dir(args))

@@ -56,7 +56,7 @@ def run_offline_bench(args, device: torch.device, out_dir: str | None) -> int:
     bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
     result: dict = {"environment": environment(device), "model_dir": str(model_dir), "model_shape": vars(shape),
                     "copy_bandwidth_Bps": bandwidth, "settings": {k: v for k, v in vars(args).items()
-                                                                  if k != "func"}}
+                                                                  if k not in ("func", "bench_parser", "report_command")}}
     sections = []
 
     if args.peer == "hf-peft":
@@ -94,7 +94,7 @@ def run_offline_bench(args, device: torch.device, out_dir: str | None) -> int:
 
     if "peer" in result:
         sections.append(peer_section(result["peer"], rows))
-    json_path, md_path = write_report("offline", result, sections, out_dir)
+    json_path, md_path = write_report("offline", result, sections, out_dir, args)
     print(md_path.read_text())
     print(f"wrote {json_path} and {md_path}")
     return 0

@@ -189,7 +189,7 @@ def run_online_cli(args) -> int:
     result = {"url": args.url, "rate": args.rate, "popularity": args.popularity, "adapters": adapters,
               "input_len": args.input_len, "output_len": args.output_len, "summary": summary}
     out_dir = args.out_dir or (tempfile.mkdtemp(prefix="loraplex-bench-smoke-") if args.smoke else None)
-    json_path, md_path = write_report("online", result, [online_section(result)], out_dir)
+    json_path, md_path = write_report("online", result, [online_section(result)], out_dir, args)
     print(md_path.read_text())
     print(f"wrote {json_path} and {md_path}")
     return 0 if summary["completed"] else 1

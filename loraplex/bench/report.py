@@ -29,9 +29,26 @@ def environment(device) -> dict:
     return env
 
 
-def command_line(argv: list[str] | None = None) -> str:
-    args = sys.argv[1:] if argv is None else argv
-    return "loraplex " + " ".join(shlex.quote(a) for a in args)
+def command_line(args=None) -> str:
+    """The command as typed when run as ``loraplex``; otherwise (called from Python) rebuilt from ``args``:
+    the bench subcommand and every option whose value differs from its default."""
+    if Path(sys.argv[0]).name == "loraplex" or args is None:
+        return "loraplex " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    parser = getattr(args, "bench_parser", None)
+    words = ["loraplex", "bench", args.bench_command]
+    for action in parser._actions if parser else []:
+        if not action.option_strings or action.dest == "help":
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        if value is True:
+            words.append(flag)
+        else:
+            text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+            words += [flag, text]
+    return " ".join(shlex.quote(w) for w in words)
 
 
 def fmt(value) -> str:
@@ -55,14 +72,13 @@ def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 
 
 def write_report(
-    name: str, result: dict, sections: list[tuple[str, str]], out_dir: str | Path | None = None,
-    argv: list[str] | None = None,
+    name: str, result: dict, sections: list[tuple[str, str]], out_dir: str | Path | None = None, args=None,
 ) -> tuple[Path, Path]:
     """``sections``: (title, markdown body). Returns the JSON and markdown paths."""
     out = Path(out_dir) if out_dir else DEFAULT_OUT_DIR
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    cmd = command_line(argv)
+    cmd = getattr(args, "report_command", None) or command_line(args)
     payload = {"name": name, "time_utc": stamp, "command": cmd, **result}
     json_path = out / f"{name}-{stamp}.json"
     md_path = out / f"{name}-{stamp}.md"

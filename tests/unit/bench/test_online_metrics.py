@@ -1,0 +1,51 @@
+"""Online latency metrics: TTFT / TPOT / ITL / E2E, percentiles, goodput, Poisson send times."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from loraplex.bench.online import RequestRecord, percentile, poisson_offsets, summarize
+
+
+def _record(start, chunk_times, tokens=None, error=None):
+    r = RequestRecord(start=start, error=error)
+    if chunk_times:
+        r.first_token, r.chunk_times, r.end = chunk_times[0], list(chunk_times), chunk_times[-1]
+        r.output_tokens = tokens or len(chunk_times)
+    return r
+
+
+def test_per_request_metrics():
+    r = _record(0.0, [0.5, 0.6, 0.8, 1.1])
+    assert r.ttft == 0.5 and r.e2e == 1.1
+    assert r.tpot == pytest.approx(0.6 / 3)
+    assert r.itls == pytest.approx([0.1, 0.2, 0.3])
+
+
+def test_percentile_interpolates():
+    assert percentile([], 50) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 90) == pytest.approx(9.0)
+
+
+def test_summary_goodput_counts_only_requests_within_both_slos():
+    records = [
+        _record(0.0, [0.1, 0.2, 0.3]),  # meets both
+        _record(0.0, [2.0, 2.1, 2.2]),  # TTFT too slow
+        _record(0.0, [0.1, 1.1, 2.1]),  # TPOT too slow
+        _record(0.0, [], error="HTTP 500"),
+    ]
+    s = summarize(records, duration=2.0, slo_ttft=1.0, slo_tpot=0.5)
+    assert s["completed"] == 3 and s["failed"] == 1
+    assert s["goodput_req_per_s"] == pytest.approx(0.5)
+    assert s["output_tokens"] == 9 and s["output_tok_per_s"] == pytest.approx(4.5)
+    assert s["ttft_s"]["p50"] == pytest.approx(0.1) and s["errors"] == ["HTTP 500"]
+
+
+def test_poisson_offsets_have_the_requested_rate():
+    offsets = poisson_offsets(4000, 8.0, random.Random(0))
+    assert offsets[0] == 0.0 and offsets == sorted(offsets)
+    assert 4000 / offsets[-1] == pytest.approx(8.0, rel=0.08)
+    assert poisson_offsets(3, float("inf"), random.Random(0)) == [0.0, 0.0, 0.0]
