@@ -1,0 +1,313 @@
+"""Write side of the registry: the upload lifecycle, edits and soft deletes.
+
+Upload: a version row is created as ``uploading`` (when the name is known), turns ``validating`` once the
+body is in, then ``ready`` (content stored, metadata applied) or ``failed`` with the reason. Validation is
+the engine's own ``validate_adapter_dir`` against the served base model; nothing reaches the store before it
+passes, and the temporary directory is removed whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from litestar import Request
+from sqlalchemy import delete, select, update
+from sqlalchemy.exc import IntegrityError
+
+from loraplex.adapters import AdapterError, validate_adapter_dir
+from loraplex.platform.auth import Principal
+from loraplex.platform.db import SessionFactory, new_id, utcnow
+from loraplex.platform.errors import ApiError, bad_request, forbidden, not_found
+from loraplex.platform.kv import KV
+from loraplex.platform.models import Tenant
+from loraplex.platform.registry import events, queries
+from loraplex.platform.registry.archive import extract_adapter_archive
+from loraplex.platform.registry.models import (
+    STATUS_FAILED,
+    STATUS_READY,
+    STATUS_UPLOADING,
+    STATUS_VALIDATING,
+    VISIBILITIES,
+    VISIBILITY_PRIVATE,
+    VISIBILITY_PUBLIC,
+    VISIBILITY_SHARED,
+    Adapter,
+    AdapterShare,
+    AdapterVersion,
+)
+from loraplex.platform.registry.names import validate_adapter_name
+from loraplex.platform.registry.store import AdapterStore, adapter_digest
+from loraplex.platform.registry.upload import UploadForm, receive_upload
+
+log = logging.getLogger(__name__)
+
+MAX_DESCRIPTION = 1024
+MAX_SHARES = 100
+VERSION_RETRIES = 8
+
+
+@dataclass(frozen=True)
+class Pending:
+    adapter_id: str
+    version_id: int
+    version: int
+    name: str
+
+
+@dataclass(frozen=True)
+class Metadata:
+    """Checked upload/PATCH fields; None = leave unchanged."""
+
+    description: str | None = None
+    visibility: str | None = None
+    shared_tenant_ids: list[str] | None = None
+
+
+def _error_text(exc: BaseException) -> str:
+    return (exc.message if isinstance(exc, ApiError) else "interrupted before it finished")[:2000]
+
+
+class Registry:
+    def __init__(self, sessions: SessionFactory, kv: KV, store: AdapterStore, *, tmp_root: Path,
+                 base_config, max_upload_bytes: int, max_lora_rank: int, idle_timeout_s: float = 60.0):
+        self.sessions, self.kv, self.store = sessions, kv, store
+        self.tmp_root = Path(tmp_root)
+        self.tmp_root.mkdir(parents=True, exist_ok=True)
+        self.base_config = base_config  # () -> the base model's config dict, or None while it is generated
+        self.max_upload_bytes = max_upload_bytes
+        self.max_lora_rank = max_lora_rank
+        self.idle_timeout_s = idle_timeout_s
+
+    # ---- field checks ---------------------------------------------------------------------------
+    async def check_metadata(self, principal: Principal, description: str | None, visibility: str | None,
+                             shared_with: list[str] | None) -> Metadata:
+        if description is not None and len(description) > MAX_DESCRIPTION:
+            raise bad_request(f"description is longer than {MAX_DESCRIPTION} characters", param="description")
+        if visibility is None and shared_with:
+            visibility = VISIBILITY_SHARED
+        if visibility is not None and visibility not in VISIBILITIES:
+            raise bad_request(f"visibility must be one of {', '.join(VISIBILITIES)}", param="visibility")
+        if visibility == VISIBILITY_PUBLIC and not principal.is_admin:
+            raise forbidden("Only admins can make an adapter public (use 'shared' with shared_with).")
+        shared_ids = None
+        if shared_with is not None:
+            names = sorted(set(shared_with))
+            if len(names) > MAX_SHARES:
+                raise bad_request(f"shared_with lists more than {MAX_SHARES} tenants", param="shared_with")
+            async with self.sessions() as session:
+                rows = (await session.execute(select(Tenant.id, Tenant.name).where(Tenant.name.in_(names)))).all()
+            unknown = sorted(set(names) - {n for _, n in rows})
+            if unknown:
+                raise bad_request(f"shared_with names unknown tenant(s): {', '.join(unknown)[:300]}",
+                                  param="shared_with")
+            shared_ids = sorted(i for i, n in rows if i != principal.tenant_id)
+        return Metadata(description, visibility, shared_ids)
+
+    async def _form_metadata(self, principal: Principal, form: UploadForm) -> Metadata:
+        return await self.check_metadata(principal, form.fields.get("description"), form.fields.get("visibility"),
+                                         form.shared_with if form.shared_with else None)
+
+    # ---- upload ---------------------------------------------------------------------------------
+    async def upload(self, request: Request, principal: Principal) -> tuple[Pending, queries.Listed]:
+        if self.base_config() is None:
+            raise ApiError(503, "The base model is still being prepared; retry shortly.", type="server_error",
+                           code="model_loading", headers={"Retry-After": "5"})
+        work = self.tmp_root / new_id()
+        work.mkdir()
+        pending: Pending | None = None
+
+        async def on_first_file(form: UploadForm) -> None:
+            nonlocal pending
+            if "name" in form.fields:  # refuse bad fields before the weights are read
+                await self._form_metadata(principal, form)
+                pending = await self._begin(principal, validate_adapter_name(form.fields["name"]))
+
+        try:
+            form = await receive_upload(request, work, self.max_upload_bytes, self.idle_timeout_s, on_first_file)
+            meta = await self._form_metadata(principal, form)
+            if pending is None:
+                pending = await self._begin(principal, validate_adapter_name(form.fields.get("name")))
+            await self._set_status(pending, STATUS_VALIDATING)
+            adapter_dir = await asyncio.to_thread(self._assemble, form, work)
+            return pending, await self._finish(principal, pending, adapter_dir, meta)
+        except BaseException as exc:
+            if pending is not None:
+                await asyncio.shield(self._set_status(pending, STATUS_FAILED, error=_error_text(exc)))
+                log.info("upload of %s@%d failed: %s", pending.name, pending.version, _error_text(exc))
+            raise
+        finally:
+            await asyncio.to_thread(shutil.rmtree, work, True)
+
+    async def _begin(self, principal: Principal, name: str) -> Pending:
+        """The adapter row (created, or revived after a delete) and a new ``uploading`` version.
+
+        Two uploads racing for a name both get a version: the loser of a unique-key race retries with the
+        next number; after :data:`VERSION_RETRIES` lost races it answers 409."""
+        for attempt in range(VERSION_RETRIES):
+            async with self.sessions() as session:
+                try:
+                    adapter = await queries.find_own(session, principal.tenant_id, name, include_deleted=True)
+                    if adapter is None:
+                        adapter = Adapter(id=new_id(), tenant_id=principal.tenant_id, name=name,
+                                          visibility=VISIBILITY_PRIVATE, created_at=utcnow(), updated_at=utcnow())
+                        session.add(adapter)
+                        await session.flush()
+                    version = await queries.next_version(session, adapter.id)
+                    row = AdapterVersion(adapter_id=adapter.id, version=version, status=STATUS_UPLOADING,
+                                         created_at=utcnow())
+                    session.add(row)
+                    await session.commit()
+                    return Pending(adapter.id, row.id, version, name)
+                except IntegrityError:
+                    await session.rollback()
+            await asyncio.sleep(random.uniform(0.005, 0.05) * (attempt + 1))
+        raise ApiError(409, f"Too many concurrent uploads of '{name}'; retry.", param="name", code="conflict")
+
+    async def _set_status(self, pending: Pending, status: str, error: str | None = None) -> None:
+        async with self.sessions() as session:
+            await session.execute(update(AdapterVersion).where(AdapterVersion.id == pending.version_id)
+                                  .values(status=status, error=error))
+            await session.commit()
+
+    async def import_directory(self, principal: Principal, name: str, adapter_dir: Path,
+                               meta: Metadata) -> Pending:
+        """Register an adapter directory on the server's disk (the demo adapters), through the same checks."""
+        pending = await self._begin(principal, validate_adapter_name(name))
+        try:
+            await self._set_status(pending, STATUS_VALIDATING)
+            await self._finish(principal, pending, Path(adapter_dir), meta)
+        except BaseException as exc:
+            await asyncio.shield(self._set_status(pending, STATUS_FAILED, error=_error_text(exc)))
+            raise
+        return pending
+
+    async def _finish(self, principal: Principal, pending: Pending, adapter_dir: Path,
+                      meta: Metadata) -> queries.Listed:
+        try:
+            spec = await asyncio.to_thread(
+                validate_adapter_dir, adapter_dir, self.base_config(), self.max_lora_rank,
+                max_file_bytes=self.max_upload_bytes)
+        except AdapterError as exc:
+            raise ApiError(422, f"adapter refused: {exc}", param=exc.field or _param_of(exc.file),
+                           code="adapter_invalid") from None
+        digest = await asyncio.to_thread(adapter_digest, adapter_dir)
+        await asyncio.to_thread(self.store.put, adapter_dir, digest)
+        async with self.sessions() as session:
+            adapter = await session.get(Adapter, pending.adapter_id)
+            if adapter.deleted_at is not None:  # deleted earlier: the upload revives the name
+                adapter.deleted_at = None
+                adapter.visibility, adapter.description = VISIBILITY_PRIVATE, None
+                await session.execute(delete(AdapterShare).where(AdapterShare.adapter_id == adapter.id))
+            await _apply(session, adapter, meta)
+            await session.execute(update(AdapterVersion).where(AdapterVersion.id == pending.version_id).values(
+                status=STATUS_READY, error=None, digest=digest, size_bytes=spec.num_bytes, rank=spec.rank,
+                target_modules=list(spec.target_modules), dtype=spec.dtype, ready_at=utcnow()))
+            await session.commit()
+        await events.publish_ready(self.kv, pending.version_id, f"{principal.tenant_name}/{pending.name}")
+        async with self.sessions() as session:
+            listed = await queries.get_own(session, principal.tenant_id, pending.name)
+        assert listed is not None
+        return listed
+
+    def _assemble(self, form: UploadForm, work: Path) -> Path:
+        """The directory to validate: the archive's two files, or the two uploaded files."""
+        has_archive = "archive" in form.files
+        has_pair = {"config", "weights"} & set(form.files)
+        if has_archive and has_pair:
+            raise bad_request("send either archive, or config + weights, not both", param="archive")
+        if has_archive:
+            out = work / "adapter"
+            out.mkdir()
+            extract_adapter_archive(form.files["archive"], out, self.max_upload_bytes + (1 << 20))
+            return out
+        for field in ("config", "weights"):
+            if field not in form.files:
+                raise bad_request(f"missing file field '{field}' (or send one 'archive')", param=field)
+        return work
+
+    # ---- edits and deletes ----------------------------------------------------------------------
+    async def update(self, principal: Principal, name: str, meta: Metadata) -> queries.Listed:
+        async with self.sessions() as session:
+            adapter = await queries.find_own(session, principal.tenant_id, name)
+            if adapter is None:
+                raise not_found(f"No adapter '{name}'.", param="name")
+            await _apply(session, adapter, meta)
+            await session.commit()
+        await events.publish_changed(self.kv, f"{principal.tenant_name}/{name}")
+        async with self.sessions() as session:
+            listed = await queries.get_own(session, principal.tenant_id, name)
+        assert listed is not None
+        return listed
+
+    async def delete(self, principal: Principal, name: str, version: int | None = None) -> list[int]:
+        """Soft delete the adapter (every version) or one version; returns the evicted ``lora_int_id``s.
+
+        Rows and stored content stay, so requests already running finish; new lookups miss at once."""
+        now = utcnow()
+        async with self.sessions() as session:
+            adapter = await queries.find_own(session, principal.tenant_id, name)
+            if adapter is None:
+                raise not_found(f"No adapter '{name}'.", param="name")
+            stmt = select(AdapterVersion.id).where(AdapterVersion.adapter_id == adapter.id,
+                                                   AdapterVersion.deleted_at.is_(None))
+            if version is not None:
+                stmt = stmt.where(AdapterVersion.version == version)
+            ids = list((await session.execute(stmt)).scalars())
+            if version is not None and not ids:
+                raise not_found(f"No version {version} of adapter '{name}'.", param="name")
+            await session.execute(update(AdapterVersion).where(AdapterVersion.id.in_(ids)).values(deleted_at=now))
+            if version is None:
+                adapter.deleted_at = now
+            adapter.updated_at = now
+            await session.commit()
+        label = f"{principal.tenant_name}/{name}" + (f"@{version}" if version else "")
+        await events.publish_deleted(self.kv, ids, label)
+        log.info("deleted adapter %s (versions %s)", label, ids)
+        return ids
+
+    async def sweep_interrupted(self, older_than_s: float = 3600.0) -> int:
+        """Mark versions left ``uploading``/``validating`` by a crashed process as failed; clear old temp dirs."""
+        cutoff = time.time() - older_than_s
+        for entry in self.tmp_root.iterdir():
+            if entry.is_dir() and entry.stat().st_mtime < cutoff:
+                shutil.rmtree(entry, ignore_errors=True)
+        async with self.sessions() as session:
+            result = await session.execute(
+                update(AdapterVersion)
+                .where(AdapterVersion.status.in_((STATUS_UPLOADING, STATUS_VALIDATING)),
+                       AdapterVersion.created_at < datetime.fromtimestamp(cutoff, timezone.utc))
+                .values(status=STATUS_FAILED, error="interrupted: the server stopped during the upload"))
+            await session.commit()
+        return result.rowcount or 0
+
+
+async def _apply(session, adapter: Adapter, meta: Metadata) -> None:
+    if meta.description is not None:
+        adapter.description = meta.description or None
+    if meta.visibility is not None:
+        adapter.visibility = meta.visibility
+    if meta.shared_tenant_ids is not None:
+        # replaced wholesale: what the caller sent is the list
+        await session.execute(delete(AdapterShare).where(AdapterShare.adapter_id == adapter.id))
+        for tenant_id in meta.shared_tenant_ids:
+            session.add(AdapterShare(adapter_id=adapter.id, tenant_id=tenant_id))
+    adapter.updated_at = utcnow()
+
+
+def _param_of(file: str | None) -> str:
+    return {"adapter_config.json": "config", "adapter_model.safetensors": "weights"}.get(file or "", "weights")
+
+
+def load_base_config(model_dir: Path) -> dict | None:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
