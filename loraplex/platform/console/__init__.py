@@ -1,0 +1,1 @@
+"""The admin console at ``/console``: server-rendered pages for operators and tenants."""

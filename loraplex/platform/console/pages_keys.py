@@ -1,0 +1,85 @@
+"""API keys: list (never hashes), create (the secret is shown once), revoke.
+
+Operators manage every tenant's keys. A tenant manages its own, and can only grant scopes its current
+key holds (no escalation from an inference key to ``adapters:write``).
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+
+from litestar import Request, Response, get, post
+from litestar.params import Parameter
+
+from loraplex.platform import tenants as svc
+from loraplex.platform.console.deps import form_of, session_of
+from loraplex.platform.console.render import page, redirect
+from loraplex.platform.db import utcnow
+from loraplex.platform.errors import ApiError
+from loraplex.platform.models import ALL_SCOPES, SCOPE_ADMIN
+
+MAX_EXPIRY_DAYS = 3650
+_BACK_RE = re.compile(r"/console/tenants/([a-z0-9][a-z0-9_-]{0,62})(?:[?#]|$)")
+
+
+@get("/keys", include_in_schema=False)
+async def keys_page(request: Request) -> Response:
+    session = await session_of(request)
+    p = session.principal
+    async with request.app.state.services.sessions() as s:
+        rows = await svc.list_keys(s, None if p.is_admin else p.tenant_id)
+        tenants = await svc.list_tenants(s) if p.is_admin else []
+    rows.sort(key=lambda kt: (kt[0].revoked_at is not None, -kt[0].created_at.timestamp()))
+    scopes = list(ALL_SCOPES) if p.is_admin else [s for s in ALL_SCOPES if s in p.scopes]
+    return page(request, "keys.html", session, active="keys", rows=rows, tenants=tenants, scopes=scopes,
+                preset_tenant=request.query_params.get("tenant", ""))
+
+
+@post("/keys", include_in_schema=False)
+async def create_key(request: Request) -> Response:
+    session = await session_of(request)
+    p = session.principal
+    form = await form_of(request, session)
+    # a tenant's key is always for itself, whatever the form says
+    tenant = (form.get("tenant") or "").strip() if p.is_admin else p.tenant_id
+    if not tenant:
+        raise ApiError(400, "Choose the tenant the key is for.", param="tenant")
+    scopes = [s for s in ALL_SCOPES if form.get(f"scope_{s}")] or ["inference"]
+    if not p.is_admin and any(s not in p.scopes or s == SCOPE_ADMIN for s in scopes):
+        raise ApiError(403, "You can only grant scopes your own key holds.", type="permission_error",
+                       param="scopes", code="insufficient_scope")
+    name = (form.get("name") or "").strip() or None
+    expires_at = None
+    days = (form.get("expires_in_days") or "").strip()
+    if days:
+        if not days.isdigit() or not 1 <= int(days) <= MAX_EXPIRY_DAYS:
+            raise ApiError(400, f"Expiry must be a whole number of days from 1 to {MAX_EXPIRY_DAYS} (or blank "
+                           "for no expiry).", param="expires_in_days")
+        expires_at = utcnow() + timedelta(days=int(days))
+    async with request.app.state.services.sessions() as s:
+        key, new = await svc.create_key(s, tenant, scopes, name, expires_at)
+        owner = await svc.get_tenant(s, key.tenant_id)
+    # rendered, not redirected: the secret exists only in this response (no-store)
+    return page(request, "key_created.html", session, active="keys", key=key, tenant=owner, secret=new.key,
+                status_code=201)
+
+
+@post("/keys/{key_id:str}/revoke", include_in_schema=False, status_code=303)
+async def revoke_key(request: Request, key_id: str = Parameter(max_length=32)) -> Response:
+    session = await session_of(request)
+    p = session.principal
+    await form_of(request, session)
+    services = request.app.state.services
+    async with services.sessions() as s:
+        # a tenant's lookup is scoped to itself: another tenant's key id is a 404 like an unknown one
+        key = await svc.revoke_key(s, services.kv, key_id, None if p.is_admin else p.tenant_id)
+    note = " That was the key of this session: sign in again." if key.id == p.key_id else ""
+    # revoked from a tenant's page: go back there
+    back = _BACK_RE.search(request.headers.get("referer", ""))
+    target = f"/console/tenants/{back.group(1)}" if back else "/console/keys"
+    return redirect(request, target, flash=f"Key {key.id} revoked; it stops working within a second.{note}")
+
+
+def handlers() -> list:
+    return [keys_page, create_key, revoke_key]

@@ -1,0 +1,77 @@
+"""``/console``: routes of the admin console (the app factory picks this module up by name)."""
+
+from __future__ import annotations
+
+import logging
+from urllib.parse import quote, urlsplit
+
+from litestar import MediaType, Request, Response, Router
+from litestar.datastructures import CacheControlHeader
+from litestar.exceptions import HTTPException
+from litestar.static_files import create_static_files_router
+
+from loraplex.platform.console import (
+    pages_adapters,
+    pages_auth,
+    pages_keys,
+    pages_overview,
+    pages_playground,
+    pages_tenants,
+    pages_usage,
+    proxy,
+)
+from loraplex.platform.console.render import STATIC, page, redirect
+from loraplex.platform.console.session import LoginRequired
+from loraplex.platform.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+
+def _to_login(request: Request, exc: LoginRequired) -> Response:
+    if request.method != "GET" or request.headers.get("x-console-fetch"):
+        # scripts and form posts learn it plainly; the page script then goes to the sign-in form
+        return Response({"error": {"message": exc.reason or "Sign in first.", "type": "invalid_request_error",
+                                   "code": "not_signed_in"}}, status_code=401, media_type=MediaType.JSON)
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    return redirect(request, f"/console/login?next={quote(target, safe='/')}", error=exc.reason or None)
+
+
+def _same_console_page(request: Request) -> str | None:
+    """The console page a form was posted from (same origin), to return to with the error shown."""
+    referer = request.headers.get("referer")
+    if not referer:
+        return None
+    parts = urlsplit(referer)
+    if parts.netloc != request.headers.get("host") or not parts.path.startswith("/console"):
+        return None
+    return parts.path + (f"?{parts.query}" if parts.query else "")
+
+
+def _on_error(request: Request, exc: HTTPException) -> Response:
+    status = exc.status_code
+    message = exc.message if isinstance(exc, ApiError) else str(exc.detail or "Something went wrong.")
+    if status >= 500:
+        log.error("console error on %s %s: %s", request.method, request.url.path, message)
+    back = _same_console_page(request) if request.method == "POST" else None
+    if back and status < 500 and status not in (403, 404):
+        # a form the user filled in wrongly: back to it, with the reason
+        return redirect(request, back, error=message)
+    session = request.state.get("console_session")
+    return page(request, "error.html", session, status_code=status, status=status, message=message)
+
+
+def route_handlers() -> list:
+    pages = (pages_auth.handlers() + pages_overview.handlers() + pages_tenants.handlers() + pages_keys.handlers()
+             + pages_adapters.handlers() + pages_usage.handlers() + pages_playground.handlers() + proxy.handlers())
+    return [
+        Router(
+            path="/console",
+            route_handlers=pages,
+            exception_handlers={LoginRequired: _to_login, ApiError: _on_error, HTTPException: _on_error},
+            include_in_schema=False,
+        ),
+        create_static_files_router(
+            path="/console/static", directories=[STATIC], include_in_schema=False,
+            cache_control=CacheControlHeader(max_age=300),
+        ),
+    ]

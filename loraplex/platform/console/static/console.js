@@ -1,0 +1,207 @@
+// Loraplex console: a little script for what plain forms cannot do (live refresh, streaming,
+// upload progress, copy buttons). The page works without it apart from those.
+(function () {
+  "use strict";
+
+  const csrf = () => (document.querySelector('meta[name="csrf-token"]') || {}).content || "";
+  const $ = (sel, root) => (root || document).querySelector(sel);
+
+  function toLogin() {
+    window.location.href = "/console/login?next=" + encodeURIComponent(location.pathname + location.search);
+  }
+
+  // ---- live fragments: <div data-refresh="/url" data-interval="2000"> ---------------------------
+  function startRefresh(el) {
+    const url = el.dataset.refresh;
+    const every = Math.max(500, parseInt(el.dataset.interval || "2000", 10));
+    const indicator = $("#live-indicator");
+    let busy = false;
+    async function tick() {
+      if (busy || document.hidden) return;
+      busy = true;
+      try {
+        const r = await fetch(url, { headers: { "x-console-fetch": "1" }, credentials: "same-origin", cache: "no-store" });
+        if (r.status === 401) return toLogin();
+        if (!r.ok) throw new Error("HTTP " + r.status);
+        el.innerHTML = await r.text(); // server-rendered, escaped by the template engine
+        el.dataset.updated = String(Date.now());
+        if (indicator) indicator.classList.remove("stale");
+      } catch (e) {
+        if (indicator) indicator.classList.add("stale");
+      } finally {
+        busy = false;
+      }
+    }
+    setInterval(tick, every);
+  }
+
+  // ---- confirmations and copy buttons ------------------------------------------------------------
+  document.addEventListener("submit", (ev) => {
+    const form = ev.target;
+    if (form.dataset && form.dataset.confirm && !window.confirm(form.dataset.confirm)) ev.preventDefault();
+  });
+  document.addEventListener("click", (ev) => {
+    const btn = ev.target.closest && ev.target.closest("[data-copy]");
+    if (!btn) return;
+    const src = $(btn.dataset.copy);
+    if (!src) return;
+    const done = () => { btn.textContent = "Copied"; setTimeout(() => (btn.textContent = "Copy"), 1500); };
+    if (navigator.clipboard && window.isSecureContext) {
+      navigator.clipboard.writeText(src.textContent.trim()).then(done, () => selectText(src));
+    } else {
+      selectText(src);
+      try { document.execCommand("copy"); done(); } catch (e) { /* the text stays selected */ }
+    }
+  });
+  function selectText(node) {
+    const range = document.createRange();
+    range.selectNodeContents(node);
+    const sel = window.getSelection();
+    sel.removeAllRanges();
+    sel.addRange(range);
+  }
+
+  async function errorMessage(response) {
+    try {
+      const body = await response.json();
+      if (body && body.error && body.error.message) return body.error.message;
+    } catch (e) { /* not JSON */ }
+    return "HTTP " + response.status;
+  }
+
+  // ---- playground: POST with stream=true, read the SSE body as it arrives -------------------------
+  function startPlayground(form) {
+    const out = $("#pg-text"), echo = $("#pg-echo"), caret = $("#pg-caret"), status = $("#pg-status");
+    const run = $("#pg-run"), stop = $("#pg-stop");
+    let controller = null;
+
+    function setStatus(text, cls) {
+      status.textContent = text;
+      status.className = "fine" + (cls ? " " + cls : "");
+    }
+
+    stop.addEventListener("click", () => controller && controller.abort());
+    form.addEventListener("submit", async (ev) => {
+      ev.preventDefault();
+      const data = new FormData(form);
+      const body = {
+        model: data.get("model"), prompt: data.get("prompt"),
+        max_tokens: parseInt(data.get("max_tokens"), 10) || 16,
+        temperature: parseFloat(data.get("temperature") || "0.7"),
+        stream: true, stream_options: { include_usage: true },
+      };
+      out.textContent = "";
+      echo.textContent = body.prompt;
+      $("#pg-usage").hidden = true;
+      caret.hidden = false;
+      run.disabled = true; stop.disabled = false;
+      setStatus("Waiting for the first token…");
+      controller = new AbortController();
+      const t0 = performance.now();
+      let ttft = null;
+      try {
+        const r = await fetch(form.dataset.endpoint, {
+          method: "POST", credentials: "same-origin", signal: controller.signal,
+          headers: { "content-type": "application/json", "x-csrf-token": csrf(), accept: "text/event-stream" },
+          body: JSON.stringify(body),
+        });
+        if (r.status === 401) return toLogin();
+        if (!r.ok) throw new Error(await errorMessage(r));
+        const reader = r.body.getReader();
+        const decoder = new TextDecoder();
+        let buffer = "", finished = false;
+        while (!finished) {
+          const { value, done } = await reader.read();
+          if (done) break;
+          buffer += decoder.decode(value, { stream: true });
+          let cut;
+          while ((cut = buffer.indexOf("\n\n")) >= 0) {
+            const event = buffer.slice(0, cut);
+            buffer = buffer.slice(cut + 2);
+            for (const line of event.split("\n")) {
+              if (!line.startsWith("data:")) continue;
+              const payload = line.slice(5).trim();
+              if (payload === "[DONE]") { finished = true; break; }
+              const msg = JSON.parse(payload);
+              if (msg.error) throw new Error(msg.error.message);
+              for (const choice of msg.choices || []) {
+                if (choice.text) {
+                  if (ttft === null) { ttft = performance.now() - t0; setStatus("Streaming…"); }
+                  out.textContent += choice.text;
+                }
+              }
+              if (msg.usage) {
+                $("#pg-prompt-tokens").textContent = msg.usage.prompt_tokens;
+                $("#pg-completion-tokens").textContent = msg.usage.completion_tokens;
+              }
+            }
+          }
+        }
+        const total = performance.now() - t0;
+        $("#pg-ttft").textContent = ttft === null ? "—" : (ttft / 1000).toFixed(2) + " s";
+        $("#pg-total").textContent = (total / 1000).toFixed(2) + " s";
+        $("#pg-usage").hidden = false;
+        setStatus("Done", "ok-text");
+      } catch (e) {
+        setStatus(e.name === "AbortError" ? "Stopped" : "Error: " + e.message, e.name === "AbortError" ? "" : "err-text");
+      } finally {
+        caret.hidden = true;
+        run.disabled = false; stop.disabled = true;
+        controller = null;
+      }
+    });
+  }
+
+  // ---- adapter upload with a progress bar (XHR: fetch has no upload progress) --------------------
+  function startUpload(form) {
+    const bar = $("#up-progress"), note = $("#up-note"), button = $("button[type=submit]", form);
+    form.addEventListener("submit", (ev) => {
+      ev.preventDefault();
+      const data = new FormData(form);
+      for (const [key, value] of Array.from(data.entries())) {
+        if (value instanceof File && !value.name) data.delete(key); // unchosen file inputs
+      }
+      const xhr = new XMLHttpRequest();
+      xhr.open("POST", form.dataset.endpoint);
+      xhr.setRequestHeader("x-csrf-token", csrf());
+      xhr.responseType = "json";
+      bar.value = 0; bar.hidden = false;
+      button.disabled = true;
+      note.className = "fine";
+      note.textContent = "Uploading…";
+      xhr.upload.addEventListener("progress", (e) => {
+        if (e.lengthComputable) {
+          bar.value = Math.round((100 * e.loaded) / e.total);
+          note.textContent = e.loaded < e.total ? "Uploading… " + bar.value + "%" : "Validating…";
+        }
+      });
+      xhr.addEventListener("load", () => {
+        button.disabled = false;
+        if (xhr.status === 401) return toLogin();
+        const body = xhr.response || {};
+        if (xhr.status >= 200 && xhr.status < 300) {
+          bar.value = 100;
+          note.textContent = "Uploaded.";
+          window.location.href = form.dataset.next + (body.id ? "?uploaded=" + encodeURIComponent(body.id) : "");
+        } else {
+          note.className = "err-text";
+          note.textContent = (body.error && body.error.message) || "Upload failed (HTTP " + xhr.status + ").";
+        }
+      });
+      xhr.addEventListener("error", () => {
+        button.disabled = false;
+        note.className = "err-text";
+        note.textContent = "The upload was interrupted (network error or the file is over the size limit).";
+      });
+      xhr.send(data);
+    });
+  }
+
+  document.addEventListener("DOMContentLoaded", () => {
+    document.querySelectorAll("[data-refresh]").forEach(startRefresh);
+    const pg = $("#playground-form");
+    if (pg) startPlayground(pg);
+    const up = $("#upload-form");
+    if (up) startUpload(up);
+  });
+})();
