@@ -49,6 +49,7 @@ class LoRAManager:
         self.host_cache: HostLRUCache[HostAdapter] = HostLRUCache(max(max_cpu_loras or max_loras, max_loras))
         self.use_triton = _triton_usable(self.device)
         self._paths: dict[int, str] = {}  # adapter_id -> lora_path, to re-read after a host eviction
+        self._names: dict[int, str] = {}  # adapter_id -> lora_name (stats only)
         self._slot_of: dict[int, int] = {}
         self._slot_lru: OrderedDict[int, None] = OrderedDict()  # resident adapter ids, least recent first
         self._pins: dict[int, int] = {}
@@ -71,6 +72,7 @@ class LoRAManager:
             return cached
         adapter = self._read(adapter_id, path)
         self._paths[adapter_id] = path
+        self._names[adapter_id] = lora_request.lora_name
         self._pending_removal.discard(adapter_id)
         return adapter
 
@@ -110,6 +112,7 @@ class LoRAManager:
     def _drop(self, adapter_id: int) -> None:
         self._pending_removal.discard(adapter_id)
         self._paths.pop(adapter_id, None)
+        self._names.pop(adapter_id, None)
         self.host_cache.pop(adapter_id)
         slot = self._slot_of.pop(adapter_id, None)
         if slot is not None:
@@ -119,6 +122,14 @@ class LoRAManager:
     # ---- GPU slots -----------------------------------------------------------------------------------
     def resident_adapter_ids(self) -> list[int]:
         return list(self._slot_lru)
+
+    def pinned_adapter_ids(self) -> list[int]:
+        """Adapters held by running requests (never evicted)."""
+        return sorted(self._pins)
+
+    def active_adapter_names(self) -> list[str]:
+        """Names of the adapters holding a GPU slot."""
+        return [self._names.get(a, str(a)) for a in self._slot_lru]
 
     def can_fit(self, adapter_ids) -> bool:
         """Whether these adapters can all hold a slot at once (pinned residents keep theirs)."""

@@ -109,7 +109,7 @@ class LLMEngine:
         started = time.monotonic()
         out = self.scheduler.schedule()
         if self.runner.lora_manager is not None:
-            pass
+            self._pin_running_adapters()
         result = self.runner.execute(out)
         touched = self.scheduler.update_from_output(out, result)
         self._kv_waste_sum += self.scheduler.last_kv_waste

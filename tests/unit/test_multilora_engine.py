@@ -84,7 +84,7 @@ def test_mixed_adapters_and_base_requests_joining_mid_run_match_peft(tiny_model,
     engine = LLMEngine(EngineConfig(model=tiny_model["model_dir"], dtype="float32", enable_lora=True,
                                     max_loras=8, max_lora_rank=64, max_num_batched_tokens=48))
     manager = engine.runner.get_lora_manager()
-    steps = _record_steps(manager)
+    steps = _record_steps(manager, engine)
     got = _run_joining_mid_run(engine, tiny_model, work)
     for i, (prompt, owner) in enumerate(work):
         assert got[str(i)] == hf_reference(prompt, owner), f"request {i} (adapter {owner}, {len(prompt)} tokens)"
@@ -96,14 +96,20 @@ def test_mixed_adapters_and_base_requests_joining_mid_run_match_peft(tiny_model,
     assert len({tuple(hf_reference(first, o)) for o in [None, *range(NUM_ADAPTERS)]}) >= 5
 
 
-def _record_steps(manager) -> list[tuple[int, bool]]:
-    """(distinct adapters, any base-model token) for every step the engine runs."""
+def _record_steps(manager, engine) -> list[tuple[int, bool]]:
+    """(distinct adapters, any base-model token) for every step the engine runs; also checks that no
+    adapter of a running request loses its slot."""
     steps = []
     prepare = manager.prepare_step
 
     def recording(token_adapter_ids, adapter_ids=None):
         steps.append((len(set(adapter_ids)), bool((token_adapter_ids == 0).any())))
-        return prepare(token_adapter_ids, adapter_ids=adapter_ids)
+        running = {r.lora_id for r in engine.scheduler.running if r.lora_id}
+        assert running <= set(manager.pinned_adapter_ids()), "running requests' adapters must be pinned"
+        kept = running & set(manager.resident_adapter_ids())
+        batch = prepare(token_adapter_ids, adapter_ids=adapter_ids)
+        assert kept <= set(manager.resident_adapter_ids()), "a running request's adapter was evicted"
+        return batch
 
     manager.prepare_step = recording
     return steps
@@ -114,7 +120,7 @@ def test_more_adapters_than_slots_all_complete_with_loads_and_evictions(tiny_mod
     engine = LLMEngine(EngineConfig(model=tiny_model["model_dir"], dtype="float32", enable_lora=True,
                                     max_loras=2, max_lora_rank=64, max_cpu_loras=3, max_num_batched_tokens=48))
     manager = engine.runner.get_lora_manager()
-    steps = _record_steps(manager)
+    steps = _record_steps(manager, engine)
     got = _run_joining_mid_run(engine, tiny_model, work)
     for i, (prompt, owner) in enumerate(work):
         assert got[str(i)] == hf_reference(prompt, owner), f"request {i} (adapter {owner})"
