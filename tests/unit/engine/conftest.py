@@ -33,10 +33,18 @@ def hf_llama(tiny_model):
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF greedy ``generate`` with EOS off, like the engine's ignore_eos. (min_new_tokens would instead mask
+    the EOS logits, changing the argmax where a random model's top token is EOS.)"""
+    saved = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = None  # generate() falls back to this for an unset eos
     ids = torch.tensor([prompt_ids])
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             min_new_tokens=max_new_tokens, do_sample=False)
+    try:
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=model.config.pad_token_id)
+    finally:
+        model.generation_config.eos_token_id = saved
+    assert out.shape[1] == ids.shape[1] + max_new_tokens
     return out[0, ids.shape[1]:].tolist()
 
 

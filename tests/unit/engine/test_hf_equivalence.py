@@ -117,3 +117,16 @@ def test_preemption_under_small_kv_budget_gives_unconstrained_outputs(tiny_model
     assert got == want
     assert tight.engine.counters["num_preemptions"] > 0 and ample.engine.counters["num_preemptions"] == 0
     assert tight.engine.block_manager.num_free_blocks == 12
+
+
+def test_forked_greedy_samples_survive_copy_on_write_and_preemption(tiny_model, hf_llama):
+    prompts = _prompts(512, seed=11)[3:7]  # 17..51 tokens: partly filled last blocks get shared by forks
+    params = SamplingParams(n=3, max_tokens=20, temperature=0, ignore_eos=True)
+    llm = LLM(tiny_model["model_dir"], dtype="float32", num_kv_blocks=14, max_num_batched_tokens=48)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    counters = llm.engine.counters
+    assert counters["cow_block_copies"] > 0 and counters["num_preemptions"] > 0
+    for p, out in zip(prompts, outs):
+        want = hf_greedy(hf_llama, p, 20)
+        assert [c.token_ids for c in out.outputs] == [want] * 3
+    assert llm.engine.block_manager.num_free_blocks == 14

@@ -33,6 +33,9 @@ def test_mixed_adapter_batch_matches_peft(llm, tiny_model, hf_llama):
             want = hf_greedy(peft, prompts[i]["prompt_token_ids"], 10)
         peft.unload()
         assert outs[i].outputs[0].token_ids == want, f"adapter {i - 1}"
+    stats = llm.engine.get_stats()
+    assert len(stats.active_adapters) == 2 and set(stats.active_adapters) <= {"a0", "a1", "a2"}
+    assert stats.num_lora_loads >= 3
 
 
 def test_broken_adapter_fails_only_its_request(llm, tmp_path):
