@@ -46,6 +46,17 @@ def register(subparsers) -> None:
     add_offline_args(off)
     off.set_defaults(func=_run_offline, bench_parser=off)
 
+    full = sub.add_parser("all", help="every issue-9 figure in one run and one report: attention, LoRA kernels, "
+                                      "offline throughput, decode step vs roofline, HF+PEFT peer")
+    common(full)
+    add_offline_args(full)
+    full.add_argument("--attn-batch", type=int, default=64)
+    full.add_argument("--contexts", type=_csv_ints, default=(1024, 2048, 4096), help="attention contexts")
+    full.add_argument("--attn-iters", type=int, default=50)
+    full.add_argument("--sweep", action="store_true", help="attention: also try tile/split configs")
+    full.add_argument("--skip-lora-kernels", action="store_true")
+    full.set_defaults(func=_run_full, bench_parser=full, peer="hf-peft")
+
     onl = sub.add_parser("online", help="Poisson arrivals through the HTTP API: TTFT, TPOT, ITL, E2E, goodput")
     common(onl)
     from loraplex.bench.online import add_online_args, run_online_cli
@@ -119,6 +130,16 @@ def _run_attention(args) -> int:
     print(md_path.read_text())
     print(f"wrote {json_path} and {md_path}")
     return 0
+
+
+def _run_full(args) -> int:
+    args.report_command = command_line(args)
+    device = _device(args)
+    if device.type != "cuda":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+    from loraplex.bench.full import run_full
+
+    return run_full(args, device, _out_dir(args))
 
 
 def _run_offline(args) -> int:

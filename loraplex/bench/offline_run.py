@@ -3,6 +3,7 @@ roofline, one report. The peer runs first and frees the GPU before the engine ta
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 from pathlib import Path
@@ -38,9 +39,20 @@ def prepare_model(args, device: torch.device) -> Path:
 
 
 def run_offline_bench(args, device: torch.device, out_dir: str | None) -> int:
+    from loraplex.bench.report import write_report
+
+    result, sections = collect_offline(args, device)
+    json_path, md_path = write_report("offline", result, sections, out_dir, args)
+    print(md_path.read_text())
+    print(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+def collect_offline(args, device: torch.device) -> tuple[dict, list[tuple[str, str]]]:
+    """Run the offline benchmark; returns the raw figures and the report's markdown sections."""
     from loraplex.bench.llama8b import write_adapter_pool
     from loraplex.bench.offline import make_llm, measure_decode_step, run_popularities
-    from loraplex.bench.report import environment, write_report
+    from loraplex.bench.report import environment
     from loraplex.bench.roofline import ModelShape, decode_step_bytes, measure_copy_bandwidth, roofline
     from loraplex.bench.sections import peer_section, step_section, throughput_section
 
@@ -94,7 +106,8 @@ def run_offline_bench(args, device: torch.device, out_dir: str | None) -> int:
 
     if "peer" in result:
         sections.append(peer_section(result["peer"], rows))
-    json_path, md_path = write_report("offline", result, sections, out_dir, args)
-    print(md_path.read_text())
-    print(f"wrote {json_path} and {md_path}")
-    return 0
+    del llm
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result, sections
