@@ -103,3 +103,36 @@ def test_cuda_graph_replay_with_another_batch():
         torch.cuda.synchronize()
         batch.token_slots = slots_buf.clone()
         torch.testing.assert_close(out.float(), _reference(batch).float(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_manager_triton_path_matches_cpu_twin_path(tiny_model, dtype):
+    """LoRAManager on CUDA (Triton kernels) against the same manager on the CPU (reference twins)."""
+    from transformers import AutoConfig
+
+    from loraplex.adapters.manager import LoRAManager
+    from loraplex.adapters.modules import PROJ_MODULES
+    from loraplex.engine.lora_request import LoRARequest
+    from tests.conftest import adapter_dir
+
+    cfg = AutoConfig.from_pretrained(tiny_model["model_dir"])
+    managers = {dev: LoRAManager(cfg, max_loras=4, max_lora_rank=64, max_cpu_loras=6, device=dev,
+                                 dtype=torch.float32 if dev == "cpu" else dtype) for dev in ("cpu", "cuda")}
+    assert managers["cuda"].use_triton and not managers["cpu"].use_triton
+    ids = torch.tensor([0, 1, 6, 6, 0, 3, 4, 1, 4, 4, 6, 0, 3], dtype=torch.int64)
+    steps = {}
+    for dev, mgr in managers.items():
+        for i in (0, 2, 3, 5):
+            mgr.validate_and_prefetch(LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)))
+        steps[dev] = mgr.prepare_step(ids.to(dev), adapter_ids=[1, 3, 4, 6])
+    gen = torch.Generator().manual_seed(0)
+    shapes = managers["cpu"].shapes
+    for proj in PROJ_MODULES:
+        x = torch.randn(len(ids), shapes.proj_in(proj), generator=gen)
+        base = torch.randn(len(ids), sum(shapes.slice_widths(proj)), generator=gen)
+        for layer in range(shapes.num_layers):
+            ref = steps["cpu"].add(layer, proj, x, base.clone())
+            out = steps["cuda"].add(layer, proj, x.to("cuda", dtype), base.to("cuda", dtype))
+            torch.testing.assert_close(out.float().cpu(), ref, **TOL[dtype])
+            rows = ids == 0
+            assert torch.equal(out[rows.cuda()].cpu(), base.to(dtype)[rows])

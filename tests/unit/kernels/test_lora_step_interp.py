@@ -1,0 +1,44 @@
+"""The engine's LoRA step on the Triton path (interpreter) equals its reference-twin path, every projection."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest; kept here so this module runs alone
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from loraplex.adapters.mapping import LoRAStep
+from loraplex.adapters.modules import PROJ_MODULES, BaseShapes
+from loraplex.adapters.slot_pool import SlotPool
+from loraplex.kernels import lora_expand, lora_shrink
+
+if not isinstance(lora_shrink._lora_shrink_kernel, InterpretedFunction):
+    for module in (lora_shrink, lora_expand):
+        importlib.reload(module)
+
+SHAPES = BaseShapes(num_layers=2, hidden_size=48, q_size=48, kv_size=16, intermediate_size=80)
+
+
+@pytest.mark.parametrize("num_tokens, num_active", [(6, 3), (70, 2)])  # decode-like and prefill-like regimes
+def test_step_triton_path_equals_twin_path(num_tokens, num_active):
+    gen = torch.Generator().manual_seed(num_tokens)
+    pool = SlotPool(SHAPES, max_loras=4, max_rank=24, device="cpu", dtype=torch.float32)
+    for t in (*pool.a.values(), *pool.bt.values()):
+        t.copy_(torch.randn(t.shape, generator=gen) * 0.3)
+    pool.ranks.copy_(torch.randint(0, 25, pool.ranks.shape, generator=gen, dtype=torch.int32))
+    pool.scaling.copy_(torch.rand(4, generator=gen) + 0.5)
+    slots = torch.randint(-1, num_active, (num_tokens,), generator=gen, dtype=torch.int32)
+    twin = LoRAStep(pool, slots, num_active, use_triton=False)
+    triton_step = LoRAStep(pool, slots, num_active, use_triton=True)
+    for proj in PROJ_MODULES:
+        x = torch.randn(num_tokens, SHAPES.proj_in(proj), generator=gen)
+        base = torch.randn(num_tokens, sum(SHAPES.slice_widths(proj)), generator=gen)
+        for layer in range(SHAPES.num_layers):
+            want = twin.add(layer, proj, x, base.clone())
+            got = triton_step.add(layer, proj, x, base.clone())
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got[slots < 0], base[slots < 0])
