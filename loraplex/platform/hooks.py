@@ -91,6 +91,26 @@ class UsageSink(Protocol):
     async def record(self, event: UsageEvent) -> None: ...
 
 
+class QuotaGate(Protocol):
+    """Checked at admission, before the engine: ``reserve`` raises an ``ApiError`` (429) when the tenant's
+    quota cannot cover ``estimated_tokens``; ``release`` is called once per reservation, after the
+    request's usage event went to the :class:`UsageSink` (or when it never reached the engine)."""
+
+    async def reserve(self, principal: Principal, estimated_tokens: int) -> object | None: ...
+
+    def release(self, reservation: object | None) -> None: ...
+
+
+class NoQuota:
+    """No quotas (used until the usage area installs its own)."""
+
+    async def reserve(self, principal: Principal, estimated_tokens: int) -> object | None:
+        return None
+
+    def release(self, reservation: object | None) -> None:
+        pass
+
+
 class LoggingUsageSink:
     """Logs counts and ids (never prompt text)."""
 

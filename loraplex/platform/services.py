@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from loraplex.engine.protocol import EngineClient
 from loraplex.platform.auth import Authenticator
 from loraplex.platform.db import SessionFactory
-from loraplex.platform.hooks import ModelResolver, UsageSink
+from loraplex.platform.hooks import ModelResolver, NoQuota, QuotaGate, UsageSink
 from loraplex.platform.kv import KV
 from loraplex.platform.limits import Admission, RateLimiter
 from loraplex.platform.metrics import Metrics
@@ -44,6 +44,7 @@ class Services:
     draining: bool = False
     extras: dict[str, object] = field(default_factory=dict)  # per-area state (e.g. "registry")
     background: set[asyncio.Task] = field(default_factory=set)
+    quota: QuotaGate = field(default_factory=NoQuota)  # replaced by the usage area's quota tracker
 
     def spawn(self, coro, name: str | None = None) -> asyncio.Task:
         """Run ``coro`` on its own task (kept until done; awaited at shutdown). For work that must

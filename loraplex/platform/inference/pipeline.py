@@ -119,10 +119,19 @@ async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]]
     except BaseException:
         services.admission.release()
         raise
+    try:
+        reservation = await services.quota.reserve(principal, estimate)
+    except BaseException as exc:
+        services.admission.release()
+        await services.limiter.settle(principal, grant, 0)
+        if isinstance(exc, ApiError):
+            services.metrics.rejected.labels("quota").inc()
+        raise
     prefix = "chatcmpl" if endpoint == "chat.completions" else "cmpl"
     gen = Generation(
         services=services, principal=principal, model=resolved, endpoint=endpoint,
         response_id=new_response_id(prefix), prompts=prompts, params=params, grant=grant,
+        quota_reservation=reservation,
     )
     return Prepared(gen, grant.headers, texts)
 

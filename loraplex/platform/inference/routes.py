@@ -133,6 +133,7 @@ async def create_completion(request: Request, data: s.CompletionRequest) -> Resp
             acc.finish_reason = render.finish_reason(cd.delta.finish_reason)
 
     await _collect(request, prep, on_delta)
+    await gen.wait_recorded()
     body = s.CompletionResponse(
         id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
         choices=[s.CompletionChoice(index=i, text="".join(c.text), logprobs=c.completion_logprobs(),
@@ -164,6 +165,7 @@ async def _completion_events(prep: Prepared, resolved, created: int, echo: list[
     except EngineFailure as exc:
         yield _error_event(exc)
         return
+    await gen.wait_recorded()
     if include_usage:
         yield chunk([], _usage(gen))
     yield DONE
@@ -210,6 +212,7 @@ async def create_chat_completion(request: Request, data: s.ChatCompletionRequest
             acc.finish_reason = render.finish_reason(cd.delta.finish_reason)
 
     await _collect(request, prep, on_delta)
+    await gen.wait_recorded()
     body = s.ChatCompletionResponse(
         id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
         choices=[s.ChatChoice(index=i, message=s.AssistantMessage(content="".join(c.text)),
@@ -239,6 +242,7 @@ async def _chat_events(prep: Prepared, resolved, created: int, include_usage: bo
     except EngineFailure as exc:
         yield _error_event(exc)
         return
+    await gen.wait_recorded()
     if include_usage:
         yield chunk([], _usage(gen))
     yield DONE

@@ -60,6 +60,7 @@ class Generation:
     prompts: list[list[int]]
     params: SamplingParams
     grant: RateGrant
+    quota_reservation: object | None = None  # from services.quota; released once usage is recorded
     arrival: float = field(default_factory=time.monotonic)
     completion_tokens: int = 0  # delivered to the client
     status: str = STATUS_COMPLETED
@@ -69,6 +70,7 @@ class Generation:
     _last_token: float | None = None
     _states: list[_PromptState] = field(default_factory=list)
     _closed: bool = False
+    _finish_task: asyncio.Task | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -172,12 +174,21 @@ class Generation:
             self.services.spawn(self._release_unstarted(), name=f"release:{self.response_id}")
             return
         unfinished = [s.request_id for s in self._states if not s.done]
-        self.services.spawn(self._finish(unfinished), name=f"finish:{self.response_id}")
+        if unfinished and self.status == STATUS_COMPLETED:  # closed by a disconnect before the stream ended
+            self.status = STATUS_ABORTED
+        self._finish_task = self.services.spawn(self._finish(unfinished), name=f"finish:{self.response_id}")
+
+    async def wait_recorded(self) -> None:
+        """Wait until the usage event is in the sink (durable), so a client never sees the end of a
+        response whose usage a crash could still lose."""
+        if self._finish_task is not None:
+            await asyncio.shield(self._finish_task)
 
     async def _release_unstarted(self) -> None:
         try:
             await self.services.limiter.settle(self.principal, self.grant, 0)
         finally:
+            self.services.quota.release(self.quota_reservation)
             self.services.admission.release()
 
     async def _finish(self, unfinished: list[str]) -> None:
@@ -219,6 +230,7 @@ class Generation:
         except Exception:
             log.exception("usage sink failed for %s", self.response_id)
         finally:
+            s.quota.release(self.quota_reservation)
             s.admission.release()
 
 

@@ -1,0 +1,164 @@
+"""Usage totals over a time window, grouped by day, adapter or key, with exact Decimal costs.
+
+The database sums tokens per (tenant, group, adapter); costs are computed here from those sums with
+each tenant's plan (adapter surcharges differ per adapter, hence the extra adapter split, merged back
+into one output row per group). Rows come back in group order, so callers can stream them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import date, datetime, time, timezone
+from decimal import Decimal
+
+from sqlalchemy import String, case, cast, func, select
+
+from loraplex.platform.db import SessionFactory
+from loraplex.platform.errors import bad_request
+from loraplex.platform.usage.models import BillingPlan, TenantPlan, UsageRecord
+from loraplex.platform.usage.pricing import Prices, money_text
+
+GROUP_BY = ("day", "adapter", "key")
+FORMATS = ("csv", "jsonl")
+GROUP_COLUMNS = {"day": ("day",), "adapter": ("model", "adapter_id", "adapter_name", "adapter_version"),
+                 "key": ("key_id",)}
+TOTAL_COLUMNS = ("requests", "completed", "aborted", "errors", "prompt_tokens", "cached_prompt_tokens",
+                 "completion_tokens", "total_tokens", "currency", "cost")
+
+
+def columns(group_by: str) -> list[str]:
+    return ["tenant_id", "tenant", *GROUP_COLUMNS[group_by], *TOTAL_COLUMNS]
+
+
+def parse_time(value: str | None, param: str) -> datetime | None:
+    """ISO 8601 date or date-time; a naive value is UTC."""
+    if value is None or value == "":
+        return None
+    try:
+        if len(value) == 10:
+            parsed = datetime.combine(date.fromisoformat(value), time(0))
+        else:
+            parsed = datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise bad_request(f"{param} must be an ISO 8601 date or date-time (e.g. 2026-11-01 or "
+                          f"2026-11-01T00:00:00Z), got {value!r}.", param=param) from None
+    return parsed.replace(tzinfo=timezone.utc) if parsed.tzinfo is None else parsed.astimezone(timezone.utc)
+
+
+@dataclass(frozen=True)
+class Query:
+    start: datetime
+    end: datetime
+    group_by: str = "day"
+    tenant_id: str | None = None  # None = every tenant (admin)
+
+    def __post_init__(self):
+        if self.group_by not in GROUP_BY:
+            raise bad_request(f"group_by must be one of {', '.join(GROUP_BY)}, got {self.group_by!r}.",
+                              param="group_by")
+        if self.end <= self.start:
+            raise bad_request("to must be later than from.", param="to")
+
+
+def _group_exprs(group_by: str, dialect: str) -> list:
+    r = UsageRecord
+    if group_by == "day":
+        if dialect == "postgresql":
+            day = func.to_char(func.timezone("UTC", r.created_at), "YYYY-MM-DD")
+        else:  # SQLite stores UTC date-times as text: 'YYYY-MM-DD HH:MM:SS...'
+            day = func.substr(cast(r.created_at, String), 1, 10)
+        return [day.label("day")]
+    if group_by == "adapter":
+        return [r.model.label("model"), r.adapter_id.label("g_adapter_id"), r.adapter_version.label("adapter_version")]
+    return [r.key_id.label("key_id")]
+
+
+async def _prices(session, tenant_id: str | None) -> dict[str, Prices]:
+    stmt = select(TenantPlan.tenant_id, BillingPlan).join(BillingPlan, TenantPlan.plan_id == BillingPlan.id)
+    if tenant_id is not None:
+        stmt = stmt.where(TenantPlan.tenant_id == tenant_id)
+    return {tid: Prices.from_plan(plan) for tid, plan in (await session.execute(stmt)).all()}
+
+
+def _status_count(status: str):
+    return func.sum(case((UsageRecord.status == status, 1), else_=0))
+
+
+async def rows(sessions: SessionFactory, q: Query) -> AsyncIterator[dict]:
+    """One dict per (tenant, group), in order, with exact costs (as text)."""
+    r = UsageRecord
+    async with sessions() as session:
+        dialect = session.bind.dialect.name
+        prices = await _prices(session, q.tenant_id)
+        groups = _group_exprs(q.group_by, dialect)
+        stmt = (
+            select(
+                r.tenant_id, func.max(r.tenant_name).label("tenant"), *groups,
+                r.adapter_id, func.max(r.adapter_name).label("adapter_name"),
+                func.count().label("requests"), _status_count("completed").label("completed"),
+                _status_count("aborted").label("aborted"), _status_count("error").label("errors"),
+                func.sum(r.prompt_tokens).label("prompt_tokens"),
+                func.sum(r.cached_prompt_tokens).label("cached_prompt_tokens"),
+                func.sum(r.completion_tokens).label("completion_tokens"),
+            )
+            .where(r.created_at >= q.start, r.created_at < q.end)
+            .group_by(r.tenant_id, *groups, r.adapter_id)
+            .order_by(r.tenant_id, *groups, r.adapter_id)
+        )
+        if q.tenant_id is not None:
+            stmt = stmt.where(r.tenant_id == q.tenant_id)
+        group_names = [g.name for g in groups]
+        current: dict | None = None
+        current_key = None
+        result = await session.stream(stmt)
+        async for row in result.mappings():
+            key = (row["tenant_id"], *(row[g] for g in group_names))
+            if key != current_key:
+                if current is not None:
+                    yield _finish(current)
+                current_key = key
+                current = _start(row, q.group_by, prices.get(row["tenant_id"], Prices()))
+            _add(current, row)
+        if current is not None:
+            yield _finish(current)
+
+
+def _start(row, group_by: str, prices: Prices) -> dict:
+    out = {"tenant_id": row["tenant_id"], "tenant": row["tenant"]}
+    if group_by == "day":
+        out["day"] = row["day"]
+    elif group_by == "adapter":
+        out.update(model=row["model"], adapter_id=row["adapter_id"], adapter_name=row["adapter_name"],
+                   adapter_version=row["adapter_version"])
+    else:
+        out["key_id"] = row["key_id"]
+    out.update({c: 0 for c in TOTAL_COLUMNS[:7]})
+    out["_prices"], out["_cost"] = prices, Decimal(0)
+    return out
+
+
+def _add(acc: dict, row) -> None:
+    for c in ("requests", "completed", "aborted", "errors", "prompt_tokens", "cached_prompt_tokens",
+              "completion_tokens"):
+        acc[c] += int(row[c] or 0)
+    acc["_cost"] += acc["_prices"].cost(int(row["prompt_tokens"] or 0), int(row["cached_prompt_tokens"] or 0),
+                                        int(row["completion_tokens"] or 0), row["adapter_id"])
+
+
+def _finish(acc: dict) -> dict:
+    prices, cost = acc.pop("_prices"), acc.pop("_cost")
+    acc["total_tokens"] = acc["prompt_tokens"] + acc["completion_tokens"]
+    acc["currency"] = prices.currency
+    acc["cost"] = money_text(cost)
+    return acc
+
+
+def totals(items: list[dict]) -> dict:
+    """Sums of a list of rows (costs summed exactly, per currency)."""
+    out = {c: sum(i[c] for i in items) for c in TOTAL_COLUMNS[:8]}
+    costs: dict[str, Decimal] = {}
+    for i in items:
+        costs[i["currency"]] = costs.get(i["currency"], Decimal(0)) + Decimal(i["cost"])
+    out["cost"] = {cur: money_text(v) for cur, v in sorted(costs.items())}
+    return out

@@ -1,0 +1,134 @@
+"""Monthly token quotas, checked at admission (before the engine sees the request).
+
+A request may start only if ``used + reserved + its own estimate <= quota`` for the tenant's current UTC
+month, where ``used`` = the ledger's total (cached for a few seconds) + what this process has written to
+the ledger since + events still in this process's spool, and ``reserved`` = the estimates
+(``prompt + max_tokens * n``) of this process's requests still running. A reservation is released when
+the request's usage event is in the sink, so no token is ever invisible to the check.
+
+With several replicas, each sees the others' usage once it reaches the ledger and the cache expires
+(:data:`LEDGER_CACHE_TTL_S`): a burst spread over replicas can overshoot by what they admit in that time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import datetime
+
+from loraplex.platform.auth import Principal
+from loraplex.platform.db import SessionFactory, utcnow
+from loraplex.platform.errors import ApiError
+from loraplex.platform.usage.ledger import as_utc, billable_tokens, tokens_used
+from loraplex.platform.usage.plans import tenant_billing
+from loraplex.platform.usage.pricing import month_bounds
+
+log = logging.getLogger(__name__)
+
+LEDGER_CACHE_TTL_S = 5.0
+PLAN_CACHE_TTL_S = 5.0
+
+
+def insufficient_quota(quota: int, used: int, needed: int) -> ApiError:
+    left = max(0, quota - used)
+    if left == 0:
+        message = f"You exceeded your monthly token quota ({quota} tokens); it resets at the start of next month (UTC)."
+    else:
+        message = (f"This request may use up to {needed} tokens (prompt + max_tokens x n) but only {left} of the "
+                   f"monthly quota of {quota} tokens are left; lower max_tokens or wait for next month.")
+    # x-should-retry: false tells OpenAI clients not to retry a 429 that waiting will not fix
+    return ApiError(429, message, type="insufficient_quota", code="insufficient_quota",
+                    headers={"x-should-retry": "false"})
+
+
+@dataclass
+class Reservation:
+    tenant_id: str
+    month: datetime
+    tokens: int
+
+
+class QuotaTracker:
+    def __init__(self, sessions: SessionFactory, sink, *, clock=utcnow,
+                 ledger_ttl_s: float = LEDGER_CACHE_TTL_S, plan_ttl_s: float = PLAN_CACHE_TTL_S):
+        self.sessions = sessions
+        self.sink = sink  # LedgerSink: events not yet in the ledger
+        self.clock = clock
+        self.ledger_ttl_s = ledger_ttl_s
+        self.plan_ttl_s = plan_ttl_s
+        self._quotas: dict[str, tuple[float, int | None]] = {}
+        # (tenant, month) -> (expires, ledger total, self._ingested at load)
+        self._ledger: dict[tuple[str, datetime], tuple[float, int, int]] = {}
+        self._ingested: dict[tuple[str, datetime], int] = defaultdict(int)
+        self._reserved: dict[tuple[str, datetime], int] = defaultdict(int)
+
+    # ---- hooks ------------------------------------------------------------------------------------
+
+    def on_ingested(self, records: list[dict]) -> None:
+        """Records newly written to the ledger by this process."""
+        for r in records:
+            month, _ = month_bounds(as_utc(datetime.fromisoformat(r["created_at"])))
+            self._ingested[(r["tenant_id"], month)] += billable_tokens(r)
+
+    def invalidate(self, tenant_id: str | None = None) -> None:
+        """Forget cached plans/quotas (after an admin change)."""
+        if tenant_id is None:
+            self._quotas.clear()
+        else:
+            self._quotas.pop(tenant_id, None)
+
+    # ---- queries ----------------------------------------------------------------------------------
+
+    def _now_s(self) -> float:
+        return self.clock().timestamp()
+
+    async def quota_of(self, tenant_id: str) -> int | None:
+        hit = self._quotas.get(tenant_id)
+        if hit is not None and hit[0] > self._now_s():
+            return hit[1]
+        async with self.sessions() as session:
+            _, quota = await tenant_billing(session, tenant_id)
+        self._quotas[tenant_id] = (self._now_s() + self.plan_ttl_s, quota)
+        return quota
+
+    async def used(self, tenant_id: str, when: datetime | None = None) -> int:
+        """Tokens of the month of ``when`` (default now): ledger + this process's unwritten events."""
+        start, end = month_bounds(when or self.clock())
+        key = (tenant_id, start)
+        hit = self._ledger.get(key)
+        if hit is None or hit[0] <= self._now_s():
+            marker = self._ingested[key]
+            total = await tokens_used(self.sessions, tenant_id, start, end)
+            # ingested-since counts only what lands after this load; a commit racing the load is
+            # counted twice until the entry expires (errs on the side of the quota)
+            hit = (self._now_s() + self.ledger_ttl_s, total, marker)
+            self._ledger[key] = hit
+        _, total, marker = hit
+        return total + (self._ingested[key] - marker) + self.sink.pending_tokens(tenant_id, start, end)
+
+    # ---- QuotaGate --------------------------------------------------------------------------------
+
+    async def reserve(self, principal: Principal, estimated_tokens: int) -> Reservation | None:
+        quota = await self.quota_of(principal.tenant_id)
+        if quota is None:
+            return None
+        now = self.clock()
+        start, _ = month_bounds(now)
+        used = await self.used(principal.tenant_id, now)
+        # no await from here on: check and reserve are one step
+        key = (principal.tenant_id, start)
+        taken = used + self._reserved[key]
+        if taken + estimated_tokens > quota:
+            raise insufficient_quota(quota, taken, estimated_tokens)
+        self._reserved[key] += estimated_tokens
+        return Reservation(principal.tenant_id, start, estimated_tokens)
+
+    def release(self, reservation: Reservation | None) -> None:
+        if reservation is None:
+            return
+        key = (reservation.tenant_id, reservation.month)
+        self._reserved[key] -= reservation.tokens
+        assert self._reserved[key] >= 0, "quota reservation released twice"
+        if not self._reserved[key]:
+            del self._reserved[key]
