@@ -182,8 +182,10 @@ class ModelRunner:
 
     def _collect_samples(self, out, logits, rows, result: ModelRunnerOutput) -> None:
         sampled = self.sampler(logits, rows)
-        token_ids = sampled.token_ids.tolist()
-        lps = sampled.logprobs.tolist()
+        # one device->host copy for the tokens and their logprobs (float64 holds any token id exactly)
+        packed = torch.stack((sampled.token_ids.double(), sampled.logprobs.double())).cpu()
+        token_ids = [int(t) for t in packed[0].tolist()]
+        lps = packed[1].tolist()
         ranks = sampled.ranks.tolist() if sampled.ranks is not None else None
         top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
         top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
