@@ -38,6 +38,9 @@ class Scheduler:
         if req.request_id in self.samples:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         max_len = self.config.max_model_len
+        if req.sampling_params.n > self.config.max_num_seqs:
+            raise ValueError(f"n is {req.sampling_params.n}; the limit is max_num_seqs "
+                             f"({self.config.max_num_seqs})")
         if req.num_prompt_tokens >= max_len:
             raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; the limit is {max_len - 1} "
                              f"(max_model_len {max_len})")

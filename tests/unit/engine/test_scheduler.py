@@ -7,6 +7,8 @@ import random
 import subprocess
 import sys
 
+import pytest
+
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.request import RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
@@ -63,6 +65,20 @@ def test_priority_admits_first_and_preempts_lower_priority():
     assert low.status is RequestStatus.PREEMPTED and out.preempted == [low]
     got = run_to_completion(sched)
     assert got[("low", 0)] == expected_output(list(range(60)), 40)
+
+
+def test_requests_that_can_never_run_are_refused():
+    sched = make_scheduler(num_blocks=4, max_num_seqs=2, max_model_len=100)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        sched.add_request(make_request("n3", range(5), params=SamplingParams(n=3, max_tokens=4)))
+    with pytest.raises(ValueError, match="max_model_len"):
+        sched.add_request(make_request("long", range(100)))
+    with pytest.raises(ValueError, match="KV blocks"):
+        sched.add_request(make_request("big", range(60), max_tokens=20))  # 80 tokens > 4 blocks of 16
+    sched.add_request(make_request("ok", range(5)))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(make_request("ok", range(5)))
+    assert len(sched.waiting) == 1
 
 
 def test_fcfs_within_priority():
