@@ -1,0 +1,102 @@
+"""Tenancy: another tenant can neither list, use, modify nor delete a private adapter (404, exactly like a
+missing one), can use one shared with it, and cannot make one public. (SECURITY.md items 1-2.)"""
+
+from __future__ import annotations
+
+from tests.unit.registry.conftest import adapter_files
+
+
+async def _names(rapp, key) -> set[str]:
+    r = await rapp.client.get("/v1/adapters", headers=rapp.headers(key))
+    assert r.status_code == 200
+    return {a["model"] for a in r.json()["data"]}
+
+
+async def _call(rapp, key, model: str):
+    """A chat completion: this app runs no engine, so 503 means "resolved, usable", 404 "no such model"."""
+    return await rapp.client.post("/v1/chat/completions", headers=rapp.headers(key), json={
+        "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+
+async def _models(rapp, key) -> set[str]:
+    r = await rapp.client.get("/v1/models", headers=rapp.headers(key))
+    return {m["id"] for m in r.json()["data"]}
+
+
+async def test_private_adapter_is_invisible_to_other_tenants(rapp, tiny_model):
+    alice, bob = await rapp.tenant("alice"), await rapp.tenant("bob")
+    config, weights = adapter_files(tiny_model, 1)
+    r = await rapp.upload(alice, "secret", config=config, weights=weights, description="alice's")
+    assert r.status_code == 201, r.text
+    assert r.json()["visibility"] == "private" and r.json()["owner"] == "alice"
+
+    assert "secret" in await _names(rapp, alice) and "secret" in await _models(rapp, alice)
+    assert await _names(rapp, bob) == set()
+    assert not any("secret" in m for m in await _models(rapp, bob))
+    hb = rapp.headers(bob)
+    assert (await _call(rapp, alice, "secret")).status_code == 503  # resolves for its owner
+    assert (await _call(rapp, alice, "alice/secret@1")).status_code == 503
+    for model in ("alice/secret", "alice/secret@1", "secret"):
+        r = await _call(rapp, bob, model)
+        missing = await _call(rapp, bob, model.replace("secret", "nothing"))
+        assert r.status_code == missing.status_code == 404
+        assert r.json()["error"]["code"] == "model_not_found"
+        assert r.json()["error"]["message"].replace("secret", "X") == \
+            missing.json()["error"]["message"].replace("nothing", "X")
+    # Bob's own namespace: GET/PATCH/DELETE of the same name are plain 404s, and Alice's adapter is untouched
+    for method, kw in (("GET", {}), ("PATCH", {"json": {"description": "pwned"}}), ("DELETE", {})):
+        r = await rapp.client.request(method, "/v1/adapters/secret", headers=hb, **kw)
+        other = await rapp.client.request(method, "/v1/adapters/nothing", headers=hb, **kw)
+        assert r.status_code == other.status_code == 404, (method, r.text)
+    r = await rapp.client.get("/v1/adapters/secret", headers=rapp.headers(alice))
+    assert r.status_code == 200 and r.json()["description"] == "alice's" and r.json()["status"] == "ready"
+
+
+async def test_sharing_grants_use_but_not_control(rapp, tiny_model):
+    alice, bob, carol = await rapp.tenant("alice"), await rapp.tenant("bob"), await rapp.tenant("carol")
+    config, weights = adapter_files(tiny_model, 1)
+    assert (await rapp.upload(alice, "tuned", config=config, weights=weights)).status_code == 201
+    r = await rapp.client.patch("/v1/adapters/tuned", json={"shared_with": ["bob"]}, headers=rapp.headers(alice))
+    assert r.status_code == 200 and r.json()["visibility"] == "shared" and r.json()["shared_with"] == ["bob"]
+
+    assert (await _call(rapp, bob, "alice/tuned")).status_code == 503
+    assert (await _call(rapp, bob, "tuned")).status_code == 404  # a bare name is always the caller's own
+    assert "alice/tuned" in await _models(rapp, bob) and "alice/tuned" in await _names(rapp, bob)
+    listed = (await rapp.client.get("/v1/adapters", headers=rapp.headers(bob))).json()["data"][0]
+    assert listed["shared_with"] is None  # who else it is shared with is the owner's business
+    assert (await _call(rapp, carol, "alice/tuned")).status_code == 404
+    # a sharee still cannot edit or delete it
+    assert (await rapp.client.delete("/v1/adapters/tuned", headers=rapp.headers(bob))).status_code == 404
+    # unsharing takes effect at once (cached lookups are invalidated)
+    r = await rapp.client.patch("/v1/adapters/tuned", json={"visibility": "private", "shared_with": []},
+                                headers=rapp.headers(alice))
+    assert r.status_code == 200
+    assert (await _call(rapp, bob, "alice/tuned")).status_code == 404
+
+
+async def test_only_admins_make_adapters_public(rapp, tiny_model):
+    alice, bob = await rapp.tenant("alice"), await rapp.tenant("bob")
+    config, weights = adapter_files(tiny_model, 2)
+    r = await rapp.upload(alice, "mine", config=config, weights=weights, visibility="public")
+    assert r.status_code == 403 and "admin" in r.json()["error"]["message"]
+    assert rapp.store_digests() == set()
+    assert (await rapp.upload(alice, "mine", config=config, weights=weights)).status_code == 201
+    r = await rapp.client.patch("/v1/adapters/mine", json={"visibility": "public"}, headers=rapp.headers(alice))
+    assert r.status_code == 403
+    assert (await _call(rapp, bob, "alice/mine")).status_code == 404
+    r = await rapp.client.patch("/v1/adapters/mine", json={"shared_with": ["nobody-here"]},
+                                headers=rapp.headers(alice))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "shared_with"
+    # the operator publishes its own adapter; every tenant may then call it as admin/<name>
+    assert (await rapp.upload(None, "house", config=config, weights=weights, visibility="public")).status_code == 201
+    assert (await _call(rapp, bob, "admin/house")).status_code == 503
+    assert "admin/house" in await _models(rapp, alice)
+
+
+async def test_keys_without_the_write_scope_cannot_upload(rapp, tiny_model):
+    reader = await rapp.tenant("reader", scopes=("inference",))
+    config, weights = adapter_files(tiny_model, 0)
+    r = await rapp.upload(reader, "x", config=config, weights=weights)
+    assert r.status_code == 403
+    assert (await rapp.client.get("/v1/adapters", headers={"Authorization": "Bearer nope"})).status_code == 401
+    assert rapp.store_digests() == set()

@@ -1,0 +1,211 @@
+"""Every dangerous or broken upload is refused with a 4xx naming the problem; nothing is stored, no temporary
+file is left, and the name does not resolve. (SECURITY.md items 8-13.)"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import tarfile
+import zipfile
+
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from tests.unit.registry.conftest import UPLOAD_LIMIT, adapter_files, config_with, tar_gz
+
+
+def _tensors(weights: bytes) -> dict[str, torch.Tensor]:
+    return load(weights)
+
+
+def _nan(c, w):
+    t = _tensors(w)
+    name = sorted(t)[3]
+    t[name] = t[name].clone()
+    t[name][0, 0] = float("nan")
+    return {"config": c, "weights": save(t)}
+
+
+def _inf(c, w):
+    t = _tensors(w)
+    name = sorted(t)[-1]
+    t[name] = t[name].clone()
+    t[name][-1, -1] = float("inf")
+    return {"config": c, "weights": save(t)}
+
+
+def _wrong_shape(c, w):
+    t = _tensors(w)
+    name = next(n for n in sorted(t) if "lora_A" in n)
+    t[name] = torch.randn(t[name].shape[0], t[name].shape[1] + 8)
+    return {"config": c, "weights": save(t)}
+
+
+def _float64(c, w):
+    return {"config": c, "weights": save({k: v.double() for k, v in _tensors(w).items()})}
+
+
+def _header_100mb(c, w):
+    return {"config": c, "weights": (100 * 1024 * 1024).to_bytes(8, "little") + b'{"a":' + b" " * 64}
+
+
+def _header_200k(c, w):
+    entry = '"t{}":{{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}'
+    header = ("{" + ",".join(entry.format(i) for i in range(200_000)) + "}").encode()
+    return {"config": c, "weights": len(header).to_bytes(8, "little") + header}
+
+
+def _pickle_bin(c, w):
+    import pickle
+
+    return {"config": c, "weights": pickle.dumps({"x": 1}), "weights_filename": "adapter_model.bin"}
+
+
+def _pickle_in_archive(c, w):
+    return {"archive": tar_gz({"adapter_config.json": c, "adapter_model.bin": b"\x80\x04K\x01."})}
+
+
+def _dotdot(c, w):
+    return {"archive": tar_gz({"../adapter_config.json": c, "adapter_model.safetensors": w})}
+
+
+def _absolute(c, w):
+    return {"archive": tar_gz({"/tmp/adapter_config.json": c, "adapter_model.safetensors": w})}
+
+
+def _symlink(c, w):
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo("adapter_config.json")
+        info.size = len(c)
+        tar.addfile(info, io.BytesIO(c))
+        link = tarfile.TarInfo("adapter_model.safetensors")
+        link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        tar.addfile(link)
+    return {"archive": buf.getvalue()}
+
+
+def _zip_dotdot(c, w):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("adapter_config.json", c)
+        zf.writestr("x/../../adapter_model.safetensors", w)
+    return {"archive": buf.getvalue()}
+
+
+def _zip_symlink(c, w):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("adapter_config.json", c)
+        info = zipfile.ZipInfo("adapter_model.safetensors")
+        info.external_attr = (0o120777 << 16)
+        zf.writestr(info, "/etc/passwd")
+    return {"archive": buf.getvalue()}
+
+
+def _tar_bomb(c, w):
+    # five members of 8 MB of zeros: each under the cap, together over it; compresses to ~40 KB
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for i in range(5):
+            info = tarfile.TarInfo(f"pad-{i}.txt")
+            info.size = 8 << 20
+            tar.addfile(info, io.BytesIO(bytes(info.size)))
+    return {"archive": gzip.compress(buf.getvalue(), compresslevel=1)}
+
+
+def _zip_bomb(c, w):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("adapter_config.json", c)
+        zf.writestr("adapter_model.safetensors", b"\0" * (40 << 20))
+    return {"archive": buf.getvalue()}
+
+
+def _too_big(c, w):
+    return {"config": c, "weights": os.urandom(UPLOAD_LIMIT + 1024)}
+
+
+CASES = {
+    "pickle adapter_model.bin": (_pickle_bin, 422, "pickle"),
+    "pickle inside an archive": (_pickle_in_archive, 422, "pickle"),
+    "archive member with ..": (_dotdot, 422, ".."),
+    "archive member with an absolute path": (_absolute, 422, "absolute"),
+    "archive symlink": (_symlink, 422, "link"),
+    "zip member with ..": (_zip_dotdot, 422, ".."),
+    "zip symlink": (_zip_symlink, 422, "link"),
+    "tar.gz bomb": (_tar_bomb, 413, "limit"),
+    "zip bomb": (_zip_bomb, 413, "limit"),
+    "safetensors header claiming 100 MB": (_header_100mb, 422, "header claims"),
+    "safetensors header with 200,000 tensors": (_header_200k, 422, "over the cap"),
+    "NaN weights": (_nan, 422, "NaN"),
+    "Inf weights": (_inf, 422, "Inf"),
+    "wrong shapes for the base model": (_wrong_shape, 422, "does not match the base model"),
+    "float64": (_float64, 422, "F64"),
+    "body over the size limit": (_too_big, 413, str(UPLOAD_LIMIT)),
+}
+
+
+async def _assert_nothing_stored(rapp, name: str, before: set[str]) -> None:
+    assert rapp.store_digests() == before, "a refused upload reached the store"
+    assert rapp.tmp_entries() == [], "a refused upload left temporary files"
+    r = await rapp.client.get(f"/v1/models/{name}", headers=rapp.headers())
+    assert r.status_code == 404
+
+
+async def test_each_bad_upload_is_refused_and_stores_nothing(rapp, tiny_model):
+    config, weights = adapter_files(tiny_model, 0)
+    before = rapp.store_digests()
+    for i, (label, (build, status, needle)) in enumerate(CASES.items()):
+        name = f"bad-{i}"
+        r = await rapp.upload(None, name, **build(config, weights))
+        assert r.status_code == status, f"{label}: {r.status_code} {r.text[:300]}"
+        error = r.json()["error"]
+        assert needle in error["message"], f"{label}: {error['message']}"
+        assert error["param"], label
+        await _assert_nothing_stored(rapp, name, before)
+        listed = {a["name"]: a for a in (await rapp.client.get("/v1/adapters", headers=rapp.headers())).json()["data"]}
+        if name in listed:  # the attempt is on record, failed with its reason, never servable
+            assert listed[name]["status"] == "failed" and listed[name]["latest_version"] is None
+            assert needle in listed[name]["versions"][0]["error"]
+
+
+@pytest.mark.parametrize("change, needle", [
+    ({"auto_map": {"AutoModel": "evil.Model"}}, "auto_map"),
+    ({"target_modules": ["q_proj", "lm_head"]}, "unknown target module"),
+    ({"r": 64}, "rank 64"),
+])
+async def test_bad_configs_are_refused(rapp, tiny_model, change, needle):
+    config, weights = adapter_files(tiny_model, 0)
+    before = rapp.store_digests()
+    r = await rapp.upload(None, "cfg", config=config_with(config, **change), weights=weights)
+    assert r.status_code == 422, r.text
+    assert needle in r.json()["error"]["message"]
+    await _assert_nothing_stored(rapp, "cfg", before)
+
+
+async def test_rank_over_the_server_limit_is_refused(rapp, tiny_model):
+    config, weights = adapter_files(tiny_model, 5)  # rank 64; this server's max_lora_rank is 32
+    assert json.loads(config)["r"] == 64
+    r = await rapp.upload(None, "big-rank", config=config, weights=weights)
+    assert r.status_code == 422
+    assert "max_lora_rank" in r.json()["error"]["message"] and "32" in r.json()["error"]["message"]
+    await _assert_nothing_stored(rapp, "big-rank", set())
+
+
+async def test_malformed_forms_are_400s(rapp, tiny_model):
+    config, weights = adapter_files(tiny_model, 0)
+    r = await rapp.upload(None, None, config=config, weights=weights)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name"
+    r = await rapp.upload(None, "../etc", config=config, weights=weights)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name"
+    r = await rapp.upload(None, "half", config=config)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "weights"
+    r = await rapp.upload(None, "both", config=config, weights=weights, archive=tar_gz({"a": b"b"}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "archive"
+    r = await rapp.client.post("/v1/adapters", json={"name": "x"}, headers=rapp.headers())
+    assert r.status_code == 415
+    assert rapp.tmp_entries() == [] and rapp.store_digests() == set()
