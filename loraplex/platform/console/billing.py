@@ -1,14 +1,23 @@
-"""The console's view of the usage area's plans (quota and prices), when that area is installed.
+"""The console's view of the usage area: plans (prices, monthly token quota), quota use, usage reports.
 
-Everything here calls the usage area's service layer; the console keeps no billing logic of its own.
+Everything here calls the usage area's service layer (``loraplex.platform.usage``); the console keeps no
+billing logic of its own. When that area is not installed the pages say so instead of failing.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+from dataclasses import dataclass
+from datetime import datetime
+
+from litestar import Request
+
+from loraplex.platform.errors import ApiError
 
 log = logging.getLogger(__name__)
+
+INGEST_WAIT_S = 3.0  # a page waits this long for usage still in the spool (so a run just made shows up)
 
 
 def usage_module(name: str):
@@ -21,13 +30,104 @@ def usage_module(name: str):
         raise
 
 
-async def tenant_plan(services, tenant):
-    """The tenant's plan for display, or None when plans are not available."""
-    return None
+def area(services):
+    return services.extras.get("usage")
 
 
-async def save_plan(services, tenant, form: dict[str, str]) -> None:
-    from loraplex.platform.errors import ApiError
+def unavailable() -> ApiError:
+    return ApiError(501, "Quotas, prices and usage need the usage area, which is not running on this server.",
+                    type="server_error", code="not_available")
 
-    raise ApiError(501, "Quotas and prices need the usage area, which is not installed on this server.",
-                   code="not_available")
+
+@dataclass
+class TenantPlanView:
+    plan: object | None  # BillingPlan
+    quota_override: int | None
+    quota: int | None  # effective; None = unlimited
+    used: int
+    plans: list  # every plan, for the chooser
+
+    @property
+    def used_pct(self) -> float:
+        return min(100.0, 100.0 * self.used / self.quota) if self.quota else 0.0
+
+
+async def tenant_plan(services, tenant) -> TenantPlanView | None:
+    plans, models, usage = usage_module("plans"), usage_module("models"), area(services)
+    if plans is None or usage is None:
+        return None
+    async with services.sessions() as s:
+        row = await s.get(models.TenantPlan, tenant.id)
+        plan, quota = await plans.tenant_billing(s, tenant.id)
+        all_plans = await plans.list_plans(s)
+    used = await usage.quota.used(tenant.id)
+    return TenantPlanView(plan, row.monthly_token_quota if row else None, quota, used, all_plans)
+
+
+async def list_plans(services) -> list | None:
+    plans = usage_module("plans")
+    if plans is None or area(services) is None:
+        return None
+    async with services.sessions() as s:
+        return await plans.list_plans(s)
+
+
+def _quota_field(form: dict[str, str]) -> int | None:
+    raw = (form.get("monthly_token_quota") or "").strip().replace(",", "").replace("_", "")
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise ApiError(400, f"Monthly token quota must be a whole number of tokens (blank = unlimited), got {raw!r}.",
+                       param="monthly_token_quota")
+    return int(raw)
+
+
+async def _changed(request: Request, tenant_id: str) -> None:
+    # the usage area's own invalidation (its quota cache here, and on every replica over pub/sub)
+    routes = usage_module("routes")
+    await routes._plans_changed(request, tenant_id)
+
+
+async def save_tenant_plan(request: Request, tenant, form: dict[str, str]) -> None:
+    services = request.app.state.services
+    plans = usage_module("plans")
+    if plans is None or area(services) is None:
+        raise unavailable()
+    fields = {"plan": form.get("plan") or None, "monthly_token_quota": _quota_field(form)}
+    async with services.sessions() as s:
+        await plans.set_tenant_plan(s, tenant.id, fields)
+    await _changed(request, tenant.id)
+
+
+async def save_plan(request: Request, form: dict[str, str]) -> str:
+    """Create the plan, or update its prices and quota when one of that name exists; returns its name."""
+    services = request.app.state.services
+    plans = usage_module("plans")
+    if plans is None or area(services) is None:
+        raise unavailable()
+    name = (form.get("name") or "").strip()
+    fields: dict = {"monthly_token_quota": _quota_field(form)}
+    for price in ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok"):
+        value = (form.get(price) or "").strip()
+        fields[price] = value or "0"
+    currency = (form.get("currency") or "").strip().upper()
+    if currency:
+        fields["currency"] = currency
+    async with services.sessions() as s:
+        existing = {p.name for p in await plans.list_plans(s)}
+        if name in existing:
+            await plans.update_plan(s, name, fields)
+        else:
+            await plans.create_plan(s, name, fields)
+    await _changed(request, "*")
+    return name
+
+
+async def wait_ingested(services, end: datetime) -> bool:
+    """Let usage still in the spool reach the ledger (bounded); False when some is still pending."""
+    usage = area(services)
+    if usage is None:
+        return True
+    from loraplex.platform.db import utcnow
+
+    return await usage.sink.wait_ingested_before(min(end, utcnow()), INGEST_WAIT_S)

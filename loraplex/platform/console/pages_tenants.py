@@ -1,5 +1,5 @@
-"""Tenants (operators only): create, suspend/activate, rate limits; quotas and prices come from the
-usage area's plan service when it is installed."""
+"""Tenants (operators only): create, suspend/activate, rate limits, and (through the usage area's plan
+service) billing plans with prices and a monthly token quota."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ async def tenants_page(request: Request) -> Response:
         if key.revoked_at is None:
             live_keys[key.tenant_id] = live_keys.get(key.tenant_id, 0) + 1
     return page(request, "tenants.html", session, active="tenants", tenants=tenants, live_keys=live_keys,
-                settings=services.settings)
+                settings=services.settings, plans=await billing.list_plans(services))
 
 
 @post("/tenants", include_in_schema=False, status_code=303)
@@ -104,9 +104,18 @@ async def set_plan(request: Request, name: str = _NAME) -> Response:
     services = request.app.state.services
     async with services.sessions() as s:
         tenant = await svc.get_tenant(s, name)
-    await billing.save_plan(services, tenant, form)
-    return redirect(request, f"/console/tenants/{tenant.name}", flash="Quota and prices saved.")
+    await billing.save_tenant_plan(request, tenant, form)
+    return redirect(request, f"/console/tenants/{tenant.name}", flash="Plan and quota saved.")
+
+
+@post("/plans", include_in_schema=False, status_code=303)
+async def save_plan(request: Request) -> Response:
+    session = await session_of(request)
+    require_admin(session)
+    form = await form_of(request, session)
+    name = await billing.save_plan(request, form)
+    return redirect(request, "/console/tenants", flash=f"Plan '{name}' saved; prices apply to every later export.")
 
 
 def handlers() -> list:
-    return [tenants_page, create_tenant, tenant_page, set_status, set_limits, set_plan]
+    return [tenants_page, create_tenant, tenant_page, set_status, set_limits, set_plan, save_plan]
