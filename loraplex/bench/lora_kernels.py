@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import itertools
 import json
 import logging
+import os
 import shlex
 import statistics
 import sys
@@ -33,6 +36,8 @@ LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_hea
 SMOKE = {"hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 16, "num_hidden_layers": 2}
 STEP_TARGET_MS = 2.0
+SWEEP = {"split_k": (1, 2, 4, 8, 16), "block_k": (64, 128, 256), "warps": (2, 4, 8), "stages": (2, 3, 4),
+         "block_n": (64, 128, 256, 512)}
 
 
 def _median_seconds(fn, device: torch.device, reps: int) -> float:
@@ -68,48 +73,82 @@ def _pool_case(shapes, proj: str, num_tokens: int, num_adapters: int, rank: int,
                            seed=seed, token_slots=slots)
 
 
-def _bench_case(shapes, regime: str, num_tokens: int, num_adapters: int, rank: int, proj: str, device, dtype,
-                copy_bw: float, reps: int) -> list[dict]:
+def _timed_pair(b, cfg, device, reps: int, kernels=("shrink", "expand")) -> tuple[float | None, float | None]:
+    """Median seconds of (shrink, expand) for one batch under one launch configuration (None: not timed)."""
     from loraplex.kernels.lora_expand import lora_expand
     from loraplex.kernels.lora_meta import build_lora_meta
-    from loraplex.kernels.lora_ops import choose_config
     from loraplex.kernels.lora_shrink import lora_shrink
+
+    meta = build_lora_meta(b.token_slots, b.lora_a.shape[0], cfg.block_m)
+    shrink_kw = dict(split_k=cfg.split_k, block_r=cfg.block_r, block_k=cfg.block_k, num_warps=cfg.shrink_warps,
+                     num_stages=cfg.shrink_stages)
+    y = lora_shrink(b.x, b.lora_a, b.ranks, meta, **shrink_kw)
+    width = b.max_slice_width
+
+    def shrink():
+        lora_shrink(b.x, b.lora_a, b.ranks, meta, y=y, **shrink_kw)
+
+    def expand():
+        lora_expand(y, b.lora_b, b.ranks, b.scaling, b.slice_loc, width, meta, b.out, block_n=cfg.block_n,
+                    num_warps=cfg.expand_warps)
+
+    return tuple(_median_seconds(fn, device, reps) if name in kernels else None
+                 for name, fn in (("shrink", shrink), ("expand", expand)))
+
+
+def _sweep(b, cfg, device, reps: int) -> dict:
+    """Fastest shrink and expand configurations around the default (block_m kept: it fixes the metadata)."""
+    best_shrink = best_expand = None
+    for split_k, block_k, warps, stages in itertools.product(SWEEP["split_k"], SWEEP["block_k"], SWEEP["warps"],
+                                                             SWEEP["stages"]):
+        if b.x.shape[1] < split_k * block_k:
+            continue
+        trial = dataclasses.replace(cfg, split_k=split_k, block_k=block_k, shrink_warps=warps, shrink_stages=stages)
+        seconds = _timed_pair(b, trial, device, reps, kernels=("shrink",))[0]
+        if best_shrink is None or seconds < best_shrink[0]:
+            best_shrink = (seconds, dict(split_k=split_k, block_k=block_k, warps=warps, stages=stages))
+    for block_n, warps in itertools.product(SWEEP["block_n"], SWEEP["warps"]):
+        trial = dataclasses.replace(cfg, block_n=block_n, expand_warps=warps)
+        seconds = _timed_pair(b, trial, device, reps, kernels=("expand",))[1]
+        if best_expand is None or seconds < best_expand[0]:
+            best_expand = (seconds, dict(block_n=block_n, warps=warps))
+    return {"shrink": best_shrink, "expand": best_expand}
+
+
+def _bench_case(shapes, regime: str, num_tokens: int, num_adapters: int, rank: int, proj: str, device, dtype,
+                copy_bw: float, reps: int, sweep: bool) -> list[dict]:
+    from loraplex.kernels.lora_ops import choose_config
 
     elem = torch.finfo(dtype).bits // 8
     b = _pool_case(shapes, proj, num_tokens, num_adapters, rank, device, dtype, seed=rank)
     k_dim, n_total, num_slices = b.x.shape[1], b.out.shape[1], len(b.slice_loc) - 1
     cfg = choose_config(num_tokens, num_adapters, num_adapters, rank, k_dim, num_slices)
-    meta = build_lora_meta(b.token_slots, num_adapters, cfg.block_m)
-    y = lora_shrink(b.x, b.lora_a, b.ranks, meta, split_k=cfg.split_k, block_r=cfg.block_r, block_k=cfg.block_k)
-    width = b.max_slice_width
-
-    def shrink():
-        lora_shrink(b.x, b.lora_a, b.ranks, meta, split_k=cfg.split_k, block_r=cfg.block_r, block_k=cfg.block_k,
-                    y=y)
-
-    def expand():
-        lora_expand(y, b.lora_b, b.ranks, b.scaling, b.slice_loc, width, meta, b.out, block_n=cfg.block_n)
-
+    shrink_s, expand_s = _timed_pair(b, cfg, device, reps)
+    best = _sweep(b, cfg, device, max(20, reps // 4)) if sweep else {}
     y_bytes = cfg.split_k * num_slices * num_tokens * rank * 4
     figures = (
-        ("shrink", shrink, (num_tokens * k_dim + num_adapters * num_slices * rank * k_dim) * elem + y_bytes),
-        ("expand", expand, y_bytes + (num_adapters * rank * n_total + 2 * num_tokens * n_total) * elem),
+        ("shrink", shrink_s, (num_tokens * k_dim + num_adapters * num_slices * rank * k_dim) * elem + y_bytes),
+        ("expand", expand_s, y_bytes + (num_adapters * rank * n_total + 2 * num_tokens * n_total) * elem),
     )
     rows = []
-    for kernel, fn, nbytes in figures:
-        seconds = _median_seconds(fn, device, reps)
-        rows.append({
+    for kernel, seconds, nbytes in figures:
+        row = {
             "regime": regime, "tokens": num_tokens, "adapters": num_adapters, "rank": rank, "proj": proj,
             "kernel": kernel, "K": k_dim if kernel == "shrink" else rank,
             "N": num_slices * rank if kernel == "shrink" else n_total, "split_k": cfg.split_k,
             "block_m": cfg.block_m, "time_us": seconds * 1e6, "bytes": nbytes, "gb_s": nbytes / seconds / 1e9,
             "pct_copy_bw": 100 * nbytes / seconds / copy_bw,
-        })
-        log.info("%s", rows[-1])
+        }
+        if best.get(kernel):
+            best_s, best_cfg = best[kernel]
+            row.update(best_time_us=best_s * 1e6, best_pct_copy_bw=100 * nbytes / best_s / copy_bw,
+                       best_config=best_cfg)
+        rows.append(row)
+        log.info("%s", row)
     return rows
 
 
-def bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw: float, reps: int) -> list[dict]:
+def bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw: float, reps: int, sweep: bool) -> list[dict]:
     from loraplex.adapters.modules import PROJ_MODULES
 
     rows = []
@@ -117,7 +156,7 @@ def bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw: float, reps: i
         for rank in ranks:
             for proj in PROJ_MODULES:
                 rows += _bench_case(shapes, regime, num_tokens, num_adapters, rank, proj, device, dtype, copy_bw,
-                                    reps)
+                                    reps, sweep and regime == "decode")
     return rows
 
 
@@ -184,12 +223,15 @@ def _markdown(payload: dict) -> str:
              payload["command"], "```", "",
              f"Copy bandwidth (device-to-device, read + write): **{payload['copy_bandwidth_gb_s']:.0f} GB/s**. "
              f"Bytes: what each kernel must move at the adapters' real rank (x or y, A or B, out read + write).",
-             "", "| regime | tokens | adapters | rank | proj | kernel | split-K | time (us) | MB | GB/s | % copy BW |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| regime | tokens | adapters | rank | proj | kernel | split-K | time (us) | MB | GB/s | % copy BW |"
+             " sweep best (us) | best % copy BW | best config |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["kernels"]:
+        best = ("| — | — | — |" if "best_time_us" not in r else
+                f"| {r['best_time_us']:.1f} | {r['best_pct_copy_bw']:.1f} | {json.dumps(r['best_config'])} |")
         lines.append(f"| {r['regime']} | {r['tokens']} | {r['adapters']} | {r['rank']} | {r['proj']} | "
                      f"{r['kernel']} | {r['split_k']} | {r['time_us']:.1f} | {r['bytes'] / 1e6:.2f} | "
-                     f"{r['gb_s']:.0f} | {r['pct_copy_bw']:.1f} |")
+                     f"{r['gb_s']:.0f} | {r['pct_copy_bw']:.1f} {best}")
     lines += ["", "## All LoRA work of one decode step", "",
               f"{step['tokens']} tokens on {step['adapters']} distinct rank-{step['rank']} adapters, "
               f"{step['layers']} layers x q|k|v, o, gate|up, down ({step['launches']} kernel launches"
@@ -201,12 +243,26 @@ def _markdown(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def _use_interpreter() -> None:
+    """CPU tensors need Triton's interpreter, chosen when a kernel is defined: (re)define ours under it."""
+    os.environ["TRITON_INTERPRET"] = "1"
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from loraplex.kernels import lora_expand, lora_shrink
+
+    if not isinstance(lora_shrink._lora_shrink_kernel, InterpretedFunction):
+        for module in (lora_shrink, lora_expand):
+            importlib.reload(module)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loraplex.bench.lora_kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="docs/benchmarks/lora_kernels_h200.json", help="JSON path (.md beside it)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (CPU with TRITON_INTERPRET=1)")
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--reps", type=int, default=100, help="timed repetitions per figure")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also try other split-K / tile / warp choices on the decode shapes and report the best")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from loraplex.adapters.modules import BaseShapes
@@ -215,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     if device.type != "cuda" and not args.smoke:
         parser.error("the full benchmark needs CUDA; use --smoke on the CPU (with TRITON_INTERPRET=1)")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the interpreter has no bf16 dot
+    if device.type != "cuda":
+        _use_interpreter()
     if args.smoke:
         shapes, reps = BaseShapes.from_config(SMOKE), min(args.reps, 20)
         regimes, ranks, step_tokens, copy_bytes = [("decode", 8, 8), ("prefill", 96, 2)], [16], 8, 1 << 22
@@ -223,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         regimes, ranks, step_tokens, copy_bytes = [("decode", 64, 64), ("prefill", 8192, 8)], [16, 64], 64, 1 << 30
     copy_bw = measure_copy_bandwidth(device, copy_bytes)
     log.info("copy bandwidth %.0f GB/s", copy_bw / 1e9)
-    kernels = bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw, reps)
+    kernels = bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw, reps, args.sweep)
     step = bench_decode_step(shapes, step_tokens, 16, device, dtype, copy_bw, reps)
     log.info("decode step: %s", step)
     import triton

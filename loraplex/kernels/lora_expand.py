@@ -92,6 +92,7 @@ def lora_expand(
     out: torch.Tensor,  # [T, N_total], updated in place
     *,
     block_n: int = 128,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     split_k, num_slices, num_tokens, max_rank = y.shape
     num_slots, b_rank, n_total = lora_b.shape
@@ -115,6 +116,6 @@ def lora_expand(
         out.stride(0), out.stride(1),
         ranks.stride(0),
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_PRECISION=dot_precision(out.dtype),
+        DOT_PRECISION=dot_precision(out.dtype), num_warps=num_warps,
     )
     return out

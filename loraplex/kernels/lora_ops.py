@@ -27,6 +27,9 @@ class LoRAKernelConfig:
     block_k: int  # shrink K tile
     split_k: int
     block_n: int  # expand N tile
+    shrink_warps: int = 4
+    shrink_stages: int = 3
+    expand_warps: int = 4
 
 
 def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_rank: int,
@@ -39,7 +42,8 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
     else:
         block_m, block_r, block_k = 64, min(64, rank_pow2), 64
     chunks = max_chunks_for(num_tokens, num_slots, block_m)
-    programs = max(1, min(chunks, num_tokens) * num_slices * triton.cdiv(max_rank, block_r))
+    active_chunks = min(chunks, -(-num_tokens // block_m) + num_active_slots)
+    programs = max(1, active_chunks * num_slices * triton.cdiv(max_rank, block_r))
     split_k = 1
     while programs * split_k < TARGET_PROGRAMS and k_dim // (split_k * 2) >= 4 * block_k and split_k < 16:
         split_k *= 2
@@ -62,5 +66,6 @@ def lora_apply(
     """Semantics: ``lora_ref.lora_apply_ref`` (shrink, then expand with the split-K reduce fused in)."""
     assert meta.block_m == cfg.block_m, "metadata was built for another chunk size"
     y = lora_shrink(x, lora_a, ranks, meta, split_k=cfg.split_k, block_r=cfg.block_r, block_k=cfg.block_k,
-                    y=scratch)
-    return lora_expand(y, lora_b, ranks, scaling, slice_loc, max_slice_width, meta, out, block_n=cfg.block_n)
+                    y=scratch, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages)
+    return lora_expand(y, lora_b, ranks, scaling, slice_loc, max_slice_width, meta, out, block_n=cfg.block_n,
+                       num_warps=cfg.expand_warps)

@@ -93,6 +93,8 @@ def lora_shrink(
     block_r: int = 16,
     block_k: int = 128,
     y: torch.Tensor | None = None,  # [>=split_k, >=S, T, R] float32 scratch, reused across layers
+    num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:  # [split_k, S, T, R] float32 partial sums
     num_tokens, k_dim = x.shape
     num_slots, num_slices, max_rank, a_k = lora_a.shape
@@ -119,6 +121,6 @@ def lora_shrink(
         y.stride(0), y.stride(1), y.stride(2), y.stride(3),
         ranks.stride(0),
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(x.dtype),
+        DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return y
