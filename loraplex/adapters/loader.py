@@ -64,4 +64,5 @@ def load_adapter(adapter_id: int, path: str | Path, base_config: Any, max_rank: 
             col += width
         a_out[proj] = a.pin_memory() if pin_memory else a
         bt_out[proj] = bt.pin_memory() if pin_memory else bt
-    return HostAdapter(adapter_id=adapter_id, spec=spec, a=a_out, bt=bt_out, ranks=ranks)
+    return HostAdapter(adapter_id=adapter_id, spec=spec, a=a_out, bt=bt_out,
+                       ranks=ranks.pin_memory() if pin_memory else ranks)

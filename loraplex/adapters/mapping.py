@@ -19,8 +19,10 @@ def token_slots_from_ids(token_adapter_ids: torch.Tensor, slot_of: dict[int, int
     if not slot_of:
         return torch.full(token_adapter_ids.shape, -1, dtype=torch.int32, device=device)
     ids = sorted(slot_of)
-    ids_t = torch.tensor(ids, dtype=torch.int64, device=device)
-    slots_t = torch.tensor([slot_of[i] for i in ids], dtype=torch.int32, device=device)
+    table = torch.tensor([ids, [slot_of[i] for i in ids]], dtype=torch.int64)
+    if device.type == "cuda":  # a pageable copy would wait for the GPU queue; a pinned one does not
+        table = table.pin_memory().to(device, non_blocking=True)
+    ids_t, slots_t = table[0], table[1].to(torch.int32)
     token_ids = token_adapter_ids.to(torch.int64)
     pos = torch.searchsorted(ids_t, token_ids).clamp(max=len(ids) - 1)
     hit = ids_t[pos] == token_ids
