@@ -32,6 +32,11 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+# defaults of the decode kernel (``loraplex bench attention --sweep`` measures the alternatives); three
+# stages also prefetch the block-table entries, not only the K/V tiles
+DEFAULT_BLOCK_N = 64
+DEFAULT_NUM_WARPS = 4
+DEFAULT_NUM_STAGES = 3
 
 
 @triton.jit
@@ -63,6 +68,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -105,13 +111,13 @@ def _decode_split_kernel(
             + kv_head * stride_vh + d[None, :],
             mask=kv_mask, other=0.0,
         )
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has >= 1 valid key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0.0  # False only for an empty split (or seq_len 0): no 0/0
@@ -171,9 +177,9 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,  # [B, Hq, D]
     num_splits: int | None = None,
     max_seq_len: int | None = None,
-    block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    block_n: int = DEFAULT_BLOCK_N,
+    num_warps: int = DEFAULT_NUM_WARPS,
+    num_stages: int = DEFAULT_NUM_STAGES,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV (see module doc).
 
@@ -197,8 +203,6 @@ def paged_attention_decode(
     group = num_q_heads // num_kv_heads
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, query.device)
-    if block_n is None:
-        block_n = 64
     block_d = max(16, triton.next_power_of_2(head_dim))
     if num_splits > 1:
         part_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32,
@@ -214,7 +218,8 @@ def paged_attention_decode(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), block_size,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_q_heads)](
@@ -223,6 +228,11 @@ def paged_attention_decode(
             BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
         )
     return out
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs keep full precision (tl.dot would use tf32 on the GPU); 16-bit inputs ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 _SM_COUNT: dict[int, int] = {}

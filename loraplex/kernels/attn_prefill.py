@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.attn_decode import LOG2E
+from loraplex.kernels.attn_decode import LOG2E, dot_precision
 
 
 @triton.jit
@@ -74,9 +74,10 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_P2 rows
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_P2
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     b = _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
@@ -123,14 +124,14 @@ def _prefill_kernel(
             + kv_head * stride_vh + d[None, :],
             mask=kv_mask, other=0.0,
         )
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(t_mask[None, :] & (t[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: no -inf - -inf
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -185,7 +186,8 @@ def paged_attention_varlen(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), block_size,
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, BLOCK_M=block_q * group_p2,
+        BLOCK_N=block_n, DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
