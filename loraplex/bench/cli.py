@@ -53,7 +53,7 @@ def register(subparsers) -> None:
     full.add_argument("--attn-batch", type=int, default=64)
     full.add_argument("--contexts", type=_csv_ints, default=(1024, 2048, 4096), help="attention contexts")
     full.add_argument("--attn-iters", type=int, default=50)
-    full.add_argument("--sweep", action="store_true", help="attention: also try tile/split configs")
+    full.add_argument("--sweep", action="store_true", help="attention and LoRA kernels: also try launch configs")
     full.add_argument("--skip-lora-kernels", action="store_true")
     full.set_defaults(func=_run_full, bench_parser=full, peer="hf-peft")
 

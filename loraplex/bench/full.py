@@ -18,12 +18,13 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def _lora_kernels(device: torch.device, smoke: bool) -> dict:
+def _lora_kernels(device: torch.device, smoke: bool, sweep: bool) -> dict:
     from loraplex.bench import lora_kernels
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "lora_kernels.json"
         argv = ["--out", str(out), "--device", str(device)] + (["--smoke"] if smoke else [])
+        argv += ["--sweep"] if sweep and not smoke else []
         lora_kernels.main(argv)
         payload = json.loads(out.read_text())
         payload["markdown"] = out.with_suffix(".md").read_text()
@@ -49,7 +50,7 @@ def run_full(args, device: torch.device, out_dir: str | None) -> int:
 
     lora = None
     if not args.skip_lora_kernels:
-        lora = _lora_kernels(device, args.smoke)
+        lora = _lora_kernels(device, args.smoke, args.sweep)
         result["lora_kernels"] = {k: v for k, v in lora.items() if k != "markdown"}
         # its title and command lines are replaced by this report's
         body = re.sub(r"\A#[^\n]*\n+Command:\n+```\n[^\n]*\n```\n+", "", lora["markdown"])
