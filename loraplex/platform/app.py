@@ -48,9 +48,9 @@ ROUTE_MODULES = (
     "loraplex.platform.console.routes",  # /console
 )
 # auth cache TTL: with Redis, pub/sub invalidates at once and the TTL only bounds a lost message;
-# embedded, the CLI (another process) cannot reach the in-process bus, so the TTL itself is 1 s
+# embedded, the CLI (another process) cannot reach the in-process bus, so the TTL alone bounds it (< 1 s)
 AUTH_CACHE_TTL_REDIS_S = 5.0
-AUTH_CACHE_TTL_EMBEDDED_S = 1.0
+AUTH_CACHE_TTL_EMBEDDED_S = 0.5
 DEMO_MODEL_DIR = "demo-model"  # under data_dir
 
 

@@ -8,6 +8,7 @@ and the process exits 0.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 
 from loraplex.platform.cli import add_common, settings_from_args
@@ -74,5 +75,13 @@ def _make_server(config, app):
                 services.draining = True
                 log.info("signal %s: draining (in-flight requests finish, new ones are refused)", sig)
             super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                yield
+                # uvicorn re-raises the captured SIGTERM after shutdown (exit by signal); a completed
+                # drain is a clean exit, so the process returns 0 instead
+                self._captured_signals.clear()
 
     return DrainingServer(config)

@@ -60,7 +60,7 @@ def build_engine(settings: Settings, model_id: str):
     from loraplex.engine.async_engine import AsyncEngine
 
     model_dir = ensure_model(settings)
-    return AsyncEngine(engine_config(settings, model_dir, model_id))
+    return AsyncEngine.from_config(engine_config(settings, model_dir, model_id))
 
 
 async def start_engine_in_background(services) -> None:

@@ -55,11 +55,11 @@ def upgrade(url: str, revision: str = HEAD) -> None:
     """Run migrations up to ``revision`` (blocking; call from a thread when inside an event loop)."""
     import logging
 
-    from alembic import command
-
-    # alembic's per-step INFO lines are noise for CLI users and server logs
+    # alembic's per-step INFO lines (some at import) are noise for CLI users and server logs
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
         logging.getLogger("alembic").setLevel(logging.WARNING)
+    from alembic import command
+
     command.upgrade(alembic_config(url), revision)
 
 

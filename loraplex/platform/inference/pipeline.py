@@ -39,7 +39,8 @@ async def _encode(engine, text: str) -> list[int]:
 
 
 def _check_ids(ids: list[int], engine, param: str) -> list[int]:
-    vocab = getattr(engine, "vocab_size", None)
+    tokenizer = getattr(engine, "tokenizer", None)
+    vocab = len(tokenizer) if tokenizer is not None else None
     for t in ids:
         if t < 0 or (vocab is not None and t >= vocab):
             raise bad_request(f"Token id {t} is outside the vocabulary (0..{vocab}).", param=param)

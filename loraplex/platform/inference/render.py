@@ -24,8 +24,8 @@ def _token_text(engine, token_id: int, tops: list[TopLogprob]) -> str:
     for t in tops:
         if t.token_id == token_id:
             return t.token
-    decode = getattr(engine, "decode", None)
-    return decode([token_id]) if decode else ""
+    tokenizer = getattr(engine, "tokenizer", None)
+    return tokenizer.decode([token_id]) if tokenizer is not None else ""
 
 
 def completion_logprobs(engine, delta: TokenDelta, offset: int) -> s.CompletionLogprobs | None:

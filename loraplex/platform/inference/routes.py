@@ -54,13 +54,15 @@ async def get_model(request: Request, model: str = Parameter(max_length=256)) ->
 
 
 def _engine_failure_error(exc: EngineFailure) -> ApiError:
+    if exc.invalid:
+        return ApiError(400, f"The request was refused: {exc}", code="invalid_request")
     return ApiError(503, f"The inference engine failed: {exc}", type="server_error", code="engine_error",
                     headers={"Retry-After": "5"})
 
 
 def _error_event(exc: EngineFailure) -> bytes:
-    return sse_event(ErrorResponse(ErrorBody(message=f"The inference engine failed: {exc}", type="server_error",
-                                             code="engine_error")))
+    err = _engine_failure_error(exc)
+    return sse_event(ErrorResponse(ErrorBody(message=err.message, type=err.type, code=err.code)))
 
 
 async def _collect(request: Request, prep: Prepared, on_delta) -> None:

@@ -28,7 +28,13 @@ ENGINE_HEALTH_POLL_S = 0.5
 
 
 class EngineFailure(Exception):
-    """The engine failed mid-request (the stream ends with an error event)."""
+    """The engine failed or refused the request (a stream ends with an error event).
+
+    ``invalid``: the engine refused the request itself (a ValueError from ``add_request``), a 400."""
+
+    def __init__(self, message: str, invalid: bool = False):
+        super().__init__(message)
+        self.invalid = invalid
 
 
 def new_response_id(prefix: str) -> str:
@@ -123,6 +129,8 @@ class Generation:
                     self._states[i].done = True
                     continue
                 if isinstance(item, Exception):
+                    if isinstance(item, ValueError):
+                        raise EngineFailure(str(item), invalid=True)
                     if not isinstance(item, EngineDeadError):
                         log.error("engine stream failed for %s", reqs[i].request_id, exc_info=item)
                     raise EngineFailure(str(item) or type(item).__name__)

@@ -1,0 +1,271 @@
+"""The OpenAI-compatible API against a live ``loraplex serve`` on a real port, with the official
+``openai`` client: once on the embedded default (SQLite, in-process limiter, demo model generated on
+first run) and once on PostgreSQL + Redis."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server import FreshPostgres, start_server
+
+LONG_PROMPT = " ".join(f"The {i}th lantern keeper walked north along the river at dawn." for i in range(24))
+SERVER_ENV = {"LORAPLEX_NUM_KV_BLOCKS": "512", "LORAPLEX_MAX_CONCURRENT_REQUESTS": "8", "LORAPLEX_LOG_LEVEL": "WARNING"}
+
+
+@pytest.fixture(scope="module", params=["embedded", "postgres_redis"])
+def server(request, tmp_path_factory):
+    if request.param == "embedded":
+        # no model: the embedded default generates its demo model + adapters on first run
+        srv = start_server(tmp_path_factory.mktemp("embedded"), env=SERVER_ENV)
+        yield srv
+        assert srv.stop() == 0
+        return
+    tiny_model = request.getfixturevalue("tiny_model")
+    postgres_url = request.getfixturevalue("postgres_url")
+    redis_url = request.getfixturevalue("redis_url")
+    with FreshPostgres(postgres_url) as db_url:
+        env = {**SERVER_ENV, "LORAPLEX_SERVER_SECRET": "e2e-secret-" + str(time.time_ns())}
+        srv = start_server(tmp_path_factory.mktemp("pg"), model=tiny_model["model_dir"], database_url=db_url,
+                           redis_url=redis_url, env=env)
+        yield srv
+        assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def tenants(server):
+    return {name: server.create_tenant(name) for name in ("acme", "globex")}
+
+
+def oai(server, key: str, **kw) -> openai.OpenAI:
+    return openai.OpenAI(api_key=key, base_url=server.base_url + "/v1", **kw)
+
+
+def base_model(server) -> str:
+    with server.client() as c:
+        return c.get("/v1/models").json()["data"][0]["id"]
+
+
+def test_models_completion_chat_and_streaming_usage(server, tenants):
+    client = oai(server, tenants["acme"]["key"])
+    models = [m.id for m in client.models.list()]
+    model = models[0]
+    assert all("/" not in m for m in models)  # ids, never file paths
+
+    r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0, seed=3,
+                                  logprobs=2)
+    assert r.object == "text_completion" and r.model == model and len(r.choices) == 1
+    assert r.usage.completion_tokens == len(r.choices[0].logprobs.tokens) <= 6
+    assert r.usage.prompt_tokens > 0 and r.usage.prompt_tokens_details.cached_tokens >= 0
+    # up to N alternatives, plus the sampled token when it is not among them (as OpenAI does)
+    assert all(1 <= len(top) <= 3 for top in r.choices[0].logprobs.top_logprobs)
+
+    again = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0, seed=3)
+    assert again.choices[0].text == r.choices[0].text  # greedy is deterministic
+
+    chat = client.chat.completions.create(model=model, messages=[{"role": "system", "content": "Be brief."},
+                                                                 {"role": "user", "content": "Hello"}],
+                                          max_tokens=5, n=2, temperature=0.8, seed=11, top_p=0.9)
+    assert chat.object == "chat.completion" and [c.index for c in chat.choices] == [0, 1]
+    assert all(c.message.role == "assistant" and c.finish_reason in ("stop", "length") for c in chat.choices)
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell a story"}],
+                                            max_tokens=8, stream=True, stream_options={"include_usage": True},
+                                            stop=["\n\n\n"])
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens >= 1 and usage.prompt_tokens > 0
+    assert isinstance(text, str)
+
+    comp_stream = client.completions.create(model=model, prompt="abc", max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True})
+    parts = list(comp_stream)
+    assert parts[-1].usage.completion_tokens == 4 or parts[-1].usage.completion_tokens >= 1
+
+
+def test_errors_the_client_parses(server, tenants):
+    model = base_model(server)
+    with pytest.raises(openai.AuthenticationError) as err:
+        oai(server, "lpx-notakey").models.list()
+    assert err.value.body["code"] == "invalid_api_key"
+    wrong = tenants["acme"]["key"][:-2] + "zz"
+    with pytest.raises(openai.AuthenticationError):
+        oai(server, wrong).models.list()
+
+    client = oai(server, tenants["acme"]["key"], max_retries=0)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert err.value.body["param"] == "model" and err.value.body["code"] == "model_not_found"
+    cases = [
+        (dict(max_tokens=10**9), "max_tokens"),
+        (dict(n=10000), "n"),
+        (dict(stop=[f"s{i}" for i in range(500)]), "stop"),
+        (dict(temperature=-1), "temperature"),
+    ]
+    for kw, param in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], **kw)
+        assert err.value.body["param"] == param, kw
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt="word " * 5000, max_tokens=4)
+    assert err.value.body["param"] == "prompt" and err.value.body["code"] == "context_length_exceeded"
+
+
+def test_rate_limit_429_with_retry_headers(server):
+    t = server.create_tenant("limited", requests_per_minute=2)
+    client = oai(server, t["key"], max_retries=0)
+    model = base_model(server)
+    for _ in range(2):
+        raw = client.completions.with_raw_response.create(model=model, prompt="hi", max_tokens=1)
+        assert raw.headers["x-ratelimit-limit-requests"] == "2"
+        assert "x-ratelimit-remaining-tokens" in raw.headers
+    with pytest.raises(openai.RateLimitError) as err:
+        client.completions.create(model=model, prompt="hi", max_tokens=1)
+    headers = err.value.response.headers
+    assert int(headers["retry-after"]) >= 1
+    assert headers["x-ratelimit-remaining-requests"] == "0" and headers["x-ratelimit-reset-requests"].endswith("s")
+    assert err.value.body["type"] == "rate_limit_error"
+
+
+def test_request_id_on_every_response(server, tenants):
+    key = tenants["acme"]["key"]
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {key}"}) as c:
+        responses = [c.get("/v1/models"), c.get("/nope"), c.put("/health"), c.get("/admin/tenants"),
+                     c.post("/v1/completions", json={"model": "x"}), c.get("/ready"),
+                     c.get("/v1/models", headers={"Authorization": "Bearer bad"})]
+        assert [r.status_code for r in responses] == [200, 404, 405, 403, 400, 200, 401]
+        for r in responses:
+            assert r.headers["x-request-id"]
+            if r.status_code >= 400:
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        r = c.get("/v1/models", headers={"x-request-id": "trace-123"})
+        assert r.headers["x-request-id"] == "trace-123"
+
+
+def test_prefix_cache_is_per_tenant(server, tenants):
+    model = base_model(server)
+    a = oai(server, tenants["acme"]["key"])
+    b = oai(server, tenants["globex"]["key"])
+
+    def cached(client, **extra) -> int:
+        r = client.completions.create(model=model, prompt=LONG_PROMPT, max_tokens=1, temperature=0,
+                                      extra_body=extra)
+        assert r.usage.prompt_tokens > 200
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(a) == 0
+    # another tenant, even claiming a salt or a tenant id in the body, never hits A's cached prefix
+    assert cached(b, cache_salt="", tenant_id=tenants["acme"]["tenant"]["id"]) == 0
+    assert cached(a) > 0  # the same tenant's repeat does hit
+
+
+def test_tenant_keys_and_admin_routes_are_unreachable_for_tenants(server, tenants):
+    acme, globex = tenants["acme"], tenants["globex"]
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {acme['key']}"}) as c:
+        assert c.get("/admin/keys").status_code == 403
+        assert c.delete(f"/admin/keys/{globex['key_id']}").status_code == 403
+        assert c.post("/admin/tenants/globex/suspend").status_code == 403
+        r = c.post("/admin/keys", json={"tenant": "acme", "scopes": ["admin"]})
+        assert r.status_code == 403
+    # globex still works
+    assert oai(server, globex["key"]).models.list().data
+
+
+def test_revocation_and_suspension_take_effect_within_a_second(server):
+    t = server.create_tenant("shortlived")
+    client = oai(server, t["key"], max_retries=0)
+    client.models.list()  # cached now
+    with server.client() as admin:
+        assert admin.delete(f"/admin/keys/{t['key_id']}").status_code == 200
+    t0 = time.monotonic()
+    while True:
+        try:
+            client.models.list()
+        except openai.AuthenticationError:
+            break
+        assert time.monotonic() - t0 < 1.0
+        time.sleep(0.05)
+
+    u = server.create_tenant("suspended-co")
+    client = oai(server, u["key"], max_retries=0)
+    client.models.list()
+    proc = server.cli("admin", "tenant", "suspend", "suspended-co")  # another process, same database
+    assert proc.returncode == 0, proc.stderr
+    t0 = time.monotonic()
+    while True:
+        try:
+            client.models.list()
+        except openai.AuthenticationError:
+            break
+        assert time.monotonic() - t0 < 1.0, "suspension from the CLI not seen within 1 s"
+        time.sleep(0.05)
+
+
+def test_metrics_have_vllm_names_and_tenant_counters(server, tenants):
+    oai(server, tenants["acme"]["key"]).completions.create(model=base_model(server), prompt="x", max_tokens=2)
+    text = httpx.get(server.base_url + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds",
+                 "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:lora_requests_info"):
+        assert name in text, name
+    assert 'loraplex_tenant_requests_total{status="completed",tenant="acme"}' in text
+    assert 'loraplex_tenant_tokens_total{kind="completion",tenant="acme"}' in text
+
+
+def test_client_disconnect_aborts_the_engine_request(server):
+    t = server.create_tenant("leaver")
+    model = base_model(server)
+
+    def aborted() -> float:
+        for line in httpx.get(server.base_url + "/metrics").text.splitlines():
+            if line.startswith('loraplex_tenant_requests_total{status="aborted",tenant="leaver"}'):
+                return float(line.split()[-1])
+        return 0.0
+
+    body = {"model": model, "prompt": "go", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {t['key']}"}) as c, \
+            c.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    t0 = time.monotonic()
+    while aborted() < 1:
+        assert time.monotonic() - t0 < 1.0, "engine request not aborted within 1 s of the disconnect"
+        time.sleep(0.05)
+
+
+def test_admission_cap_gives_fast_503(server):
+    """The server runs with LORAPLEX_MAX_CONCURRENT_REQUESTS=8: the 9th concurrent request is refused."""
+    t = server.create_tenant("bursty")
+    model = base_model(server)
+    body = {"model": model, "prompt": "go", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    clients = [httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {t['key']}"})
+               for _ in range(8)]
+    streams, readers = [], []
+    try:
+        for c in clients:
+            s = c.stream("POST", "/v1/completions", json=body)
+            r = s.__enter__()
+            streams.append(s)
+            assert r.status_code == 200
+            # keep the reader: dropping it closes the response (a disconnect, which frees the slot)
+            readers.append(r.iter_lines())
+            next(readers[-1])
+        t0 = time.monotonic()
+        r = httpx.post(server.base_url + "/v1/completions", json={**body, "stream": False},
+                       headers={"Authorization": f"Bearer {t['key']}"})
+        assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+        assert time.monotonic() - t0 < 1.0 and r.json()["error"]["code"] == "overloaded"
+    finally:
+        for s in streams:
+            s.__exit__(None, None, None)
+        for c in clients:
+            c.close()
