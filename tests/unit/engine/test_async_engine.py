@@ -23,6 +23,21 @@ async def _collect(eng, req):
     return [d async for d in eng.generate(req)]
 
 
+async def _long_stream_started(eng, request_id: str):
+    """A long greedy request consumed by a background task; returns once its first delta arrived."""
+    params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+    got = []
+
+    async def consume():
+        async for d in eng.generate(EngineRequest(request_id, [1, 40, 41], params)):
+            got.append(d)
+
+    task = asyncio.create_task(consume())
+    while not got:
+        await asyncio.sleep(0.01)
+    return task, got
+
+
 async def test_streams_match_offline_api(engine, tiny_model):
     assert engine.model_id == tiny_model["model_dir"].rstrip("/").split("/")[-1]
     prompt = engine.apply_chat_template([{"role": "user", "content": "Hello there"}])
@@ -49,20 +64,12 @@ async def test_n_samples_stream_until_all_finish(engine):
 
 
 async def test_abort_and_early_exit_end_the_stream(engine):
-    params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
-    got = []
-
-    async def consume():
-        async for d in engine.generate(EngineRequest("long", [1, 40, 41], params)):
-            got.append(d)
-
-    task = asyncio.create_task(consume())
-    while not got:
-        await asyncio.sleep(0.01)
+    task, got = await _long_stream_started(engine, "long")
     await engine.abort("long")
     await asyncio.wait_for(task, 10)
     assert got[-1].finished and got[-1].finish_reason == "abort"
     # leaving the iterator early aborts too: the engine drains
+    params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
     stream = engine.generate(EngineRequest("left", [1, 40, 41], params))
     await stream.__anext__()
     await stream.aclose()
@@ -80,16 +87,7 @@ async def test_bad_request_raises_before_streaming(engine):
 
 
 async def test_dead_loop_fails_open_streams_and_new_requests(engine):
-    params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
-    got = []
-
-    async def consume():
-        async for d in engine.generate(EngineRequest("victim", [1, 40, 41], params)):
-            got.append(d)
-
-    task = asyncio.create_task(consume())
-    while not got:
-        await asyncio.sleep(0.01)
+    task, got = await _long_stream_started(engine, "victim")
 
     def boom(out):
         raise RuntimeError("device fell over")
@@ -99,4 +97,4 @@ async def test_dead_loop_fails_open_streams_and_new_requests(engine):
     assert got[-1].finished and got[-1].finish_reason == "error" and "device fell over" in got[-1].error
     assert not engine.is_healthy()
     with pytest.raises(EngineDeadError):
-        await _collect(engine, EngineRequest("after", [1, 2], params))
+        await _collect(engine, EngineRequest("after", [1, 2], SamplingParams()))
