@@ -121,3 +121,29 @@ def test_bad_adapter_is_refused_and_others_keep_working(tiny_model, hf_config, t
     assert out[0].abs().sum() > 0 and torch.equal(out[1], torch.zeros_like(out[1]))
     with pytest.raises(AdapterError, match="another path"):
         mgr.validate_and_prefetch(LoRARequest("other", 2, str(bad)))
+
+
+def test_adapter_on_some_layers_only(tiny_model, hf_config, tmp_path):
+    """PEFT's layers_to_transform: layers without tensors get no delta (rank 0 there, nothing read)."""
+    from safetensors.torch import save_file
+
+    partial = tmp_path / "partial"
+    shutil.copytree(adapter_dir(tiny_model, 1), partial)  # rank 16 on q_proj, v_proj
+    weights = partial / "adapter_model.safetensors"
+    tensors = {k: v for k, v in load_file(str(weights)).items() if ".layers.0." in k}
+    save_file(tensors, str(weights))
+    cfg = json.loads((partial / "adapter_config.json").read_text())
+    cfg["layers_to_transform"] = [0]
+    (partial / "adapter_config.json").write_text(json.dumps(cfg))
+    mgr = LoRAManager(hf_config, max_loras=2, max_lora_rank=64, max_cpu_loras=2, device="cpu",
+                      dtype=torch.float32)
+    adapter = mgr.validate_and_prefetch(LoRARequest("partial", 7, str(partial)))
+    assert adapter.spec.module_layers == {"q_proj": (0,), "v_proj": (0,)}
+    step = mgr.prepare_step(torch.tensor([7, 7]))
+    x = torch.randn(2, mgr.shapes.hidden_size)
+    widths = mgr.shapes.slice_widths("qkv")
+    for layer in (0, 1):
+        out = step.add(layer, "qkv", x, torch.zeros(2, sum(widths)))
+        want = _expected_delta(str(partial), layer, "qkv", x, widths)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert out.abs().sum() == 0  # layer 1 has no tensors
