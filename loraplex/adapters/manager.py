@@ -54,6 +54,8 @@ class LoRAManager:
         self._slot_lru: OrderedDict[int, None] = OrderedDict()  # resident adapter ids, least recent first
         self._pins: dict[int, int] = {}
         self._pending_removal: set[int] = set()
+        # removed ids keep their path: a request queued before the removal can still re-read the files
+        self._removed: set[int] = set()
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.num_loads = 0  # host -> GPU slot copies
         self.num_evictions = 0  # resident adapters displaced from a slot
@@ -65,8 +67,13 @@ class LoRAManager:
         adapter_id, path = lora_request.lora_int_id, str(lora_request.lora_path)
         known = self._paths.get(adapter_id)
         if known is not None and known != path:
-            raise AdapterError(f"lora_int_id {adapter_id} is already registered for another path ({known})",
-                               file=path)
+            if adapter_id not in self._removed:
+                raise AdapterError(f"lora_int_id {adapter_id} is already registered for another path ({known})",
+                                   file=path)
+            if self._pins.get(adapter_id):
+                raise AdapterError(f"lora_int_id {adapter_id} was replaced but its old version still serves running "
+                                   "requests; retry when they finish", file=path)
+            self._forget_weights(adapter_id)  # a new version under a removed id
         cached = self.host_cache.get(adapter_id)
         if cached is not None:
             return cached
@@ -74,6 +81,7 @@ class LoRAManager:
         self._paths[adapter_id] = path
         self._names[adapter_id] = lora_request.lora_name
         self._pending_removal.discard(adapter_id)
+        self._removed.discard(adapter_id)
         return adapter
 
     def _read(self, adapter_id: int, path: str) -> HostAdapter:
@@ -111,8 +119,11 @@ class LoRAManager:
 
     def _drop(self, adapter_id: int) -> None:
         self._pending_removal.discard(adapter_id)
-        self._paths.pop(adapter_id, None)
-        self._names.pop(adapter_id, None)
+        if adapter_id in self._paths:
+            self._removed.add(adapter_id)
+        self._forget_weights(adapter_id)
+
+    def _forget_weights(self, adapter_id: int) -> None:
         self.host_cache.pop(adapter_id)
         slot = self._slot_of.pop(adapter_id, None)
         if slot is not None:
@@ -164,7 +175,7 @@ class LoRAManager:
             path = self._paths.get(adapter_id)
             if path is None:
                 raise KeyError(f"adapter {adapter_id} was never prefetched (validate_and_prefetch first)")
-            adapter = self._read(adapter_id, path)
+            adapter = self._read(adapter_id, path)  # AdapterError if its files changed or disappeared
         slot = self._free_slot(step_ids)
         self._fill(slot, adapter)
         self._slot_of[adapter_id] = slot

@@ -102,8 +102,16 @@ def test_remove_adapter_waits_for_last_user(tiny_model, hf_config):
     assert mgr.resident_adapter_ids() == [1]
     mgr.release(1)
     assert mgr.resident_adapter_ids() == [] and 1 not in mgr.host_cache
+    # a request queued before the removal still runs while the files exist (re-read from disk)
+    mgr.prepare_step(torch.tensor([1]))
+    assert mgr.num_host_loads == 2
+    # once removed, the id may come back with another path (a new version): the old weights go everywhere
+    assert mgr.resident_adapter_ids() == [1]
+    mgr.validate_and_prefetch(LoRARequest("a0-v2", 1, adapter_dir(tiny_model, 2)))
+    assert mgr.host_cache.get(1).rank == tiny_model["adapters"][2]["rank"]
+    assert mgr.resident_adapter_ids() == []
     with pytest.raises(KeyError):
-        mgr.prepare_step(torch.tensor([1]))
+        mgr.prepare_step(torch.tensor([9]))  # never prefetched
 
 
 def test_bad_adapter_is_refused_and_others_keep_working(tiny_model, hf_config, tmp_path):
