@@ -106,14 +106,13 @@ class ModelRunner:
                 value_cache[dst] = value_cache[src]
         if out.is_empty:
             return ModelRunnerOutput()
-        input_ids, positions, attn, lora_ids = self._prepare(out)
+        input_ids, positions, attn, token_lora_ids = self._prepare(out)
         lora = None
-        if out.lora_ids:
-            token_lora_ids = torch.repeat_interleave(lora_ids, attn.query_start_loc.diff())
+        if token_lora_ids is not None:
             # the step's adapter set is known on the host: no device sync to find it
             lora = self.get_lora_manager().prepare_step(token_lora_ids, adapter_ids=sorted(out.lora_ids))
         hidden = self.model(input_ids, positions, self.kv_caches, attn, lora)
-        return self._sample(out, hidden, attn)
+        return self._sample(out, hidden)
 
     def _prepare(self, out: SchedulerOutput):
         bs = self.config.block_size
@@ -145,9 +144,12 @@ class ModelRunner:
             max_query_len=max(num_new), max_seq_len=max(c + n for c, n in zip(num_computed, num_new)),
         )
         input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
-        return input_ids, positions.to(dev, non_blocking=True), attn, torch.tensor(lora_ids).to(dev)
+        token_lora_ids = None  # [T] int64: each token's adapter id (0 = base), only when a step has adapters
+        if out.lora_ids:
+            token_lora_ids = torch.repeat_interleave(torch.tensor(lora_ids), q_lens).to(dev, non_blocking=True)
+        return input_ids, positions.to(dev, non_blocking=True), attn, token_lora_ids
 
-    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, attn: AttentionMetadata) -> ModelRunnerOutput:
+    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
         row_idx: list[int] = []  # hidden rows to sample from (repeated n times for a fork)
         rows: list[SampleRow] = []
