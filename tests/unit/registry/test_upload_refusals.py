@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
+from loraplex.platform.errors import ApiError
 from tests.unit.registry.conftest import UPLOAD_LIMIT, adapter_files, config_with, tar_gz
 
 
@@ -146,6 +147,7 @@ CASES = {
     "wrong shapes for the base model": (_wrong_shape, 422, "does not match the base model"),
     "float64": (_float64, 422, "F64"),
     "body over the size limit": (_too_big, 413, str(UPLOAD_LIMIT)),
+    "huge config JSON": (lambda c, w: {"config": b" " * (100 << 10) + c, "weights": w}, 422, "cap"),
 }
 
 
@@ -209,3 +211,42 @@ async def test_malformed_forms_are_400s(rapp, tiny_model):
     r = await rapp.client.post("/v1/adapters", json={"name": "x"}, headers=rapp.headers())
     assert r.status_code == 415
     assert rapp.tmp_entries() == [] and rapp.store_digests() == set()
+
+
+async def test_a_stalled_body_is_cut_off(tmp_path, tiny_model):
+    """A client that stops sending mid-file gets 408 after the idle timeout (a real Litestar Request over an
+    ASGI receive that stalls)."""
+    import asyncio
+
+    from litestar import Request
+
+    from loraplex.platform.registry.routes import upload_adapter
+    from loraplex.platform.registry.upload import receive_upload
+
+    config, _ = adapter_files(tiny_model, 0)
+    boundary = "b0undary"
+    head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"name\"\r\n\r\nslow\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"config\"; "
+            f"filename=\"adapter_config.json\"\r\n\r\n").encode() + config
+    sent = []
+
+    async def receive():
+        if not sent:
+            sent.append(1)
+            return {"type": "http.request", "body": head, "more_body": True}
+        await asyncio.sleep(30)  # the client stalls
+        return {"type": "http.disconnect"}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/adapters", "headers": [
+        (b"content-type", f"multipart/form-data; boundary={boundary}".encode())], "query_string": b"",
+        "route_handler": upload_adapter, "app": None, "state": {}}
+    seen = []
+    with pytest.raises(ApiError) as exc:
+        await receive_upload(Request(scope, receive), tmp_path, 1 << 20, 0.3,
+                             on_first_file=lambda form: _record(seen, form))
+    assert exc.value.status_code == 408 and "stalled" in exc.value.message
+    assert seen == [{"name": "slow"}]  # the name was checked before the file body was read
+
+
+async def _record(seen, form):
+    seen.append(dict(form.fields))
