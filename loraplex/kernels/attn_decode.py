@@ -184,7 +184,8 @@ def paged_attention_decode(
     """Attention of one new token per sequence over its paged KV (see module doc).
 
     ``num_splits`` defaults to :func:`choose_num_splits` of the shapes (and ``max_seq_len`` when the
-    caller knows it on the host; leave it None under CUDA-graph capture). No host-device sync.
+    caller knows it on the host; ignored during CUDA-graph capture). Any split count is correct for any
+    ``seq_lens``: it only changes how the keys are partitioned. No host-device sync.
     """
     batch, num_q_heads, head_dim = query.shape
     num_blocks, block_size, num_kv_heads, cache_head_dim = key_cache.shape
@@ -202,6 +203,8 @@ def paged_attention_decode(
         return out
     group = num_q_heads // num_kv_heads
     if num_splits is None:
+        if max_seq_len is not None and query.is_cuda and torch.cuda.is_current_stream_capturing():
+            max_seq_len = None  # a captured graph replays at other lengths: size the splits for long ones
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, query.device)
     block_d = max(16, triton.next_power_of_2(head_dim))
     if num_splits > 1:

@@ -159,8 +159,9 @@ def test_decode_cuda_graph_replay_with_new_contexts():
     seq_lens = small.seq_lens.clone()
     out = torch.empty_like(query)
 
-    def step():
-        paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, big.scale, out=out)
+    def step():  # the host's max_seq_len at capture time (5) must not limit the replay
+        paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, big.scale, out=out,
+                               max_seq_len=5)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
