@@ -61,26 +61,23 @@ class Sampler:
         return SamplerOutput(token_ids, sampled_logprobs, ranks, top_ids, top_logprobs)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        need = [r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty
-                for r in rows]
-        if not any(need):
+        """vLLM's order: repetition (prompt and output tokens), then frequency and presence (output)."""
+        idx = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 or r.params.presence_penalty
+               or r.params.frequency_penalty]
+        if not idx:
             return logits
+        dev, vocab = self.device, logits.shape[1]
+        params = [rows[i].params for i in idx]
+        counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, dev)  # [R', V]
+        prompt_seen = _token_counts([rows[i].prompt_token_ids for i in idx], vocab, dev) > 0
+        rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
+        freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
+        pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
+        sub = logits[idx]
+        sub = torch.where((counts > 0) | prompt_seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - freq * counts - pres * (counts > 0).float()
         logits = logits.clone()
-        vocab = logits.shape[1]
-        for i, r in enumerate(rows):  # per penalized row: vectorized over the vocabulary
-            if not need[i]:
-                continue
-            p = r.params
-            out_ids = torch.tensor(r.output_token_ids, dtype=torch.long, device=self.device)
-            counts = torch.zeros(vocab, device=self.device).index_add_(
-                0, out_ids, torch.ones(len(out_ids), device=self.device))
-            if p.repetition_penalty != 1.0:
-                seen = counts > 0
-                seen[torch.tensor(r.prompt_token_ids, dtype=torch.long, device=self.device)] = True
-                row = logits[i]
-                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-                logits[i] = torch.where(seen, penalized, row)
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        logits[idx] = sub
         return logits
 
     def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -107,6 +104,15 @@ class Sampler:
                 noise[i].exponential_(generator=gen)
         # Gumbel-max in exponential form: argmax p / E with E ~ Exp(1) samples from p
         return (probs / noise).argmax(dim=-1)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
+    """[len(token_lists), vocab] float32 occurrence counts (padding goes to a dropped extra column)."""
+    width = max(1, max(len(t) for t in token_lists))
+    padded = torch.tensor([t + [vocab] * (width - len(t)) for t in token_lists], dtype=torch.long, device=device)
+    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]
 
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

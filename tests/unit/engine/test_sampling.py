@@ -86,6 +86,9 @@ def test_penalties_move_greedy_choice_away_from_seen_tokens():
     freq = SamplingParams(temperature=0, frequency_penalty=0.06)
     assert s(logits, _rows(freq, 1, output=[0])).token_ids.item() == 0  # one occurrence: 1.94 > 1.9
     assert s(logits, _rows(freq, 1, output=[0, 0])).token_ids.item() == 1  # two: 1.88 < 1.9
+    # a mixed batch: only the penalized row moves
+    both = s(logits.repeat(2, 1), [SampleRow(greedy, 0, 1, [1], [0]), SampleRow(pres, 0, 1, [1], [0])])
+    assert both.token_ids.tolist() == [0, 1]
     # logprobs report the raw distribution, before penalties
     out = s(logits, _rows(SamplingParams(temperature=0, presence_penalty=0.2, logprobs=2), 1, output=[0]))
     assert out.logprobs.item() == pytest.approx(torch.log_softmax(logits, -1)[0, 1].item())
