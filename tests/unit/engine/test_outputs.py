@@ -56,3 +56,15 @@ def test_bad_requests_raise_clear_errors(llm):
     with pytest.raises(ValueError, match=r"\[0, 512\)"):
         llm.generate({"prompt_token_ids": [5, 9999]})
     assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_on_the_cpu(tiny_model, dtype):
+    llm16 = LLM(tiny_model["model_dir"], dtype=dtype, max_num_batched_tokens=32)
+    assert str(llm16.engine.runner.kv_caches[0][0].dtype) == f"torch.{dtype}"
+    prompts = [{"prompt_token_ids": [1] + list(range(40, 40 + n))} for n in (3, 30, 70)]
+    outs = llm16.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=1))
+    for out in outs:
+        comp = out.outputs[0]
+        assert len(comp.token_ids) == 8
+        assert all(-1e4 < lp.logprob <= 0 for entry in comp.logprobs for lp in entry.values())
