@@ -13,9 +13,7 @@ import json
 import logging
 import random
 import shutil
-import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 from litestar import Request
@@ -211,6 +209,8 @@ class Registry:
                 status=STATUS_READY, error=None, digest=digest, size_bytes=spec.num_bytes, rank=spec.rank,
                 target_modules=list(spec.target_modules), dtype=spec.dtype, ready_at=utcnow()))
             await session.commit()
+        if not await asyncio.to_thread(self.store.exists, digest):  # collected meanwhile (cleanup.py): again
+            await asyncio.to_thread(self.store.put, adapter_dir, digest)
         await events.publish_ready(self.kv, pending.version_id, f"{principal.tenant_name}/{pending.name}")
         async with self.sessions() as session:
             listed = await queries.get_own(session, principal.tenant_id, pending.name)
@@ -272,21 +272,6 @@ class Registry:
         await events.publish_deleted(self.kv, ids, label)
         log.info("deleted adapter %s (versions %s)", label, ids)
         return ids
-
-    async def sweep_interrupted(self, older_than_s: float = 3600.0) -> int:
-        """Mark versions left ``uploading``/``validating`` by a crashed process as failed; clear old temp dirs."""
-        cutoff = time.time() - older_than_s
-        for entry in self.tmp_root.iterdir():
-            if entry.is_dir() and entry.stat().st_mtime < cutoff:
-                shutil.rmtree(entry, ignore_errors=True)
-        async with self.sessions() as session:
-            result = await session.execute(
-                update(AdapterVersion)
-                .where(AdapterVersion.status.in_((STATUS_UPLOADING, STATUS_VALIDATING)),
-                       AdapterVersion.created_at < datetime.fromtimestamp(cutoff, timezone.utc))
-                .values(status=STATUS_FAILED, error="interrupted: the server stopped during the upload"))
-            await session.commit()
-        return result.rowcount or 0
 
 
 async def _apply(session, adapter: Adapter, meta: Metadata) -> None:

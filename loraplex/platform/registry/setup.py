@@ -13,7 +13,7 @@ from litestar import Request
 from loraplex.platform.auth import Principal
 from loraplex.platform.errors import ApiError
 from loraplex.platform.models import SCOPE_ADMIN
-from loraplex.platform.registry import queries
+from loraplex.platform.registry import cleanup, queries
 from loraplex.platform.registry.events import EngineEvictor
 from loraplex.platform.registry.models import VISIBILITY_PUBLIC
 from loraplex.platform.registry.resolver import RegistryModelResolver
@@ -61,7 +61,8 @@ async def setup(services) -> None:
     registry = Registry(services.sessions, services.kv, store, tmp_root=root / "tmp",
                         base_config=_BaseConfig(base_model_dir(settings)),
                         max_upload_bytes=settings.max_upload_bytes, max_lora_rank=settings.max_lora_rank)
-    await registry.sweep_interrupted()
+    services.extras["registry_cleanup"] = asyncio.create_task(
+        cleanup.run_periodically(services.sessions, store, registry.tmp_root), name="registry-cleanup")
     services.models = RegistryModelResolver(services.sessions, services.kv, store, base=services.models,
                                             base_model_id=services.base_model_id)
     evictor = EngineEvictor(services)
@@ -73,11 +74,12 @@ async def setup(services) -> None:
 
 
 async def teardown(services) -> None:
-    task = services.extras.pop("registry_demo_import", None)
-    if task is not None and not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+    for name in ("registry_demo_import", "registry_cleanup"):
+        task = services.extras.pop(name, None)
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
     evictor = services.extras.pop("registry_evictor", None)
     if evictor is not None:
         await evictor.stop()

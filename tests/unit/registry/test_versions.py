@@ -73,3 +73,25 @@ async def test_concurrent_uploads_of_one_name_never_corrupt(rapp, tiny_model):
     assert all(v["status"] == "ready" and v["sha256"] for v in got["versions"])
     assert got["latest_version"] == max(created)
     assert rapp.tmp_entries() == []
+
+
+async def test_deleted_content_is_collected_after_the_grace_period(rapp, tiny_model):
+    from loraplex.platform.registry.cleanup import collect_garbage
+
+    registry = rapp.services.extras["registry"]
+    c0, w0 = adapter_files(tiny_model, 0)
+    c1, w1 = adapter_files(tiny_model, 1)
+    for name, c, w in (("keep", c0, w0), ("twin", c0, w0), ("drop", c1, w1)):
+        assert (await rapp.upload(None, name, config=c, weights=w)).status_code == 201
+    assert len(rapp.store_digests()) == 2
+    for name in ("twin", "drop"):
+        assert (await rapp.client.delete(f"/v1/adapters/{name}", headers=rapp.headers())).status_code == 200
+    sessions, store = rapp.services.sessions, registry.store
+    assert await collect_garbage(sessions, store, grace_s=3600) == 0  # recently deleted: kept for in-flight use
+    assert await collect_garbage(sessions, store, grace_s=0) == 1  # "twin" shares content with live "keep"
+    assert len(rapp.store_digests()) == 1
+    r = await rapp.client.get("/v1/adapters/keep", headers=rapp.headers())
+    assert r.json()["status"] == "ready"
+    # uploading the collected content again stores it again
+    assert (await rapp.upload(None, "drop", config=c1, weights=w1)).status_code == 201
+    assert len(rapp.store_digests()) == 2
