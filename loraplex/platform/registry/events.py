@@ -32,19 +32,27 @@ async def bump_generation(kv: KV) -> None:
     await kv.set(GENERATION_KEY, new_id())
 
 
+async def _announce(kv: KV, kind: str, lora_int_ids: list[int], model: str) -> None:
+    # the database change is already committed: a KV outage must not turn it into an error. Cached lookups
+    # then expire by their TTL, and a replica's engine drops a deleted adapter at the latest when its host
+    # cache evicts it (a deleted adapter no longer resolves, so no new request can use it).
+    try:
+        await bump_generation(kv)
+        await kv.publish(CHANNEL, json.dumps({"type": kind, "lora_int_ids": lora_int_ids, "model": model}))
+    except Exception:
+        log.warning("could not announce registry change %s %s (KV unavailable)", kind, model, exc_info=True)
+
+
 async def publish_ready(kv: KV, lora_int_id: int, model: str) -> None:
-    await bump_generation(kv)
-    await kv.publish(CHANNEL, json.dumps({"type": "ready", "lora_int_ids": [lora_int_id], "model": model}))
+    await _announce(kv, "ready", [lora_int_id], model)
 
 
 async def publish_deleted(kv: KV, lora_int_ids: list[int], model: str) -> None:
-    await bump_generation(kv)
-    await kv.publish(CHANNEL, json.dumps({"type": "deleted", "lora_int_ids": lora_int_ids, "model": model}))
+    await _announce(kv, "deleted", lora_int_ids, model)
 
 
 async def publish_changed(kv: KV, model: str) -> None:
-    await bump_generation(kv)
-    await kv.publish(CHANNEL, json.dumps({"type": "changed", "lora_int_ids": [], "model": model}))
+    await _announce(kv, "changed", [], model)
 
 
 class EngineEvictor:
