@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -152,42 +153,99 @@ async def run_online(
 def add_online_args(p) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     p.add_argument("--api-key", default=os.environ.get("LORAPLEX_API_KEY"), help="env LORAPLEX_API_KEY")
-    p.add_argument("--model", required=False, help="served base model name")
+    p.add_argument("--model", default=None, help="served base model name (default with --launch: the server's)")
     p.add_argument("--adapters", default="", help="comma-separated served adapter names used by --popularity")
-    p.add_argument("--popularity", default="base", choices=("base", "identical", "zipf", "uniform", "distinct"))
+    p.add_argument("--popularity", default="base", choices=("base", "identical", "zipf", "uniform", "distinct"),
+                   help="which adapter each request names; adapter k is the (k mod n)-th of --adapters")
     p.add_argument("--rate", type=float, default=4.0, help="requests per second (inf = all at once)")
     p.add_argument("--num-requests", type=int, default=200)
     p.add_argument("--input-len", type=int, default=512, help="prompt tokens (sent as token ids)")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--len-dist", default="fixed", choices=("fixed", "uniform", "exponential"))
-    p.add_argument("--vocab-size", type=int, default=512, help="prompt token ids are drawn below this")
+    p.add_argument("--vocab-size", type=int, default=None, help="prompt token ids are drawn below this "
+                                                                "(default: the model's with --launch, else 512)")
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
+    launch = p.add_argument_group("--launch: start loraplex serve here (own data dir, free port) and upload adapters")
+    launch.add_argument("--launch", action="store_true")
+    launch.add_argument("--model-dir", default=None, help="HF directory to serve (default: the random "
+                                                          "Llama-3-8B-shaped model of bench offline)")
+    launch.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "loraplex-bench"))
+    launch.add_argument("--layers", type=int, default=32)
+    launch.add_argument("--dtype", default="bfloat16")
+    launch.add_argument("--rank", type=int, default=16)
+    launch.add_argument("--num-adapters", type=int, default=16, help="adapters uploaded (with --popularity)")
+    launch.add_argument("--max-loras", type=int, default=64)
+    launch.add_argument("--max-num-seqs", type=int, default=256)
+
+
+def _launch(args, device):
+    """Start a server on the model of ``bench offline`` and upload adapters; fills args.url/api_key/model/adapters."""
+    import json
+    from argparse import Namespace
+    from pathlib import Path
+
+    from loraplex.bench.llama8b import write_adapter_pool
+    from loraplex.bench.offline_run import prepare_model
+    from loraplex.bench.server_launch import launch_server
+
+    model_dir = prepare_model(Namespace(model=args.model_dir, smoke=args.smoke, work_dir=args.work_dir,
+                                        layers=args.layers), device)
+    serve_args = ["--device", device.type, "--dtype", args.dtype, "--enable-lora", "--max-loras",
+                  str(args.max_loras), "--max-lora-rank", str(args.rank), "--max-num-seqs", str(args.max_num_seqs)]
+    server = launch_server(model_dir, serve_args)
+    try:
+        args.url, args.api_key = server.base_url, server.admin_key
+        args.model = args.model or server.base_model()
+        if args.popularity != "base" and not args.adapters:
+            pool = write_adapter_pool(model_dir, args.num_adapters, args.rank, device)
+            args.adapters = ",".join(server.upload_adapter(d, f"bench-{i}") for i, d in enumerate(pool))
+        if args.vocab_size is None:
+            args.vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def run_online_cli(args) -> int:
     import asyncio
-    import tempfile
 
-    from loraplex.bench.report import write_report
+    import torch
+
+    from loraplex.bench.report import command_line, write_report
     from loraplex.bench.sections import online_section
     from loraplex.bench.workload import make_requests
 
-    if not args.model:
-        raise SystemExit("--model is required: the served base model name (GET /v1/models lists it)")
-    adapters = [a for a in args.adapters.split(",") if a]
-    if args.popularity != "base" and not adapters:
-        raise SystemExit(f"--popularity {args.popularity} needs --adapters (served adapter names)")
-    reqs = make_requests(args.num_requests, args.input_len, args.output_len, args.popularity, args.vocab_size,
-                         args.seed, args.len_dist)
-    models = [args.model if r.adapter is None else adapters[r.adapter % len(adapters)] for r in reqs]
-    records, duration = asyncio.run(run_online(
-        args.url, args.api_key, models, [r.prompt_token_ids for r in reqs], [r.output_len for r in reqs],
-        args.rate, seed=args.seed))
+    args.report_command = command_line(args)
+    if args.smoke:  # a tiny model served on the CPU: checks the whole path in seconds
+        args.launch, args.layers, args.dtype, args.rank = True, 2, "float32", 8
+        args.num_requests, args.input_len, args.output_len = min(args.num_requests, 6), 8, 4
+        args.num_adapters, args.max_loras, args.max_num_seqs = 2, 4, 8
+        args.rate = float("inf") if args.rate == 4.0 else args.rate
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
+    server = _launch(args, device) if args.launch else None
+    try:
+        if not args.model:
+            raise SystemExit("--model is required: the served base model name (GET /v1/models lists it)")
+        adapters = [a for a in args.adapters.split(",") if a]
+        if args.popularity != "base" and not adapters:
+            raise SystemExit(f"--popularity {args.popularity} needs --adapters (served adapter names)")
+        reqs = make_requests(args.num_requests, args.input_len, args.output_len, args.popularity,
+                             args.vocab_size or 512, args.seed, args.len_dist)
+        models = [args.model if r.adapter is None else adapters[r.adapter % len(adapters)] for r in reqs]
+        records, duration = asyncio.run(run_online(
+            args.url, args.api_key, models, [r.prompt_token_ids for r in reqs], [r.output_len for r in reqs],
+            args.rate, seed=args.seed))
+    finally:
+        if server is not None:
+            server.stop()
     summary = summarize(records, duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
-    result = {"url": args.url, "rate": args.rate, "popularity": args.popularity, "adapters": adapters,
-              "input_len": args.input_len, "output_len": args.output_len, "summary": summary}
+    rate = args.rate if args.rate != float("inf") else "inf"  # JSON has no infinity
+    result = {"url": args.url, "rate": rate, "popularity": args.popularity, "adapters": adapters,
+              "input_len": args.input_len, "output_len": args.output_len, "launched": server is not None,
+              "summary": summary}
     out_dir = args.out_dir or (tempfile.mkdtemp(prefix="loraplex-bench-smoke-") if args.smoke else None)
     json_path, md_path = write_report("online", result, [online_section(result)], out_dir, args)
     print(md_path.read_text())

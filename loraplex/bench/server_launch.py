@@ -1,0 +1,98 @@
+"""Start ``loraplex serve`` for ``bench online --launch``: a fresh data dir, a free port, the bootstrap admin
+key read from its output, adapters uploaded through ``POST /v1/adapters``; stopped with SIGTERM (drain)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+KEY_RE = re.compile(r"admin key.*?(lpx-\S+)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LaunchedServer:
+    base_url: str
+    admin_key: str
+    proc: subprocess.Popen
+    output: list[str] = field(default_factory=list)
+
+    def base_model(self) -> str:
+        import httpx
+
+        r = httpx.get(self.base_url + "/v1/models", headers={"Authorization": f"Bearer {self.admin_key}"})
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+    def upload_adapter(self, path: Path, name: str) -> str:
+        """Upload a PEFT directory; returns the name the API serves it under."""
+        import httpx
+
+        files = {
+            "config": ("adapter_config.json", (path / "adapter_config.json").read_bytes(), "application/json"),
+            "weights": ("adapter_model.safetensors", (path / "adapter_model.safetensors").read_bytes(),
+                        "application/octet-stream"),
+        }
+        r = httpx.post(self.base_url + "/v1/adapters", data={"name": name}, files=files, timeout=600,
+                       headers={"Authorization": f"Bearer {self.admin_key}"})
+        if r.status_code != 201:
+            raise RuntimeError(f"uploading adapter {name} failed: HTTP {r.status_code} {r.text[:300]}")
+        return r.json()["model"]
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def launch_server(model_dir: Path, serve_args: list[str], ready_timeout: float = 900.0) -> LaunchedServer:
+    """``loraplex serve model_dir *serve_args`` on a free port with its own data dir; waits for ``/ready``."""
+    import httpx
+
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+    env.update({"LORAPLEX_DATA_DIR": tempfile.mkdtemp(prefix="loraplex-bench-serve-"),
+                "LORAPLEX_HOST": "127.0.0.1", "LORAPLEX_PORT": str(port), "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "serve", str(model_dir), *serve_args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    output: list[str] = []
+
+    def pump() -> None:
+        for line in iter(proc.stdout.readline, ""):
+            output.append(line.rstrip("\n"))
+
+    threading.Thread(target=pump, daemon=True).start()
+    base = f"http://127.0.0.1:{port}"
+    key = None
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"loraplex serve exited with {proc.returncode}:\n" + "\n".join(output[-40:]))
+        key = key or next((m.group(1) for m in map(KEY_RE.search, list(output)) if m), None)
+        try:
+            if key and httpx.get(base + "/ready", timeout=2.0).status_code == 200:
+                return LaunchedServer(base, key, proc, output)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    raise TimeoutError(f"loraplex serve not ready after {ready_timeout:.0f} s:\n" + "\n".join(output[-40:]))
