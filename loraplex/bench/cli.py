@@ -55,6 +55,11 @@ def register(subparsers) -> None:
     full.add_argument("--attn-iters", type=int, default=50)
     full.add_argument("--sweep", action="store_true", help="attention and LoRA kernels: also try launch configs")
     full.add_argument("--skip-lora-kernels", action="store_true")
+    full.add_argument("--online-rate", type=float, default=0.0,
+                      help="also serve the model over HTTP and send Poisson arrivals at this rate (0 = skip)")
+    full.add_argument("--online-requests", type=int, default=200)
+    full.add_argument("--slo-ttft-ms", type=float, default=1000.0)
+    full.add_argument("--slo-tpot-ms", type=float, default=100.0)
     full.set_defaults(func=_run_full, bench_parser=full, peer="hf-peft")
 
     onl = sub.add_parser("online", help="Poisson arrivals through the HTTP API: TTFT, TPOT, ITL, E2E, goodput")

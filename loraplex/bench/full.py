@@ -7,6 +7,7 @@ HBM floor). The report opens with every target next to its measured figure, met 
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import re
@@ -31,11 +32,23 @@ def _lora_kernels(device: torch.device, smoke: bool, sweep: bool) -> dict:
     return payload
 
 
+def _online_args(args, model_dir: str) -> argparse.Namespace:
+    """The online run of ``bench all``: a server launched on the same model, uniform popularity."""
+    return argparse.Namespace(
+        launch=True, model_dir=model_dir, model=None, adapters="", url=None, api_key=None, smoke=args.smoke,
+        work_dir=args.work_dir, layers=args.layers, dtype=args.dtype, rank=args.rank,
+        num_adapters=args.num_adapter_files, max_loras=args.max_loras, max_num_seqs=args.max_num_seqs,
+        popularity="uniform", rate=args.online_rate, num_requests=args.online_requests,
+        input_len=args.input_len, output_len=args.output_len, len_dist=args.len_dist, vocab_size=None,
+        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed)
+
+
 def run_full(args, device: torch.device, out_dir: str | None) -> int:
     from loraplex.bench.attention_bench import run_attention_bench
     from loraplex.bench.offline_run import collect_offline
+    from loraplex.bench.online import collect_online
     from loraplex.bench.report import environment, write_report
-    from loraplex.bench.sections import attention_section, targets_section
+    from loraplex.bench.sections import attention_section, online_section, targets_section
 
     result: dict = {"environment": environment(device)}
     sections = []
@@ -59,6 +72,11 @@ def run_full(args, device: torch.device, out_dir: str | None) -> int:
     offline, offline_sections = collect_offline(args, device)
     result["offline"] = offline
     sections += offline_sections
+
+    if args.online_rate > 0:
+        online = collect_online(_online_args(args, offline["model_dir"]), device)
+        result["online"] = online
+        sections.append(online_section(online))
     sections.insert(0, targets_section(attn, lora, offline))
     json_path, md_path = write_report("issue9", result, sections, out_dir, args)
     print(md_path.read_text())

@@ -209,22 +209,12 @@ def _launch(args, device):
     return server
 
 
-def run_online_cli(args) -> int:
+def collect_online(args, device) -> dict:
+    """Run the online benchmark (launching a server first with ``args.launch``); returns its raw figures."""
     import asyncio
 
-    import torch
-
-    from loraplex.bench.report import command_line, write_report
-    from loraplex.bench.sections import online_section
     from loraplex.bench.workload import make_requests
 
-    args.report_command = command_line(args)
-    if args.smoke:  # a tiny model served on the CPU: checks the whole path in seconds
-        args.launch, args.layers, args.dtype, args.rank = True, 2, "float32", 8
-        args.num_requests, args.input_len, args.output_len = min(args.num_requests, 6), 8, 4
-        args.num_adapters, args.max_loras, args.max_num_seqs = 2, 4, 8
-        args.rate = float("inf") if args.rate == 4.0 else args.rate
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
     server = _launch(args, device) if args.launch else None
     try:
         if not args.model:
@@ -243,11 +233,27 @@ def run_online_cli(args) -> int:
             server.stop()
     summary = summarize(records, duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
     rate = args.rate if args.rate != float("inf") else "inf"  # JSON has no infinity
-    result = {"url": args.url, "rate": rate, "popularity": args.popularity, "adapters": adapters,
-              "input_len": args.input_len, "output_len": args.output_len, "launched": server is not None,
-              "summary": summary}
+    return {"url": args.url, "rate": rate, "popularity": args.popularity, "adapters": adapters,
+            "input_len": args.input_len, "output_len": args.output_len, "launched": server is not None,
+            "summary": summary}
+
+
+def run_online_cli(args) -> int:
+    import torch
+
+    from loraplex.bench.report import command_line, write_report
+    from loraplex.bench.sections import online_section
+
+    args.report_command = command_line(args)
+    if args.smoke:  # a tiny model served on the CPU: checks the whole path in seconds
+        args.launch, args.layers, args.dtype, args.rank = True, 2, "float32", 8
+        args.num_requests, args.input_len, args.output_len = min(args.num_requests, 6), 8, 4
+        args.num_adapters, args.max_loras, args.max_num_seqs = 2, 4, 8
+        args.rate = float("inf") if args.rate == 4.0 else args.rate
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
+    result = collect_online(args, device)
     out_dir = args.out_dir or (tempfile.mkdtemp(prefix="loraplex-bench-smoke-") if args.smoke else None)
     json_path, md_path = write_report("online", result, [online_section(result)], out_dir, args)
     print(md_path.read_text())
     print(f"wrote {json_path} and {md_path}")
-    return 0 if summary["completed"] else 1
+    return 0 if result["summary"]["completed"] else 1
