@@ -14,8 +14,8 @@
     srv.create_tenant("acme") -> {"tenant": ..., "key": "lpx-..."}   # via the admin API
     srv.cli("admin", "tenant", "list")  # run the loraplex CLI against this server's settings
 
-Without ``model`` the embedded default generates its demo model in the data dir (slower: prefer the
-session ``tiny_model`` fixture). ``database_url`` / ``redis_url`` switch to Postgres / Redis (run
+Without ``model`` the embedded default generates its demo model in the data dir on first start (seconds;
+``demo_model_from=tiny_model["model_dir"]`` copies a prebuilt one there instead). ``database_url`` / ``redis_url`` switch to Postgres / Redis (run
 ``db upgrade`` first: ``start_server`` does it for non-SQLite URLs).
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -110,14 +111,19 @@ def start_server(
     args: list[str] | tuple[str, ...] = (),
     ready_timeout: float = 180.0,
     admin_key: str | None = None,
+    demo_model_from: str | Path | None = None,
 ) -> LiveServer:
     """Start ``loraplex serve`` and wait for ``/ready``. ``env`` adds LORAPLEX_* settings.
 
     The bootstrap admin key is read from the server's output on first start; pass ``admin_key`` when
-    restarting on a data dir / database that already has one."""
+    restarting on a data dir / database that already has one. ``demo_model_from`` copies an already
+    built demo model (e.g. the session ``tiny_model``) to where the embedded default keeps its own, so
+    the server starts as the no-argument default without spending seconds generating one."""
     port = free_port()
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
+    if demo_model_from is not None and not (data_dir / "demo-model").exists():
+        shutil.copytree(demo_model_from, data_dir / "demo-model")
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
     full_env.update({
         "LORAPLEX_DATA_DIR": str(data_dir),

@@ -5,6 +5,7 @@ first run) and once on PostgreSQL + Redis."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -18,13 +19,15 @@ SERVER_ENV = {"LORAPLEX_NUM_KV_BLOCKS": "512", "LORAPLEX_MAX_CONCURRENT_REQUESTS
 
 @pytest.fixture(scope="module", params=["embedded", "postgres_redis"])
 def server(request, tmp_path_factory):
+    tiny_model = request.getfixturevalue("tiny_model")
     if request.param == "embedded":
-        # no model: the embedded default generates its demo model + adapters on first run
-        srv = start_server(tmp_path_factory.mktemp("embedded"), env=SERVER_ENV)
+        # no model and no URLs: the embedded default (its demo model pre-seeded; test_api_drain covers
+        # the first-run generation)
+        srv = start_server(tmp_path_factory.mktemp("embedded"), env=SERVER_ENV,
+                           demo_model_from=tiny_model["model_dir"])
         yield srv
         assert srv.stop() == 0
         return
-    tiny_model = request.getfixturevalue("tiny_model")
     postgres_url = request.getfixturevalue("postgres_url")
     redis_url = request.getfixturevalue("redis_url")
     with FreshPostgres(postgres_url) as db_url:
@@ -53,7 +56,8 @@ def test_models_completion_chat_and_streaming_usage(server, tenants):
     client = oai(server, tenants["acme"]["key"])
     models = [m.id for m in client.models.list()]
     model = models[0]
-    assert all("/" not in m for m in models)  # ids, never file paths
+    # ids, never file paths
+    assert all(not m.startswith("/") and str(server.data_dir) not in m and "adapters" not in m for m in models)
 
     r = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6, temperature=0, seed=3,
                                   logprobs=2)
@@ -269,3 +273,53 @@ def test_admission_cap_gives_fast_503(server):
             s.__exit__(None, None, None)
         for c in clients:
             c.close()
+
+
+def _adapter_dir(server) -> Path:
+    """An adapter that fits the served base model (the demo's, or the tiny model's)."""
+    model_dir = Path(server.env.get("LORAPLEX_MODEL") or server.data_dir / "demo-model")
+    return sorted((model_dir / "adapters").iterdir())[0]
+
+
+def _usage_totals(server, key: str) -> dict:
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {key}"}) as c:
+        r = c.get("/v1/usage")
+        assert r.status_code == 200, r.text
+        return r.json()["totals"]
+
+
+def test_another_tenants_adapter_and_usage_are_unreachable(server):
+    owner = server.create_tenant("owner-co", scopes=["inference", "adapters:write"])
+    other = server.create_tenant("other-co", scopes=["inference", "adapters:write"])
+    src = _adapter_dir(server)
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {owner['key']}"}) as c:
+        r = c.post("/v1/adapters", data={"name": "secret-tune"},
+                   files={"config": ("adapter_config.json", (src / "adapter_config.json").read_bytes()),
+                          "weights": ("adapter_model.safetensors", (src / "adapter_model.safetensors").read_bytes())})
+        assert r.status_code == 201, r.text
+    owner_client = oai(server, owner["key"], max_retries=0)
+    deadline = time.monotonic() + 30
+    while "secret-tune" not in [m.id for m in owner_client.models.list()]:
+        assert time.monotonic() < deadline, "uploaded adapter never became usable"
+        time.sleep(0.2)
+    out = owner_client.completions.create(model="secret-tune", prompt="hello", max_tokens=3, temperature=0)
+    assert out.model == "secret-tune" and out.usage.completion_tokens >= 1
+
+    before = _usage_totals(server, other["key"])
+    intruder = oai(server, other["key"], max_retries=0)
+    assert "secret-tune" not in [m.id for m in intruder.models.list()]
+    bodies = []
+    for name in ("secret-tune", "owner-co/secret-tune", "owner-co/secret-tune@1", "no-such-adapter"):
+        with pytest.raises(openai.NotFoundError) as err:
+            intruder.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}])
+        bodies.append({k: v for k, v in err.value.body.items() if k != "message"})
+        assert name in err.value.body["message"]
+    assert all(b == bodies[-1] for b in bodies)  # foreign looks exactly like missing
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {other['key']}"}) as c:
+        assert c.get("/v1/adapters/secret-tune").status_code == 404
+        assert c.delete("/v1/adapters/secret-tune").status_code == 404
+        assert "secret-tune" not in c.get("/v1/adapters").text
+    owner_usage = _usage_totals(server, owner["key"])
+    assert owner_usage["requests"] >= 1
+    # the intruder's usage never shows the owner's requests
+    assert _usage_totals(server, other["key"])["completion_tokens"] == before["completion_tokens"]
