@@ -23,7 +23,8 @@ from loraplex.platform.registry.setup import registry_of, setup, teardown
 
 _WRITE = [require_scope(SCOPE_ADAPTERS_WRITE)]
 _READ = [require_scope()]  # any valid key
-_NAME = Parameter(max_length=160, description="<name> or <name>@<version>, in the caller's tenant")
+_NAME = Parameter(max_length=160, pattern=r"^[a-z0-9][a-z0-9._-]{0,63}(@[1-9][0-9]{0,9})?$",
+                  description="<name> or <name>@<version>, in the caller's tenant")
 
 
 @post("/v1/adapters", guards=_WRITE, status_code=201, request_max_body_size=None, tags=["adapters"],
