@@ -43,9 +43,10 @@ async def list_models(request: Request) -> s.ModelList:
     return s.ModelList(data=[_model_out(m) for m in models])
 
 
-@get("/v1/models/{model:str}", guards=_INFER, responses=error_responses(401, 403, 404), tags=["openai"],
+@get("/v1/models/{model:path}", guards=_INFER, responses=error_responses(401, 403, 404), tags=["openai"],
      summary="Retrieve a model")
-async def get_model(request: Request, model: str = Parameter(max_length=256)) -> s.Model:
+async def get_model(request: Request, model: str = Parameter(max_length=257)) -> s.Model:
+    model = model.lstrip("/")  # a path parameter, so ids like "<tenant>/<adapter>" work
     principal = await principal_of(request)
     resolved = await request.app.state.services.models.resolve(principal, model)
     if resolved is None:
