@@ -65,6 +65,9 @@ async def test_sharing_grants_use_but_not_control(rapp, tiny_model):
     listed = (await rapp.client.get("/v1/adapters", headers=rapp.headers(bob))).json()["data"][0]
     assert listed["shared_with"] is None  # who else it is shared with is the owner's business
     assert (await _call(rapp, carol, "alice/tuned")).status_code == 404
+    r = await rapp.client.get("/v1/models/alice/tuned", headers=rapp.headers(bob))
+    assert r.status_code == 200 and r.json()["id"] == "alice/tuned" and r.json()["owned_by"] == "alice"
+    assert (await rapp.client.get("/v1/models/alice/tuned", headers=rapp.headers(carol))).status_code == 404
     # a sharee still cannot edit or delete it
     assert (await rapp.client.delete("/v1/adapters/tuned", headers=rapp.headers(bob))).status_code == 404
     # unsharing takes effect at once (cached lookups are invalidated)
