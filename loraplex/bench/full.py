@@ -8,6 +8,7 @@ HBM floor). The report opens with every target next to its measured figure, met 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import re
@@ -30,6 +31,12 @@ def _lora_kernels(device: torch.device, smoke: bool, sweep: bool) -> dict:
         payload = json.loads(out.read_text())
         payload["markdown"] = out.with_suffix(".md").read_text()
     return payload
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _online_args(args, model_dir: str) -> argparse.Namespace:
@@ -69,6 +76,7 @@ def run_full(args, device: torch.device, out_dir: str | None) -> int:
         body = re.sub(r"\A#[^\n]*\n+Command:\n+```\n[^\n]*\n```\n+", "", lora["markdown"])
         sections.append(("LoRA shrink/expand microbenchmark", body.replace("\n## ", "\n### ")))
 
+    _release(device)  # the engine sizes its KV cache from free memory: hand back the allocator's cache
     offline, offline_sections = collect_offline(args, device)
     result["offline"] = offline
     sections += offline_sections
