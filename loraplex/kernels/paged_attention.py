@@ -39,20 +39,34 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, Hq, D]
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    num_decodes: int = 0,
 ) -> torch.Tensor:
     """Causal paged attention of the new tokens (see module doc).
 
-    ``max_query_len == 1`` (every sequence has exactly one new token, so ``T == B``) runs the
-    split-KV decode kernel; anything else, or ``None`` (unknown), runs the varlen kernel, which is
-    correct for every case. ``max_seq_len`` (optional, host int) only tunes the decode split count.
+    ``max_query_len == 1`` (every sequence has exactly one new token, so ``T == B``) runs the split-KV
+    decode kernel on the whole batch. In a mixed batch whose first ``num_decodes`` sequences have exactly
+    one new token each (decodes first, as the caller orders them), those run through the decode kernel and
+    the rest through the varlen kernel, so decode rows do not fill 16-row query tiles alone. Otherwise
+    (``None`` = unknown) the varlen kernel runs everything, which is correct for every case.
+    ``max_seq_len`` (optional, host int) only tunes the decode split count. No host-device sync.
     """
     num_tokens = query.shape[0]
     batch = seq_lens.shape[0]
     if max_query_len == 1:
         assert num_tokens == batch, f"max_query_len=1 needs one token per sequence: T={num_tokens}, B={batch}"
-        return paged_attention_decode(
-            query, key_cache, value_cache, block_tables, seq_lens, scale, out=out, max_seq_len=max_seq_len
+        num_decodes = batch
+    assert 0 <= num_decodes <= min(batch, num_tokens), f"num_decodes {num_decodes} outside [0, {batch}]"
+    if num_decodes == 0:
+        return paged_attention_varlen(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out=out
         )
-    return paged_attention_varlen(
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out=out
-    )
+    if out is None:
+        out = torch.empty_like(query)
+    d = num_decodes
+    paged_attention_decode(query[:d], key_cache, value_cache, block_tables[:d], seq_lens[:d], scale,
+                           out=out[:d], max_seq_len=max_seq_len)
+    if d < batch:
+        # the remaining sequences' tokens start right after the d decode rows
+        paged_attention_varlen(query[d:], key_cache, value_cache, block_tables[d:], query_start_loc[d:] - d,
+                               seq_lens[d:], scale, out=out[d:])
+    return out

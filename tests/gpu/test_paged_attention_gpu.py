@@ -178,3 +178,14 @@ def test_decode_cuda_graph_replay_with_new_contexts():
     graph.replay()
     torch.cuda.synchronize()
     _check(out, _ref(big))
+
+
+def test_mixed_batch_decodes_first_through_both_kernels():
+    seq_lens = [4099, 1, 777, 2048, 33, 1500]
+    query_lens = [1, 1, 1, 2048, 0, 129]  # three decodes first, then a prefill, an idle row, a chunk
+    pb = _batch(seq_lens, query_lens, 4, seed=60)
+    out = paged_attention(
+        pb.query, pb.key_cache, pb.value_cache, pb.block_tables, pb.query_start_loc, pb.seq_lens, pb.scale,
+        max_seq_len=max(seq_lens), num_decodes=3,
+    )
+    _check(out, _ref(pb))

@@ -123,6 +123,19 @@ def test_dispatch_decode_and_varlen_agree_on_decode_batch():
     torch.testing.assert_close(decode, _ref(pb), **TOL[torch.float32])
 
 
+@pytest.mark.parametrize("group", [1, 4])
+def test_mixed_batch_with_decodes_first_splits_across_both_kernels(group):
+    seq_lens = [40, 1, 97, 23, 61, 30]
+    query_lens = [1, 1, 1, 23, 0, 9]  # three decodes first, then a prefill, an idle row, a chunk
+    pb = make_paged_batch(seq_lens, query_lens, 2 * group, 2, 32, 16, seed=40 + group)
+    out = torch.full_like(pb.query, float("nan"))
+    result = _varlen(pb, out=out, num_decodes=3, max_seq_len=97)
+    assert result is out
+    torch.testing.assert_close(out, _ref(pb), **TOL[torch.float32])
+    all_decodes = make_paged_batch([5, 77], [1, 1], 2 * group, 2, 32, 16, seed=50)
+    torch.testing.assert_close(_varlen(all_decodes, num_decodes=2), _ref(all_decodes), **TOL[torch.float32])
+
+
 def test_dispatch_rejects_decode_flag_with_multi_token_rows():
     pb = make_paged_batch([10, 20], [2, 1], 4, 2, 32, 16, seed=31)
     with pytest.raises(AssertionError, match="one token per sequence"):
