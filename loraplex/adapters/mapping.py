@@ -49,7 +49,8 @@ class LoRAStep:
             num_tokens = token_slots.shape[0]
             shapes = pool.shapes
             self._configs = {p: choose_config(num_tokens, num_active, pool.max_loras, pool.max_rank,
-                                              shapes.proj_in(p), len(mods)) for p, mods in PROJ_MODULES.items()}
+                                              shapes.proj_in(p), len(mods), max(shapes.slice_widths(p)))
+                             for p, mods in PROJ_MODULES.items()}
             block_m = self._configs["qkv"].block_m  # same regime for every proj (depends on T and adapters)
             self._meta = build_lora_meta(token_slots, pool.max_loras, block_m)
             max_split = max(c.split_k for c in self._configs.values())
@@ -70,8 +71,7 @@ class LoRAStep:
         if x.stride(-1) != 1:
             x = x.contiguous()
         if self.use_triton:
-            loc = self.pool.slice_loc_host[proj]
-            width = max(hi - lo for lo, hi in zip(loc[:-1], loc[1:]))
+            width = max(self.pool.shapes.slice_widths(proj))
             return self._lora_apply(x, out, a, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj], width,
                               self._meta, self._configs[proj], self._scratch)
         from loraplex.kernels.lora_ref import lora_apply_ref

@@ -37,7 +37,7 @@ SMOKE = {"hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4, 
          "head_dim": 16, "num_hidden_layers": 2}
 STEP_TARGET_MS = 2.0
 SWEEP = {"split_k": (1, 2, 4, 8, 16), "block_k": (64, 128, 256), "warps": (2, 4, 8), "stages": (2, 3, 4),
-         "block_n": (64, 128, 256, 512)}
+         "block_n": (64, 128, 256), "n_splits": (1, 2, 4, 8, 16, 32)}
 
 
 def _median_seconds(fn, device: torch.device, reps: int) -> float:
@@ -90,7 +90,7 @@ def _timed_pair(b, cfg, device, reps: int, kernels=("shrink", "expand")) -> tupl
 
     def expand():
         lora_expand(y, b.lora_b, b.ranks, b.scaling, b.slice_loc, width, meta, b.out, block_n=cfg.block_n,
-                    num_warps=cfg.expand_warps)
+                    n_splits=cfg.expand_splits, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages)
 
     return tuple(_median_seconds(fn, device, reps) if name in kernels else None
                  for name, fn in (("shrink", shrink), ("expand", expand)))
@@ -107,11 +107,13 @@ def _sweep(b, cfg, device, reps: int) -> dict:
         seconds = _timed_pair(b, trial, device, reps, kernels=("shrink",))[0]
         if best_shrink is None or seconds < best_shrink[0]:
             best_shrink = (seconds, dict(split_k=split_k, block_k=block_k, warps=warps, stages=stages))
-    for block_n, warps in itertools.product(SWEEP["block_n"], SWEEP["warps"]):
-        trial = dataclasses.replace(cfg, block_n=block_n, expand_warps=warps)
+    for block_n, n_splits, warps in itertools.product(SWEEP["block_n"], SWEEP["n_splits"], SWEEP["warps"]):
+        if n_splits > -(-b.max_slice_width // block_n):
+            continue
+        trial = dataclasses.replace(cfg, block_n=block_n, expand_splits=n_splits, expand_warps=warps)
         seconds = _timed_pair(b, trial, device, reps, kernels=("expand",))[1]
         if best_expand is None or seconds < best_expand[0]:
-            best_expand = (seconds, dict(block_n=block_n, warps=warps))
+            best_expand = (seconds, dict(block_n=block_n, n_splits=n_splits, warps=warps))
     return {"shrink": best_shrink, "expand": best_expand}
 
 
@@ -122,7 +124,7 @@ def _bench_case(shapes, regime: str, num_tokens: int, num_adapters: int, rank: i
     elem = torch.finfo(dtype).bits // 8
     b = _pool_case(shapes, proj, num_tokens, num_adapters, rank, device, dtype, seed=rank)
     k_dim, n_total, num_slices = b.x.shape[1], b.out.shape[1], len(b.slice_loc) - 1
-    cfg = choose_config(num_tokens, num_adapters, num_adapters, rank, k_dim, num_slices)
+    cfg = choose_config(num_tokens, num_adapters, num_adapters, rank, k_dim, num_slices, b.max_slice_width)
     shrink_s, expand_s = _timed_pair(b, cfg, device, reps)
     best = _sweep(b, cfg, device, max(20, reps // 4)) if sweep else {}
     y_bytes = cfg.split_k * num_slices * num_tokens * rank * 4
@@ -136,7 +138,7 @@ def _bench_case(shapes, regime: str, num_tokens: int, num_adapters: int, rank: i
             "regime": regime, "tokens": num_tokens, "adapters": num_adapters, "rank": rank, "proj": proj,
             "kernel": kernel, "K": k_dim if kernel == "shrink" else rank,
             "N": num_slices * rank if kernel == "shrink" else n_total, "split_k": cfg.split_k,
-            "block_m": cfg.block_m, "time_us": seconds * 1e6, "bytes": nbytes, "gb_s": nbytes / seconds / 1e9,
+            "block_m": cfg.block_m, "expand_splits": cfg.expand_splits, "time_us": seconds * 1e6, "bytes": nbytes, "gb_s": nbytes / seconds / 1e9,
             "pct_copy_bw": 100 * nbytes / seconds / copy_bw,
         }
         if best.get(kernel):

@@ -16,8 +16,9 @@ Shape:
     slice_loc  [S + 1] int32                   column offsets, unequal widths allowed (GQA q|k|v)
     out        [T, N_total]                    base projection output, updated in place
 
-Grid: (cdiv(max slice width, BLOCK_N), max_chunks, S); programs beyond their slice's width, of unused
-chunks or of rank-0 slices exit at once. Each chunk's tokens are distinct and slices own disjoint
+Grid: (n_splits, max_chunks, S); each program loops over whole BLOCK_N tiles of a 1/n_splits share of its
+slice's columns (y is loaded once, the B loads are pipelined); programs beyond their slice's width, of
+unused chunks or of rank-0 slices exit at once. Each chunk's tokens are distinct and slices own disjoint
 columns, so stores never race.
 """
 
@@ -31,10 +32,11 @@ from loraplex.kernels.lora_meta import LoRAKernelMeta
 from loraplex.kernels.lora_shrink import dot_precision
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_splits"])
 def _lora_expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scaling_ptr, slice_loc_ptr,
     sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr,
+    n_splits,
     stride_yp, stride_ys, stride_yt, stride_yr,
     stride_bl, stride_br, stride_bn,
     stride_ot, stride_on,
@@ -42,7 +44,7 @@ def _lora_expand_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    n_tile = tl.program_id(0)
+    n_split = tl.program_id(0)
     chunk = tl.program_id(1)
     sl = tl.program_id(2)
     slot = tl.load(chunk_slots_ptr + chunk)
@@ -53,9 +55,13 @@ def _lora_expand_kernel(
         return
     n_begin = tl.load(slice_loc_ptr + sl)
     n_end = tl.load(slice_loc_ptr + sl + 1)
-    n0 = n_begin + n_tile * BLOCK_N
-    if n0 >= n_end:
+    # this program's columns: a 1/n_splits share of the slice, whole BLOCK_N tiles
+    share = (n_end - n_begin + n_splits - 1) // n_splits
+    per_split = (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    n_lo = n_begin + n_split * per_split
+    if n_lo >= n_end:
         return
+    n_hi = tl.minimum(n_lo + per_split, n_end)
     start = tl.load(chunk_starts_ptr + chunk)
     length = tl.load(chunk_lens_ptr + chunk)
     offs_m = tl.arange(0, BLOCK_M)
@@ -63,22 +69,24 @@ def _lora_expand_kernel(
     tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_end
     y_ptrs = y_ptr + sl * stride_ys + tok[:, None] * stride_yt + offs_r[None, :] * stride_yr
     y_mask = m_mask[:, None] & r_mask[None, :]
     ys = tl.load(y_ptrs, mask=y_mask, other=0.0)
     for p in range(1, SPLIT_K):
         ys += tl.load(y_ptrs + p * stride_yp, mask=y_mask, other=0.0)
-    b_ptrs = (b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None].to(tl.int64) * stride_br
-              + offs_n[None, :].to(tl.int64) * stride_bn)
-    b = tl.load(b_ptrs, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-    acc = tl.dot(ys.to(b.dtype), b, input_precision=DOT_PRECISION)
-    acc = acc * tl.load(scaling_ptr + slot)
-    o_ptrs = out_ptr + tok[:, None] * stride_ot + offs_n[None, :].to(tl.int64) * stride_on
-    o_mask = m_mask[:, None] & n_mask[None, :]
-    base = tl.load(o_ptrs, mask=o_mask, other=0.0)
-    tl.store(o_ptrs, (base.to(tl.float32) + acc).to(base.dtype), mask=o_mask)
+    scale = tl.load(scaling_ptr + slot)
+    b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None].to(tl.int64) * stride_br
+    o_rows = out_ptr + tok[:, None] * stride_ot
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < n_hi
+        b = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn, mask=r_mask[:, None] & n_mask[None, :],
+                    other=0.0)
+        acc = tl.dot(ys.to(b.dtype), b, input_precision=DOT_PRECISION) * scale
+        o_ptrs = o_rows + offs_n[None, :].to(tl.int64) * stride_on
+        o_mask = m_mask[:, None] & n_mask[None, :]
+        base = tl.load(o_ptrs, mask=o_mask, other=0.0)
+        tl.store(o_ptrs, (base.to(tl.float32) + acc).to(base.dtype), mask=o_mask)
 
 
 def lora_expand(
@@ -92,7 +100,9 @@ def lora_expand(
     out: torch.Tensor,  # [T, N_total], updated in place
     *,
     block_n: int = 128,
+    n_splits: int | None = None,  # programs per (chunk, slice) along N; default: one BLOCK_N tile each
     num_warps: int = 4,
+    num_stages: int = 3,
 ) -> torch.Tensor:
     split_k, num_slices, num_tokens, max_rank = y.shape
     num_slots, b_rank, n_total = lora_b.shape
@@ -107,15 +117,18 @@ def lora_expand(
     if num_tokens == 0 or meta.max_chunks == 0:
         return out
     block_r = max(16, triton.next_power_of_2(max_rank))
-    grid = (triton.cdiv(max_slice_width, block_n), meta.max_chunks, num_slices)
+    max_tiles = triton.cdiv(max_slice_width, block_n)
+    n_splits = max_tiles if n_splits is None else max(1, min(n_splits, max_tiles))
+    grid = (n_splits, meta.max_chunks, num_slices)
     _lora_expand_kernel[grid](
         y, lora_b, out, ranks, scaling, slice_loc,
         meta.sorted_token_ids, meta.chunk_slots, meta.chunk_starts, meta.chunk_lens,
+        n_splits,
         y.stride(0), y.stride(1), y.stride(2), y.stride(3),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         out.stride(0), out.stride(1),
         ranks.stride(0),
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_PRECISION=dot_precision(out.dtype), num_warps=num_warps,
+        DOT_PRECISION=dot_precision(out.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -45,7 +45,8 @@ def _reference(batch):
 
 def _apply(batch, num_active):
     k_dim = batch.x.shape[1]
-    cfg = choose_config(batch.x.shape[0], num_active, batch.lora_a.shape[0], batch.lora_a.shape[2], k_dim)
+    cfg = choose_config(batch.x.shape[0], num_active, batch.lora_a.shape[0], batch.lora_a.shape[2], k_dim,
+                        len(batch.slice_loc) - 1, batch.max_slice_width)
     meta = build_lora_meta(batch.token_slots, batch.lora_a.shape[0], cfg.block_m)
     out = batch.out.clone()
     lora_apply(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
@@ -79,7 +80,8 @@ def test_cuda_graph_replay_with_another_batch():
     gen = torch.Generator().manual_seed(0)
     batch = make_lora_batch(48, 520, QKV, num_slots=8, max_rank=32, mix="zipf", dtype=torch.bfloat16,
                             device="cuda", seed=1)
-    cfg = choose_config(48, 8, 8, 32, 520)
+    width = batch.max_slice_width  # a host copy: never inside the capture
+    cfg = choose_config(48, 8, 8, 32, 520, max_slice_width=width)
     slots_buf = batch.token_slots.clone()
     out = batch.out.clone()
     stream = torch.cuda.Stream()
@@ -89,7 +91,7 @@ def test_cuda_graph_replay_with_another_batch():
         out.copy_(batch.out)
         meta = build_lora_meta(slots_buf, 8, cfg.block_m)
         lora_apply(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
-                   batch.max_slice_width, meta, cfg)
+                   width, meta, cfg)
 
     with torch.cuda.stream(stream):
         step()  # warm-up compiles outside the capture
@@ -127,12 +129,14 @@ def test_manager_triton_path_matches_cpu_twin_path(tiny_model, dtype):
         steps[dev] = mgr.prepare_step(ids.to(dev), adapter_ids=[1, 3, 4, 6])
     gen = torch.Generator().manual_seed(0)
     shapes = managers["cpu"].shapes
+    tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=3e-2, atol=4e-2)  # bf16 weights, x and output
     for proj in PROJ_MODULES:
-        x = torch.randn(len(ids), shapes.proj_in(proj), generator=gen)
-        base = torch.randn(len(ids), sum(shapes.slice_widths(proj)), generator=gen)
+        # inputs rounded to the device dtype first, so both paths start from the same values
+        x = torch.randn(len(ids), shapes.proj_in(proj), generator=gen).to(dtype).float()
+        base = torch.randn(len(ids), sum(shapes.slice_widths(proj)), generator=gen).to(dtype).float()
         for layer in range(shapes.num_layers):
             ref = steps["cpu"].add(layer, proj, x, base.clone())
             out = steps["cuda"].add(layer, proj, x.to("cuda", dtype), base.to("cuda", dtype))
-            torch.testing.assert_close(out.float().cpu(), ref, **TOL[dtype])
+            torch.testing.assert_close(out.float().cpu(), ref, **tol)
             rows = ids == 0
             assert torch.equal(out[rows.cuda()].cpu(), base.to(dtype)[rows])

@@ -27,13 +27,13 @@ QKV = (48, 16, 16)  # GQA: q wider than k and v
 K_DIM = 40  # not a multiple of 16
 
 
-def _run_both(batch, *, block_m=16, block_r=16, block_k=32, split_k=1, block_n=32):
+def _run_both(batch, *, block_m=16, block_r=16, block_k=32, split_k=1, block_n=32, n_splits=None):
     meta = build_lora_meta(batch.token_slots, batch.lora_a.shape[0], block_m)
     y = lora_shrink.lora_shrink(batch.x, batch.lora_a, batch.ranks, meta, split_k=split_k, block_r=block_r,
                                 block_k=block_k)
     out = batch.out.clone()
     lora_expand.lora_expand(y, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
-                            batch.max_slice_width, meta, out, block_n=block_n)
+                            batch.max_slice_width, meta, out, block_n=block_n, n_splits=n_splits)
     ref = lora_apply_ref(batch.x, batch.out.clone(), batch.lora_a, batch.lora_b, batch.token_slots,
                          batch.ranks, batch.scaling, batch.slice_loc)
     return y, out, ref
@@ -74,6 +74,14 @@ def test_split_k_and_prefill_regime_single_slice():
     _check(batch, out, ref)
 
 
+@pytest.mark.parametrize("n_splits", [1, 2, 3])
+def test_expand_programs_loop_over_column_tiles(n_splits):
+    """Each expand program covers a share of its slice's columns in 16-wide tiles (some shares empty)."""
+    batch = make_lora_batch(21, K_DIM, (80, 16, 16), max_rank=16, mix="zipf", seed=n_splits)
+    _, out, ref = _run_both(batch, block_n=16, n_splits=n_splits)
+    _check(batch, out, ref)
+
+
 def test_fp16_gate_up():
     batch = make_lora_batch(40, K_DIM, (56, 56), max_rank=16, mix="zipf", dtype=torch.float16, seed=7)
     _, out, ref = _run_both(batch)
@@ -82,7 +90,7 @@ def test_fp16_gate_up():
 
 def test_lora_apply_with_chosen_config_and_all_base_batch():
     batch = make_lora_batch(20, K_DIM, QKV, max_rank=16, mix="distinct", seed=11)
-    cfg = choose_config(20, 8, 8, 16, K_DIM)
+    cfg = choose_config(20, 8, 8, 16, K_DIM, max_slice_width=48)
     meta = build_lora_meta(batch.token_slots, 8, cfg.block_m)
     out = batch.out.clone()
     lora_apply(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
