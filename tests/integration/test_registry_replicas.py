@@ -56,10 +56,11 @@ async def test_upload_on_one_replica_serves_and_deletes_on_another(tmp_path, tin
             r = await b.client.post("/v1/chat/completions", json={"model": "fresh", **CHAT}, headers=b.headers(key))
             assert r.status_code == 200, r.text
             assert time.monotonic() - t0 < 1.0
-            principal = await b.services.authenticator.authenticate(key)
-            lora_int_id = (await b.services.models.resolve(principal, "fresh")).lora_request.lora_int_id
+            # (the apps' Postgres and Redis connections live on the test client's loop: ask the engine, which
+            # has loaded exactly this one adapter version)
             manager = engine_b.engine.runner.lora_manager
-            assert lora_int_id in manager.host_cache
+            assert len(manager.host_cache.ids()) == 1
+            lora_int_id = manager.host_cache.ids()[0]
 
             assert (await a.client.delete("/v1/adapters/fresh", headers=a.headers(key))).status_code == 200
             r = await b.client.post("/v1/chat/completions", json={"model": "fresh", **CHAT}, headers=b.headers(key))
@@ -84,5 +85,9 @@ async def test_upload_on_one_replica_serves_and_deletes_on_another(tmp_path, tin
             got = (await a.client.get("/v1/adapters/race", headers=a.headers(key))).json()
             assert sorted(v["version"] for v in got["versions"]) == created
             assert all(v["status"] == "ready" for v in got["versions"])
+            listed = (await b.client.get("/v1/adapters", headers=b.headers(key))).json()["data"]
+            assert [a["model"] for a in listed] == ["race"]
+            models = (await b.client.get("/v1/models", headers=b.headers(key))).json()["data"]
+            assert [m["id"] for m in models] == [b.services.base_model_id, "race"]
     finally:
         await engine_b.shutdown()
