@@ -156,24 +156,22 @@ class LoRAManager:
         """
         if adapter_ids is None:
             adapter_ids = torch.unique(token_adapter_ids).tolist()
+        slot_of = self.assign_slots(adapter_ids)
+        token_slots = token_slots_from_ids(token_adapter_ids, slot_of)
+        return LoRAStep(self.pool, token_slots, len(slot_of), self.use_triton)
+
+    def assign_slots(self, adapter_ids) -> dict[int, int]:
+        """Give every adapter of a step (ids, 0 = base, ignored) a GPU slot; returns adapter id -> slot.
+
+        Host bookkeeping plus asynchronous slot fills. ``prepare_step`` uses it; the engine's CUDA-graph
+        decode path calls it alone, writes the per-token slots into a static buffer and derives the kernel
+        metadata inside the graph (``LoRAStep``)."""
         step_ids = sorted({int(a) for a in adapter_ids if a})
         if len(step_ids) > self.max_loras:
             raise RuntimeError(f"{len(step_ids)} adapters in one step, over max_loras={self.max_loras}")
         for adapter_id in step_ids:
             self._ensure_slot(adapter_id, step_ids)
-        slot_of = {a: self._slot_of[a] for a in step_ids}
-        token_slots = token_slots_from_ids(token_adapter_ids, slot_of)
-        return LoRAStep(self.pool, token_slots, len(step_ids), self.use_triton)
-
-    def assign_slots(self, adapter_ids) -> dict[int, int]:
-        """Give every adapter of the step a slot, host bookkeeping only: adapter_id -> slot.
-
-        For callers that build the per-token slots themselves (the engine's CUDA-graph decode path
-        writes them into a static buffer and derives the kernel metadata inside the graph)."""
-        step_ids = sorted({int(a) for a in adapter_ids if a})
-        if len(step_ids) > self.max_loras:
-            raise RuntimeError(f"{len(step_ids)} adapters in one step, over max_loras={self.max_loras}")
-        return {a: self._ensure_slot(a, step_ids) for a in step_ids}
+        return {a: self._slot_of[a] for a in step_ids}
 
     def _ensure_slot(self, adapter_id: int, step_ids: list[int]) -> int:
         slot = self._slot_of.get(adapter_id)

@@ -87,7 +87,8 @@ def test_more_adapters_than_slots_evicts_lru_but_never_pinned_or_in_step(tiny_mo
     with pytest.raises(RuntimeError, match="max_loras"):
         mgr.prepare_step(torch.tensor([2, 4]))  # would need to evict pinned 1: the scheduler prevents this
     mgr.release(1)
-    mgr.prepare_step(torch.tensor([2, 4]))
+    slot_of = mgr.assign_slots([0, 2, 4, 4])
+    assert sorted(slot_of) == [2, 4] and sorted(slot_of.values()) == [0, 1]
     assert sorted(mgr.resident_adapter_ids()) == [2, 4]
     assert mgr.num_loads == 5 and mgr.num_evictions == 3
 
