@@ -163,7 +163,11 @@ def start_server(
             r = httpx.get(base + "/ready", timeout=2.0)
             if r.status_code == 200 and admin_key:
                 return LiveServer(base, admin_key, data_dir, full_env, proc, output)
-        except httpx.HTTPError:
+            if r.status_code == 503 and r.json().get("status") == "engine_failed":
+                proc.kill()
+                proc.wait()
+                raise RuntimeError("the engine failed to start:\n" + "\n".join(output[-60:]))
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.1)
     proc.kill()

@@ -13,7 +13,7 @@ import openai
 from tests.e2e.server import start_server
 
 NUM_STREAMS = 20
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 
 
 async def _stream(client: openai.AsyncOpenAI, model: str, first_token: asyncio.Event) -> dict:
