@@ -116,3 +116,28 @@ async def test_uploaded_adapter_answers_within_a_second_like_offline(tmp_path, t
 
 async def _principal(rapp, key):
     return await rapp.services.authenticator.authenticate(key)
+
+
+async def test_a_delete_lets_a_running_stream_finish(tmp_path, tiny_model, engine):
+    async with registry_app(tmp_path, tiny_model["model_dir"], engine=engine, max_lora_rank=64) as rapp:
+        key = await rapp.tenant("alice")
+        config, weights = adapter_files(tiny_model, 1)
+        assert (await rapp.upload(key, "busy", config=config, weights=weights)).status_code == 201
+        finish, tokens, deleted = None, 0, None
+        async with rapp.client.stream("POST", "/v1/chat/completions", headers=rapp.headers(key), json={
+                "model": "busy", "messages": MESSAGES, "max_tokens": 24, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}, "ignore_eos": True}) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk["choices"]:
+                    finish = choice.get("finish_reason") or finish
+                    if deleted is None and choice["delta"].get("content"):
+                        deleted = await rapp.client.delete("/v1/adapters/busy", headers=rapp.headers(key))
+        assert deleted is not None and deleted.status_code == 200
+        assert finish == "length" and tokens == 24  # the stream ran to the end after the delete
+        assert (await _chat(rapp, key, "busy")).status_code == 404
