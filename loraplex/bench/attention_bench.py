@@ -102,15 +102,55 @@ def _sweep(paged, device: torch.device, iters: int, ref: torch.Tensor) -> dict:
     return best or {}
 
 
+def bench_prefill_case(
+    num_seqs: int, query_len: int, device: torch.device, dtype: torch.dtype, num_q_heads: int = 32,
+    num_kv_heads: int = 8, head_dim: int = 128, block_size: int = 16, iters: int = 20, warmup: int = 3,
+) -> dict:
+    """Fresh causal prefill (no cached prefix, so SDPA's ``is_causal`` means the same thing)."""
+    from loraplex.kernels.paged_attention import paged_attention
+
+    gen = torch.Generator(device=device).manual_seed(query_len)
+    shape = (num_seqs, num_kv_heads, query_len, head_dim)
+    q = torch.randn(num_seqs, num_q_heads, query_len, head_dim, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(shape, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(shape, device=device, dtype=dtype, generator=gen)
+    key_cache, value_cache, block_tables = _paged_from_contiguous(k, v, block_size, seed=query_len)
+    query = q.permute(0, 2, 1, 3).reshape(num_seqs * query_len, num_q_heads, head_dim).contiguous()
+    seq_lens = torch.full((num_seqs,), query_len, dtype=torch.int32, device=device)
+    qsl = torch.arange(0, num_seqs + 1, dtype=torch.int32, device=device) * query_len
+    scale = head_dim**-0.5
+    out = torch.empty_like(query)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, is_causal=True, enable_gqa=True)
+
+    def paged():
+        return paged_attention(query, key_cache, value_cache, block_tables, qsl, seq_lens, scale, out=out,
+                               max_query_len=query_len)
+
+    ref = sdpa().permute(0, 2, 1, 3).reshape_as(query).float()
+    max_err = (paged().float() - ref).abs().max().item()
+    t_sdpa = time_per_call(sdpa, device, iters=iters, warmup=warmup)
+    t_paged = time_per_call(paged, device, iters=iters, warmup=warmup)
+    flops = 4 * num_seqs * num_q_heads * head_dim * query_len * (query_len + 1) / 2  # causal QK^T and PV
+    return {"num_seqs": num_seqs, "query_len": query_len, "paged_s": t_paged, "sdpa_s": t_sdpa,
+            "paged_over_sdpa_speed": t_sdpa / t_paged, "paged_TFLOPs": flops / t_paged / 1e12,
+            "sdpa_TFLOPs": flops / t_sdpa / 1e12, "max_abs_err_vs_sdpa": max_err}
+
+
 def run_attention_bench(
     device: torch.device, batch: int = 64, contexts: tuple[int, ...] = (1024, 2048, 4096),
     dtype: torch.dtype = torch.bfloat16, iters: int = 20, sweep: bool = False, bandwidth: float | None = None,
-    warmup: int = 3, **shape,
+    warmup: int = 3, prefill: tuple[int, int] | None = (8, 2048), **shape,
 ) -> dict:
+    """Decode cases at ``contexts``; plus, with ``prefill = (num_seqs, query_len)``, one fresh prefill case."""
     from loraplex.bench.roofline import measure_copy_bandwidth
 
     if bandwidth is None:
         bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
     rows = [bench_decode_case(batch, ctx, device, dtype, bandwidth, iters=iters, sweep=sweep, warmup=warmup, **shape)
             for ctx in contexts]
-    return {"copy_bandwidth_Bps": bandwidth, "decode": rows}
+    result = {"copy_bandwidth_Bps": bandwidth, "decode": rows}
+    if prefill:
+        result["prefill"] = [bench_prefill_case(*prefill, device, dtype, iters=iters, warmup=warmup, **shape)]
+    return result

@@ -126,7 +126,7 @@ def _run_attention(args) -> int:
 
     if args.smoke:
         result = run_attention_bench(device, batch=2, contexts=(37, 100), dtype=torch.float32, iters=1,
-                                     warmup=0, num_q_heads=8, num_kv_heads=2, head_dim=32)
+                                     warmup=0, prefill=(2, 20), num_q_heads=8, num_kv_heads=2, head_dim=32)
     else:
         result = run_attention_bench(device, batch=args.batch, contexts=args.contexts, iters=args.iters,
                                      sweep=args.sweep)

@@ -61,7 +61,7 @@ def run_full(args, device: torch.device, out_dir: str | None) -> int:
     sections = []
     if args.smoke:
         attn = run_attention_bench(device, batch=2, contexts=(37,), dtype=torch.float32, iters=1, warmup=0,
-                                   num_q_heads=8, num_kv_heads=2, head_dim=32)
+                                   prefill=None, num_q_heads=8, num_kv_heads=2, head_dim=32)
     else:
         attn = run_attention_bench(device, batch=args.attn_batch, contexts=args.contexts, iters=args.attn_iters,
                                    sweep=args.sweep)
