@@ -26,8 +26,10 @@ def run_hf_peft(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    placement = {"device_map": str(device)} if device.type == "cuda" else {}  # load straight onto the GPU
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, **placement).to(device)
+    if device.type == "cuda":  # load straight onto the GPU
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, device_map=str(device))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device)
     names = [f"a{i}" for i in range(len(adapter_dirs))]
     model = PeftModel.from_pretrained(model, str(adapter_dirs[0]), adapter_name=names[0])
     for name, path in zip(names[1:], adapter_dirs[1:]):
