@@ -19,6 +19,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0  # CPU only
     gpu_memory_utilization: float = 0.85  # CUDA only: fraction of total memory the engine may hold
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # CUDA only: no CUDA graphs (pure-decode steps replay one per batch bucket)
     # scheduling
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # token budget per step; default max(2048, max_model_len)

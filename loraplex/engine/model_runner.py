@@ -11,14 +11,17 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from loraplex.engine.attention import AttentionMetadata, get_attention_backend
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.cuda_graphs import DecodeGraphRunner
 from loraplex.engine.models.llama import LlamaConfig, LlamaForCausalLM
 from loraplex.engine.request import TokenLogprobs
 from loraplex.engine.sampler import Sampler, SampleRow
 from loraplex.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from loraplex.engine.step_inputs import StepBatch, StepInputBuilder
 from loraplex.engine.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -49,6 +52,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device, config.seed)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.lora_manager = None
+        self.inputs: StepInputBuilder | None = None  # with the KV cache (needs the resolved limits)
+        self.graphs: DecodeGraphRunner | None = None  # CUDA graphs of pure-decode steps (None: eager)
 
     # ---- KV cache ------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -81,6 +86,17 @@ class ModelRunner:
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty
         self.kv_caches = [(alloc(shape, device=self.device, dtype=self.dtype),
                            alloc(shape, device=self.device, dtype=self.dtype)) for _ in range(mc.num_layers)]
+        cfg = self.config
+        self.inputs = StepInputBuilder(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
+                                       cfg.block_size, self.device)
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            self.graphs = self.make_graph_runner(capture=True)
+
+    def make_graph_runner(self, capture: bool) -> DecodeGraphRunner:
+        """Decode-step graphs over this runner's model and cache; ``capture=False`` runs the same padded
+        static-buffer path without graphs (the CPU tests use it)."""
+        return DecodeGraphRunner(self.model, self.kv_caches, self.backend, self.config.max_num_seqs,
+                                 self.inputs.max_blocks_per_seq, self.device, capture=capture)
 
     # ---- LoRA ----------------------------------------------------------------------------------
     def get_lora_manager(self):
@@ -106,105 +122,109 @@ class ModelRunner:
                 value_cache[dst] = value_cache[src]
         if out.is_empty:
             return ModelRunnerOutput()
-        input_ids, positions, attn, token_lora_ids = self._prepare(out)
-        lora = None
-        if token_lora_ids is not None:
-            # the step's adapter set is known on the host: no device sync to find it
-            lora = self.get_lora_manager().prepare_step(token_lora_ids, adapter_ids=sorted(out.lora_ids))
-        hidden = self.model(input_ids, positions, self.kv_caches, attn, lora)
-        return self._sample(out, hidden)
+        graphs = self.graphs
+        batch = self.inputs.prepare(out, graphs.bucket_for if graphs is not None else None)
+        if batch.graph_bucket is not None:
+            slot_of = self.get_lora_manager().assign_slots(out.lora_ids) if out.lora_ids else None
+            hidden = graphs.run(batch, self.lora_manager, slot_of)
+            self.inputs.mark_copied()
+        else:
+            hidden = self._run_eager(out, batch)
+        return self._sample(out, batch, hidden)
 
-    def _prepare(self, out: SchedulerOutput):
-        bs = self.config.block_size
-        token_ids: list[int] = []
-        num_computed, num_new, tables, lora_ids = [], [], [], []
-        for s in out.scheduled:
-            req = s.request
-            start = req.num_computed_tokens
-            token_ids.extend(req.token_ids[start:start + s.num_new_tokens])
-            num_computed.append(start)
-            num_new.append(s.num_new_tokens)
-            tables.append(req.block_ids)
-            lora_ids.append(req.lora_id)
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        q_lens = torch.tensor(num_new)
-        ctx = torch.tensor(num_computed)
-        query_start_loc = torch.zeros(len(num_new) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
-        seq_idx = torch.repeat_interleave(torch.arange(len(num_new)), q_lens)
-        positions = torch.arange(len(token_ids)) - (query_start_loc[:-1].long() - ctx)[seq_idx]
-        slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+    def _run_eager(self, out: SchedulerOutput, batch: StepBatch) -> torch.Tensor:
         dev = self.device
+        nb = dev.type == "cuda"
         attn = AttentionMetadata(
-            backend=self.backend, slot_mapping=slot_mapping.to(dev, non_blocking=True),
-            block_tables=block_tables.to(dev, non_blocking=True),
-            query_start_loc=query_start_loc.to(dev, non_blocking=True),
-            seq_lens=(ctx + q_lens).to(torch.int32).to(dev, non_blocking=True),
-            max_query_len=max(num_new), max_seq_len=max(c + n for c, n in zip(num_computed, num_new)),
-        )
-        input_ids = torch.tensor(token_ids, dtype=torch.long).to(dev, non_blocking=True)
-        token_lora_ids = None  # [T] int64: each token's adapter id (0 = base), only when a step has adapters
+            backend=self.backend, slot_mapping=batch.slot_mapping.to(dev, non_blocking=nb),
+            block_tables=batch.block_tables.to(dev, non_blocking=nb),
+            query_start_loc=batch.query_start_loc.to(dev, non_blocking=nb),
+            seq_lens=batch.seq_lens.to(dev, non_blocking=nb),
+            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
+        input_ids = batch.input_ids.to(dev, non_blocking=nb)
+        positions = batch.positions.to(dev, non_blocking=nb)
+        self.inputs.mark_copied()
+        lora = None
         if out.lora_ids:
-            token_lora_ids = torch.repeat_interleave(torch.tensor(lora_ids), q_lens).to(dev, non_blocking=True)
-        return input_ids, positions.to(dev, non_blocking=True), attn, token_lora_ids
+            # the step's adapter set is known on the host: no device sync to find it
+            lora = self.get_lora_manager().prepare_step(batch.token_lora_ids().to(dev, non_blocking=nb),
+                                                        adapter_ids=sorted(out.lora_ids))
+        return self.model(input_ids, positions, self.kv_caches, attn, lora)
 
-    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(self, out: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
-        row_idx: list[int] = []  # hidden rows to sample from (repeated n times for a fork)
-        rows: list[SampleRow] = []
-        prompt_rows: list[tuple[int, list[int], list[int]]] = []  # (seq_id, hidden rows, target ids)
-        offset = 0
-        for s in out.scheduled:
-            req = s.request
-            last = offset + s.num_new_tokens - 1
-            for k in range(s.num_samples):
-                row_idx.append(last)
-                rows.append(SampleRow(req.sampling_params, req.index + k, req.num_output_tokens,
-                                      req.prompt_token_ids, req.output_token_ids))
-            if s.wants_prompt_logprobs:
-                done = max(len(req.prompt_logprobs) - 1, 0)
-                first = max(req.num_computed_tokens, done)
-                end = min(req.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
-                if end > first:
-                    base = offset - req.num_computed_tokens
-                    prompt_rows.append((req.seq_id, list(range(base + first, base + end)),
-                                        req.token_ids[first + 1:end + 1]))
-            offset += s.num_new_tokens
-        num_sample_rows = len(row_idx)
-        all_rows = row_idx + [r for _, rr, _ in prompt_rows for r in rr]
-        if not all_rows:
+        counts = batch.sample_counts
+        sampled = [s for s, c in zip(out.scheduled, counts) if c]  # requests sampling this step
+        row_idx = batch.last_token_rows.repeat(counts)  # hidden rows to sample from (n rows for a fork)
+        prompt_rows = self._prompt_logprob_rows(out, batch) if batch.any_prompt_logprobs else []
+        if not row_idx.size and not prompt_rows:
             return result
-        logits = self.model.compute_logits(hidden[torch.tensor(all_rows, device=self.device)])
-        if num_sample_rows:
-            self._collect_samples(out, logits[:num_sample_rows], rows, result)
+        all_rows = np.concatenate([row_idx] + [np.asarray(rr, dtype=np.int64) for _, rr, _ in prompt_rows])
+        logits = self.model.compute_logits(hidden[torch.from_numpy(all_rows).to(self.device, non_blocking=True)])
+        if row_idx.size:
+            self._collect_samples(sampled, logits[:row_idx.size], result)
         if prompt_rows:
-            self._collect_prompt_logprobs(out, logits[num_sample_rows:], prompt_rows, result)
+            self._collect_prompt_logprobs(out, logits[row_idx.size:], prompt_rows, result)
         return result
 
-    def _collect_samples(self, out, logits, rows, result: ModelRunnerOutput) -> None:
-        sampled = self.sampler(logits, rows)
-        # one device->host copy for the tokens and their logprobs (float64 holds any token id exactly)
-        packed = torch.stack((sampled.token_ids.double(), sampled.logprobs.double())).cpu()
-        token_ids = [int(t) for t in packed[0].tolist()]
-        lps = packed[1].tolist()
-        ranks = sampled.ranks.tolist() if sampled.ranks is not None else None
-        top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
-        top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
-        i = 0
-        for s in out.scheduled:
-            if not s.num_samples:
+    @staticmethod
+    def _prompt_logprob_rows(out: SchedulerOutput, batch: StepBatch) -> list[tuple[int, list[int], list[int]]]:
+        """(seq_id, hidden rows, target ids) of the prompt tokens whose logprobs this step computes."""
+        prompt_rows = []
+        for s, start in zip(out.scheduled, (batch.last_token_rows + 1 - batch.query_lens).tolist()):
+            if not s.wants_prompt_logprobs:
                 continue
-            seq_id, j = s.request.seq_id, i + s.num_samples
-            result.sampled_token_ids[seq_id] = token_ids[i:j]
-            result.sampled_logprobs[seq_id] = lps[i:j]
-            num_top = s.request.sampling_params.logprobs
+            req = s.request
+            done = max(len(req.prompt_logprobs) - 1, 0)
+            first = max(req.num_computed_tokens, done)
+            end = min(req.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
+            if end > first:
+                base = start - req.num_computed_tokens
+                prompt_rows.append((req.seq_id, list(range(base + first, base + end)),
+                                    req.token_ids[first + 1:end + 1]))
+        return prompt_rows
+
+    def _collect_samples(self, sampled: list, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
+        reqs = [s.request for s in sampled]
+        counts = [s.num_samples for s in sampled]
+        if len(reqs) == logits.shape[0]:  # one sample per request (no fork this step)
+            sample_reqs, sample_index = reqs, None
+        else:
+            sample_reqs = [r for r, c in zip(reqs, counts) for _ in range(c)]
+            sample_index = [r.index + k for r, c in zip(reqs, counts) for k in range(c)]
+
+        def rows() -> list[SampleRow]:
+            index = sample_index or [r.index for r in sample_reqs]
+            return [SampleRow(r.sampling_params, i, r.num_output_tokens, r.prompt_token_ids, r.output_token_ids)
+                    for r, i in zip(sample_reqs, index)]
+
+        out = self.sampler.sample(logits, [r.sampling_params for r in sample_reqs], rows)
+        # one device->host copy for the tokens and their logprobs (float64 holds any token id exactly)
+        packed = torch.stack((out.token_ids.double(), out.logprobs.double())).cpu().numpy()
+        token_ids = packed[0].astype(np.int64).tolist()
+        lps = packed[1].tolist()
+        seq_ids = [r.seq_id for r in reqs]
+        if sample_index is None:
+            result.sampled_token_ids = {q: [t] for q, t in zip(seq_ids, token_ids)}
+            result.sampled_logprobs = {q: [lp] for q, lp in zip(seq_ids, lps)}
+        else:
+            ends = np.cumsum(counts).tolist()
+            result.sampled_token_ids = {q: token_ids[e - c:e] for q, c, e in zip(seq_ids, counts, ends)}
+            result.sampled_logprobs = {q: lps[e - c:e] for q, c, e in zip(seq_ids, counts, ends)}
+        if out.ranks is None:
+            return
+        ranks = out.ranks.tolist()
+        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+        i = 0
+        for r, c in zip(reqs, counts):
+            num_top = r.sampling_params.logprobs
             if num_top is not None:
-                result.logprobs[seq_id] = [
-                    TokenLogprobs(token_ids[r], lps[r], ranks[r], top_ids[r][:num_top] if num_top else [],
-                                  top_lps[r][:num_top] if num_top else [])
-                    for r in range(i, j)]
-            i = j
+                result.logprobs[r.seq_id] = [
+                    TokenLogprobs(token_ids[k], lps[k], ranks[k], top_ids[k][:num_top] if num_top else [],
+                                  top_lps[k][:num_top] if num_top else [])
+                    for k in range(i, i + c)]
+            i += c
 
     def _collect_prompt_logprobs(self, out, logits, prompt_rows, result: ModelRunnerOutput) -> None:
         logprobs = torch.log_softmax(logits, dim=-1)

@@ -7,11 +7,20 @@ seeded request gets the same tokens whatever else is in the batch, and after pre
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sampling_params import (
+    SAMPLE_LOGPROBS,
+    SAMPLE_MIN_P,
+    SAMPLE_PENALTIES,
+    SAMPLE_RANDOM,
+    SAMPLE_SEEDED,
+    SAMPLE_TOP_K_P,
+    SamplingParams,
+)
 
 _MASK = float("-inf")
 
@@ -44,17 +53,29 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        return self.sample(logits, [r.params for r in rows], lambda: rows)
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
+               get_rows: Callable[[], list[SampleRow]]) -> SamplerOutput:
+        """Sample one token per logits row (``params[i]`` for row i). ``get_rows`` builds the per-row
+        details (sample index, position, token lists) and is only called when a row uses penalties or a
+        seed, so a batch without them costs no per-row Python beyond reading its flags."""
         # logits: [R, V] float32
+        flags = 0
+        for p in params:
+            flags |= p.sampler_flags
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = self._apply_penalties(logits, rows)
+        rows = get_rows() if flags & (SAMPLE_PENALTIES | SAMPLE_SEEDED) else None
+        if flags & SAMPLE_PENALTIES:
+            logits = self._apply_penalties(logits, rows)
         token_ids = logits.argmax(dim=-1)
-        if not all(r.params.greedy for r in rows):
-            greedy = torch.tensor([r.params.greedy for r in rows], device=self.device)
-            token_ids = torch.where(greedy, token_ids, self._sample(logits, rows))
+        if flags & SAMPLE_RANDOM:
+            greedy = torch.tensor([p.greedy for p in params]).to(self.device, non_blocking=True)
+            token_ids = torch.where(greedy, token_ids, self._sample(logits, params, rows, flags))
         sampled_logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
-        num_top = max((r.params.logprobs or 0) for r in rows)
         ranks = top_ids = top_logprobs = None
-        if any(r.params.logprobs is not None for r in rows):
+        if flags & SAMPLE_LOGPROBS:
+            num_top = max((p.logprobs or 0) for p in params)
             ranks = (raw_logprobs > sampled_logprobs[:, None]).sum(dim=-1) + 1
             if num_top:
                 top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1)
@@ -80,31 +101,32 @@ class Sampler:
         logits[idx] = sub
         return logits
 
-    def _sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, params: list[SamplingParams], rows: list[SampleRow] | None,
+                flags: int) -> torch.Tensor:
         dev = self.device
-        temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=dev)
+        temps = torch.tensor([max(p.temperature, 1e-5) for p in params]).to(dev, non_blocking=True)
         logits = logits / temps[:, None]
-        top_ks = [r.params.top_k for r in rows]
-        top_ps = [r.params.top_p for r in rows]
-        if any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps):
-            logits = _top_k_top_p(logits, top_ks, top_ps)
+        if flags & SAMPLE_TOP_K_P:
+            logits = _top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
         probs = torch.softmax(logits, dim=-1)
-        min_ps = [r.params.min_p for r in rows]
-        if any(min_ps):
-            min_p = torch.tensor(min_ps, device=dev)
+        if flags & SAMPLE_MIN_P:
+            min_p = torch.tensor([p.min_p for p in params], device=dev)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, r in enumerate(rows) if r.params.seed is None]
-        if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
-                generator=self.generator)
-        for i, r in enumerate(rows):
-            if r.params.seed is not None:
-                gen = torch.Generator(device=dev).manual_seed(row_seed(r.params.seed, r.index, r.num_output_tokens))
-                noise[i].exponential_(generator=gen)
+        if not flags & SAMPLE_SEEDED:
+            noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        else:
+            noise = torch.empty_like(probs)
+            unseeded = [i for i, p in enumerate(params) if p.seed is None]
+            if unseeded:
+                noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
+                    generator=self.generator)
+            for i, r in enumerate(rows):
+                if r.params.seed is not None:
+                    gen = torch.Generator(device=dev).manual_seed(
+                        row_seed(r.params.seed, r.index, r.num_output_tokens))
+                    noise[i].exponential_(generator=gen)
         # Gumbel-max in exponential form: argmax p / E with E ~ Exp(1) samples from p
         return (probs / noise).argmax(dim=-1)
-
 
 def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
     """[len(token_lists), vocab] float32 occurrence counts (padding goes to a dropped extra column)."""

@@ -3,6 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
+
+# features of a row that need work in the sampler beyond argmax (``SamplingParams.sampler_flags``)
+SAMPLE_RANDOM = 1  # temperature > 0
+SAMPLE_PENALTIES = 2  # repetition, frequency or presence penalty
+SAMPLE_SEEDED = 4
+SAMPLE_TOP_K_P = 8
+SAMPLE_MIN_P = 16
+SAMPLE_LOGPROBS = 32
+SAMPLE_PROMPT_LOGPROBS = 64  # runner work: logits of prompt positions
 
 
 class SamplingParamsError(ValueError):
@@ -46,6 +56,27 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @cached_property
+    def sampler_flags(self) -> int:
+        """``SAMPLE_*`` bits of the sampler work this request needs (computed once: the sampler ORs the
+        batch's flags each step and skips every feature no row uses)."""
+        flags = 0
+        if not self.greedy:
+            flags |= SAMPLE_RANDOM
+            if self.seed is not None:
+                flags |= SAMPLE_SEEDED
+            if self.top_k > 0 or self.top_p < 1.0:
+                flags |= SAMPLE_TOP_K_P
+            if self.min_p:
+                flags |= SAMPLE_MIN_P
+        if self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty:
+            flags |= SAMPLE_PENALTIES
+        if self.logprobs is not None:
+            flags |= SAMPLE_LOGPROBS
+        if self.prompt_logprobs is not None:
+            flags |= SAMPLE_PROMPT_LOGPROBS
+        return flags
 
     def validate(self) -> None:
         def bad(param: str, msg: str) -> None:

@@ -1,0 +1,161 @@
+"""CUDA graphs for pure-decode steps (every scheduled sequence has exactly one new token).
+
+One graph per (batch bucket, LoRA class), captured lazily the first time a step needs it. A step of B
+sequences replays the graph of the smallest bucket >= B; the rows past B are padding: token 0, slot -1
+(the KV store skips it), sequence length 0 (attention reads no keys, output 0) and LoRA slot -1 (no
+adapter added). Sampling runs outside the graph on the first B rows of the captured hidden states.
+
+Everything a graph reads lives in static device buffers written before each replay: input ids,
+positions, slot mapping, block tables padded to ``max_blocks_per_seq`` columns, sequence lengths, query
+offsets (``arange``: one token per row) and the LoRA per-token slots. The LoRA kernel metadata is built
+from those slots inside the graph, and every grid is sized from buffer shapes (bucket, slot count),
+never from a count seen at capture (KERNELS.md pitfalls 2, 3, 7): the attention split count ignores
+host context lengths while capturing, and the LoRA chunk count depends only on the bucket and the slot
+pool. The LoRA launch tiles depend on how many distinct adapters a step has, so LoRA graphs are keyed
+by that count rounded up to a power of two (the tiles are correct for any mix; the count only tunes them).
+
+``capture=False`` (the CPU, and tests) runs the same padded static-buffer forward without a graph, so
+the padding logic is exercised everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from loraplex.engine.attention import AttentionBackend, AttentionMetadata
+from loraplex.engine.step_inputs import StepBatch
+
+log = logging.getLogger(__name__)
+
+BASE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes with a graph: the base list, steps of 64 past 256, always ending at max_num_seqs."""
+    buckets = [b for b in BASE_BUCKETS if b < max_num_seqs]
+    b = 320
+    while b < max_num_seqs:
+        buckets.append(b)
+        b += 64
+    buckets.append(max_num_seqs)
+    return buckets
+
+
+def lora_graph_key(num_active: int, bucket: int, max_loras: int) -> int:
+    """Distinct adapters a LoRA graph is tuned for: the step's count rounded up to a power of two."""
+    if num_active <= 0:
+        return 0
+    return min(1 << (num_active - 1).bit_length(), max_loras, bucket)
+
+
+class DecodeGraphRunner:
+    def __init__(self, model, kv_caches: list, backend: AttentionBackend, max_num_seqs: int,
+                 max_blocks_per_seq: int, device: torch.device, capture: bool = True):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.device = torch.device(device)
+        self.capture_graphs = capture
+        self.buckets = graph_buckets(max_num_seqs)
+        self.max_batch = self.buckets[-1]
+        n = self.max_batch
+        dev = self.device
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=dev)  # never changes
+        self.token_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
+        pin = dev.type == "cuda" and torch.cuda.is_available()
+        self._slots_host = torch.full((n,), -1, dtype=torch.int32, pin_memory=pin)
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self._pool = None
+        self.num_replays = 0
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(1 for g, _ in self._graphs.values() if g is not None)
+
+    def bucket_for(self, num_seqs: int) -> int | None:
+        """Smallest bucket >= num_seqs, or None when the batch is larger than every bucket."""
+        for b in self.buckets:
+            if b >= num_seqs:
+                return b
+        return None
+
+    # ---- one step ------------------------------------------------------------------------------------
+    def run(self, batch: StepBatch, lora_manager=None, slot_of: dict[int, int] | None = None) -> torch.Tensor:
+        """Final hidden states [B, H] of a pure-decode batch padded to its bucket (``batch.num_rows``).
+
+        With adapters in the step, ``slot_of`` maps each adapter id to its GPU slot (already assigned)."""
+        assert batch.is_decode and batch.num_rows in self.buckets, "only padded pure-decode batches replay"
+        bucket, num_seqs = batch.num_rows, batch.num_seqs
+        num_active = len(slot_of) if slot_of else 0
+        key = (bucket, lora_graph_key(num_active, bucket, lora_manager.max_loras if num_active else 1))
+        if key not in self._graphs:
+            self._capture(key, lora_manager)
+        self._load_inputs(batch, slot_of if key[1] else None)
+        graph, hidden = self._graphs[key]
+        if graph is None:
+            hidden = self._forward(key, lora_manager)
+        else:
+            graph.replay()
+        self.num_replays += 1
+        return hidden[:num_seqs]
+
+    def _load_inputs(self, batch: StepBatch, slot_of: dict[int, int] | None) -> None:
+        rows, num_seqs = batch.num_rows, batch.num_seqs
+        nb = self.device.type == "cuda"
+        self.input_ids[:rows].copy_(batch.input_ids, non_blocking=nb)
+        self.positions[:rows].copy_(batch.positions, non_blocking=nb)
+        self.slot_mapping[:rows].copy_(batch.slot_mapping, non_blocking=nb)
+        self.seq_lens[:rows].copy_(batch.seq_lens, non_blocking=nb)
+        width = batch.block_tables.shape[1]
+        self.block_tables[:num_seqs, :width].copy_(batch.block_tables, non_blocking=nb)
+        if slot_of is not None:
+            host = self._slots_host.numpy()
+            host[:num_seqs] = [slot_of.get(a, -1) for a in batch.lora_ids]
+            host[num_seqs:rows] = -1
+            self.token_slots[:rows].copy_(self._slots_host[:rows], non_blocking=nb)
+
+    def _forward(self, key: tuple[int, int], lora_manager) -> torch.Tensor:
+        bucket, num_active = key
+        attn = AttentionMetadata(
+            backend=self.backend, slot_mapping=self.slot_mapping[:bucket], block_tables=self.block_tables[:bucket],
+            query_start_loc=self.query_start_loc[:bucket + 1], seq_lens=self.seq_lens[:bucket],
+            max_query_len=1, max_seq_len=None)  # None: split count from shapes, right for any context
+        lora = None
+        if num_active:
+            from loraplex.adapters.mapping import LoRAStep
+
+            # built here so that, under capture, the kernel metadata is derived from the static slots
+            lora = LoRAStep(lora_manager.pool, self.token_slots[:bucket], num_active, lora_manager.use_triton)
+        return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, attn, lora)
+
+    # ---- capture -------------------------------------------------------------------------------------
+    def _capture(self, key: tuple[int, int], lora_manager) -> None:
+        bucket = key[0]
+        # padding everywhere: the warm-up runs must not write KV through slots left by an earlier step
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.zero_()
+        self.token_slots.fill_(-1)
+        if not self.capture_graphs:
+            self._graphs[key] = (None, None)
+            return
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles the Triton kernels and sets up cuBLAS outside the capture
+                self._forward(key, lora_manager)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            hidden = self._forward(key, lora_manager)
+        self._graphs[key] = (graph, hidden)
+        log.info("captured decode CUDA graph: batch %d, %d adapters (%d graphs)", bucket, key[1], self.num_graphs)
+
