@@ -48,7 +48,7 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
         block_m, block_r, block_k, shrink_warps, max_split = 16, 16, 128, 2, 16
     else:
         # long segments: x is re-read per rank tile, and y traffic grows with split-K
-        block_m, block_r, block_k, shrink_warps, max_split = 64, min(64, rank_pow2), 64, 4, 4
+        block_m, block_r, block_k, shrink_warps, max_split = 64, min(64, rank_pow2), 64, 4, 2
     chunks = max_chunks_for(num_tokens, num_slots, block_m)
     active_chunks = max(1, min(chunks, -(-num_tokens // block_m) + num_active_slots))
     programs = active_chunks * num_slices * triton.cdiv(max_rank, block_r)
