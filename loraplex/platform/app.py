@@ -78,19 +78,17 @@ def create_app(
     engine_client: EngineClient | None = None,
     *,
     start_engine: bool = True,
-    run_migrations: bool | None = None,
+    run_migrations: bool = True,
     on_bootstrap_key: Callable[[str], None] | None = None,
 ) -> Litestar:
     """Build the app. Without ``engine_client`` the engine is started from ``settings`` in the
     background (``/ready`` is 503 until it runs); ``start_engine=False`` serves without one.
-    ``run_migrations`` defaults to True on SQLite (the embedded default upgrades itself).
+    ``run_migrations``: upgrade the database at start (a Postgres advisory lock serialises replicas).
     A bootstrap admin key created on first start is handed to ``on_bootstrap_key`` (shown once)."""
     modules = load_modules(CORE_ROUTE_MODULES) + load_modules(ROUTE_MODULES)
     handlers = [h for m in modules for h in m.route_handlers()]
     url = settings.effective_database_url
     base_model_id = engine_client.model_id if engine_client else served_model_id(settings)
-    if run_migrations is None:
-        run_migrations = is_sqlite(url)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:

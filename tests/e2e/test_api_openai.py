@@ -14,7 +14,7 @@ import pytest
 from tests.e2e.server import FreshPostgres, start_server
 
 LONG_PROMPT = " ".join(f"The {i}th lantern keeper walked north along the river at dawn." for i in range(24))
-SERVER_ENV = {"LORAPLEX_NUM_KV_BLOCKS": "512", "LORAPLEX_MAX_CONCURRENT_REQUESTS": "8", "LORAPLEX_LOG_LEVEL": "WARNING"}
+SERVER_ENV = {"LORAPLEX_NUM_KV_BLOCKS": "512", "LORAPLEX_MAX_CONCURRENT_REQUESTS": "8", "LORAPLEX_LOG_LEVEL": "INFO"}
 
 
 @pytest.fixture(scope="module", params=["embedded", "postgres_redis"])
@@ -151,6 +151,16 @@ def test_request_id_on_every_response(server, tenants):
                 assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         r = c.get("/v1/models", headers={"x-request-id": "trace-123"})
         assert r.headers["x-request-id"] == "trace-123"
+
+
+def test_no_prompt_text_in_logs(server, tenants):
+    marker = "zebra-marmalade-7731"
+    client = oai(server, tenants["acme"]["key"])
+    client.chat.completions.create(model=base_model(server), messages=[{"role": "user", "content": marker}],
+                                   max_tokens=2)
+    client.completions.create(model=base_model(server), prompt=marker, max_tokens=2)
+    time.sleep(0.2)
+    assert server.output and marker not in server.log_text()
 
 
 def test_prefix_cache_is_per_tenant(server, tenants):

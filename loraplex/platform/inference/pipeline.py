@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 from litestar import Request
@@ -19,6 +20,8 @@ from loraplex.platform.inference.validation import (
     normalize_stop,
     sampling_params,
 )
+
+log = logging.getLogger(__name__)
 
 # tokenizing in a worker thread only pays off for long inputs
 _THREAD_TOKENIZE_CHARS = 20_000
@@ -129,9 +132,12 @@ async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]]
             services.metrics.rejected.labels("quota").inc()
         raise
     prefix = "chatcmpl" if endpoint == "chat.completions" else "cmpl"
+    response_id = new_response_id(prefix)
+    if services.settings.log_prompts:  # off by default: prompts are tenants' data
+        log.info("prompt %s tenant=%s tokens=%s", response_id, principal.tenant_name, prompts)
     gen = Generation(
         services=services, principal=principal, model=resolved, endpoint=endpoint,
-        response_id=new_response_id(prefix), prompts=prompts, params=params, grant=grant,
+        response_id=response_id, prompts=prompts, params=params, grant=grant,
         quota_reservation=reservation,
     )
     return Prepared(gen, grant.headers, texts)
