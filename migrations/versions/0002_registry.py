@@ -57,6 +57,7 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_adapter_versions")),
         sa.UniqueConstraint("adapter_id", "version", name=op.f("uq_adapter_versions_adapter_id_version")),
+        sqlite_autoincrement=True,
     )
     op.create_index(op.f("ix_adapter_versions_adapter_id"), "adapter_versions", ["adapter_id"], unique=False)
     op.create_index(op.f("ix_adapter_versions_digest"), "adapter_versions", ["digest"], unique=False)

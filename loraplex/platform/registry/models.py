@@ -61,6 +61,9 @@ class AdapterVersion(Base):
     __table_args__ = (
         UniqueConstraint("adapter_id", "version", name="uq_adapter_versions_adapter_id_version"),
         CheckConstraint("status IN ('uploading', 'validating', 'ready', 'failed')", name="status"),
+        # SQLite would otherwise reuse the largest id after a hard delete (a tenant's cascade), handing the
+        # engine an id it may still cache for other content; Postgres sequences never reuse
+        {"sqlite_autoincrement": True},
     )
 
     # the engine's lora_int_id
