@@ -264,7 +264,9 @@ class Registry:
             if version is not None and not ids:
                 raise not_found(f"No version {version} of adapter '{name}'.", param="name")
             await session.execute(update(AdapterVersion).where(AdapterVersion.id.in_(ids)).values(deleted_at=now))
-            if version is None:
+            remaining = (await session.execute(select(AdapterVersion.id).where(
+                AdapterVersion.adapter_id == adapter.id, AdapterVersion.deleted_at.is_(None)).limit(1))).first()
+            if version is None or remaining is None:  # deleting the last version deletes the adapter
                 adapter.deleted_at = now
             adapter.updated_at = now
             await session.commit()

@@ -56,6 +56,9 @@ async def test_versions_names_and_content_addressing(rapp, tiny_model):
     assert r4.status_code == 201 and r4.json()["version"] == 4
     assert [x["version"] for x in r4.json()["versions"]] == [4]
     assert (await _resolve(rapp, "admin", "tone")).adapter_version == 4
+    # deleting the last live version deletes the adapter
+    assert (await rapp.client.delete("/v1/adapters/tone@4", headers=rapp.headers())).status_code == 200
+    assert (await rapp.client.get("/v1/adapters/tone", headers=rapp.headers())).status_code == 404
 
 
 async def test_concurrent_uploads_of_one_name_never_corrupt(rapp, tiny_model):
