@@ -43,6 +43,7 @@ _ID_ALPHABET = string.ascii_lowercase + string.digits
 INVALIDATE_CHANNEL = "auth:invalidate"
 _DUMMY_HASH = hashlib.sha256(b"lpx-not-a-key").hexdigest()
 LAST_USED_WRITE_INTERVAL_S = 60.0
+MAX_CACHED_KEYS = 50_000
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,9 @@ def bearer_token(connection: ASGIConnection) -> str | None:
 @dataclass
 class _Cached:
     key_hash: str
-    principal: Principal
+    principal: Principal | None  # None: unknown, revoked, or its tenant is suspended
     expires_at: datetime | None
+    tenant_id: str | None = None
     fetched: float = field(default_factory=time.monotonic)
 
 
@@ -133,7 +135,7 @@ class Authenticator:
         if kind == "key":
             self._cache.pop(ident, None)
         elif kind == "tenant":
-            for kid in [k for k, c in self._cache.items() if c.principal.tenant_id == ident]:
+            for kid in [k for k, c in self._cache.items() if c.tenant_id == ident]:
                 self._cache.pop(kid, None)
         else:
             self._cache.clear()
@@ -145,33 +147,35 @@ class Authenticator:
         entry = self._cache.get(key_id)
         if entry is None or time.monotonic() - entry.fetched > self._ttl:
             entry = await self._load(key_id)
-        # an unknown id is hashed and compared too, so it costs the same as a wrong secret
-        stored = entry.key_hash if entry else _DUMMY_HASH
-        ok = hmac.compare_digest(hash_key(raw_key), stored)
-        if not ok or entry is None:
+        # unknown, revoked and suspended ids are cached too and still hashed and compared, so a wrong
+        # secret for a real key id costs the same as any other bad key (no key-id enumeration by timing)
+        ok = hmac.compare_digest(hash_key(raw_key), entry.key_hash)
+        if not ok or entry.principal is None:
             raise unauthorized("Invalid API key")
         if entry.expires_at is not None and entry.expires_at <= utcnow():
             raise unauthorized("API key has expired")
         self._touch(key_id)
         return entry.principal
 
-    async def _load(self, key_id: str) -> _Cached | None:
+    async def _load(self, key_id: str) -> _Cached:
         async with self._sessions() as session:
             row = (
                 await session.execute(select(ApiKey, Tenant).join(Tenant).where(ApiKey.id == key_id))
             ).first()
-        if row is None:
-            self._cache.pop(key_id, None)
-            return None
-        key, tenant = row
-        if key.revoked_at is not None or tenant.status != TENANT_ACTIVE:
-            self._cache.pop(key_id, None)
-            return None
-        principal = Principal(
-            tenant_id=tenant.id, tenant_name=tenant.name, key_id=key.id, scopes=frozenset(key.scopes or ()),
-            requests_per_minute=tenant.requests_per_minute, tokens_per_minute=tenant.tokens_per_minute,
-        )
-        entry = _Cached(key_hash=key.key_hash, principal=principal, expires_at=as_utc(key.expires_at))
+        if row is None or row[0].revoked_at is not None or row[1].status != TENANT_ACTIVE:
+            entry = _Cached(key_hash=_DUMMY_HASH, principal=None, expires_at=None,
+                            tenant_id=row[1].id if row is not None else None)
+        else:
+            key, tenant = row
+            principal = Principal(
+                tenant_id=tenant.id, tenant_name=tenant.name, key_id=key.id, scopes=frozenset(key.scopes or ()),
+                requests_per_minute=tenant.requests_per_minute, tokens_per_minute=tenant.tokens_per_minute,
+            )
+            entry = _Cached(key_hash=key.key_hash, principal=principal, expires_at=as_utc(key.expires_at),
+                            tenant_id=tenant.id)
+        self._cache.pop(key_id, None)
+        if len(self._cache) >= MAX_CACHED_KEYS:  # bounded even under a flood of random key ids
+            self._cache.pop(next(iter(self._cache)))
         self._cache[key_id] = entry
         return entry
 

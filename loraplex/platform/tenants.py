@@ -132,6 +132,7 @@ async def create_key(
     return key, new
 
 
+
 async def list_keys(session: AsyncSession, tenant_name_or_id: str | None = None) -> list[tuple[ApiKey, Tenant]]:
     stmt = select(ApiKey, Tenant).join(Tenant).order_by(ApiKey.created_at)
     if tenant_name_or_id:

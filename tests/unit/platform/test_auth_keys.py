@@ -153,3 +153,34 @@ async def test_admin_scope_only_in_admin_tenant_and_bad_inputs(db):
         first = await tenants.bootstrap_admin(s)
         assert parse_key(first) is not None
         assert await tenants.bootstrap_admin(s) is None  # printed once, never again
+
+
+async def test_wrong_secret_and_unknown_id_cost_the_same(db):
+    """Timing: after the first lookup both are served from the auth cache and both hash + compare."""
+    import statistics
+    import time as _time
+
+    sessions, queries = db
+    auth = Authenticator(sessions, LocalKV(), cache_ttl_s=60)
+    async with sessions() as s:
+        await tenants.create_tenant(s, "acme")
+        _, new = await tenants.create_key(s, "acme")
+    wrong = new.key[:-1] + ("A" if new.key[-1] != "A" else "B")
+    unknown = generate_key().key
+
+    async def timed(raw: str) -> float:
+        t0 = _time.perf_counter()
+        with pytest.raises(ApiError):
+            await auth.authenticate(raw)
+        return _time.perf_counter() - t0
+
+    await timed(wrong)
+    await timed(unknown)
+    queries.clear()
+    samples = {"wrong": [], "unknown": []}
+    for _ in range(300):
+        samples["wrong"].append(await timed(wrong))
+        samples["unknown"].append(await timed(unknown))
+    assert queries == []  # neither touches the database again
+    ratio = statistics.median(samples["wrong"]) / statistics.median(samples["unknown"])
+    assert 0.5 < ratio < 2.0, ratio
