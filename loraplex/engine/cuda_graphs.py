@@ -154,7 +154,8 @@ class DecodeGraphRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: CUDA calls of other threads (pinned host copies of adapters) must not void the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             hidden = self._forward(key, lora_manager)
         self._graphs[key] = (graph, hidden)
         log.info("captured decode CUDA graph: batch %d, %d adapters (%d graphs)", bucket, key[1], self.num_graphs)
