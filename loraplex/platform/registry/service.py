@@ -43,7 +43,7 @@ from loraplex.platform.registry.models import (
 )
 from loraplex.platform.registry.names import validate_adapter_name
 from loraplex.platform.registry.store import AdapterStore, adapter_digest
-from loraplex.platform.registry.upload import UploadForm, receive_upload
+from loraplex.platform.registry.upload import UploadForm, UploadSlots, receive_upload
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ def _error_text(exc: BaseException) -> str:
 
 class Registry:
     def __init__(self, sessions: SessionFactory, kv: KV, store: AdapterStore, *, tmp_root: Path,
-                 base_config, max_upload_bytes: int, max_lora_rank: int, idle_timeout_s: float = 60.0):
+                 base_config, max_upload_bytes: int, max_lora_rank: int, idle_timeout_s: float = 60.0,
+                 deadline_s: float = 900.0):
         self.sessions, self.kv, self.store = sessions, kv, store
         self.tmp_root = Path(tmp_root)
         self.tmp_root.mkdir(parents=True, exist_ok=True)
@@ -83,6 +84,8 @@ class Registry:
         self.max_upload_bytes = max_upload_bytes
         self.max_lora_rank = max_lora_rank
         self.idle_timeout_s = idle_timeout_s
+        self.deadline_s = deadline_s
+        self.slots = UploadSlots()
 
     # ---- field checks ---------------------------------------------------------------------------
     async def check_metadata(self, principal: Principal, description: str | None, visibility: str | None,
@@ -118,6 +121,10 @@ class Registry:
         if self.base_config() is None:
             raise ApiError(503, "The base model is still being prepared; retry shortly.", type="server_error",
                            code="model_loading", headers={"Retry-After": "5"})
+        with self.slots.hold(principal.tenant_id):
+            return await self._upload(request, principal)
+
+    async def _upload(self, request: Request, principal: Principal) -> tuple[Pending, queries.Listed]:
         work = self.tmp_root / new_id()
         work.mkdir()
         pending: Pending | None = None
@@ -129,7 +136,8 @@ class Registry:
                 pending = await self._begin(principal, validate_adapter_name(form.fields["name"]))
 
         try:
-            form = await receive_upload(request, work, self.max_upload_bytes, self.idle_timeout_s, on_first_file)
+            form = await receive_upload(request, work, self.max_upload_bytes, self.idle_timeout_s, on_first_file,
+                                        self.deadline_s)
             meta = await self._form_metadata(principal, form)
             if pending is None:
                 pending = await self._begin(principal, validate_adapter_name(form.fields.get("name")))

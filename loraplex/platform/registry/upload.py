@@ -9,6 +9,7 @@ temporary directory whatever happens. Text fields that arrive before the first f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -116,8 +117,35 @@ class _Receiver:
             self._file.close()
 
 
+class UploadSlots:
+    """Uploads in progress on this replica, per tenant and in all: each holds a temporary file and a
+    connection, so a flood of slow uploads is refused with 429 instead of filling the disk."""
+
+    def __init__(self, per_tenant: int = 8, total: int = 32):
+        self.per_tenant, self.total = per_tenant, total
+        self._by_tenant: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def hold(self, tenant_id: str):
+        if sum(self._by_tenant.values()) >= self.total or self._by_tenant.get(tenant_id, 0) >= self.per_tenant:
+            raise ApiError(429, f"Too many uploads in progress (limit: {self.per_tenant} per tenant, {self.total} "
+                           "per server); retry when one finishes.", type="rate_limit_error", param="body",
+                           code="too_many_uploads", headers={"Retry-After": "5"})
+        self._by_tenant[tenant_id] = self._by_tenant.get(tenant_id, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._by_tenant[tenant_id] - 1
+            if left:
+                self._by_tenant[tenant_id] = left
+            else:
+                del self._by_tenant[tenant_id]
+
+
 async def receive_upload(request: Request, tmp_dir: Path, max_bytes: int, idle_timeout_s: float,
-                         on_first_file: Callable[[UploadForm], Awaitable[None]] | None = None) -> UploadForm:
+                         on_first_file: Callable[[UploadForm], Awaitable[None]] | None = None,
+                         deadline_s: float = 900.0) -> UploadForm:
+    """``idle_timeout_s`` bounds a stall, ``deadline_s`` the whole body (a trickle never holds a slot forever)."""
     boundary = _boundary(request)
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
@@ -125,18 +153,24 @@ async def receive_upload(request: Request, tmp_dir: Path, max_bytes: int, idle_t
     receiver = _Receiver(tmp_dir, max_bytes)
     parser = PushMultipartParser(boundary, max_header_count=8, max_segment_count=MAX_PARTS, strict=True)
     stream = request.stream().__aiter__()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
     total = 0
     try:
         while True:
             try:
-                chunk = await asyncio.wait_for(stream.__anext__(), idle_timeout_s)
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise asyncio.TimeoutError
+                chunk = await asyncio.wait_for(stream.__anext__(), min(idle_timeout_s, left))
             except StopAsyncIteration:
                 break
             except InternalServerException:  # Litestar's "client disconnected prematurely"
                 raise bad_request("the client went away before the upload finished", param="body") from None
             except asyncio.TimeoutError:
-                raise ApiError(408, f"upload stalled: no data for {idle_timeout_s:g} s", param="body",
-                               code="request_timeout") from None
+                message = (f"upload took longer than {deadline_s:g} s" if loop.time() >= deadline
+                           else f"upload stalled: no data for {idle_timeout_s:g} s")
+                raise ApiError(408, message, param="body", code="request_timeout") from None
             total += len(chunk)
             if total > max_bytes:
                 raise too_large(max_bytes)

@@ -248,5 +248,45 @@ async def test_a_stalled_body_is_cut_off(tmp_path, tiny_model):
     assert seen == [{"name": "slow"}]  # the name was checked before the file body was read
 
 
+async def test_a_trickling_body_hits_the_deadline(tmp_path):
+    import asyncio
+
+    from litestar import Request
+
+    from loraplex.platform.registry.routes import upload_adapter
+    from loraplex.platform.registry.upload import receive_upload
+
+    boundary = "b0undary"
+    chunks = [f"--{boundary}\r\nContent-Disposition: form-data; name=\"weights\"; filename=\"w\"\r\n\r\n"
+              .encode()]
+
+    async def receive():  # a byte every 50 ms: never idle long, never done
+        if chunks:
+            return {"type": "http.request", "body": chunks.pop(), "more_body": True}
+        await asyncio.sleep(0.05)
+        return {"type": "http.request", "body": b"x", "more_body": True}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/adapters", "headers": [
+        (b"content-type", f"multipart/form-data; boundary={boundary}".encode())], "query_string": b"",
+        "route_handler": upload_adapter, "app": None, "state": {}}
+    with pytest.raises(ApiError) as exc:
+        await receive_upload(Request(scope, receive), tmp_path, 1 << 20, idle_timeout_s=1.0, deadline_s=0.4)
+    assert exc.value.status_code == 408 and "longer than 0.4 s" in exc.value.message
+
+
+def test_upload_slots_refuse_a_flood():
+    from loraplex.platform.registry.upload import UploadSlots
+
+    slots = UploadSlots(per_tenant=2, total=3)
+    with slots.hold("a"), slots.hold("a"):
+        with pytest.raises(ApiError) as exc, slots.hold("a"):
+            pass
+        assert exc.value.status_code == 429 and exc.value.headers["Retry-After"]
+        with slots.hold("b"), pytest.raises(ApiError), slots.hold("c"):  # the server-wide cap
+            pass
+    with slots.hold("a"), slots.hold("a"):  # every slot was given back
+        pass
+
+
 async def _record(seen, form):
     seen.append(dict(form.fields))
