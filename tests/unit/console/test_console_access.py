@@ -128,3 +128,18 @@ async def test_pages_carry_security_headers(capp):
     # every asset is served by the app itself
     assert "http" not in r.text.split("<body")[0].replace("http-equiv", "")
     assert (await capp.c.get("/console/static/console.js")).status_code == 200
+
+
+async def test_a_bad_form_value_returns_to_the_form_with_the_reason(capp):
+    await sign_in(capp.c, capp.admin_key)
+    token = await csrf_of(capp.c)
+    referer = {"referer": "http://testserver.local/console/tenants"}
+    r = await capp.c.post("/console/tenants", data={"_csrf": token, "name": "Bad Name!"}, headers=referer,
+                          follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/console/tenants"
+    page = await capp.c.get("/console/tenants")
+    assert "Tenant name must be 1-63 characters" in page.text
+    r = await capp.c.post("/console/tenants", data={"_csrf": token, "name": "ok", "requests_per_minute": "lots"},
+                          headers=referer)
+    assert "Requests per minute must be a whole number" in r.text
+    assert (await capp.c.get("/console/tenants/ok")).status_code == 404
