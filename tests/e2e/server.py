@@ -15,12 +15,13 @@
     srv.cli("admin", "tenant", "list")  # run the loraplex CLI against this server's settings
 
 Without ``model`` the embedded default generates its demo model in the data dir on first start (seconds;
-``demo_model_from=tiny_model["model_dir"]`` copies a prebuilt one there instead). ``database_url`` / ``redis_url`` switch to Postgres / Redis (run
-``db upgrade`` first: ``start_server`` does it for non-SQLite URLs).
+``demo_model_from=tiny_model["model_dir"]`` copies a prebuilt one there instead). ``database_url`` / ``redis_url`` switch to Postgres / Redis (``serve``
+migrates the database at start).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -140,9 +141,6 @@ def start_server(
     if redis_url:
         full_env["LORAPLEX_REDIS_URL"] = redis_url
     full_env.update(env or {})
-    if database_url and not database_url.startswith("sqlite"):
-        subprocess.run([sys.executable, "-m", "loraplex.cli", "db", "upgrade"], env=full_env, cwd=ROOT,
-                       check=True, capture_output=True, timeout=120)
     proc = subprocess.Popen(
         [sys.executable, "-m", "loraplex.cli", "serve", *args], env=full_env, cwd=ROOT,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
@@ -213,3 +211,41 @@ class FreshPostgres:
 
     def __exit__(self, *exc) -> None:
         self._admin(f'DROP DATABASE IF EXISTS "{self.name}" WITH (FORCE)')
+
+
+BACKENDS = ("embedded", "postgres_redis")
+
+
+@contextlib.contextmanager
+def backend_server(request, tmp_path_factory, kind: str, env: dict[str, str] | None = None,
+                   first_run: bool = False):
+    """A live server on one backend, for fixtures parametrized over :data:`BACKENDS`:
+
+    - ``embedded``: no model, no URLs (the no-argument default). ``first_run`` lets it generate its demo
+      model; otherwise the session ``tiny_model`` is copied in as the demo model (faster).
+    - ``postgres_redis``: a fresh Postgres database + Redis (fixtures ``postgres_url``/``redis_url``, which
+      skip visibly when the services are absent), serving ``tiny_model``.
+
+    Stops the server at the end and asserts a clean (exit 0) shutdown."""
+    env = dict(env or {})
+    tmp = tmp_path_factory.mktemp(kind)
+    if kind == "embedded":
+        seed = None if first_run else request.getfixturevalue("tiny_model")["model_dir"]
+        srv = start_server(tmp, env=env, demo_model_from=seed)
+        try:
+            yield srv
+        finally:
+            rc = srv.stop()
+        assert rc == 0, srv.log_text()[-3000:]
+        return
+    tiny = request.getfixturevalue("tiny_model")
+    postgres_url = request.getfixturevalue("postgres_url")
+    redis_url = request.getfixturevalue("redis_url")
+    env.setdefault("LORAPLEX_SERVER_SECRET", "e2e-" + os.urandom(8).hex())
+    with FreshPostgres(postgres_url) as db_url:
+        srv = start_server(tmp, model=tiny["model_dir"], database_url=db_url, redis_url=redis_url, env=env)
+        try:
+            yield srv
+        finally:
+            rc = srv.stop()
+        assert rc == 0, srv.log_text()[-3000:]

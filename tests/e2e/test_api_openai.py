@@ -11,31 +11,16 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.server import FreshPostgres, start_server
+from tests.e2e.server import BACKENDS, backend_server
 
 LONG_PROMPT = " ".join(f"The {i}th lantern keeper walked north along the river at dawn." for i in range(24))
 SERVER_ENV = {"LORAPLEX_NUM_KV_BLOCKS": "512", "LORAPLEX_MAX_CONCURRENT_REQUESTS": "8", "LORAPLEX_LOG_LEVEL": "INFO"}
 
 
-@pytest.fixture(scope="module", params=["embedded", "postgres_redis"])
+@pytest.fixture(scope="module", params=BACKENDS)
 def server(request, tmp_path_factory):
-    tiny_model = request.getfixturevalue("tiny_model")
-    if request.param == "embedded":
-        # no model and no URLs: the embedded default (its demo model pre-seeded; test_api_drain covers
-        # the first-run generation)
-        srv = start_server(tmp_path_factory.mktemp("embedded"), env=SERVER_ENV,
-                           demo_model_from=tiny_model["model_dir"])
+    with backend_server(request, tmp_path_factory, request.param, env=SERVER_ENV) as srv:
         yield srv
-        assert srv.stop() == 0
-        return
-    postgres_url = request.getfixturevalue("postgres_url")
-    redis_url = request.getfixturevalue("redis_url")
-    with FreshPostgres(postgres_url) as db_url:
-        env = {**SERVER_ENV, "LORAPLEX_SERVER_SECRET": "e2e-secret-" + str(time.time_ns())}
-        srv = start_server(tmp_path_factory.mktemp("pg"), model=tiny_model["model_dir"], database_url=db_url,
-                           redis_url=redis_url, env=env)
-        yield srv
-        assert srv.stop() == 0
 
 
 @pytest.fixture(scope="module")

@@ -15,21 +15,20 @@ from schemathesis.checks import (
     status_code_conformance,
 )
 
-from tests.e2e.server import start_server
+from tests.e2e.server import BACKENDS, backend_server
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance]
 
 
-@pytest.fixture(scope="module")
-def live_server(tmp_path_factory, tiny_model):
-    srv = start_server(tmp_path_factory.mktemp("schema"), demo_model_from=tiny_model["model_dir"],
-                       env={"LORAPLEX_NUM_KV_BLOCKS": "512", "LORAPLEX_LOG_LEVEL": "WARNING"})
-    yield srv
-    assert srv.stop() == 0
+@pytest.fixture(scope="module", params=BACKENDS)
+def live_server(request, tmp_path_factory):
+    env = {"LORAPLEX_NUM_KV_BLOCKS": "512", "LORAPLEX_LOG_LEVEL": "WARNING"}
+    with backend_server(request, tmp_path_factory, request.param, env=env) as srv:
+        yield srv
 
 
-MAX_EXAMPLES = 25
+MAX_EXAMPLES = 15
 
 
 def test_no_server_errors_and_schema_conformance(live_server):

@@ -198,6 +198,8 @@ def test_walk_through(server, browser, globex, tiny_model):
     page.goto(base + "/console")
     page.wait_for_selector("#engine[data-updated]", state="attached")
     assert "globex" not in page.content()
+    used = page.inner_text("[data-testid=overview-quota] strong")
+    assert used.split("/")[0].strip().replace(",", "") == rows[0]["total_tokens"] and "1,000,000" in used
 
     # ---- narrow screen ----------------------------------------------------------------------------
     page.set_viewport_size(NARROW)

@@ -82,3 +82,30 @@ async def test_revocation_reaches_another_replica_within_a_second(pg_url, redis_
         await kv_a.close()
         await kv_b.close()
         await engine.dispose()
+
+
+def test_db_upgrade_command_on_postgres(postgres_url):
+    """``loraplex db upgrade`` as a user runs it: a new process, settings from the environment."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.e2e.server import ROOT
+
+    with FreshPostgres(postgres_url) as url:
+        env = {**os.environ, "LORAPLEX_DATABASE_URL": url}
+        proc = subprocess.run([sys.executable, "-m", "loraplex.cli", "db", "upgrade"], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "heads" in proc.stdout and "postgresql" in proc.stdout
+
+        async def tables() -> set[str]:
+            engine = make_engine(url)
+            try:
+                async with engine.connect() as conn:
+                    rows = await conn.exec_driver_sql("SELECT tablename FROM pg_tables WHERE schemaname='public'")
+                    return {r[0] for r in rows}
+            finally:
+                await engine.dispose()
+
+        assert {"tenants", "api_keys", "alembic_version"} <= asyncio.run(tables())
