@@ -68,6 +68,13 @@ def register(subparsers) -> None:
 
     add_online_args(onl)
     onl.set_defaults(func=run_online_cli, bench_parser=onl)
+
+    from loraplex.bench.host_overhead import add_host_overhead_args, run_host_overhead_cli
+
+    host = sub.add_parser("host-overhead", help="host time per decode step at N running requests (CPU, model "
+                                                "excluded): schedule / prepare / sample / update")
+    add_host_overhead_args(host)
+    host.set_defaults(func=run_host_overhead_cli, bench_parser=host)
     bench.set_defaults(func=lambda args: (bench.print_help(), 2)[1])
 
 

@@ -103,6 +103,17 @@ class BlockManager:
         """Make ``req``'s block table cover its computed tokens, the cached prefix blocks it takes, and
         ``num_new_tokens`` more. Shared blocks that will be written are copied first (copy-on-write).
         Returns False, changing nothing, when there are not enough free blocks."""
+        if not cached_block_ids:  # the running-sequence case, first: at most one block is written into
+            blocks = req.block_ids
+            num_have = len(blocks)
+            start = req.num_computed_tokens // self.block_size
+            if start >= num_have or (start == num_have - 1 and self.blocks[blocks[-1]].ref_count == 1):
+                num_new_blocks = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - num_have
+                if num_new_blocks > len(self.free):
+                    return False
+                for _ in range(num_new_blocks):
+                    blocks.append(self._pop_free())
+                return True
         assert not cached_block_ids or not req.block_ids, "a cached prefix is only taken on admission"
         num_cached_tokens = len(cached_block_ids) * self.block_size
         first_write = req.num_computed_tokens + num_cached_tokens

@@ -11,17 +11,16 @@ import json
 import logging
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from loraplex.engine.attention import AttentionMetadata, get_attention_backend
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.cuda_graphs import DecodeGraphRunner
 from loraplex.engine.models.llama import LlamaConfig, LlamaForCausalLM
-from loraplex.engine.request import TokenLogprobs
-from loraplex.engine.sampler import Sampler, SampleRow
+from loraplex.engine.sampler import Sampler
 from loraplex.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from loraplex.engine.step_inputs import StepBatch, StepInputBuilder
+from loraplex.engine.step_sampler import StepSampler
 from loraplex.engine.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -50,6 +49,7 @@ class ModelRunner:
         load_weights(self.model, config.model)
         self.backend = get_attention_backend(self.device)
         self.sampler = Sampler(self.device, config.seed)
+        self.step_sampler = StepSampler(self.model.compute_logits, self.sampler, self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.lora_manager = None
         self.inputs: StepInputBuilder | None = None  # with the KV cache (needs the resolved limits)
@@ -130,7 +130,7 @@ class ModelRunner:
             self.inputs.mark_copied()
         else:
             hidden = self._run_eager(out, batch)
-        return self._sample(out, batch, hidden)
+        return self.step_sampler(out, batch, hidden)
 
     def _run_eager(self, out: SchedulerOutput, batch: StepBatch) -> torch.Tensor:
         dev = self.device
@@ -150,95 +150,3 @@ class ModelRunner:
             lora = self.get_lora_manager().prepare_step(batch.token_lora_ids().to(dev, non_blocking=nb),
                                                         adapter_ids=sorted(out.lora_ids))
         return self.model(input_ids, positions, self.kv_caches, attn, lora)
-
-    def _sample(self, out: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
-        result = ModelRunnerOutput()
-        counts = batch.sample_counts
-        sampled = [s for s, c in zip(out.scheduled, counts) if c]  # requests sampling this step
-        row_idx = batch.last_token_rows.repeat(counts)  # hidden rows to sample from (n rows for a fork)
-        prompt_rows = self._prompt_logprob_rows(out, batch) if batch.any_prompt_logprobs else []
-        if not row_idx.size and not prompt_rows:
-            return result
-        all_rows = np.concatenate([row_idx] + [np.asarray(rr, dtype=np.int64) for _, rr, _ in prompt_rows])
-        logits = self.model.compute_logits(hidden[torch.from_numpy(all_rows).to(self.device, non_blocking=True)])
-        if row_idx.size:
-            self._collect_samples(sampled, logits[:row_idx.size], result)
-        if prompt_rows:
-            self._collect_prompt_logprobs(out, logits[row_idx.size:], prompt_rows, result)
-        return result
-
-    @staticmethod
-    def _prompt_logprob_rows(out: SchedulerOutput, batch: StepBatch) -> list[tuple[int, list[int], list[int]]]:
-        """(seq_id, hidden rows, target ids) of the prompt tokens whose logprobs this step computes."""
-        prompt_rows = []
-        for s, start in zip(out.scheduled, (batch.last_token_rows + 1 - batch.query_lens).tolist()):
-            if not s.wants_prompt_logprobs:
-                continue
-            req = s.request
-            done = max(len(req.prompt_logprobs) - 1, 0)
-            first = max(req.num_computed_tokens, done)
-            end = min(req.num_computed_tokens + s.num_new_tokens, req.num_prompt_tokens - 1)
-            if end > first:
-                base = start - req.num_computed_tokens
-                prompt_rows.append((req.seq_id, list(range(base + first, base + end)),
-                                    req.token_ids[first + 1:end + 1]))
-        return prompt_rows
-
-    def _collect_samples(self, sampled: list, logits: torch.Tensor, result: ModelRunnerOutput) -> None:
-        reqs = [s.request for s in sampled]
-        counts = [s.num_samples for s in sampled]
-        if len(reqs) == logits.shape[0]:  # one sample per request (no fork this step)
-            sample_reqs, sample_index = reqs, None
-        else:
-            sample_reqs = [r for r, c in zip(reqs, counts) for _ in range(c)]
-            sample_index = [r.index + k for r, c in zip(reqs, counts) for k in range(c)]
-
-        def rows() -> list[SampleRow]:
-            index = sample_index or [r.index for r in sample_reqs]
-            return [SampleRow(r.sampling_params, i, r.num_output_tokens, r.prompt_token_ids, r.output_token_ids)
-                    for r, i in zip(sample_reqs, index)]
-
-        out = self.sampler.sample(logits, [r.sampling_params for r in sample_reqs], rows)
-        # one device->host copy for the tokens and their logprobs (float64 holds any token id exactly)
-        packed = torch.stack((out.token_ids.double(), out.logprobs.double())).cpu().numpy()
-        token_ids = packed[0].astype(np.int64).tolist()
-        lps = packed[1].tolist()
-        seq_ids = [r.seq_id for r in reqs]
-        if sample_index is None:
-            result.sampled_token_ids = {q: [t] for q, t in zip(seq_ids, token_ids)}
-            result.sampled_logprobs = {q: [lp] for q, lp in zip(seq_ids, lps)}
-        else:
-            ends = np.cumsum(counts).tolist()
-            result.sampled_token_ids = {q: token_ids[e - c:e] for q, c, e in zip(seq_ids, counts, ends)}
-            result.sampled_logprobs = {q: lps[e - c:e] for q, c, e in zip(seq_ids, counts, ends)}
-        if out.ranks is None:
-            return
-        ranks = out.ranks.tolist()
-        top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-        top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        i = 0
-        for r, c in zip(reqs, counts):
-            num_top = r.sampling_params.logprobs
-            if num_top is not None:
-                result.logprobs[r.seq_id] = [
-                    TokenLogprobs(token_ids[k], lps[k], ranks[k], top_ids[k][:num_top] if num_top else [],
-                                  top_lps[k][:num_top] if num_top else [])
-                    for k in range(i, i + c)]
-            i += c
-
-    def _collect_prompt_logprobs(self, out, logits, prompt_rows, result: ModelRunnerOutput) -> None:
-        logprobs = torch.log_softmax(logits, dim=-1)
-        targets = torch.tensor([t for _, _, tt in prompt_rows for t in tt], device=self.device)
-        chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
-        ranks = ((logprobs > chosen[:, None]).sum(dim=-1) + 1).tolist()
-        num_top = {s.request.seq_id: s.request.sampling_params.prompt_logprobs for s in out.scheduled}
-        width = max(num_top[seq_id] for seq_id, _, _ in prompt_rows)
-        top_lps, top_ids = logprobs.topk(width, dim=-1) if width else (logprobs[:, :0], logprobs[:, :0].long())
-        chosen, top_lps, top_ids, tgt = chosen.tolist(), top_lps.tolist(), top_ids.tolist(), targets.tolist()
-        r = 0
-        for seq_id, hidden_rows, _ in prompt_rows:
-            n = num_top[seq_id]
-            result.prompt_logprobs[seq_id] = [
-                TokenLogprobs(tgt[k], chosen[k], ranks[k], top_ids[k][:n], top_lps[k][:n])
-                for k in range(r, r + len(hidden_rows))]
-            r += len(hidden_rows)

@@ -143,21 +143,22 @@ class Request:
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Stop conditions after a new token, in vLLM's order. Sets ``stop_reason``."""
         params = self.sampling_params
-        num_out = self.num_output_tokens
-        last = self.token_ids[-1]
+        num_tokens = len(self.token_ids)
+        num_out = num_tokens - self.num_prompt_tokens
         if num_out >= params.min_tokens:
+            last = self.token_ids[-1]
             if not params.ignore_eos and last in self.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if last in params.stop_token_ids:
+            if params.stop_token_ids and last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-            if self.detokenizer is not None and params.stop:
+            if params.stop and self.detokenizer is not None:
                 matched = self.detokenizer.check_stop_strings(params.stop, params.include_stop_str_in_output)
                 if matched is not None:
                     self.stop_reason = matched
                     return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and num_out >= params.max_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if self.num_tokens >= max_model_len:
+        if num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None

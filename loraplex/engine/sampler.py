@@ -56,14 +56,16 @@ class Sampler:
         return self.sample(logits, [r.params for r in rows], lambda: rows)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               get_rows: Callable[[], list[SampleRow]]) -> SamplerOutput:
+               get_rows: Callable[[], list[SampleRow]], flags: int | None = None) -> SamplerOutput:
         """Sample one token per logits row (``params[i]`` for row i). ``get_rows`` builds the per-row
         details (sample index, position, token lists) and is only called when a row uses penalties or a
-        seed, so a batch without them costs no per-row Python beyond reading its flags."""
+        seed, so a batch without them costs no per-row Python beyond reading its flags. ``flags`` (the OR
+        of the rows' ``sampler_flags``, or of a superset's) saves that pass when the caller has it."""
         # logits: [R, V] float32
-        flags = 0
-        for p in params:
-            flags |= p.sampler_flags
+        if flags is None:
+            flags = 0
+            for p in params:
+                flags |= p.sampler_flags
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         rows = get_rows() if flags & (SAMPLE_PENALTIES | SAMPLE_SEEDED) else None
         if flags & SAMPLE_PENALTIES:

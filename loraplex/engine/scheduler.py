@@ -74,19 +74,24 @@ class Scheduler:
         scheduled: dict[int, ScheduledRequest] = {}
         preempted: list[Request] = []
 
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_tokens = len(req.token_ids)
+            num_new = num_tokens - req.num_computed_tokens
+            if num_new > budget:
+                num_new = budget
             assert num_new > 0, "a running sequence always has a token to compute"
             while not bm.allocate_slots(req, num_new):
-                victim = self.running.pop()
+                victim = running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             else:
-                scheduled[req.seq_id] = self._scheduled(req, num_new)
+                completes = req.num_computed_tokens + num_new == num_tokens
+                scheduled[req.seq_id] = ScheduledRequest(req, num_new, (1 + req.num_pending_forks) if completes else 0)
                 budget -= num_new
                 i += 1
 
@@ -95,15 +100,16 @@ class Scheduler:
 
         out = SchedulerOutput(scheduled=list(scheduled.values()), blocks_to_copy=bm.take_pending_copies(),
                               preempted=preempted)
-        out.lora_ids = {s.request.lora_id for s in out.scheduled if s.request.lora_id}
+        out.lora_ids = {s.request.lora_request.lora_int_id for s in out.scheduled
+                        if s.request.lora_request is not None} - {0}
         assert len(out.lora_ids) <= self.config.max_loras
         now = time.monotonic()
         for s in out.scheduled:
-            if s.request.first_scheduled_time is None:
-                s.request.first_scheduled_time = now
-            if s.request.num_computed_tokens < s.request.num_prompt_tokens:
-                self.num_computed_prompt_tokens += min(
-                    s.num_new_tokens, s.request.num_prompt_tokens - s.request.num_computed_tokens)
+            req = s.request
+            if req.num_computed_tokens < req.num_prompt_tokens:  # a prompt chunk (decodes skip all this)
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = now
+                self.num_computed_prompt_tokens += min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
         self.last_kv_waste = self._kv_waste(scheduled)
         self.num_steps += 1
         return out
@@ -158,7 +164,8 @@ class Scheduler:
         preempted.append(victim)
         return budget
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+    @staticmethod
+    def _scheduled(req: Request, num_new: int) -> ScheduledRequest:
         completes = req.num_computed_tokens + num_new == req.num_tokens
         return ScheduledRequest(req, num_new, (1 + req.num_pending_forks) if completes else 0)
 
@@ -177,16 +184,19 @@ class Scheduler:
         allocated = bm.num_used_blocks * bm.block_size
         if not allocated:
             return 0.0
+        live = [r for r in self.running if r.block_ids]
+        get = scheduled.get
+        slots = [r.num_computed_tokens + (s.num_new_tokens if (s := get(r.seq_id)) else 0) for r in live]
+        lasts = [len(r.block_ids) for r in live]
+        last_ids = [r.block_ids[-1] for r in live]
+        bs = bm.block_size
+        filled = [n - (k - 1) * bs for n, k in zip(slots, lasts)]
+        if len(set(last_ids)) == len(last_ids):
+            return sum(bs - f for f in filled) / allocated
         filled_last: dict[int, int] = {}
-        for req in self.running:
-            if not req.block_ids:
-                continue
-            s = scheduled.get(req.seq_id)
-            num_slots = req.num_computed_tokens + (s.num_new_tokens if s else 0)
-            filled = num_slots - (len(req.block_ids) - 1) * bm.block_size
-            last = req.block_ids[-1]
-            filled_last[last] = max(filled_last.get(last, 0), filled)
-        return sum(bm.block_size - f for f in filled_last.values()) / allocated
+        for last, f in zip(last_ids, filled):
+            filled_last[last] = max(filled_last.get(last, 0), f)
+        return sum(bs - f for f in filled_last.values()) / allocated
 
     # ---- results -------------------------------------------------------------------------------
     def update_from_output(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
@@ -194,25 +204,36 @@ class Scheduler:
         bm = self.block_manager
         touched: list[Request] = []
         now = time.monotonic()
+        running = RequestStatus.RUNNING
+        max_model_len = self.config.max_model_len
+        prompt_logprobs = result.prompt_logprobs
+        sampled_ids, sampled_lps, logprobs_of = result.sampled_token_ids, result.sampled_logprobs, result.logprobs
+        registers = bm.enable_prefix_caching
+        block_size = bm.block_size
         for s in out.scheduled:
             req = s.request
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # aborted while the step ran
             req.num_computed_tokens += s.num_new_tokens
-            chunk_logprobs = result.prompt_logprobs.get(req.seq_id)
-            if chunk_logprobs:
-                if not req.prompt_logprobs:
-                    req.prompt_logprobs.append(None)
-                req.prompt_logprobs.extend(chunk_logprobs)
-            bm.register_full_blocks(req)
+            if prompt_logprobs:
+                chunk_logprobs = prompt_logprobs.get(req.seq_id)
+                if chunk_logprobs:
+                    if not req.prompt_logprobs:
+                        req.prompt_logprobs.append(None)
+                    req.prompt_logprobs.extend(chunk_logprobs)
+            if registers and req.num_computed_tokens // block_size > req.num_registered_blocks:
+                bm.register_full_blocks(req)
             if s.num_samples == 0:
                 continue
-            token_ids = result.sampled_token_ids[req.seq_id]
+            token_ids = sampled_ids[req.seq_id]
             assert len(token_ids) == s.num_samples
-            samples = [req] + [self._fork(req, i) for i in range(1, s.num_samples)]
-            req.num_pending_forks = 0
-            logprobs = result.logprobs.get(req.seq_id)
-            sampled_logprobs = result.sampled_logprobs.get(req.seq_id)
+            if s.num_samples == 1:
+                samples = (req,)
+            else:
+                samples = [req] + [self._fork(req, i) for i in range(1, s.num_samples)]
+                req.num_pending_forks = 0
+            logprobs = logprobs_of.get(req.seq_id) if logprobs_of else None
+            sampled_logprobs = sampled_lps.get(req.seq_id)
             for k, (sample, token_id) in enumerate(zip(samples, token_ids)):
                 sample.append_token(token_id)
                 if sampled_logprobs is not None:
@@ -221,7 +242,7 @@ class Scheduler:
                     sample.logprobs.append(logprobs[k])
                 if sample.first_token_time is None:
                     sample.first_token_time = now
-                status = sample.check_stop(self.config.max_model_len)
+                status = sample.check_stop(max_model_len)
                 if status is not None:
                     self._finish(sample, status)
                 touched.append(sample)

@@ -105,14 +105,19 @@ class StepBatch:
     seq_lens: torch.Tensor  # [num_rows_seqs] int32 (0 for padding rows)
     max_query_len: int
     max_seq_len: int
-    lora_ids: list[int]  # [B] adapter id per sequence (0 = base)
+    lora_ids: list[int] | None  # [B] adapter id per sequence (0 = base); None when the step has no adapter
     query_lens: np.ndarray  # [B] int64
     sample_counts: list[int]  # [B] tokens to sample from each sequence's last position
     last_token_rows: np.ndarray  # [B] int64: row of each sequence's last new token
-    any_prompt_logprobs: bool  # some request asks for prompt logprobs
+    sampler_flags: int  # OR of the scheduled requests' ``SamplingParams.sampler_flags``
+
+    @property
+    def any_prompt_logprobs(self) -> bool:
+        return bool(self.sampler_flags & SAMPLE_PROMPT_LOGPROBS)
 
     def token_lora_ids(self) -> torch.Tensor:
         """[T] int64 adapter id of each new token (0 = base)."""
+        assert self.lora_ids is not None, "the step has no adapter"
         return torch.from_numpy(np.repeat(np.asarray(self.lora_ids, dtype=np.int64), self.query_lens))
 
 
@@ -154,7 +159,7 @@ class StepInputBuilder:
         sched = out.scheduled
         reqs = [s.request for s in sched]
         num_seqs = len(reqs)
-        query_lens = np.fromiter((s.num_new_tokens for s in sched), np.int64, num_seqs)
+        query_lens = np.array([s.num_new_tokens for s in sched], dtype=np.int64)
         computed_list = [r.num_computed_tokens for r in reqs]
         computed = np.asarray(computed_list, dtype=np.int64)
         rows = self.rows.sync(reqs, rewrite=bool(out.blocks_to_copy))
@@ -205,7 +210,7 @@ class StepInputBuilder:
             slot_mapping=self._slots_t[:rows_out], block_tables=self._bt_t[:num_seqs * width].view(num_seqs, width),
             query_start_loc=self._qsl_t[:seq_rows + 1], seq_lens=self._lens_t[:seq_rows],
             max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
-            lora_ids=[r.lora_id for r in reqs], query_lens=query_lens,
+            lora_ids=[r.lora_id for r in reqs] if out.lora_ids else None, query_lens=query_lens,
             sample_counts=[s.num_samples for s in sched], last_token_rows=last_rows,
-            any_prompt_logprobs=bool(flags & SAMPLE_PROMPT_LOGPROBS),
+            sampler_flags=flags,
         )

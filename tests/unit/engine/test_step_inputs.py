@@ -10,9 +10,12 @@ import numpy as np
 import torch
 
 from loraplex.engine.cuda_graphs import graph_buckets, lora_graph_key
+from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.step_inputs import StepInputBuilder
 from tests.unit.engine.fakes import fake_run, make_request, make_scheduler
+
+ADAPTERS = [LoRARequest(f"a{i}", i, f"/adapters/a{i}") for i in (1, 2, 3)]  # ids only: no weights are read
 
 
 def reference_inputs(out, block_size: int) -> dict:
@@ -47,7 +50,10 @@ def check_batch(batch, ref: dict, block_size: int) -> None:
         assert torch.equal(getattr(batch, name)[:t], ref[name]), name
     assert torch.equal(batch.seq_lens[:b], ref["seq_lens"])
     assert torch.equal(batch.query_start_loc[:b + 1], ref["query_start_loc"])
-    assert torch.equal(batch.token_lora_ids(), ref["token_lora_ids"])
+    if batch.lora_ids is None:
+        assert not ref["token_lora_ids"].any()
+    else:
+        assert torch.equal(batch.token_lora_ids(), ref["token_lora_ids"])
     for row, n in enumerate(ref["seq_lens"].tolist()):  # the blocks a sequence's keys live in
         used = -(-n // block_size)
         assert torch.equal(batch.block_tables[row, :used], ref["block_tables"][row, :used]), f"row {row}"
@@ -70,13 +76,15 @@ def _random_workload(seed: int, bucket_for) -> tuple[int, int, int]:
                            max_model_len=256)
     builder = StepInputBuilder(24, 40, 256, block_size, torch.device("cpu"))
     shared = [rng.randrange(1, 500) for _ in range(12)]  # common prefix: prefix-cache admissions
-    num_padded = num_decode = 0
+    num_padded = num_decode = num_lora = 0
     for step in range(400):
         if rng.random() < 0.35 and sched.num_unfinished < 40:
             prompt = (shared if rng.random() < 0.4 else []) + [rng.randrange(1, 500) for _ in range(rng.randrange(1, 30))]
             n = rng.choice([1, 1, 1, 2, 3])
             params = SamplingParams(n=n, max_tokens=rng.randrange(1, 20), temperature=0.0, ignore_eos=True)
-            sched.add_request(make_request(f"r{step}", prompt, params=params, priority=rng.choice([0, 0, 1])))
+            lora = rng.choice([None, None, *ADAPTERS])
+            sched.add_request(make_request(f"r{step}", prompt, params=params, priority=rng.choice([0, 0, 1]),
+                                           lora_request=lora))
         if rng.random() < 0.03 and sched.running:
             sched.abort_request(rng.choice(sched.running).request_id)
         out = sched.schedule()
@@ -85,8 +93,10 @@ def _random_workload(seed: int, bucket_for) -> tuple[int, int, int]:
         batch = builder.prepare(out, bucket_for)
         check_batch(batch, reference_inputs(out, block_size), block_size)
         num_padded += batch.num_rows > batch.num_seqs
+        num_lora += batch.lora_ids is not None
         num_decode += batch.is_decode
         sched.update_from_output(out, fake_run(out, block_size))
+    assert num_lora > 0
     return num_padded, num_decode, sched.num_preemptions + sched.block_manager.num_cow_copies
 
 
