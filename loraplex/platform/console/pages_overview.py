@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from litestar import Request, Response, get
 
+from loraplex.platform import tenants as tenant_svc
+from loraplex.platform.console import billing
 from loraplex.platform.console.deps import session_of
 from loraplex.platform.console.render import fragment, page
 from loraplex.platform.console.session import Session
@@ -61,8 +63,13 @@ def _owned(engine_name: str, session: Session) -> bool:
 async def overview(request: Request) -> Response:
     session = await session_of(request)
     services = request.app.state.services
+    plan = None
+    if not session.principal.is_admin:  # a tenant also sees where it stands this month
+        async with services.sessions() as s:
+            tenant = await tenant_svc.get_tenant(s, session.principal.tenant_id)
+        plan = await billing.tenant_plan(services, tenant)
     return page(request, "overview.html", session, active="overview", engine=engine_view(request, session),
-                base_model=services.base_model_id, refresh_ms=REFRESH_MS)
+                base_model=services.base_model_id, refresh_ms=REFRESH_MS, plan=plan)
 
 
 @get("/overview/engine", include_in_schema=False)
