@@ -157,6 +157,9 @@ def test_walk_through(server, browser, globex, tiny_model):
     page.click("[data-testid=upload] button[type=submit]")
     page.wait_for_selector("[data-testid=upload-note].err-text")
     assert "adapter refused" in page.inner_text("[data-testid=upload-note]")
+    # the progress bar followed the upload to its end before the registry answered
+    assert page.is_visible("[data-testid=upload-progress]")
+    assert page.eval_on_selector("[data-testid=upload-progress]", "n => n.value") == 100
     page.goto(base + "/console/adapters")
     page.fill("#up-name", "support-bot")
     page.fill("#up-desc", "Replies in the support team's tone")
