@@ -186,13 +186,20 @@ class _RedisSubscription:
             await self._pubsub.aclose()
 
 
+MAX_REDIS_CONNECTIONS = 64
+
+
 class RedisKV:
     """Redis implementation; every replica shares keys, buckets and channels. Keys get ``prefix``."""
 
     def __init__(self, url: str, prefix: str = "loraplex:"):
         import redis.asyncio as redis
 
-        self._redis = redis.from_url(url, decode_responses=True, health_check_interval=10)
+        # a blocking pool: a burst of requests waits briefly for a connection instead of failing with
+        # "Too many connections" (a 500) once the default pool of 100 is in use
+        pool = redis.BlockingConnectionPool.from_url(url, max_connections=MAX_REDIS_CONNECTIONS, timeout=10,
+                                                     decode_responses=True, health_check_interval=10)
+        self._redis = redis.Redis(connection_pool=pool)
         self._prefix = prefix
         self._bucket = self._redis.register_script(_BUCKET_LUA)
         self._subs: list[_RedisSubscription] = []

@@ -14,10 +14,10 @@ from decimal import Decimal
 
 from sqlalchemy import String, case, cast, func, select
 
-from loraplex.platform.db import SessionFactory
+from loraplex.platform.db import SessionFactory, utcnow
 from loraplex.platform.errors import bad_request
 from loraplex.platform.usage.models import BillingPlan, TenantPlan, UsageRecord
-from loraplex.platform.usage.pricing import Prices, money_text
+from loraplex.platform.usage.pricing import Prices, money_text, month_bounds
 
 GROUP_BY = ("day", "adapter", "key")
 FORMATS = ("csv", "jsonl")
@@ -44,6 +44,12 @@ def parse_time(value: str | None, param: str) -> datetime | None:
         raise bad_request(f"{param} must be an ISO 8601 date or date-time (e.g. 2026-11-01 or "
                           f"2026-11-01T00:00:00Z), got {value!r}.", param=param) from None
     return parsed.replace(tzinfo=timezone.utc) if parsed.tzinfo is None else parsed.astimezone(timezone.utc)
+
+
+def window(start: str | None, end: str | None) -> tuple[datetime, datetime]:
+    """``from``/``to`` query values -> [start, end); defaults: the current UTC month."""
+    month_start, month_end = month_bounds(utcnow())
+    return parse_time(start, "from") or month_start, parse_time(end, "to") or month_end
 
 
 @dataclass(frozen=True)

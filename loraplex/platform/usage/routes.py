@@ -43,12 +43,6 @@ def area(request: Request) -> UsageArea:
 # ---- shared ---------------------------------------------------------------------------------------
 
 
-def _window(start: str | None, end: str | None) -> tuple[datetime, datetime]:
-    """Defaults: the current UTC month."""
-    month_start, month_end = month_bounds(utcnow())
-    return (aggregate.parse_time(start, "from") or month_start, aggregate.parse_time(end, "to") or month_end)
-
-
 async def _complete(request: Request, end: datetime) -> bool:
     """Wait (bounded) until this process's events before ``min(end, now)`` are in the ledger."""
     return await area(request).sink.wait_ingested_before(min(end, utcnow()), EXPORT_WAIT_S)
@@ -94,7 +88,7 @@ async def my_usage(request: Request, start: str | None = _FROM, end: str | None 
                    group_by: str = _GROUP) -> w.UsageReport:
     """Totals of the calling key's tenant only, grouped by day, adapter or key, with costs and quota."""
     principal = await principal_of(request)
-    lo, hi = _window(start, end)
+    lo, hi = aggregate.window(start, end)
     q = aggregate.Query(lo, hi, group_by, principal.tenant_id)
     complete = await _complete(request, hi)
     items = [r async for r in aggregate.rows(request.app.state.services.sessions, q)]
@@ -118,7 +112,7 @@ async def export_usage(
     services = request.app.state.services
     if fmt not in aggregate.FORMATS:
         raise bad_request(f"format must be one of {', '.join(aggregate.FORMATS)}, got {fmt!r}.", param="format")
-    lo, hi = _window(start, end)
+    lo, hi = aggregate.window(start, end)
     tenant_id = None
     if tenant:
         async with services.sessions() as s:

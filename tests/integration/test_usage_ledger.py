@@ -1,0 +1,233 @@
+"""The spool -> ledger path on SQLite and PostgreSQL: exactly one row per request whatever is delivered
+twice or replayed, nothing lost while the database is down, month boundaries, export windows, prices
+and quotas."""
+
+from __future__ import annotations
+
+import shutil
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
+
+import pytest
+from sqlalchemy import func, select
+
+from loraplex.platform.auth import Principal
+from loraplex.platform.errors import ApiError
+from loraplex.platform.usage import aggregate, plans
+from loraplex.platform.usage.models import UsageRecord
+from loraplex.platform.usage.quota import QuotaTracker
+from loraplex.platform.usage.sink import LedgerSink
+from loraplex.platform.usage.spool import list_segments
+from tests.e2e.server import FreshPostgres
+from tests.unit.usage.ledger_env import add_tenant, event, migrated
+
+UTC = timezone.utc
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request, tmp_path):
+    if request.param == "sqlite":
+        yield f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}"
+        return
+    with FreshPostgres(request.getfixturevalue("postgres_url")) as url:
+        yield url
+
+
+@pytest.fixture
+def bad_url(db_url, tmp_path):
+    """The same kind of database, unreachable."""
+    if db_url.startswith("sqlite"):
+        return f"sqlite+aiosqlite:///{tmp_path / 'missing-dir' / 'x.db'}"
+    return "postgresql+asyncpg://postgres@127.0.0.1:1/nowhere"
+
+
+async def _rows(sessions) -> dict[str, UsageRecord]:
+    async with sessions() as s:
+        return {r.request_id: r for r in (await s.scalars(select(UsageRecord))).all()}
+
+
+async def test_same_event_delivered_three_times_is_one_row(db_url, tmp_path):
+    async with migrated(db_url) as sessions:
+        tid = await add_tenant(sessions, "acme")
+        seen = []
+        sink = LedgerSink(sessions, tmp_path / "spool", on_ingested=seen.extend)
+        sink.spool.open()
+        ev = event("req-1", tid, prompt=12, cached=4, completion=7)
+        for _ in range(3):
+            await sink.record(ev)
+        assert await sink.drain_once() == 1
+        for _ in range(3):  # and three more deliveries, each in a batch of its own
+            await sink.record(ev)
+            await sink.drain_once()
+        rows = await _rows(sessions)
+        assert list(rows) == ["req-1"]
+        r = rows["req-1"]
+        assert (r.prompt_tokens, r.cached_prompt_tokens, r.completion_tokens, r.tenant_id) == (12, 4, 7, tid)
+        assert [x["request_id"] for x in seen] == ["req-1"]  # quotas counted it once
+        assert not sink.pending and list_segments(sink.spool.directory) == []
+        sink.spool.close()
+
+
+async def test_consumer_crash_before_ack_replays_into_one_row(db_url, tmp_path):
+    async with migrated(db_url) as sessions:
+        tid = await add_tenant(sessions, "acme")
+        sink = LedgerSink(sessions, tmp_path / "spool")
+        sink.spool.open()
+        for i in range(50):
+            await sink.record(event(f"r{i}", tid, completion=i))
+        await sink.spool.rotate()
+        (segment,) = sink.spool.closed_segments()
+        shutil.copy(segment, tmp_path / "copy")
+        await sink.drain_once()  # committed and acked (segment deleted) ...
+        shutil.copy(tmp_path / "copy", segment)  # ... but the crash came before the delete hit the disk
+        sink.spool.close()
+
+        seen = []
+        restarted = LedgerSink(sessions, tmp_path / "spool", on_ingested=seen.extend)
+        await restarted.start()
+        await restarted.stop()
+        rows = await _rows(sessions)
+        assert sorted(rows) == sorted(f"r{i}" for i in range(50))
+        assert sum(r.completion_tokens for r in rows.values()) == sum(range(50))
+        assert seen == []  # the replay found nothing new
+        assert list_segments(tmp_path / "spool" / "main") == []
+
+
+async def test_database_down_usage_is_spooled_not_lost(db_url, bad_url, tmp_path):
+    async with migrated(db_url) as good, migrated(db_url) as _:
+        tid = await add_tenant(good, "acme")
+        from loraplex.platform.db import make_engine, make_session_factory
+
+        down = make_engine(bad_url)
+        sink = LedgerSink(make_session_factory(down), tmp_path / "spool", interval_s=0.05)
+        await sink.start(initial_drain_timeout_s=5)
+        for i in range(5):
+            await sink.record(event(f"d{i}", tid))  # returns: durable in the spool
+        with pytest.raises(Exception):  # noqa: B017 (whatever the driver raises for "unreachable")
+            await sink.drain_once()
+        assert len(sink.pending) == 5 and sink.spool.closed_segments()
+        assert sink.pending_tokens(tid, datetime(2000, 1, 1, tzinfo=UTC), datetime(3000, 1, 1, tzinfo=UTC)) == 75
+        assert not await sink.wait_ingested_before(datetime.now(UTC) + timedelta(seconds=1), 0.3)
+        # a crash now would keep the spool; here the database comes back and the consumer catches up
+        sink.sessions = good
+        assert await sink.wait_ingested_before(datetime.now(UTC) + timedelta(seconds=1), 40)
+        await sink.stop()
+        await down.dispose()
+        assert sorted(await _rows(good)) == [f"d{i}" for i in range(5)]
+
+
+async def test_month_boundary_splits_exports_and_quota(db_url, tmp_path):
+    async with migrated(db_url) as sessions:
+        tid = await add_tenant(sessions, "acme")
+        sink = LedgerSink(sessions, tmp_path / "spool")
+        sink.spool.open()
+        jan_last = datetime(2026, 1, 31, 23, 59, 59, 999999, tzinfo=UTC)
+        feb_first = datetime(2026, 2, 1, tzinfo=UTC)
+        await sink.record(event("jan-a", tid, prompt=100, completion=1, at=jan_last))
+        await sink.record(event("jan-b", tid, prompt=10, completion=1, at=datetime(2026, 1, 1, tzinfo=UTC)))
+        await sink.record(event("feb-a", tid, prompt=1000, completion=1, at=feb_first))
+        await sink.drain_once()
+
+        async def totals(start, end, group_by="day"):
+            return [r async for r in aggregate.rows(sessions, aggregate.Query(start, end, group_by))]
+
+        jan = await totals(datetime(2026, 1, 1, tzinfo=UTC), feb_first)
+        feb = await totals(feb_first, datetime(2026, 3, 1, tzinfo=UTC))
+        assert [(r["day"], r["prompt_tokens"]) for r in jan] == [("2026-01-01", 10), ("2026-01-31", 100)]
+        assert [(r["day"], r["prompt_tokens"]) for r in feb] == [("2026-02-01", 1000)]
+        # a naive/offset window edge means the same instant in UTC
+        late = await totals(aggregate.parse_time("2026-02-01T01:00:00+01:00", "from"), datetime(2026, 3, 1, tzinfo=UTC))
+        assert sum(r["requests"] for r in late) == 1
+
+        q = QuotaTracker(sessions, sink, clock=lambda: datetime(2026, 1, 15, tzinfo=UTC))
+        assert await q.used(tid) == 112
+        q.clock = lambda: datetime(2026, 2, 15, tzinfo=UTC)
+        assert await q.used(tid) == 1001
+        sink.spool.close()
+
+
+async def test_export_windows_partition_requests(db_url, tmp_path):
+    import random
+
+    async with migrated(db_url) as sessions:
+        tids = [await add_tenant(sessions, n) for n in ("acme", "globex")]
+        sink = LedgerSink(sessions, tmp_path / "spool")
+        sink.spool.open()
+        rng = random.Random(5)
+        base = datetime(2026, 5, 31, 23, 0, tzinfo=UTC)
+        total = 0
+        for i in range(300):
+            at = base + timedelta(microseconds=rng.randrange(2 * 3600 * 10**6))
+            completion = rng.randrange(50)
+            total += completion
+            await sink.record(event(f"w{i}", rng.choice(tids), completion=completion, at=at,
+                                    adapter_id=rng.choice([None, "a1", "a2"]), key_id=rng.choice(["k1", "k2"])))
+        await sink.drain_once()
+        cuts = sorted(base + timedelta(microseconds=rng.randrange(2 * 3600 * 10**6)) for _ in range(6))
+        edges = [base, *cuts, base + timedelta(hours=2)]
+        for group_by in aggregate.GROUP_BY:
+            requests = completion_sum = 0
+            for lo, hi in zip(edges, edges[1:]):
+                async for r in aggregate.rows(sessions, aggregate.Query(lo, hi, group_by)):
+                    requests += r["requests"]
+                    completion_sum += r["completion_tokens"]
+            assert (requests, completion_sum) == (300, total), group_by
+        sink.spool.close()
+
+
+async def test_export_costs_use_each_tenants_plan_and_adapter_surcharges(db_url, tmp_path):
+    async with migrated(db_url) as sessions:
+        acme, globex = await add_tenant(sessions, "acme"), await add_tenant(sessions, "globex")
+        async with sessions() as s:
+            await plans.create_plan(s, "pro", {"input_per_mtok": "0.1", "cached_input_per_mtok": "0.05",
+                                               "output_per_mtok": "0.3", "adapter_surcharges": {"*": "0.01", "a1": 1}})
+            await plans.set_tenant_plan(s, "acme", {"plan": "pro"})
+        sink = LedgerSink(sessions, tmp_path / "spool")
+        sink.spool.open()
+        at = datetime(2026, 3, 3, tzinfo=UTC)
+        await sink.record(event("c1", acme, prompt=1_000_000, cached=200_000, completion=1_000_000, at=at))
+        await sink.record(event("c2", acme, prompt=3, cached=0, completion=3, at=at, adapter_id="a1"))
+        await sink.record(event("c3", acme, prompt=1, cached=0, completion=0, at=at, adapter_id="a2"))
+        await sink.record(event("c4", globex, prompt=10**6, completion=10**6, at=at))  # no plan: free
+        await sink.drain_once()
+        rows = [r async for r in aggregate.rows(sessions, aggregate.Query(at, at + timedelta(days=1), "day"))]
+        by_tenant = {r["tenant_id"]: r for r in rows}
+        # c1: 800k uncached x 0.1 + 200k cached x 0.05 + 1M out x 0.3           = 0.39
+        # c2: (3 x 0.1 + 3 x 0.3 + 6 tokens x a1's 1) / 1M                     = 0.0000072
+        # c3: (1 x 0.1 + 1 token x the "*" 0.01) / 1M                          = 0.00000011
+        assert Decimal(by_tenant[acme]["cost"]) == Decimal("0.39") + Decimal("0.0000072") + Decimal("0.00000011")
+        assert by_tenant[acme]["cost"] == "0.39000731"  # exact text, no float noise
+        assert by_tenant[globex]["cost"] == "0.00"
+        sink.spool.close()
+
+
+async def test_quota_counts_ledger_pending_and_reservations(db_url, tmp_path):
+    async with migrated(db_url) as sessions:
+        tid = await add_tenant(sessions, "acme")
+        async with sessions() as s:
+            await plans.create_plan(s, "small", {"monthly_token_quota": 100})
+            await plans.set_tenant_plan(s, "acme", {"plan": "small"})
+        sink = LedgerSink(sessions, tmp_path / "spool")
+        sink.spool.open()
+        quota = QuotaTracker(sessions, sink)
+        sink.on_ingested = quota.on_ingested
+        who = Principal(tenant_id=tid, tenant_name="acme", key_id="k", scopes=frozenset({"inference"}))
+        await sink.record(event("q1", tid, prompt=20, completion=10))  # pending: 30
+        first = await quota.reserve(who, 50)  # 30 + 50 <= 100
+        with pytest.raises(ApiError) as err:
+            await quota.reserve(who, 21)  # 30 + 50 + 21 > 100
+        assert err.value.status_code == 429 and err.value.code == "insufficient_quota"
+        assert err.value.headers["x-should-retry"] == "false"
+        await sink.drain_once()  # pending -> ledger: the same 30 tokens, counted once
+        assert await quota.used(tid) == 30
+        quota.release(first)
+        assert await quota.reserve(who, 70) is not None
+        # an override on the tenant beats the plan's quota (after the admin change invalidates the cache)
+        async with sessions() as s:
+            await plans.set_tenant_plan(s, "acme", {"monthly_token_quota": 10})
+        quota.invalidate(tid)
+        with pytest.raises(ApiError, match="exceeded your monthly token quota"):
+            await quota.reserve(who, 1)
+        sink.spool.close()
+        async with sessions() as s:
+            assert await s.scalar(select(func.count()).select_from(UsageRecord)) == 1
