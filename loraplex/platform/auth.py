@@ -38,6 +38,7 @@ KEY_PREFIX = "lpx"
 KEY_ID_LEN = 12
 SECRET_LEN = 40
 _KEY_RE = re.compile(rf"^{KEY_PREFIX}-([a-z0-9]{{{KEY_ID_LEN}}})-([A-Za-z0-9]{{{SECRET_LEN}}})$")
+KEY_ID_RE = re.compile(rf"^[a-z0-9]{{{KEY_ID_LEN}}}$")
 _ALNUM = string.ascii_letters + string.digits
 _ID_ALPHABET = string.ascii_lowercase + string.digits
 INVALIDATE_CHANNEL = "auth:invalidate"

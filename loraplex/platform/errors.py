@@ -146,8 +146,36 @@ def _handle_internal(request: Request, exc: Exception) -> Response[Any]:
                           code="internal_error")
 
 
+def _sqlstate(exc: Exception) -> str | None:
+    orig = getattr(exc, "orig", None)
+    for candidate in (orig, getattr(orig, "__cause__", None)):
+        code = getattr(candidate, "sqlstate", None)
+        if isinstance(code, str):
+            return code
+    return None
+
+
+def _handle_db(request: Request, exc: Exception) -> Response[Any]:
+    """A value the database cannot store (e.g. a NUL byte in text on Postgres) is the client's error;
+    an unreachable database is a 503 (readiness reports it), never a bare 500."""
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
+    state = _sqlstate(exc) or ""
+    if state.startswith("22"):  # SQLSTATE class 22: data exception
+        return error_response(400, "A parameter contains characters or a value the server cannot store.",
+                              "invalid_request_error", code="invalid_value")
+    if isinstance(exc, (OperationalError, InterfaceError)) or state.startswith("08"):
+        log.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc)
+        return error_response(503, "The database is unavailable; retry shortly.", "server_error",
+                              code="database_unavailable", headers={"Retry-After": "2"})
+    return _handle_internal(request, exc)
+
+
 def exception_handlers() -> dict:
-    return {ApiError: _handle_api_error, HTTPException: _handle_http, Exception: _handle_internal}
+    from sqlalchemy.exc import DBAPIError
+
+    return {ApiError: _handle_api_error, HTTPException: _handle_http, DBAPIError: _handle_db,
+            Exception: _handle_internal}
 
 
 # declare in OpenAPI: every route can fail with these

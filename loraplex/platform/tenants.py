@@ -9,7 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from loraplex.platform.auth import NewKey, generate_key, publish_invalidation
+from loraplex.platform.auth import KEY_ID_RE, NewKey, generate_key, publish_invalidation
 from loraplex.platform.db import utcnow
 from loraplex.platform.errors import ApiError, bad_request, not_found
 from loraplex.platform.kv import KV
@@ -25,6 +25,7 @@ from loraplex.platform.models import (
 )
 
 TENANT_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+TENANT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 ADMIN_TENANT = "admin"
 
 
@@ -75,6 +76,8 @@ async def list_tenants(session: AsyncSession) -> list[Tenant]:
 
 
 async def get_tenant(session: AsyncSession, name_or_id: str) -> Tenant:
+    if not (TENANT_NAME_RE.match(name_or_id or "") or TENANT_ID_RE.match(name_or_id or "")):
+        raise not_found(f"No tenant '{name_or_id[:64]}'.", param="tenant")
     row = (
         await session.execute(select(Tenant).where((Tenant.name == name_or_id) | (Tenant.id == name_or_id)))
     ).scalars().first()
@@ -120,8 +123,8 @@ async def create_key(
                           param="scopes")
     if expires_at is not None and expires_at <= utcnow():
         raise bad_request("expires_at must be in the future.", param="expires_at")
-    if name is not None and len(name) > 128:
-        raise bad_request("name must be at most 128 characters.", param="name")
+    if name is not None and (len(name) > 128 or not name.isprintable()):
+        raise bad_request("name must be at most 128 printable characters.", param="name")
     new = generate_key()
     key = ApiKey(
         id=new.key_id, tenant_id=tenant.id, key_hash=new.key_hash, scopes=scopes, name=name,
@@ -142,6 +145,8 @@ async def list_keys(session: AsyncSession, tenant_name_or_id: str | None = None)
 
 
 async def get_key(session: AsyncSession, key_id: str, tenant_id: str | None = None) -> ApiKey:
+    if not KEY_ID_RE.match(key_id or ""):
+        raise not_found(f"No API key '{key_id[:32]}'.", param="key_id")
     stmt = select(ApiKey).where(ApiKey.id == key_id)
     if tenant_id is not None:
         stmt = stmt.where(ApiKey.tenant_id == tenant_id)

@@ -1,0 +1,61 @@
+"""The app's HTTP behaviour that needs no engine: error objects, request ids, draining, admin routes."""
+
+from __future__ import annotations
+
+import pytest
+from litestar.testing import TestClient
+
+from loraplex.platform.app import create_app
+from loraplex.settings import Settings
+
+
+@pytest.fixture
+def client(tmp_path):
+    keys: list[str] = []
+    app = create_app(Settings(data_dir=str(tmp_path)), start_engine=False, on_bootstrap_key=keys.append)
+    with TestClient(app) as c:
+        c.headers["Authorization"] = f"Bearer {keys[0]}"
+        yield c
+
+
+def test_error_objects_and_request_ids(client):
+    for method, path, status in (("GET", "/nope", 404), ("PUT", "/health", 405),
+                                 ("GET", "/admin/keys?tenant=a%00b", 404), ("DELETE", "/admin/keys/x%00y", 404)):
+        r = client.request(method, path)
+        assert r.status_code == status, path
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert r.headers["x-request-id"].startswith("req-")
+    r = client.post("/admin/tenants", json={"name": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "name"
+
+
+def test_ready_reports_loading_without_engine_and_draining_refuses(client):
+    r = client.get("/ready")
+    assert r.status_code == 503 and r.json()["status"] == "loading"
+    client.app.state.services.draining = True
+    r = client.get("/admin/tenants")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "draining" and r.headers["retry-after"] == "1"
+    assert client.get("/health").status_code == 200
+    assert client.get("/ready").json()["status"] == "draining"
+
+
+def test_inference_without_engine_is_a_fast_503(client):
+    models = client.get("/v1/models").json()["data"]
+    r = client.post("/v1/completions", json={"model": models[0]["id"], "prompt": "x"})
+    assert r.status_code == 503 and r.headers["retry-after"]
+
+
+def test_admin_tenant_and_key_lifecycle_ignores_body_smuggling(client):
+    r = client.post("/admin/tenants", json={"name": "acme", "status": "suspended", "id": "0" * 32})
+    assert r.status_code == 201 and r.json()["status"] == "active" and r.json()["id"] != "0" * 32
+    r = client.post("/admin/keys", json={"tenant": "acme", "tenant_id": "other", "key_hash": "x"})
+    assert r.status_code == 201 and r.json()["tenant"] == "acme" and r.json()["scopes"] == ["inference"]
+    key = r.json()
+    listed = client.get("/admin/keys", params={"tenant": "acme"}).json()["data"]
+    assert [k["id"] for k in listed] == [key["id"]] and "key" not in listed[0] and "key_hash" not in listed[0]
+    r = client.put("/admin/tenants/acme/limits", json={"requests_per_minute": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "requests_per_minute"
+    assert client.put("/admin/tenants/acme/limits", json={"requests_per_minute": 5}).json()["requests_per_minute"] == 5
+    assert client.post("/admin/tenants/acme/suspend").json()["status"] == "suspended"
+    assert client.post("/admin/tenants/admin/suspend").status_code == 400
+    assert client.delete(f"/admin/keys/{key['id']}").json()["revoked_at"]
