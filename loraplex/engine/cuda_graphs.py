@@ -1,9 +1,10 @@
 """CUDA graphs for pure-decode steps (every scheduled sequence has exactly one new token).
 
-One graph per (batch bucket, LoRA class), captured lazily the first time a step needs it. A step of B
-sequences replays the graph of the smallest bucket >= B; the rows past B are padding: token 0, slot -1
-(the KV store skips it), sequence length 0 (attention reads no keys, output 0) and LoRA slot -1 (no
-adapter added). Sampling runs outside the graph on the first B rows of the captured hidden states.
+Two graphs per batch bucket (base model only, and with adapters), captured at start-up by
+``capture_all`` (largest first, all in one memory pool) or else the first time a step needs one. A step
+of B sequences replays the graph of the smallest bucket >= B; the rows past B are padding: token 0,
+slot -1 (the KV store skips it), sequence length 0 (attention reads no keys, output 0) and LoRA slot -1
+(no adapter added). Sampling runs outside the graph on the first B rows of the captured hidden states.
 
 Everything a graph reads lives in static device buffers written before each replay: input ids,
 positions, slot mapping, block tables padded to ``max_blocks_per_seq`` columns, sequence lengths, query
@@ -11,8 +12,8 @@ offsets (``arange``: one token per row) and the LoRA per-token slots. The LoRA k
 from those slots inside the graph, and every grid is sized from buffer shapes (bucket, slot count),
 never from a count seen at capture (KERNELS.md pitfalls 2, 3, 7): the attention split count ignores
 host context lengths while capturing, and the LoRA chunk count depends only on the bucket and the slot
-pool. The LoRA launch tiles depend on how many distinct adapters a step has, so LoRA graphs are keyed
-by that count rounded up to a power of two (the tiles are correct for any mix; the count only tunes them).
+pool. The LoRA launch tiles are chosen for ``min(bucket, max_loras)`` distinct adapters (every row its
+own adapter, the decode regime); they are correct for any mix, which only changes how well they fit.
 
 ``capture=False`` (the CPU, and tests) runs the same padded static-buffer forward without a graph, so
 the padding logic is exercised everywhere.
@@ -43,13 +44,6 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return buckets
 
 
-def lora_graph_key(num_active: int, bucket: int, max_loras: int) -> int:
-    """Distinct adapters a LoRA graph is tuned for: the step's count rounded up to a power of two."""
-    if num_active <= 0:
-        return 0
-    return min(1 << (num_active - 1).bit_length(), max_loras, bucket)
-
-
 class DecodeGraphRunner:
     def __init__(self, model, kv_caches: list, backend: AttentionBackend, max_num_seqs: int,
                  max_blocks_per_seq: int, device: torch.device, capture: bool = True):
@@ -71,9 +65,10 @@ class DecodeGraphRunner:
         self.token_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
         pin = dev.type == "cuda" and torch.cuda.is_available()
         self._slots_host = torch.full((n,), -1, dtype=torch.int32, pin_memory=pin)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]] = {}
         self._pool = None
         self.num_replays = 0
+        self.used_keys: set[tuple[int, bool]] = set()  # (bucket, with adapters) of the steps run so far
 
     @property
     def num_graphs(self) -> int:
@@ -93,8 +88,7 @@ class DecodeGraphRunner:
         With adapters in the step, ``slot_of`` maps each adapter id to its GPU slot (already assigned)."""
         assert batch.is_decode and batch.num_rows in self.buckets, "only padded pure-decode batches replay"
         bucket, num_seqs = batch.num_rows, batch.num_seqs
-        num_active = len(slot_of) if slot_of else 0
-        key = (bucket, lora_graph_key(num_active, bucket, lora_manager.max_loras if num_active else 1))
+        key = (bucket, bool(slot_of))
         if key not in self._graphs:
             self._capture(key, lora_manager)
         self._load_inputs(batch, slot_of if key[1] else None)
@@ -104,6 +98,7 @@ class DecodeGraphRunner:
         else:
             graph.replay()
         self.num_replays += 1
+        self.used_keys.add(key)
         return hidden[:num_seqs]
 
     def _load_inputs(self, batch: StepBatch, slot_of: dict[int, int] | None) -> None:
@@ -121,22 +116,33 @@ class DecodeGraphRunner:
             host[num_seqs:rows] = -1
             self.token_slots[:rows].copy_(self._slots_host[:rows], non_blocking=nb)
 
-    def _forward(self, key: tuple[int, int], lora_manager) -> torch.Tensor:
-        bucket, num_active = key
+    def _forward(self, key: tuple[int, bool], lora_manager) -> torch.Tensor:
+        bucket, with_lora = key
         attn = AttentionMetadata(
             backend=self.backend, slot_mapping=self.slot_mapping[:bucket], block_tables=self.block_tables[:bucket],
             query_start_loc=self.query_start_loc[:bucket + 1], seq_lens=self.seq_lens[:bucket],
             max_query_len=1, max_seq_len=None)  # None: split count from shapes, right for any context
         lora = None
-        if num_active:
+        if with_lora:
             from loraplex.adapters.mapping import LoRAStep
 
             # built here so that, under capture, the kernel metadata is derived from the static slots
+            num_active = min(bucket, lora_manager.max_loras)
             lora = LoRAStep(lora_manager.pool, self.token_slots[:bucket], num_active, lora_manager.use_triton)
         return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, attn, lora)
 
     # ---- capture -------------------------------------------------------------------------------------
-    def _capture(self, key: tuple[int, int], lora_manager) -> None:
+    def capture_all(self, lora_manager=None) -> None:
+        """Capture every bucket now (with adapters too when a LoRA manager is given), largest first so
+        the smaller graphs reuse the largest one's memory. No-op without ``capture``."""
+        if not self.capture_graphs:
+            return
+        for bucket in reversed(self.buckets):
+            for with_lora in (False, True) if lora_manager is not None else (False,):
+                if (bucket, with_lora) not in self._graphs:
+                    self._capture((bucket, with_lora), lora_manager)
+
+    def _capture(self, key: tuple[int, bool], lora_manager) -> None:
         bucket = key[0]
         # padding everywhere: the warm-up runs must not write KV through slots left by an earlier step
         self.slot_mapping.fill_(-1)
@@ -158,5 +164,5 @@ class DecodeGraphRunner:
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             hidden = self._forward(key, lora_manager)
         self._graphs[key] = (graph, hidden)
-        log.info("captured decode CUDA graph: batch %d, %d adapters (%d graphs)", bucket, key[1], self.num_graphs)
+        log.debug("captured decode CUDA graph: batch %d%s", bucket, " with adapters" if key[1] else "")
 

@@ -51,6 +51,7 @@ class LLMEngine:
         config.resolve(limit)
         num_blocks = self.runner.plan_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs()  # CUDA only (and not with enforce_eager)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -97,6 +98,18 @@ class ModelRunner:
         static-buffer path without graphs (the CPU tests use it)."""
         return DecodeGraphRunner(self.model, self.kv_caches, self.backend, self.config.max_num_seqs,
                                  self.inputs.max_blocks_per_seq, self.device, capture=capture)
+
+    def capture_cuda_graphs(self) -> None:
+        """Capture the decode graphs of every batch bucket now (start-up), with adapters too when LoRA is
+        enabled, so that no serving step pays for a capture."""
+        if self.graphs is None:
+            return
+        started = time.perf_counter()
+        manager = self.get_lora_manager() if self.config.enable_lora else None
+        with torch.inference_mode():
+            self.graphs.capture_all(manager)
+        log.info("captured %d decode CUDA graphs (batch buckets %s) in %.1f s", self.graphs.num_graphs,
+                 ",".join(map(str, self.graphs.buckets)), time.perf_counter() - started)
 
     # ---- LoRA ----------------------------------------------------------------------------------
     def get_lora_manager(self):

@@ -69,9 +69,10 @@ def test_graph_decode_matches_eager_with_adapters(tiny_model, dtype):
         total += _compare(eager.generate(prompts, params, lora_request=mix),
                           graphed.generate(prompts, params, lora_request=mix), dtype)
     graphs = graphed.engine.runner.graphs
-    keys = set(graphs._graphs)
-    assert graphs.num_graphs == len(keys) >= 4
-    assert graphs.num_replays > 2 * graphs.num_graphs  # replays with other batches than at capture
+    # captured at start-up: base and LoRA graphs of every bucket up to max_num_seqs (64)
+    assert graphs.num_graphs == 2 * len(graphs.buckets) and graphs.buckets[-1] == 64
+    keys = graphs.used_keys
+    assert graphs.num_replays > 2 * len(keys)  # each replayed with other batches and contents than at capture
     assert any(n for _, n in keys) and any(not n for _, n in keys)  # LoRA graphs and base-only graphs
     assert {48, 8} <= {b for b, _ in keys}
     assert total > (200 if dtype == "float32" else 100)
@@ -84,8 +85,10 @@ def test_graph_decode_base_model_greedy_equals_eager_many_buckets(tiny_model):
     prompts = [{"prompt_token_ids": [1] + list(range(20 + i, 40 + 3 * i))} for i in range(20)]
     params = [SamplingParams(max_tokens=2 + i, temperature=0, ignore_eos=True, logprobs=1) for i in range(20)]
     assert _compare(eager.generate(prompts, params), graphed.generate(prompts, params), "float32") > 200
-    keys = set(graphed.engine.runner.graphs._graphs)
-    assert {b for b, _ in keys} >= {1, 2, 4, 8, 16, 24} and all(n == 0 for _, n in keys)
+    graphs = graphed.engine.runner.graphs
+    assert graphs.num_graphs == len(graphs.buckets)  # no adapters enabled: base graphs only
+    keys = graphs.used_keys
+    assert {b for b, _ in keys} >= {1, 2, 4, 8, 16, 24} and not any(n for _, n in keys)
 
 
 def test_graph_decode_sampling_with_seed_matches_eager(tiny_model):

@@ -35,7 +35,7 @@ def test_padded_decode_path_matches_eager_with_adapters(tiny_model):
             (te, ve), = le.items()
             assert lp[te].logprob == pytest.approx(ve.logprob, abs=1e-4)
     graphs = padded_llm.engine.runner.graphs
-    keys = set(graphs._graphs)
+    keys = graphs.used_keys
     assert graphs.num_replays > 0 and graphs.num_graphs == 0  # replays ran the static path, nothing captured
     assert {b for b, _ in keys} >= {8, 4, 1}  # 7, then 5..6, 3..4 and 1 sequences: padded to their buckets
     assert any(n for _, n in keys) and any(not n for _, n in keys)  # with and without adapters

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import torch
 
-from loraplex.engine.cuda_graphs import graph_buckets, lora_graph_key
+from loraplex.engine.cuda_graphs import graph_buckets
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.step_inputs import StepInputBuilder
@@ -136,10 +136,8 @@ def test_block_table_rows_copy_only_what_changed():
     assert builder.rows.num_row_writes - writes == 2 * 32
 
 
-def test_graph_buckets_and_lora_keys():
+def test_graph_buckets():
     assert graph_buckets(256) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256]
     assert graph_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 100]
     assert graph_buckets(1) == [1]
     assert graph_buckets(400)[-4:] == [256, 320, 384, 400]
-    assert [lora_graph_key(n, 64, 16) for n in (0, 1, 2, 3, 5, 9, 16)] == [0, 1, 2, 4, 8, 16, 16]
-    assert lora_graph_key(5, 4, 16) == 4  # never more adapters than rows
