@@ -23,7 +23,7 @@ from loraplex.platform.console.session import (
     SessionStore,
     tokens_equal,
 )
-from loraplex.platform.errors import ErrorBody, ErrorResponse
+from loraplex.platform.errors import ApiError, ErrorBody, ErrorResponse
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,9 @@ async def api_proxy(scope: Scope, receive: Receive, send: Send) -> None:
         session = await SessionStore(app.state.services).load(_cookie(scope, COOKIE))
     except LoginRequired as exc:
         await _error(send, 401, exc.reason or "Sign in to the console first.", "not_signed_in")
+        return
+    except ApiError as exc:  # the session store is down
+        await _error(send, exc.status_code, exc.message, exc.code or "error", exc.type)
         return
     if scope["method"] not in _SAFE_METHODS and not tokens_equal(_header(scope, CSRF_HEADER.encode()), session.csrf):
         await _error(send, 403, "Missing or wrong CSRF token; reload the page and try again.", "csrf_failed",

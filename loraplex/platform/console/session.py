@@ -59,6 +59,13 @@ class Session:
     raw_key: str  # decrypted for this request only; never rendered
 
 
+def _store_down(exc: Exception) -> ApiError:
+    # Redis down: fail closed with a plain 503 (pages render it; scripts get the JSON error)
+    log.warning("console session store unavailable: %s", exc)
+    return ApiError(503, "The session store is unavailable; try again shortly.", type="server_error",
+                    code="session_store_unavailable", headers={"Retry-After": "5"})
+
+
 def _kv_key(sid: str) -> str:
     return _KV_PREFIX + hashlib.sha256(sid.encode()).hexdigest()
 
@@ -97,14 +104,20 @@ class SessionStore:
         principal = await self._services.authenticator.authenticate(raw_key)
         sid = secrets.token_urlsafe(_SID_BYTES)
         record = {"k": seal_key(sid, raw_key), "csrf": secrets.token_urlsafe(24), "t": int(time.time())}
-        await self._services.kv.set(_kv_key(sid), json.dumps(record), ttl_s=SESSION_TTL_S)
+        try:
+            await self._services.kv.set(_kv_key(sid), json.dumps(record), ttl_s=SESSION_TTL_S)
+        except Exception as exc:
+            raise _store_down(exc) from exc
         log.info("console sign-in tenant=%s key=%s", principal.tenant_name, principal.key_id)
         return sid, principal
 
     async def load(self, sid: str | None) -> Session:
         if not sid or len(sid) > 128:
             raise LoginRequired()
-        raw = await self._services.kv.get(_kv_key(sid))
+        try:
+            raw = await self._services.kv.get(_kv_key(sid))
+        except Exception as exc:
+            raise _store_down(exc) from exc
         if raw is None:
             raise LoginRequired("Your session has ended; sign in again.")
         record = json.loads(raw)

@@ -103,3 +103,22 @@ async def test_key_pages_never_show_hashes_and_secrets_only_once(capp):
         assert hashlib.sha256(secret.encode()).hexdigest() not in text
         assert hashlib.sha256(capp.admin_key.encode()).hexdigest() not in text
     assert secret.split("-")[1] in listing  # the public key id is listed
+
+
+async def test_session_store_outage_fails_closed_with_503(capp):
+    await sign_in(capp.c, capp.admin_key)
+    kv = capp.services.kv
+
+    async def down(*_a, **_k):
+        raise ConnectionError("redis: connection refused")
+
+    real_get = kv.get
+    kv.get = down  # the store itself failing, as when Redis is unreachable
+    try:
+        page = await capp.c.get("/console/keys")
+        api = await capp.c.get("/console/api/v1/models")
+    finally:
+        kv.get = real_get
+    assert page.status_code == 503 and "session store is unavailable" in page.text
+    assert api.status_code == 503 and api.json()["error"]["code"] == "session_store_unavailable"
+    assert (await capp.c.get("/console/keys")).status_code == 200
