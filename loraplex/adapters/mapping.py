@@ -39,6 +39,7 @@ class LoRAStep:
         self.use_triton = use_triton
         self._meta = None
         self._scratch = None
+        self._counters = None
         self._configs: dict[str, object] = {}
         if use_triton and num_active:
             from loraplex.kernels.lora_meta import build_lora_meta
@@ -53,9 +54,11 @@ class LoRAStep:
                              for p, mods in PROJ_MODULES.items()}
             block_m = self._configs["qkv"].block_m  # same regime for every proj (depends on T and adapters)
             self._meta = build_lora_meta(token_slots, pool.max_loras, block_m)
-            max_split = max(c.split_k for c in self._configs.values())
+            max_split = max(max(c.split_k, c.fused_split_k) for c in self._configs.values())
             self._scratch = torch.empty(max_split, 3, num_tokens, pool.max_rank, dtype=torch.float32,
                                         device=token_slots.device)
+            # tickets of the fused decode kernel's last-arriver expand; every launch leaves them at 0
+            self._counters = torch.zeros(self._meta.max_chunks * 3, dtype=torch.int32, device=token_slots.device)
 
     @property
     def has_adapters(self) -> bool:
@@ -73,7 +76,7 @@ class LoRAStep:
         if self.use_triton:
             width = max(self.pool.shapes.slice_widths(proj))
             return self._lora_apply(x, out, a, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj], width,
-                              self._meta, self._configs[proj], self._scratch)
+                                    self._meta, self._configs[proj], self._scratch, self._counters)
         from loraplex.kernels.lora_ref import lora_apply_ref
 
         return lora_apply_ref(x, out, a, bt, self.token_slots, ranks, self.pool.scaling,

@@ -96,6 +96,59 @@ def _timed_pair(b, cfg, device, reps: int, kernels=("shrink", "expand")) -> tupl
                  for name, fn in (("shrink", shrink), ("expand", expand)))
 
 
+def _timed_fused(b, cfg, device, reps: int) -> float:
+    """Median seconds of one fused decode launch (shrink + expand) under ``cfg``."""
+    from loraplex.kernels.lora_fused import lora_fused
+    from loraplex.kernels.lora_meta import build_lora_meta
+
+    meta = build_lora_meta(b.token_slots, b.lora_a.shape[0], cfg.block_m)
+    num_slices = len(b.slice_loc) - 1
+    y = torch.empty(max(1, cfg.fused_split_k), num_slices, b.x.shape[0], b.lora_a.shape[2], dtype=torch.float32,
+                    device=b.x.device)
+    counters = torch.zeros(meta.max_chunks * num_slices, dtype=torch.int32, device=b.x.device)
+    width = b.max_slice_width
+
+    def fused():
+        lora_fused(b.x, b.out, b.lora_a, b.lora_b, b.ranks, b.scaling, b.slice_loc, width, meta,
+                   split_k=cfg.fused_split_k, n_splits=cfg.fused_n_splits, block_k=cfg.fused_block_k,
+                   block_n=cfg.fused_block_n, y=y, counters=counters, num_warps=cfg.fused_warps,
+                   num_stages=cfg.fused_stages)
+
+    return _median_seconds(fused, device, reps)
+
+
+def _fused_variants(b, cfg) -> list:
+    """Both fused designs at several program counts (around 1-8 programs per (chunk, slice))."""
+    k_dim = b.x.shape[1]
+    out = [dataclasses.replace(cfg, fused=True, fused_split_k=sk, fused_n_splits=1, fused_block_k=128)
+           for sk in (2, 4, 8) if k_dim // sk >= 256]
+    out += [dataclasses.replace(cfg, fused=True, fused_split_k=1, fused_n_splits=ns, fused_block_n=128)
+            for ns in (1, 2, 4, 8)]
+    return out
+
+
+def _sweep_fused(b, cfg, device, reps: int) -> tuple[float, object]:
+    """Fastest fused configuration: the designs first, then tiles / warps / stages around the best one."""
+    best = None
+    for trial in [cfg, *_fused_variants(b, cfg)]:
+        seconds = _timed_fused(b, trial, device, reps)
+        if best is None or seconds < best[0]:
+            best = (seconds, trial)
+    center = best[1]
+    for change in (dict(fused_block_k=256, fused_block_n=256), dict(fused_warps=8), dict(fused_stages=4),
+                   dict(fused_warps=2)):
+        trial = dataclasses.replace(center, **change)
+        seconds = _timed_fused(b, trial, device, reps)
+        if seconds < best[0]:
+            best = (seconds, trial)
+    return best
+
+
+def _fused_summary(cfg) -> dict:
+    return {k: getattr(cfg, k) for k in ("fused_split_k", "fused_n_splits", "fused_block_k", "fused_block_n",
+                                         "fused_warps", "fused_stages")}
+
+
 def _sweep(b, cfg, device, reps: int) -> dict:
     """Fastest shrink and expand configurations around the default (block_m kept: it fixes the metadata)."""
     best_shrink = best_expand = None
@@ -118,7 +171,8 @@ def _sweep(b, cfg, device, reps: int) -> dict:
 
 
 def _bench_case(shapes, regime: str, num_tokens: int, num_adapters: int, rank: int, proj: str, device, dtype,
-                copy_bw: float, reps: int, sweep: bool) -> list[dict]:
+                copy_bw: float, reps: int, sweep: bool, sweep_two_launch: bool = False,
+                best_fused: dict | None = None) -> list[dict]:
     from loraplex.kernels.lora_ops import choose_config
 
     elem = torch.finfo(dtype).bits // 8
@@ -126,7 +180,7 @@ def _bench_case(shapes, regime: str, num_tokens: int, num_adapters: int, rank: i
     k_dim, n_total, num_slices = b.x.shape[1], b.out.shape[1], len(b.slice_loc) - 1
     cfg = choose_config(num_tokens, num_adapters, num_adapters, rank, k_dim, num_slices, b.max_slice_width)
     shrink_s, expand_s = _timed_pair(b, cfg, device, reps)
-    best = _sweep(b, cfg, device, max(20, reps // 4)) if sweep else {}
+    best = _sweep(b, cfg, device, max(20, reps // 4)) if sweep and sweep_two_launch else {}
     y_bytes = cfg.split_k * num_slices * num_tokens * rank * 4
     figures = (
         ("shrink", shrink_s, (num_tokens * k_dim + num_adapters * num_slices * rank * k_dim) * elem + y_bytes),
@@ -147,10 +201,29 @@ def _bench_case(shapes, regime: str, num_tokens: int, num_adapters: int, rank: i
                        best_config=best_cfg)
         rows.append(row)
         log.info("%s", row)
+    if cfg.fused:
+        # the launch decode steps use: shrink + expand in one kernel; bytes = x, A, B, out read + written
+        nbytes = (num_tokens * k_dim + num_adapters * rank * (num_slices * k_dim + n_total)
+                  + 2 * num_tokens * n_total) * elem
+        seconds = _timed_fused(b, cfg, device, reps)
+        row = {"regime": regime, "tokens": num_tokens, "adapters": num_adapters, "rank": rank, "proj": proj,
+               "kernel": "fused", "K": k_dim, "N": n_total, "split_k": cfg.fused_split_k, "block_m": cfg.block_m,
+               "expand_splits": cfg.fused_n_splits, "time_us": seconds * 1e6, "bytes": nbytes,
+               "gb_s": nbytes / seconds / 1e9, "pct_copy_bw": 100 * nbytes / seconds / copy_bw,
+               "two_launch_us": (shrink_s + expand_s) * 1e6, "config": _fused_summary(cfg)}
+        if sweep:
+            best_s, best_cfg = _sweep_fused(b, cfg, device, max(20, reps // 4))
+            row.update(best_time_us=best_s * 1e6, best_pct_copy_bw=100 * nbytes / best_s / copy_bw,
+                       best_config=_fused_summary(best_cfg))
+            if best_fused is not None:
+                best_fused[(rank, proj)] = best_cfg
+        rows.append(row)
+        log.info("%s", row)
     return rows
 
 
-def bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw: float, reps: int, sweep: bool) -> list[dict]:
+def bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw: float, reps: int, sweep: bool,
+                  sweep_two_launch: bool = False, best_fused: dict | None = None) -> list[dict]:
     from loraplex.adapters.modules import PROJ_MODULES
 
     rows = []
@@ -158,12 +231,17 @@ def bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw: float, reps: i
         for rank in ranks:
             for proj in PROJ_MODULES:
                 rows += _bench_case(shapes, regime, num_tokens, num_adapters, rank, proj, device, dtype, copy_bw,
-                                    reps, sweep and regime == "decode")
+                                    reps, sweep and regime == "decode", sweep_two_launch, best_fused)
     return rows
 
 
-def bench_decode_step(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: float, reps: int) -> dict:
-    """All LoRA work of one decode step through LoRAStep.add, one adapter per token, replayed as a CUDA graph."""
+def bench_decode_step(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: float, reps: int,
+                      policy: str = "default", configs: dict | None = None) -> dict:
+    """All LoRA work of one decode step through LoRAStep.add, one adapter per token, replayed as a CUDA graph.
+
+    policy: ``default`` (choose_config), ``two-launch`` (shrink + expand per projection, the pre-fusion
+    path) or ``swept`` (``configs``: the fastest fused configuration measured per projection).
+    """
     from loraplex.adapters.mapping import LoRAStep
     from loraplex.adapters.modules import PROJ_MODULES
     from loraplex.adapters.slot_pool import SlotPool
@@ -176,6 +254,14 @@ def bench_decode_step(shapes, num_tokens: int, rank: int, device, dtype, copy_bw
     pool.scaling.fill_(2.0)
     token_slots = torch.arange(num_tokens, dtype=torch.int32, device=device)
     step = LoRAStep(pool, token_slots, num_tokens, use_triton=True)
+    if policy == "two-launch":
+        step._configs = {p: dataclasses.replace(c, fused=False) for p, c in step._configs.items()}
+    elif policy == "swept":
+        step._configs = {p: dataclasses.replace(step._configs[p], **_fused_summary(configs[p]), fused=True)
+                         if p in configs else step._configs[p] for p in step._configs}
+        need = max(c.fused_split_k for c in step._configs.values())
+        if need > step._scratch.shape[0]:
+            step._scratch = torch.empty(need, *step._scratch.shape[1:], dtype=torch.float32, device=device)
     xs = {p: torch.randn(num_tokens, shapes.proj_in(p), dtype=dtype, device=device) for p in PROJ_MODULES}
     outs = {p: torch.randn(num_tokens, sum(shapes.slice_widths(p)), dtype=dtype, device=device)
             for p in PROJ_MODULES}
@@ -187,8 +273,11 @@ def bench_decode_step(shapes, num_tokens: int, rank: int, device, dtype, copy_bw
 
     elem = torch.finfo(dtype).bits // 8
     lora_bytes = sum(t.numel() for t in (*pool.a.values(), *pool.bt.values())) * elem  # every slot is active
-    result = {"tokens": num_tokens, "adapters": num_tokens, "rank": rank, "layers": shapes.num_layers,
-              "launches": 2 * len(PROJ_MODULES) * shapes.num_layers, "lora_bytes": lora_bytes,
+    per_layer = sum(1 if c.fused else 2 for c in step._configs.values())
+    result = {"policy": policy, "configs": {p: _fused_summary(c) if c.fused else "two-launch"
+                                            for p, c in step._configs.items()},
+              "tokens": num_tokens, "adapters": num_tokens, "rank": rank, "layers": shapes.num_layers,
+              "launches": per_layer * shapes.num_layers, "lora_bytes": lora_bytes,
               "floor_ms": lora_bytes / copy_bw * 1e3, "target_ms": STEP_TARGET_MS}
     if device.type == "cuda":
         side = torch.cuda.Stream(device)
@@ -229,19 +318,23 @@ def _markdown(payload: dict) -> str:
              " sweep best (us) | best % copy BW | best config |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["kernels"]:
-        best = ("| — | — | — |" if "best_time_us" not in r else
+        best = ("| — | — | " + (json.dumps(r["config"]) if "config" in r else "—") + " |" if "best_time_us" not in r else
                 f"| {r['best_time_us']:.1f} | {r['best_pct_copy_bw']:.1f} | {json.dumps(r['best_config'])} |")
         lines.append(f"| {r['regime']} | {r['tokens']} | {r['adapters']} | {r['rank']} | {r['proj']} | "
                      f"{r['kernel']} | {r['split_k']} | {r['time_us']:.1f} | {r['bytes'] / 1e6:.2f} | "
                      f"{r['gb_s']:.0f} | {r['pct_copy_bw']:.1f} {best}")
-    lines += ["", "## All LoRA work of one decode step", "",
+    lines += ["", "Fused rows (decode): one launch doing shrink + expand; `two_launch_us` = shrink + expand above; "
+              "config = split-K (last-arriver expand) or column splits.", "",
+              "## All LoRA work of one decode step", "",
               f"{step['tokens']} tokens on {step['adapters']} distinct rank-{step['rank']} adapters, "
-              f"{step['layers']} layers x q|k|v, o, gate|up, down ({step['launches']} kernel launches"
-              f"{', one CUDA graph' if step['cuda_graph'] else ''}):", "",
-              "| time (ms) | LoRA bytes (GB) | bandwidth floor (ms) | target (ms) | GB/s | % copy BW |",
-              "|---|---|---|---|---|---|",
-              f"| {step['time_ms']:.3f} | {step['lora_bytes'] / 1e9:.2f} | {step['floor_ms']:.3f} | "
-              f"{step['target_ms']:.1f} | {step['gb_s']:.0f} | {step['pct_copy_bw']:.1f} |", ""]
+              f"{step['layers']} layers x q|k|v, o, gate|up, down{', one CUDA graph' if step['cuda_graph'] else ''}:",
+              "", "| policy | launches | time (ms) | LoRA bytes (GB) | bandwidth floor (ms) | target (ms) | GB/s |"
+              " % copy BW | configs |", "|---|---|---|---|---|---|---|---|---|"]
+    for st in [step, *payload.get("decode_step_variants", [])]:
+        lines.append(f"| {st.get('policy', 'default')} | {st['launches']} | {st['time_ms']:.3f} | "
+                     f"{st['lora_bytes'] / 1e9:.2f} | {st['floor_ms']:.3f} | {st['target_ms']:.1f} | {st['gb_s']:.0f} | "
+                     f"{st['pct_copy_bw']:.1f} | {json.dumps(st.get('configs', ''))} |")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -250,10 +343,10 @@ def _use_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     from triton.runtime.interpreter import InterpretedFunction
 
-    from loraplex.kernels import lora_expand, lora_shrink
+    from loraplex.kernels import lora_expand, lora_fused, lora_shrink
 
     if not isinstance(lora_shrink._lora_shrink_kernel, InterpretedFunction):
-        for module in (lora_shrink, lora_expand):
+        for module in (lora_shrink, lora_expand, lora_fused):
             importlib.reload(module)
 
 
@@ -264,7 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     parser.add_argument("--reps", type=int, default=100, help="timed repetitions per figure")
     parser.add_argument("--sweep", action="store_true",
-                        help="also try other split-K / tile / warp choices on the decode shapes and report the best")
+                        help="also try other fused configurations on the decode shapes, report the best, and time the "
+                             "decode step with them")
+    parser.add_argument("--sweep-two-launch", action="store_true",
+                        help="with --sweep: also sweep the two-launch shrink / expand (slow: ~190 configs per shape)")
+    parser.add_argument("--skip-prefill", action="store_true", help="decode shapes only")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from loraplex.adapters.modules import BaseShapes
@@ -283,9 +380,20 @@ def main(argv: list[str] | None = None) -> int:
         regimes, ranks, step_tokens, copy_bytes = [("decode", 64, 64), ("prefill", 8192, 8)], [16, 64], 64, 1 << 30
     copy_bw = measure_copy_bandwidth(device, copy_bytes)
     log.info("copy bandwidth %.0f GB/s", copy_bw / 1e9)
-    kernels = bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw, reps, args.sweep)
+    if args.skip_prefill:
+        regimes = [r for r in regimes if r[0] == "decode"]
+    best_fused: dict = {}
+    kernels = bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw, reps, args.sweep, args.sweep_two_launch,
+                            best_fused)
     step = bench_decode_step(shapes, step_tokens, 16, device, dtype, copy_bw, reps)
     log.info("decode step: %s", step)
+    variants = [bench_decode_step(shapes, step_tokens, 16, device, dtype, copy_bw, reps, policy="two-launch")]
+    swept = {proj: c for (rank, proj), c in best_fused.items() if rank == 16}
+    if swept:
+        variants.append(bench_decode_step(shapes, step_tokens, 16, device, dtype, copy_bw, reps, policy="swept",
+                                          configs=swept))
+    for v in variants:
+        log.info("decode step (%s): %s", v["policy"], v)
     import triton
 
     env = {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
@@ -293,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"command": "python -m loraplex.bench.lora_kernels " + " ".join(shlex.quote(a) for a in
                                                                             (sys.argv[1:] if argv is None else argv)),
                "environment": env, "smoke": args.smoke, "shapes": dataclasses.asdict(shapes),
-               "copy_bandwidth_gb_s": copy_bw / 1e9, "kernels": kernels, "decode_step": step}
+               "copy_bandwidth_gb_s": copy_bw / 1e9, "kernels": kernels, "decode_step": step,
+               "decode_step_variants": variants}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2) + "\n")

@@ -15,6 +15,7 @@ import torch
 import triton
 
 from loraplex.kernels.lora_expand import lora_expand
+from loraplex.kernels.lora_fused import lora_fused
 from loraplex.kernels.lora_meta import LoRAKernelMeta, max_chunks_for
 from loraplex.kernels.lora_shrink import lora_shrink
 
@@ -36,6 +37,15 @@ class LoRAKernelConfig:
     expand_splits: int | None = None  # expand programs per (chunk, slice) along N; None = one tile each
     expand_warps: int = 4
     expand_stages: int = 3
+    # decode: one fused launch (lora_fused) instead of shrink + expand; fused_split_k > 1 uses the
+    # last-arriver counter, else fused_n_splits programs per (chunk, slice) split the columns
+    fused: bool = False
+    fused_split_k: int = 1
+    fused_n_splits: int = 1
+    fused_block_k: int = 128
+    fused_block_n: int = 128
+    fused_warps: int = 4
+    fused_stages: int = 3
 
 
 def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_rank: int,
@@ -61,8 +71,34 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
     if max_slice_width is not None:
         tiles = triton.cdiv(max_slice_width, block_n)
         expand_splits = min(tiles, triton.cdiv(TARGET_PROGRAMS, active_chunks * num_slices))
+    fused = {}
+    if decode and max_slice_width is not None:
+        fused = fused_decode_policy(active_chunks, num_slices, max_rank, k_dim, max_slice_width)
     return LoRAKernelConfig(block_m=block_m, block_r=block_r, block_k=block_k, split_k=split_k, block_n=block_n,
-                            shrink_warps=shrink_warps, expand_splits=expand_splits)
+                            shrink_warps=shrink_warps, expand_splits=expand_splits, **fused)
+
+
+FUSED_TARGET_PROGRAMS = 256  # ~2 per SM: each fused program streams 100+ KB, enough to keep loads in flight
+
+
+def fused_decode_policy(active_chunks: int, num_slices: int, max_rank: int, k_dim: int,
+                        max_slice_width: int) -> dict:
+    """One launch per projection for decode. Bytes per (chunk, slice): A = rank*K*2, B = rank*width*2.
+
+    When B dominates (gate|up: width 14336 > K) the columns are split and each program recomputes y from A
+    (the n_splits re-reads of A hit L2); when A dominates (down: K 14336 > width) K is split and the last
+    arriving program expands. Either way aim at FUSED_TARGET_PROGRAMS programs.
+    """
+    pairs = max(1, active_chunks * num_slices)
+    want = max(1, -(-FUSED_TARGET_PROGRAMS // pairs))
+    if k_dim > max_slice_width:
+        split_k = 1
+        while split_k < want and k_dim // (split_k * 2) >= MIN_K_PER_SPLIT and split_k < 16:
+            split_k *= 2
+        if split_k > 1:
+            return dict(fused=True, fused_split_k=split_k, fused_block_k=128, fused_block_n=128)
+    n_splits = max(1, min(want, max_slice_width // 512))
+    return dict(fused=True, fused_n_splits=n_splits, fused_block_k=128, fused_block_n=128)
 
 
 def lora_apply(
@@ -77,9 +113,15 @@ def lora_apply(
     meta: LoRAKernelMeta,
     cfg: LoRAKernelConfig,
     scratch: torch.Tensor | None = None,  # [>=split_k, >=S, T, R] float32
+    counters: torch.Tensor | None = None,  # [>= max_chunks * S] int32 zeros (fused split-K only)
 ) -> torch.Tensor:
     """Semantics: ``lora_ref.lora_apply_ref`` (shrink, then expand with the split-K reduce fused in)."""
     assert meta.block_m == cfg.block_m, "metadata was built for another chunk size"
+    if cfg.fused:
+        return lora_fused(x, out, lora_a, lora_b, ranks, scaling, slice_loc, max_slice_width, meta,
+                          split_k=cfg.fused_split_k, n_splits=cfg.fused_n_splits, block_k=cfg.fused_block_k,
+                          block_n=cfg.fused_block_n, y=scratch, counters=counters, num_warps=cfg.fused_warps,
+                          num_stages=cfg.fused_stages)
     y = lora_shrink(x, lora_a, ranks, meta, split_k=cfg.split_k, block_r=cfg.block_r, block_k=cfg.block_k,
                     y=scratch, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages)
     return lora_expand(y, lora_b, ranks, scaling, slice_loc, max_slice_width, meta, out, block_n=cfg.block_n,

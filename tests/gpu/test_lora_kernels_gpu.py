@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from loraplex.kernels import lora_expand, lora_shrink
+from loraplex.kernels import lora_expand, lora_fused, lora_shrink
 from loraplex.kernels.lora_meta import build_lora_meta
 from loraplex.kernels.lora_ops import choose_config, lora_apply
 from loraplex.kernels.lora_ref import lora_apply_ref
@@ -26,13 +26,13 @@ def compiled_kernels():
 
     interpreted = isinstance(lora_shrink._lora_shrink_kernel, InterpretedFunction)
     if interpreted:
-        for module in (lora_shrink, lora_expand):
+        for module in (lora_shrink, lora_expand, lora_fused):
             importlib.reload(module)
     yield
     if saved is not None:
         os.environ["TRITON_INTERPRET"] = saved
     if interpreted:
-        for module in (lora_shrink, lora_expand):
+        for module in (lora_shrink, lora_expand, lora_fused):
             importlib.reload(module)
 
 
@@ -140,3 +140,74 @@ def test_manager_triton_path_matches_cpu_twin_path(tiny_model, dtype):
             torch.testing.assert_close(out.float().cpu(), ref, **tol)
             rows = ids == 0
             assert torch.equal(out[rows.cuda()].cpu(), base.to(dtype)[rows])
+
+
+LLAMA3_GROUPS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
+                 "down": (14336, (4096,))}
+
+
+@pytest.mark.parametrize("proj", list(LLAMA3_GROUPS))
+@pytest.mark.parametrize("variant", [dict(split_k=2), dict(split_k=4), dict(split_k=8, block_k=256), dict(n_splits=1),
+                                     dict(n_splits=4), dict(n_splits=8, block_n=256)])
+def test_fused_llama3_decode_bf16(proj, variant):
+    """Fused launch on the Llama-3-8B decode shapes, 64 tokens on 64 distinct adapters (mixed real ranks
+    below the pool's 32: padding rows are random and must not be read), against the fp32 twin; the
+    split-K variants run twice on the same inputs and must agree bit for bit (a race would move them)."""
+    k_dim, widths = LLAMA3_GROUPS[proj]
+    gen = torch.Generator().manual_seed(len(proj))
+    ranks = torch.tensor([16, 8, 32, 24])[torch.randint(0, 4, (len(widths), 64), generator=gen)].tolist()
+    batch = make_lora_batch(64, k_dim, widths, num_slots=64, max_rank=32, slot_ranks=ranks, dtype=torch.bfloat16,
+                            device="cuda", token_slots=torch.randperm(64, generator=gen).to(torch.int32))
+    batch.token_slots[::9] = -1  # some base-model rows
+    meta = build_lora_meta(batch.token_slots, 64, 16)
+    counters = torch.zeros(meta.max_chunks * len(widths), dtype=torch.int32, device="cuda")
+    outs = []
+    for _ in range(2):
+        out = batch.out.clone()
+        lora_fused.lora_fused(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
+                              batch.max_slice_width, meta, counters=counters, **variant)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert not counters.any(), "every ticket counter returns to 0"
+    assert torch.equal(outs[0], outs[1])
+    base = batch.token_slots < 0
+    assert torch.equal(outs[0][base], batch.out[base])
+    torch.testing.assert_close(outs[0].float(), _reference(batch).float(), **TOL[torch.bfloat16])
+
+
+def test_fused_split_k_under_cuda_graph_replay():
+    """The last-arriver counters are shared by all launches of a step and must be reset inside the graph too."""
+    gen = torch.Generator().manual_seed(3)
+    batch = make_lora_batch(32, 14336, (4096,), num_slots=16, max_rank=16, mix="zipf", dtype=torch.bfloat16,
+                            device="cuda", seed=3)
+    cfg = choose_config(32, 16, 16, 16, 14336, 1, 4096)
+    assert cfg.fused and cfg.fused_split_k > 1
+    slots_buf = batch.token_slots.clone()
+    meta = build_lora_meta(slots_buf, 16, cfg.block_m)  # rebuilt inside the graph below
+    counters = torch.zeros(meta.max_chunks, dtype=torch.int32, device="cuda")
+    scratch = torch.empty(cfg.fused_split_k, 1, 32, 16, dtype=torch.float32, device="cuda")
+    out = batch.out.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+
+    def step():
+        out.copy_(batch.out)
+        m = build_lora_meta(slots_buf, 16, cfg.block_m)
+        for _ in range(3):  # three "layers" on the same counters; only the last result is kept
+            out.copy_(batch.out)
+            lora_apply(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
+                       4096, m, cfg, scratch, counters)
+
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for mix in ("distinct", "identical", "skewed"):
+        slots_buf.copy_(token_slots_for(mix, 32, 16, gen).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        batch.token_slots = slots_buf.clone()
+        torch.testing.assert_close(out.float(), _reference(batch).float(), **TOL[torch.bfloat16])
+        assert not counters.any()

@@ -7,7 +7,7 @@ import pytest
 import torch
 import triton
 
-from loraplex.kernels import lora_expand, lora_shrink
+from loraplex.kernels import lora_expand, lora_fused, lora_shrink
 
 try:
     from triton.backends.compiler import GPUTarget
@@ -15,7 +15,7 @@ try:
 except ImportError:  # pragma: no cover - very old triton
     GPUTarget = ASTSource = None
 
-INT_PTRS = ("ranks_ptr", "sorted_ids_ptr", "chunk_slots_ptr", "chunk_starts_ptr", "chunk_lens_ptr", "slice_loc_ptr")
+INT_PTRS = ("cnt_ptr", "ranks_ptr", "sorted_ids_ptr", "chunk_slots_ptr", "chunk_starts_ptr", "chunk_lens_ptr", "slice_loc_ptr")
 
 
 def _compile(kernel, ptr_types: dict[str, str], constexprs: dict, **options):
@@ -43,3 +43,18 @@ def test_kernels_compile_for_sm90_in_bf16(regime):
     for compiled in (shrink, expand):
         assert compiled.asm["cubin"] and "mma" in compiled.asm["ptx"]  # tensor-core dots, not scalar loops
         assert compiled.metadata.shared <= 100 * 1024
+
+
+@pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, tests/gpu compiles and runs the kernels for real")
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_fused_kernel_compiles_for_sm90_in_bf16(split_k):
+    """Both fused variants (column split; split-K with the last-arriver ticket) build with tensor-core dots."""
+    compiled = _compile(lora_fused._lora_fused_kernel,
+                        {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "y_ptr": "*fp32",
+                         "scaling_ptr": "*fp32"},
+                        dict(SPLIT_K=split_k, BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, BLOCK_N=128,
+                             DOT_PRECISION="tf32"), num_warps=4, num_stages=3)
+    assert compiled.asm["cubin"] and "mma" in compiled.asm["ptx"]
+    assert ("atom" in compiled.asm["ptx"]) == (split_k > 1)  # the ticket exists only where K is split
+    assert compiled.metadata.shared <= 100 * 1024
