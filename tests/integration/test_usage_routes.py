@@ -1,0 +1,123 @@
+"""The usage routes in-process on the embedded default: plan administration with clear 4xx errors,
+admin-only exports, tenants seeing only their own usage, quotas refusing with insufficient_quota before
+the engine, and the CLI export matching the HTTP one."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.usage_app import usage_app
+
+
+async def test_plan_admin_validation_and_access(tmp_path):
+    async with usage_app(tmp_path) as ua:
+        c, admin = ua.client, ua.headers()
+        acme = await ua.tenant("acme", scopes=("inference", "adapters:write"))
+        # an inference key never reaches billing administration or exports
+        for method, path in (("GET", "/admin/plans"), ("POST", "/admin/plans"), ("GET", "/admin/usage/export"),
+                             ("PUT", "/admin/tenant-plans/acme")):
+            r = await c.request(method, path, headers=ua.headers(acme["key"]), json={})
+            assert r.status_code == 403, (path, r.text)
+        assert (await c.get("/admin/plans")).status_code == 401
+
+        bad = [
+            ({"name": "Bad Name"}, "name"),
+            ({"name": "p", "input_per_mtok": "-1"}, "input_per_mtok"),
+            ({"name": "p", "output_per_mtok": "abc"}, "output_per_mtok"),
+            ({"name": "p", "cached_input_per_mtok": "0.0000000001"}, "cached_input_per_mtok"),
+            ({"name": "p", "currency": "dollars"}, "currency"),
+            ({"name": "p", "monthly_token_quota": -5}, "monthly_token_quota"),
+            ({"name": "p", "adapter_surcharges": {"a": "NaN"}}, "adapter_surcharges[a]"),
+        ]
+        for body, param in bad:
+            r = await c.post("/admin/plans", json=body, headers=admin)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+        r = await c.post("/admin/plans", json={"name": "pro", "input_per_mtok": 0.1, "output_per_mtok": "0.30"},
+                         headers=admin)
+        assert r.status_code == 201 and r.json()["input_per_mtok"] == "0.1" and r.json()["output_per_mtok"] == "0.3"
+        assert (await c.post("/admin/plans", json={"name": "pro"}, headers=admin)).status_code == 409
+        r = await c.patch("/admin/plans/pro", json={"monthly_token_quota": 1000, "adapter_surcharges": {"*": "1"}},
+                          headers=admin)
+        assert r.status_code == 200 and r.json()["monthly_token_quota"] == 1000 and r.json()["input_per_mtok"] == "0.1"
+        assert (await c.get("/admin/plans/nope", headers=admin)).status_code == 404
+        assert (await c.put("/admin/tenant-plans/nobody", json={"plan": "pro"}, headers=admin)).status_code == 404
+        assert (await c.put("/admin/tenant-plans/acme", json={"plan": "nope"}, headers=admin)).status_code == 404
+        r = await c.put("/admin/tenant-plans/acme", json={"plan": "pro", "tenant_id": "x", "quota": 1}, headers=admin)
+        assert r.status_code == 200 and r.json()["plan"]["name"] == "pro"
+        assert r.json()["quota"] == {**r.json()["quota"], "monthly_token_quota": 1000, "used_tokens": 0}
+        assert (await c.delete("/admin/plans/pro", headers=admin)).status_code == 409  # in use
+        r = await c.put("/admin/tenant-plans/acme", json={"plan": None}, headers=admin)
+        assert r.json()["plan"] is None and r.json()["quota"]["monthly_token_quota"] is None
+        assert (await c.delete("/admin/plans/pro", headers=admin)).status_code == 204
+
+        for params, param in (({"group_by": "week"}, "group_by"), ({"format": "xml"}, "format"),
+                              ({"from": "yesterday"}, "from"), ({"from": "2026-02-01", "to": "2026-01-01"}, "to")):
+            r = await c.get("/admin/usage/export", params=params, headers=admin)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (params, r.text)
+            r = await c.get("/v1/usage", params=params, headers=ua.headers(acme["key"]))
+            assert r.status_code == 400 or "format" in params
+        assert (await c.get("/admin/usage/export", params={"tenant": "nobody"}, headers=admin)).status_code == 404
+        assert (await c.get("/v1/usage")).status_code == 401
+
+
+async def test_quota_usage_views_and_cli_export(tmp_path, tiny_model):
+    async with usage_app(tmp_path, model=tiny_model["model_dir"], max_model_len=256, num_kv_blocks=256) as ua:
+        c, admin = ua.client, ua.headers()
+        acme, globex = await ua.tenant("acme"), await ua.tenant("globex")
+        model = (await c.get("/v1/models", headers=ua.headers(acme["key"]))).json()["data"][0]["id"]
+        await c.post("/admin/plans", json={"name": "tiny", "input_per_mtok": "1", "output_per_mtok": "2",
+                                           "monthly_token_quota": 30}, headers=admin)
+        await c.put("/admin/tenant-plans/acme", json={"plan": "tiny"}, headers=admin)
+
+        async def complete(key, max_tokens):
+            return await c.post("/v1/completions", headers=ua.headers(key), json={
+                "model": model, "prompt": [5, 6, 7, 8, 9], "max_tokens": max_tokens, "ignore_eos": True})
+
+        assert (await complete(acme["key"], 5)).status_code == 200  # 10 of 30
+        assert (await complete(acme["key"], 5)).status_code == 200  # 20 of 30
+        r = await complete(acme["key"], 6)  # could reach 31: refused before the engine
+        assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
+        assert r.json()["error"]["type"] == "insufficient_quota" and r.headers["x-should-retry"] == "false"
+        assert (await complete(acme["key"], 5)).status_code == 200  # exactly 30: allowed
+        r = await complete(acme["key"], 1)
+        assert r.status_code == 429 and "exceeded your monthly token quota" in r.json()["error"]["message"]
+        assert (await complete(globex["key"], 5)).status_code == 200  # other tenants are unaffected
+
+        mine = (await c.get("/v1/usage", params={"group_by": "key"}, headers=ua.headers(acme["key"]))).json()
+        assert mine["complete"] is True and [r["tenant"] for r in mine["data"]] == ["acme"]
+        assert mine["totals"]["requests"] == 3 and mine["totals"]["total_tokens"] == 30
+        assert mine["totals"]["cost"] == {"USD": "0.000045"}  # 15 x 1 + 15 x 2 per million
+        assert mine["quota"]["remaining_tokens"] == 0 and mine["quota"]["used_tokens"] == 30
+        theirs = (await c.get("/v1/usage", headers=ua.headers(globex["key"]))).json()
+        assert theirs["totals"]["requests"] == 1 and theirs["quota"]["monthly_token_quota"] is None
+
+        r = await c.get("/admin/usage/export", params={"group_by": "key", "format": "csv"}, headers=admin)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/csv")
+        http_csv = r.text
+        assert http_csv.splitlines()[0].startswith("tenant_id,tenant,key_id,requests")
+        r = await c.get("/admin/usage/export", params={"tenant": "acme", "format": "jsonl"}, headers=admin)
+        (row,) = [json.loads(x) for x in r.text.splitlines()]
+        assert (row["tenant"], row["requests"], row["cost"]) == ("acme", 3, "0.000045")
+
+    # the CLI reads the same database directly (server stopped: nothing is left in the spool)
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "loraplex.cli", "usage", "export", "--group-by", "key",
+                          "--format", "csv"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == http_csv
+    bad = subprocess.run([sys.executable, "-m", "loraplex.cli", "usage", "export", "--from", "nope"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "from must be an ISO 8601" in bad.stderr
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl"])
+async def test_empty_export_is_well_formed(tmp_path, fmt):
+    async with usage_app(tmp_path) as ua:
+        r = await ua.client.get("/admin/usage/export", params={"format": fmt}, headers=ua.headers())
+        assert r.status_code == 200 and r.headers["x-usage-complete"] == "true"
+        assert r.text == ("tenant_id,tenant,day,requests,completed,aborted,errors,prompt_tokens,cached_prompt_tokens,"
+                          "completion_tokens,total_tokens,currency,cost\n" if fmt == "csv" else "")
