@@ -82,7 +82,8 @@ async def _collect(request: Request, prep: Prepared, on_delta) -> None:
         if not work.done():
             work.cancel()
             prep.generation.close()
-    if work.cancelled():
+    # cancel() only requests cancellation: the task is not done yet, and result() would raise
+    if not work.done() or work.cancelled():
         raise ApiError(499, "client disconnected", code="client_closed_request")
     try:
         work.result()
