@@ -66,6 +66,10 @@ class Sampler:
             flags = 0
             for p in params:
                 flags |= p.sampler_flags
+        if not flags & (SAMPLE_RANDOM | SAMPLE_PENALTIES | SAMPLE_LOGPROBS):
+            # all greedy, nothing else asked: the argmax and its logprob (max - logsumexp), three ops
+            top, token_ids = logits.max(dim=-1)
+            return SamplerOutput(token_ids, top - torch.logsumexp(logits, dim=-1), None, None, None)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         rows = get_rows() if flags & (SAMPLE_PENALTIES | SAMPLE_SEEDED) else None
         if flags & SAMPLE_PENALTIES:

@@ -227,13 +227,21 @@ class Scheduler:
                 continue
             token_ids = sampled_ids[req.seq_id]
             assert len(token_ids) == s.num_samples
-            if s.num_samples == 1:
-                samples = (req,)
-            else:
-                samples = [req] + [self._fork(req, i) for i in range(1, s.num_samples)]
-                req.num_pending_forks = 0
             logprobs = logprobs_of.get(req.seq_id) if logprobs_of else None
             sampled_logprobs = sampled_lps.get(req.seq_id)
+            if s.num_samples == 1 and logprobs is None:  # the common decode: one token, no top-N logprobs
+                req.append_token(token_ids[0])
+                if sampled_logprobs is not None:
+                    req.cumulative_logprob += sampled_logprobs[0]
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                status = req.check_stop(max_model_len)
+                if status is not None:
+                    self._finish(req, status)
+                touched.append(req)
+                continue
+            samples = [req] + [self._fork(req, i) for i in range(1, s.num_samples)]
+            req.num_pending_forks = 0
             for k, (sample, token_id) in enumerate(zip(samples, token_ids)):
                 sample.append_token(token_id)
                 if sampled_logprobs is not None:

@@ -93,3 +93,24 @@ def test_penalties_move_greedy_choice_away_from_seen_tokens():
     out = s(logits, _rows(SamplingParams(temperature=0, presence_penalty=0.2, logprobs=2), 1, output=[0]))
     assert out.logprobs.item() == pytest.approx(torch.log_softmax(logits, -1)[0, 1].item())
     assert out.ranks.item() == 2
+
+
+def test_feature_flags_pick_the_path_and_every_path_reports_raw_logprobs():
+    """The greedy-only fast path (no per-row work) and the general path agree on tokens and logprobs;
+    a batch mixing greedy and random rows samples only the random ones."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=gen) * 3
+    raw = torch.log_softmax(logits, -1)
+    s = Sampler(torch.device("cpu"))
+    fast = s(logits, _rows(SamplingParams(temperature=0), 6))
+    general = s(logits, _rows(SamplingParams(temperature=0, logprobs=0), 6))
+    assert fast.ranks is None and general.ranks.tolist() == [1] * 6
+    assert fast.token_ids.tolist() == general.token_ids.tolist() == logits.argmax(-1).tolist()
+    assert torch.allclose(fast.logprobs, raw.max(-1).values, atol=1e-6)
+    assert torch.allclose(general.logprobs, raw.max(-1).values, atol=1e-6)
+    assert SamplingParams(temperature=0).sampler_flags == 0
+    mixed = s(logits, [SampleRow(SamplingParams(temperature=0), 0, 0, [1], []) if i % 2 else
+                       SampleRow(SamplingParams(temperature=50.0), 0, 0, [1], []) for i in range(6)])
+    greedy_rows = mixed.token_ids[1::2].tolist()
+    assert greedy_rows == logits[1::2].argmax(-1).tolist()
+    assert torch.allclose(mixed.logprobs, raw.gather(1, mixed.token_ids[:, None]).squeeze(1), atol=1e-6)
