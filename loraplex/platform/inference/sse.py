@@ -6,6 +6,7 @@ then not be closed until garbage collection. The callback aborts the engine requ
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Callable
 
@@ -22,12 +23,36 @@ def sse_event(payload: msgspec.Struct | dict) -> bytes:
     return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
+# after a disconnect, a write to a closing transport is dropped silently (uvicorn and asyncio both just
+# return); a chunk sent then would be billed but never delivered
+_PARK_S = 60.0
+
+
+def _connection_gone(receive) -> Callable[[], bool] | None:
+    """When served by uvicorn: a check that the client's connection is closing (the transport is reached
+    through the server's per-request object behind ``receive``); None for other servers."""
+    cycle = getattr(receive, "__self__", None)
+    transport = getattr(cycle, "transport", None)
+    if transport is None or not hasattr(transport, "is_closing"):
+        return None
+    return lambda: transport.is_closing() or bool(getattr(cycle, "disconnected", False))
+
+
 class _ClosingStreamingResponse(ASGIStreamingResponse):
     __slots__ = ("on_close",)
 
     async def send_body(self, send, receive) -> None:
+        gone = _connection_gone(receive)
+
+        async def send_if_connected(message) -> None:
+            # usage counts a chunk once its send returns (the generator resumes); a chunk that cannot
+            # reach the client must not return: park until the disconnect listener cancels the stream
+            if gone is not None and gone():
+                await asyncio.sleep(_PARK_S)
+            await send(message)
+
         try:
-            await super().send_body(send, receive)
+            await super().send_body(send_if_connected, receive)
         finally:
             self.on_close()
 
