@@ -303,6 +303,13 @@ def test_another_tenants_adapter_and_usage_are_unreachable(server):
     before = _usage_totals(server, other["key"])
     intruder = oai(server, other["key"], max_retries=0)
     assert "secret-tune" not in [m.id for m in intruder.models.list()]
+    assert owner_client.models.retrieve("secret-tune").id == "secret-tune"
+    public = [m.id for m in intruder.models.list() if "/" in m.id]  # e.g. the demo's admin/adapter-0
+    if public:
+        assert intruder.models.retrieve(public[0]).id == public[0]
+    for name in ("secret-tune", "owner-co/secret-tune"):
+        with pytest.raises(openai.NotFoundError):
+            intruder.models.retrieve(name)
     bodies = []
     for name in ("secret-tune", "owner-co/secret-tune", "owner-co/secret-tune@1", "no-such-adapter"):
         with pytest.raises(openai.NotFoundError) as err:
