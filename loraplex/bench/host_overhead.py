@@ -138,6 +138,11 @@ def _run(num_requests: int = 256, context: int = 1024, steps: int = 300, warmup:
             "cpu_count": os.cpu_count(), "load_average_1m": load}
 
 
+def _load(result: dict) -> str:
+    load = result["load_average_1m"]
+    return "n/a" if load is None else f"{load:.2f}"
+
+
 def _quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -152,7 +157,7 @@ def render_markdown(result: dict, command: str) -> str:
         f"{'padded to the CUDA-graph bucket' if result['graph_padding'] else 'eager layout (no padding)'}; "
         f"{result['steps']} timed steps, torch {result['torch']}; block-table rows rewritten per step: "
         f"{result['block_table_row_writes_per_step']:.1f} of {result['num_requests']}.", "",
-        f"Machine: {result['cpu_count']} CPU cores, 1-minute load average {result['load_average_1m']} while it ran.",
+        f"Machine: {result['cpu_count']} CPU cores, 1-minute load average {_load(result)} while it ran.",
         "Wall time includes waiting for a core when the machine is busy; thread CPU time "
         "(`time.thread_time_ns`) counts only the time this thread ran.", "",
         "| phase | wall median µs | wall p90 µs | thread CPU median µs |", "|---|---:|---:|---:|",

@@ -7,9 +7,10 @@ seeded request gets the same tokens whatever else is in the batch, and after pre
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from loraplex.engine.sampling_params import (
@@ -30,8 +31,8 @@ class SampleRow:
     params: SamplingParams
     index: int  # sample index (of n)
     num_output_tokens: int  # before this token
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    prompt_token_ids: Sequence[int]  # a list, or an int64 numpy array
+    output_token_ids: Sequence[int]
 
 
 @dataclass
@@ -134,13 +135,19 @@ class Sampler:
         # Gumbel-max in exponential form: argmax p / E with E ~ Exp(1) samples from p
         return (probs / noise).argmax(dim=-1)
 
-def _token_counts(token_lists: list[list[int]], vocab: int, device) -> torch.Tensor:
-    """[len(token_lists), vocab] float32 occurrence counts (padding goes to a dropped extra column)."""
-    width = max(1, max(len(t) for t in token_lists))
-    padded = torch.tensor([t + [vocab] * (width - len(t)) for t in token_lists], dtype=torch.long, device=device)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
-    return counts[:, :vocab]
+
+def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
+    """[len(token_lists), vocab] float32 occurrence counts, with one scatter. A row may be a numpy array
+    (the step sampler passes each request's prompt as an array it keeps, so a long prompt is not turned
+    into a tensor again every step)."""
+    arrays = [t if isinstance(t, np.ndarray) else np.asarray(t, dtype=np.int64) for t in token_lists]
+    lens = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+    flat = np.concatenate(arrays, dtype=np.int64) if lens.sum() else np.zeros(0, dtype=np.int64)
+    index = np.repeat(np.arange(len(arrays), dtype=np.int64) * vocab, lens) + flat
+    counts = torch.zeros(len(arrays) * vocab, device=device)
+    index_t = torch.from_numpy(index).to(device, non_blocking=True)
+    counts.index_add_(0, index_t, torch.ones(index.size, device=device))
+    return counts.view(len(arrays), vocab)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

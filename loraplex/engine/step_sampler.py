@@ -25,6 +25,8 @@ class StepSampler:
         self.compute_logits = compute_logits  # [N, H] hidden -> [N, V] float32 logits
         self.sampler = sampler
         self.device = torch.device(device)
+        self._prompt_arrays: dict[int, np.ndarray] = {}  # seq_id -> prompt ids, for penalized requests
+        self._max_cached_prompts = 4096
 
     def __call__(self, out: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
@@ -59,6 +61,15 @@ class StepSampler:
                                     req.token_ids[first + 1:end + 1]))
         return prompt_rows
 
+    def _prompt_array(self, req) -> np.ndarray:
+        """The request's prompt as an int64 array, made once (penalties count the prompt every step)."""
+        arr = self._prompt_arrays.get(req.seq_id)
+        if arr is None:
+            if len(self._prompt_arrays) >= self._max_cached_prompts:
+                self._prompt_arrays.clear()  # finished requests' arrays; live ones are rebuilt on demand
+            arr = self._prompt_arrays[req.seq_id] = np.asarray(req.prompt_token_ids, dtype=np.int64)
+        return arr
+
     def _collect_samples(self, sampled: list, logits: torch.Tensor, result: ModelRunnerOutput, flags: int) -> None:
         reqs = [s.request for s in sampled]
         counts = [s.num_samples for s in sampled]
@@ -70,7 +81,7 @@ class StepSampler:
 
         def rows() -> list[SampleRow]:
             index = sample_index or [r.index for r in sample_reqs]
-            return [SampleRow(r.sampling_params, i, r.num_output_tokens, r.prompt_token_ids, r.output_token_ids)
+            return [SampleRow(r.sampling_params, i, r.num_output_tokens, self._prompt_array(r), r.output_token_ids)
                     for r, i in zip(sample_reqs, index)]
 
         out = self.sampler.sample(logits, [r.sampling_params for r in sample_reqs], rows, flags)

@@ -114,3 +114,25 @@ def test_feature_flags_pick_the_path_and_every_path_reports_raw_logprobs():
     greedy_rows = mixed.token_ids[1::2].tolist()
     assert greedy_rows == logits[1::2].argmax(-1).tolist()
     assert torch.allclose(mixed.logprobs, raw.gather(1, mixed.token_ids[:, None]).squeeze(1), atol=1e-6)
+
+
+def test_repetition_penalty_through_the_engine_matches_hf(llm, hf_llama):
+    """The step sampler's cached prompt arrays and the one-scatter token counts give Hugging Face's
+    greedy tokens under a repetition penalty (prompt and output tokens), next to unpenalized requests."""
+    prompt = [1] + [40 + (i * 7) % 23 for i in range(30)]  # repeated tokens in the prompt
+    penalized = SamplingParams(max_tokens=12, temperature=0, repetition_penalty=1.5, ignore_eos=True)
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": prompt}, {"prompt_token_ids": prompt}], [plain, penalized])
+    ids = torch.tensor([prompt])
+    saved = hf_llama.generation_config.eos_token_id
+    hf_llama.generation_config.eos_token_id = None  # like ignore_eos (see conftest.hf_greedy)
+    try:
+        with torch.no_grad():
+            want = hf_llama.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                     do_sample=False, repetition_penalty=1.5,
+                                     pad_token_id=hf_llama.config.pad_token_id)[0, len(prompt):].tolist()
+    finally:
+        hf_llama.generation_config.eos_token_id = saved
+    assert len(want) == 12
+    assert outs[1].outputs[0].token_ids == want
+    assert outs[0].outputs[0].token_ids != want  # the penalty changed something
