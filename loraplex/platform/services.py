@@ -8,6 +8,7 @@ import hmac
 import logging
 import os
 import secrets
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,9 @@ class Services:
     draining: bool = False
     extras: dict[str, object] = field(default_factory=dict)  # per-area state (e.g. "registry")
     background: set[asyncio.Task] = field(default_factory=set)
+    # the one thread that runs the HTTP side's tokenizer (see inference/pipeline.py)
+    tokenizer_executor: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-tokenizer"))
     quota: QuotaGate = field(default_factory=NoQuota)  # replaced by the usage area's quota tracker
 
     def spawn(self, coro, name: str | None = None) -> asyncio.Task:

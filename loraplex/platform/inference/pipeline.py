@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -23,8 +24,6 @@ from loraplex.platform.inference.validation import (
 
 log = logging.getLogger(__name__)
 
-# tokenizing in a worker thread only pays off for long inputs
-_THREAD_TOKENIZE_CHARS = 20_000
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
@@ -35,10 +34,11 @@ class Prepared:
     prompt_texts: list[str | None]  # for echo
 
 
-async def _encode(engine, text: str) -> list[int]:
-    if len(text) > _THREAD_TOKENIZE_CHARS:
-        return await asyncio.to_thread(engine.encode, text)
-    return engine.encode(text)
+async def _tokenize(services, fn, *args) -> list[int]:
+    """Every tokenizer call runs on the one tokenizer thread: never on the event loop (a long prompt
+    would stall every stream), and never two at once (a fast tokenizer is not safe across threads)."""
+    loop = asyncio.get_running_loop()
+    return list(await loop.run_in_executor(services.tokenizer_executor, functools.partial(fn, *args)))
 
 
 def _check_ids(ids: list[int], engine, param: str) -> list[int]:
@@ -50,10 +50,11 @@ def _check_ids(ids: list[int], engine, param: str) -> list[int]:
     return ids
 
 
-async def completion_prompts(req: s.CompletionRequest, engine) -> tuple[list[list[int]], list[str | None]]:
+async def completion_prompts(req: s.CompletionRequest, services) -> tuple[list[list[int]], list[str | None]]:
+    engine = services.engine
     p = req.prompt
     if isinstance(p, str):
-        return [await _encode(engine, p)], [p]
+        return [await _tokenize(services, engine.encode, p)], [p]
     if not p:
         raise bad_request("prompt must not be empty.", param="prompt")
     if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
@@ -61,7 +62,7 @@ async def completion_prompts(req: s.CompletionRequest, engine) -> tuple[list[lis
     if all(isinstance(x, str) for x in p):
         if len(p) > MAX_PROMPTS:
             raise bad_request(f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
-        return [await _encode(engine, x) for x in p], list(p)
+        return [await _tokenize(services, engine.encode, x) for x in p], list(p)
     if all(isinstance(x, list) for x in p):
         if len(p) > MAX_PROMPTS:
             raise bad_request(f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
@@ -72,7 +73,7 @@ async def completion_prompts(req: s.CompletionRequest, engine) -> tuple[list[lis
                       "token-id lists.", param="prompt")
 
 
-async def chat_prompt(req: s.ChatCompletionRequest, engine) -> list[int]:
+async def chat_prompt(req: s.ChatCompletionRequest, services) -> list[int]:
     if not req.messages:
         raise bad_request("messages must contain at least one message.", param="messages")
     messages = []
@@ -92,10 +93,7 @@ async def chat_prompt(req: s.ChatCompletionRequest, engine) -> list[int]:
         else:
             content = m.content or ""
         messages.append({"role": role, "content": content})
-    total = sum(len(m["content"]) for m in messages)
-    if total > _THREAD_TOKENIZE_CHARS:
-        return await asyncio.to_thread(engine.apply_chat_template, messages, True)
-    return engine.apply_chat_template(messages, True)
+    return await _tokenize(services, services.engine.apply_chat_template, messages, True)
 
 
 async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]], texts: list[str | None],

@@ -108,7 +108,7 @@ async def create_completion(request: Request, data: s.CompletionRequest) -> Resp
         raise ApiError(400, "best_of is not supported (use n).", param="best_of", code="unsupported")
     if data.suffix:
         raise ApiError(400, "suffix is not supported.", param="suffix", code="unsupported")
-    prompts, texts = await completion_prompts(data, engine)
+    prompts, texts = await completion_prompts(data, request.app.state.services)
     if data.echo and any(t is None for t in texts):
         raise ApiError(400, "echo needs string prompts.", param="echo", code="unsupported")
     prep = await prepare(request, data, "completions", prompts, texts, resolved, principal,
@@ -191,7 +191,7 @@ async def create_chat_completion(request: Request, data: s.ChatCompletionRequest
         if not 0 <= data.top_logprobs <= 20:
             raise ApiError(400, "top_logprobs must be between 0 and 20.", param="top_logprobs")
         top_n = data.top_logprobs
-    prompt = await chat_prompt(data, engine)
+    prompt = await chat_prompt(data, request.app.state.services)
     max_tokens, param = data.max_tokens, "max_tokens"
     if data.max_completion_tokens is not None:
         max_tokens, param = data.max_completion_tokens, "max_completion_tokens"
