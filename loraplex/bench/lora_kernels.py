@@ -314,6 +314,150 @@ def bench_decode_step(shapes, num_tokens: int, rank: int, device, dtype, copy_bw
     return result
 
 
+def _graph_seconds(fn, device, reps: int) -> float:
+    """Median seconds of one replay of a CUDA graph of ``fn`` (no host launch cost in the figure)."""
+    if device.type != "cuda":
+        return _median_seconds(fn, device, reps)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def step_sweep(shapes, num_tokens: int, ranks, device, dtype, copy_bw: float, reps: int) -> dict:
+    """Each projection's launches over all layers as one CUDA graph (as the engine runs them: no host launch
+    cost, distinct weights per layer so nothing is served from L2 across layers), for the two-launch path
+    and fused configurations; then the whole step with the fastest configuration per projection."""
+    from loraplex.adapters.mapping import LoRAStep
+    from loraplex.adapters.modules import PROJ_MODULES
+    from loraplex.adapters.slot_pool import SlotPool
+    from loraplex.kernels.lora_ops import lora_apply
+
+    elem = torch.finfo(dtype).bits // 8
+    result = {"tokens": num_tokens, "adapters": num_tokens, "layers": shapes.num_layers, "groups": [], "steps": []}
+    best_r16: dict = {}
+    def one_rank(rank: int) -> None:
+        pool = SlotPool(shapes, num_tokens, rank, device, dtype)
+        gen = torch.Generator(device=device).manual_seed(rank)
+        for t in (*pool.a.values(), *pool.bt.values()):
+            t.normal_(0.0, 0.02, generator=gen)
+        pool.ranks.fill_(rank)
+        pool.scaling.fill_(2.0)
+        step = LoRAStep(pool, torch.arange(num_tokens, dtype=torch.int32, device=device), num_tokens, True)
+        scratch = torch.empty(8, 3, num_tokens, rank, dtype=torch.float32, device=device)
+        xs = {p: torch.randn(num_tokens, shapes.proj_in(p), dtype=dtype, device=device) for p in PROJ_MODULES}
+        outs = {p: torch.randn(num_tokens, sum(shapes.slice_widths(p)), dtype=dtype, device=device)
+                for p in PROJ_MODULES}
+
+        def run_group(p, cfg):
+            width = max(shapes.slice_widths(p))
+            for layer in range(shapes.num_layers):
+                a, bt, rk = pool.layer_view(p, layer)
+                lora_apply(xs[p], outs[p], a, bt, rk, pool.scaling, pool.slice_loc[p], width, step._meta, cfg,
+                           scratch, step._counters)
+
+        for p in PROJ_MODULES:
+            base = step._configs[p]
+            nbytes = (pool.a[p][0].numel() + pool.bt[p][0].numel()
+                      + num_tokens * (xs[p].shape[1] + 2 * outs[p].shape[1])) * elem  # per layer
+            cands = [("two-launch", dataclasses.replace(base, fused=False))]
+            if rank == ranks[0]:
+                for tile in (256, 512, 1024):
+                    for warps in (4, 8):
+                        common = dict(fused=True, fused_block_k=tile, fused_block_n=tile, fused_warps=warps,
+                                      fused_stages=3 if tile <= 256 else 2)
+                        cands += [(f"ns{ns}", dataclasses.replace(base, fused_split_k=1, fused_n_splits=ns, **common))
+                                  for ns in (1, 2, 4)]
+                        cands += [(f"sk{sk}", dataclasses.replace(base, fused_split_k=sk, fused_n_splits=1, **common))
+                                  for sk in (2, 4)]
+            else:
+                cands += [(name, c) for name, c, _ in best_r16.get(p, [])]
+            rows = []
+            for name, cfg in cands:
+                try:
+                    seconds = _graph_seconds(lambda p=p, cfg=cfg: run_group(p, cfg), device, reps) / shapes.num_layers
+                except Exception as exc:  # a tile set over the shared-memory limit: skip it
+                    log.warning("%s r%d %s %s failed: %s", p, rank, name, _fused_summary(cfg),
+                                str(exc).splitlines()[0][:160])
+                    torch.cuda.synchronize()
+                    continue
+                row = {"rank": rank, "proj": p, "variant": name,
+                       "config": _fused_summary(cfg) if cfg.fused else "two-launch", "us_per_layer": seconds * 1e6,
+                       "bytes_per_layer": nbytes, "pct_copy_bw": 100 * nbytes / seconds / copy_bw}
+                rows.append((seconds, name, cfg, row))
+                log.info("%s", row)
+            rows.sort(key=lambda r: r[0])
+            result["groups"] += [r[3] for r in rows]
+            if rank == ranks[0]:
+                best_r16[p] = [(n, c, s) for s, n, c, _ in rows if c.fused][:3]
+        # whole step per policy: two-launch, and the fastest measured configuration per projection
+        for policy in ("two-launch", "fastest"):
+            cfgs = {}
+            for p in PROJ_MODULES:
+                if policy == "two-launch":
+                    cfgs[p] = dataclasses.replace(step._configs[p], fused=False)
+                else:
+                    mine = [r for r in result["groups"] if r["rank"] == rank and r["proj"] == p]
+                    top = min(mine, key=lambda r: r["us_per_layer"])
+                    cfgs[p] = (dataclasses.replace(step._configs[p], fused=False) if top["config"] == "two-launch"
+                               else dataclasses.replace(step._configs[p], fused=True, **top["config"]))
+
+            def run_step(cfgs=cfgs):
+                for layer in range(shapes.num_layers):
+                    for p in PROJ_MODULES:
+                        a, bt, rk = pool.layer_view(p, layer)
+                        lora_apply(xs[p], outs[p], a, bt, rk, pool.scaling, pool.slice_loc[p],
+                                   max(shapes.slice_widths(p)), step._meta, cfgs[p], scratch, step._counters)
+
+            seconds = _graph_seconds(run_step, device, reps)
+            lora_bytes = pool.num_bytes
+            row = {"rank": rank, "policy": policy, "time_ms": seconds * 1e3, "lora_bytes": lora_bytes,
+                   "floor_ms": lora_bytes / copy_bw * 1e3, "pct_copy_bw": 100 * lora_bytes / seconds / copy_bw,
+                   "launches": shapes.num_layers * sum(1 if c.fused else 2 for c in cfgs.values()),
+                   "configs": {p: _fused_summary(c) if c.fused else "two-launch" for p, c in cfgs.items()}}
+            result["steps"].append(row)
+            log.info("STEP %s", row)
+    for rank in ranks:
+        one_rank(rank)
+        torch.cuda.empty_cache()
+    return result
+
+
+def _step_sweep_markdown(payload: dict) -> str:
+    sw = payload["step_sweep"]
+    lines = [f"# LoRA decode step sweep ({payload['environment']['device_name']})", "", "Command:", "", "```",
+             payload["command"], "```", "",
+             f"Copy bandwidth: **{payload['copy_bandwidth_gb_s']:.0f} GB/s**. {sw['tokens']} tokens on "
+             f"{sw['adapters']} distinct adapters, {sw['layers']} layers; every figure is a CUDA-graph replay.", "",
+             "## Whole decode step (all 7 modules, all layers)", "",
+             "| rank | policy | launches | time (ms) | floor (ms) | % copy BW | configs |", "|---|---|---|---|---|---|---|"]
+    for r in sw["steps"]:
+        lines.append(f"| {r['rank']} | {r['policy']} | {r['launches']} | {r['time_ms']:.3f} | {r['floor_ms']:.3f} | "
+                     f"{r['pct_copy_bw']:.1f} | {json.dumps(r['configs'])} |")
+    lines += ["", "## Per projection (all layers in one graph; time per layer, fastest first)", "",
+              "| rank | proj | variant | us / layer | MB / layer | % copy BW | config |", "|---|---|---|---|---|---|---|"]
+    for r in sw["groups"]:
+        lines.append(f"| {r['rank']} | {r['proj']} | {r['variant']} | {r['us_per_layer']:.2f} | "
+                     f"{r['bytes_per_layer'] / 1e6:.2f} | {r['pct_copy_bw']:.1f} | {json.dumps(r['config'])} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
 def _markdown(payload: dict) -> str:
     env, step = payload["environment"], payload["decode_step"]
     lines = [f"# LoRA shrink/expand microbenchmark ({env['device_name']})", "", "Command:", "", "```",
@@ -368,6 +512,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-two-launch", action="store_true",
                         help="with --sweep: also sweep the two-launch shrink / expand (slow: ~190 configs per shape)")
     parser.add_argument("--skip-prefill", action="store_true", help="decode shapes only")
+    parser.add_argument("--step-sweep", action="store_true",
+                        help="only: per-projection and whole-step CUDA-graph timings of the two-launch path and fused "
+                             "configurations (decode, 64 tokens on 64 adapters, ranks 16 and 64)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from loraplex.adapters.modules import BaseShapes
@@ -386,6 +533,21 @@ def main(argv: list[str] | None = None) -> int:
         regimes, ranks, step_tokens, copy_bytes = [("decode", 64, 64), ("prefill", 8192, 8)], [16, 64], 64, 1 << 30
     copy_bw = measure_copy_bandwidth(device, copy_bytes)
     log.info("copy bandwidth %.0f GB/s", copy_bw / 1e9)
+    if args.step_sweep:
+        import triton
+
+        sweep = step_sweep(shapes, step_tokens, [16, 64] if not args.smoke else [16], device, dtype, copy_bw, reps)
+        env = {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+               "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype).replace("torch.", "")}
+        payload = {"command": "python -m loraplex.bench.lora_kernels " + " ".join(
+            shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)), "environment": env,
+            "copy_bandwidth_gb_s": copy_bw / 1e9, "step_sweep": sweep}
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+        out.with_suffix(".md").write_text(_step_sweep_markdown(payload))
+        log.info("wrote %s", out)
+        return 0
     if args.skip_prefill:
         regimes = [r for r in regimes if r[0] == "decode"]
     best_fused: dict = {}

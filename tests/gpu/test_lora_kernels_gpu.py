@@ -148,7 +148,10 @@ LLAMA3_GROUPS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_
 
 @pytest.mark.parametrize("proj", list(LLAMA3_GROUPS))
 @pytest.mark.parametrize("variant", [dict(split_k=2), dict(split_k=4), dict(split_k=8, block_k=256), dict(n_splits=1),
-                                     dict(n_splits=4), dict(n_splits=8, block_n=256)])
+                                     dict(n_splits=4), dict(n_splits=8, block_n=256),
+                                     # the large tiles the decode policy uses (few loop trips per program)
+                                     dict(n_splits=2, block_k=1024, block_n=1024, num_warps=8, num_stages=2),
+                                     dict(split_k=4, block_k=512, block_n=512, num_warps=4, num_stages=2)])
 def test_fused_llama3_decode_bf16(proj, variant):
     """Fused launch on the Llama-3-8B decode shapes, 64 tokens on 64 distinct adapters (mixed real ranks
     below the pool's 32: padding rows are random and must not be read), against the fp32 twin; the
