@@ -231,3 +231,31 @@ async def test_quota_counts_ledger_pending_and_reservations(db_url, tmp_path):
         sink.spool.close()
         async with sessions() as s:
             assert await s.scalar(select(func.count()).select_from(UsageRecord)) == 1
+
+
+async def test_quota_with_database_down_uses_last_known_values_else_503(db_url, bad_url, tmp_path):
+    from loraplex.platform.db import make_engine, make_session_factory
+
+    async with migrated(db_url) as sessions:
+        tid = await add_tenant(sessions, "acme")
+        async with sessions() as s:
+            await plans.create_plan(s, "small", {"monthly_token_quota": 100})
+            await plans.set_tenant_plan(s, "acme", {"plan": "small"})
+        sink = LedgerSink(sessions, tmp_path / "spool")
+        sink.spool.open()
+        who = Principal(tenant_id=tid, tenant_name="acme", key_id="k", scopes=frozenset({"inference"}))
+        quota = QuotaTracker(sessions, sink, ledger_ttl_s=0, plan_ttl_s=0)  # every call asks the database
+        await sink.record(event("q1", tid, prompt=60, completion=0))
+        await sink.drain_once()
+        assert await quota.reserve(who, 40) is not None
+        down = make_engine(bad_url)
+        quota.sessions = make_session_factory(down)
+        with pytest.raises(ApiError) as err:  # the last known state still says 60 used + 40 reserved
+            await quota.reserve(who, 1)
+        assert err.value.code == "insufficient_quota"
+        fresh = QuotaTracker(make_session_factory(down), sink)
+        with pytest.raises(ApiError) as err:
+            await fresh.reserve(who, 1)
+        assert err.value.status_code == 503 and err.value.code == "quota_unavailable"
+        await down.dispose()
+        sink.spool.close()

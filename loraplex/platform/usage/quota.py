@@ -42,6 +42,16 @@ def insufficient_quota(quota: int, used: int, needed: int) -> ApiError:
                     headers={"x-should-retry": "false"})
 
 
+def _stale(hit: tuple | None, exc: Exception) -> tuple:
+    """The database is unreachable: an expired cache entry beats refusing everyone; without one, 503."""
+    if hit is None:
+        log.warning("quota lookup failed and nothing is cached: %s", exc)
+        raise ApiError(503, "Quota information is unavailable; retry shortly.", type="server_error",
+                       code="quota_unavailable", headers={"Retry-After": "5"}) from exc
+    log.warning("quota lookup failed (%s); using the last known value", exc)
+    return hit
+
+
 @dataclass
 class Reservation:
     tenant_id: str
@@ -87,8 +97,11 @@ class QuotaTracker:
         hit = self._quotas.get(tenant_id)
         if hit is not None and hit[0] > self._now_s():
             return hit[1]
-        async with self.sessions() as session:
-            _, quota = await tenant_billing(session, tenant_id)
+        try:
+            async with self.sessions() as session:
+                _, quota = await tenant_billing(session, tenant_id)
+        except Exception as exc:
+            return _stale(hit, exc)[1]
         self._quotas[tenant_id] = (self._now_s() + self.plan_ttl_s, quota)
         return quota
 
@@ -99,7 +112,10 @@ class QuotaTracker:
         hit = self._ledger.get(key)
         if hit is None or hit[0] <= self._now_s():
             marker = self._ingested[key]
-            total = await tokens_used(self.sessions, tenant_id, start, end)
+            try:
+                total = await tokens_used(self.sessions, tenant_id, start, end)
+            except Exception as exc:
+                total = _stale(hit, exc)[1] + self._ingested[key] - _stale(hit, exc)[2]
             # ingested-since counts only what lands after this load; a commit racing the load is
             # counted twice until the entry expires (errs on the side of the quota)
             hit = (self._now_s() + self.ledger_ttl_s, total, marker)
