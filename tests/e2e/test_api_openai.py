@@ -325,3 +325,29 @@ def test_another_tenants_adapter_and_usage_are_unreachable(server):
     assert owner_usage["requests"] >= 1
     # the intruder's usage never shows the owner's requests
     assert _usage_totals(server, other["key"])["completion_tokens"] == before["completion_tokens"]
+
+
+def test_concurrent_long_prompts_are_tokenized_safely(server, tenants):
+    """Long prompts are tokenized off the event loop, one at a time: concurrent ones all get a clean
+    answer (here a 400 for the context), never a 500 from a tokenizer used by two threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = base_model(server)
+    prompt = "river lantern " * 6000
+    headers = {"Authorization": f"Bearer {tenants['acme']['key']}"}
+
+    def call(i: int) -> int:
+        body = {"model": model, "max_tokens": 2}
+        if i % 2:
+            body["messages"] = [{"role": "user", "content": prompt}]
+            path = "/v1/chat/completions"
+        else:
+            body["prompt"] = prompt
+            path = "/v1/completions"
+        return httpx.post(server.base_url + path, json=body, headers=headers, timeout=60).status_code
+
+    with ThreadPoolExecutor(6) as pool:
+        codes = list(pool.map(call, range(6)))
+    assert codes == [400] * 6
+    r = oai(server, tenants["acme"]["key"]).completions.create(model=model, prompt="still fine", max_tokens=2)
+    assert r.usage.completion_tokens >= 1
