@@ -171,11 +171,20 @@ def _handle_db(request: Request, exc: Exception) -> Response[Any]:
     return _handle_internal(request, exc)
 
 
+def _handle_redis(request: Request, exc: Exception) -> Response[Any]:
+    """Redis (rate limits, caches) unreachable: fail closed with a 503, never admit unlimited traffic."""
+    log.warning("redis unavailable on %s %s: %s", request.method, request.url.path, exc)
+    return error_response(503, "A backing service is unavailable; retry shortly.", "server_error",
+                          code="service_unavailable", headers={"Retry-After": "2"})
+
+
 def exception_handlers() -> dict:
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
     from sqlalchemy.exc import DBAPIError
 
     return {ApiError: _handle_api_error, HTTPException: _handle_http, DBAPIError: _handle_db,
-            Exception: _handle_internal}
+            RedisConnectionError: _handle_redis, RedisTimeoutError: _handle_redis, Exception: _handle_internal}
 
 
 # declare in OpenAPI: every route can fail with these
