@@ -259,3 +259,22 @@ async def test_quota_with_database_down_uses_last_known_values_else_503(db_url, 
         assert err.value.status_code == 503 and err.value.code == "quota_unavailable"
         await down.dispose()
         sink.spool.close()
+
+
+async def test_disk_failure_keeps_events_in_memory_until_the_ledger_has_them(db_url, tmp_path):
+    import os
+
+    async with migrated(db_url) as sessions:
+        tid = await add_tenant(sessions, "acme")
+        sink = LedgerSink(sessions, tmp_path / "spool")
+        sink.spool.open()
+        await sink.record(event("s1", tid))
+        read_only = os.open(os.devnull, os.O_RDONLY)  # the disk "fails": writes to the segment raise EBADF
+        os.dup2(read_only, sink.spool._fd)
+        os.close(read_only)
+        await sink.record(event("s2", tid))  # never raises to the request
+        assert [r["request_id"] for r in sink._memory_backlog] == ["s2"]
+        await sink.record(event("s3", tid))  # the spool recovered with a new segment
+        await sink.drain_once()
+        assert sorted(await _rows(sessions)) == ["s1", "s2", "s3"] and not sink.pending
+        sink.spool.close()

@@ -12,7 +12,7 @@ from loraplex.platform.errors import ApiError, bad_request, not_found
 from loraplex.platform.models import Tenant
 from loraplex.platform.tenants import get_tenant
 from loraplex.platform.usage.models import BillingPlan, TenantPlan
-from loraplex.platform.usage.pricing import ANY_ADAPTER, parse_price, price_text
+from loraplex.platform.usage.pricing import parse_price, price_text
 
 PLAN_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 CURRENCY = re.compile(r"^[A-Z]{3}$")
@@ -129,6 +129,3 @@ async def tenant_billing(session: AsyncSession, tenant_id: str) -> tuple[Billing
     quota = row.monthly_token_quota if row.monthly_token_quota is not None else (plan.monthly_token_quota if plan else None)
     return plan, quota
 
-
-__all__ = ["ANY_ADAPTER", "create_plan", "delete_plan", "get_plan", "list_plans", "set_tenant_plan",
-           "tenant_billing", "update_plan"]

@@ -18,6 +18,7 @@ from loraplex.platform.models import SCOPE_ADMIN
 from loraplex.platform.tenants import get_tenant
 from loraplex.platform.usage import aggregate, export, plans
 from loraplex.platform.usage import schemas as w
+from loraplex.platform.usage.models import TenantPlan
 from loraplex.platform.usage.pricing import month_bounds
 from loraplex.platform.usage.quota import QuotaTracker
 from loraplex.platform.usage.sink import LedgerSink
@@ -177,8 +178,6 @@ async def _tenant_plan_out(request: Request, tenant, row) -> w.TenantPlanOut:
 
 @get("/tenant-plans/{tenant:str}", responses=_ERR, summary="A tenant's plan and quota usage")
 async def get_tenant_plan(request: Request, tenant: str = _TENANT) -> w.TenantPlanOut:
-    from loraplex.platform.usage.models import TenantPlan
-
     async with request.app.state.services.sessions() as s:
         t = await get_tenant(s, tenant)
         row = await s.get(TenantPlan, t.id)

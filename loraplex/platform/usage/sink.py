@@ -145,13 +145,8 @@ class LedgerSink:
         if not records:
             return 0
         new_ids = await insert_records(self.sessions, records)
-        new = [r for r in records if r["request_id"] in new_ids]
-        seen: set[str] = set()
-        fresh = []
-        for r in new:  # a record may repeat within a batch; count it once
-            if r["request_id"] not in seen:
-                seen.add(r["request_id"])
-                fresh.append(r)
+        # a record may repeat within a batch: each new id once
+        fresh = list({r["request_id"]: r for r in records if r["request_id"] in new_ids}.values())
         if self.on_ingested is not None and fresh:
             self.on_ingested(fresh)
         for r in records:

@@ -148,6 +148,7 @@ class Spool:
                 async with self._io:
                     await asyncio.to_thread(self._write, payload)
             except BaseException as exc:  # the waiters learn the write failed
+                self._abandon_segment()
                 if batch is not None and not batch.done():
                     batch.set_exception(exc if isinstance(exc, Exception) else OSError(str(exc)))
                 if not isinstance(exc, Exception):
@@ -155,6 +156,16 @@ class Spool:
                 continue
             if batch is not None and not batch.done():
                 batch.set_result(None)
+
+    def _abandon_segment(self) -> None:
+        """After a failed write: the next batch starts a new segment (this one may end in a torn line,
+        and lines of the failed batch that did land are harmless duplicates for the ledger)."""
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd, self._segment = None, None
 
     def _write(self, payload: bytes) -> None:
         if self._fd is None:

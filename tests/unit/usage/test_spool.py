@@ -66,11 +66,12 @@ async def test_failed_write_reaches_every_waiter(tmp_path):
     spool = Spool(tmp_path)
     spool.open()
     await spool.append({"request_id": "ok"})
-    os.close(spool._fd)  # the disk "fails": writes to this descriptor raise EBADF
+    read_only = os.open(os.devnull, os.O_RDONLY)  # the disk "fails": writes to the segment raise EBADF
+    os.dup2(read_only, spool._fd)
+    os.close(read_only)
     results = await asyncio.gather(*(spool.append({"request_id": i}) for i in range(3)), return_exceptions=True)
     assert all(isinstance(r, OSError) for r in results)
-    spool._fd = None
-    await spool.append({"request_id": "after"})  # a new segment works again
+    await spool.append({"request_id": "after"})  # the next batch starts a new segment
     await spool.rotate()
     ids = [r["request_id"] for s in spool.closed_segments() for r in read_segment(s)]
     assert ids == ["ok", "after"]
