@@ -121,3 +121,29 @@ async def test_empty_export_is_well_formed(tmp_path, fmt):
         assert r.status_code == 200 and r.headers["x-usage-complete"] == "true"
         assert r.text == ("tenant_id,tenant,day,requests,completed,aborted,errors,prompt_tokens,cached_prompt_tokens,"
                           "completion_tokens,total_tokens,currency,cost\n" if fmt == "csv" else "")
+
+
+async def test_cli_replay_moves_a_stopped_servers_spool_into_the_ledger(tmp_path):
+    from tests.unit.usage.ledger_env import event
+
+    async with usage_app(tmp_path) as ua:
+        acme = await ua.tenant("acme")
+    # a server that died with events still spooled (its lock is gone, its segments are not)
+    from loraplex.platform.usage.sink import LedgerSink
+
+    sink = LedgerSink(None, tmp_path / "usage-spool")
+    sink.spool.open()
+    for i in range(3):
+        await sink.record(event(f"cli-{i}", acme["id"], completion=i + 1))
+    await sink.record(event("cli-0", acme["id"], completion=1))  # delivered twice
+    sink.spool.close()
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    for expected in ("3 usage record(s)", "0 usage record(s)"):  # a second replay finds nothing new
+        out = subprocess.run([sys.executable, "-m", "loraplex.cli", "usage", "replay"], env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and expected in out.stdout, out.stdout + out.stderr
+    out = subprocess.run([sys.executable, "-m", "loraplex.cli", "usage", "export", "--format", "jsonl",
+                          "--tenant", "acme", "--from", "2000-01-01", "--to", "2100-01-01"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    (row,) = [json.loads(x) for x in out.stdout.splitlines()]
+    assert (row["requests"], row["completion_tokens"]) == (3, 6)

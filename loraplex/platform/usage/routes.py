@@ -212,8 +212,7 @@ async def setup(services) -> None:
     tracker.sink = sink
     await sink.start()
     services.usage = sink
-    if hasattr(services, "quota"):
-        services.quota = tracker
+    services.quota = tracker
     usage = UsageArea(sink, tracker)
     services.extras["usage"] = usage
 
