@@ -339,7 +339,23 @@ def _graph_seconds(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
-def step_sweep(shapes, num_tokens: int, ranks, device, dtype, copy_bw: float, reps: int) -> dict:
+def _two_launch_summary(cfg) -> dict:
+    return {k: getattr(cfg, k) for k in ("split_k", "block_k", "shrink_warps", "shrink_stages", "expand_splits",
+                                         "block_n", "expand_warps")}
+
+
+def _two_launch_variants(base, k_dim: int, max_slice_width: int) -> tuple[list, list]:
+    """Shrink variants (expand as in ``base``) and expand variants (shrink as in ``base``)."""
+    shrink = [(f"sk{sk}-bk{bk}-w{w}", dataclasses.replace(base, split_k=sk, block_k=bk, shrink_warps=w))
+              for sk in (2, 4, 8, 16) for bk in (128, 256) for w in (2, 4) if k_dim >= sk * bk]
+    tiles = -(-max_slice_width // 128)
+    expand = [(f"en{ns}-bn{bn}", dataclasses.replace(base, expand_splits=ns, block_n=bn))
+              for ns in (1, 2, 4, 8, 16, 32) for bn in (128, 256) if ns <= -(-tiles * 128 // bn)]
+    return shrink, expand
+
+
+def step_sweep(shapes, num_tokens: int, ranks, device, dtype, copy_bw: float, reps: int,
+               mode: str = "fused") -> dict:
     """Each projection's launches over all layers as one CUDA graph (as the engine runs them: no host launch
     cost, distinct weights per layer so nothing is served from L2 across layers), for the two-launch path
     and fused configurations; then the whole step with the fastest configuration per projection."""
@@ -351,6 +367,7 @@ def step_sweep(shapes, num_tokens: int, ranks, device, dtype, copy_bw: float, re
     elem = torch.finfo(dtype).bits // 8
     result = {"tokens": num_tokens, "adapters": num_tokens, "layers": shapes.num_layers, "groups": [], "steps": []}
     best_r16: dict = {}
+    fastest: dict = {}
     def one_rank(rank: int) -> None:
         pool = SlotPool(shapes, num_tokens, rank, device, dtype)
         gen = torch.Generator(device=device).manual_seed(rank)
@@ -359,7 +376,7 @@ def step_sweep(shapes, num_tokens: int, ranks, device, dtype, copy_bw: float, re
         pool.ranks.fill_(rank)
         pool.scaling.fill_(2.0)
         step = LoRAStep(pool, torch.arange(num_tokens, dtype=torch.int32, device=device), num_tokens, True)
-        scratch = torch.empty(8, 3, num_tokens, rank, dtype=torch.float32, device=device)
+        scratch = torch.empty(16, 3, num_tokens, rank, dtype=torch.float32, device=device)
         xs = {p: torch.randn(num_tokens, shapes.proj_in(p), dtype=dtype, device=device) for p in PROJ_MODULES}
         outs = {p: torch.randn(num_tokens, sum(shapes.slice_widths(p)), dtype=dtype, device=device)
                 for p in PROJ_MODULES}
@@ -375,8 +392,12 @@ def step_sweep(shapes, num_tokens: int, ranks, device, dtype, copy_bw: float, re
             base = step._configs[p]
             nbytes = (pool.a[p][0].numel() + pool.bt[p][0].numel()
                       + num_tokens * (xs[p].shape[1] + 2 * outs[p].shape[1])) * elem  # per layer
-            cands = [("two-launch", dataclasses.replace(base, fused=False))]
-            if rank == ranks[0]:
+            base = dataclasses.replace(base, fused=False)
+            cands = [("two-launch", base)]
+            if rank == ranks[0] and mode == "two-launch":
+                shrink_cands, expand_cands = _two_launch_variants(base, xs[p].shape[1], max(shapes.slice_widths(p)))
+                cands += shrink_cands + expand_cands
+            elif rank == ranks[0]:
                 for tile in (256, 512, 1024):
                     for warps in (4, 8):
                         common = dict(fused=True, fused_block_k=tile, fused_block_n=tile, fused_warps=warps,
@@ -397,14 +418,28 @@ def step_sweep(shapes, num_tokens: int, ranks, device, dtype, copy_bw: float, re
                     torch.cuda.synchronize()
                     continue
                 row = {"rank": rank, "proj": p, "variant": name,
-                       "config": _fused_summary(cfg) if cfg.fused else "two-launch", "us_per_layer": seconds * 1e6,
+                       "config": _fused_summary(cfg) if cfg.fused else _two_launch_summary(cfg),
+                       "us_per_layer": seconds * 1e6,
                        "bytes_per_layer": nbytes, "pct_copy_bw": 100 * nbytes / seconds / copy_bw}
                 rows.append((seconds, name, cfg, row))
                 log.info("%s", row)
+            if rank == ranks[0] and mode == "two-launch":
+                # shrink and expand are separate launches: the best of each, measured together
+                best_s = min((r for r in rows if r[1].startswith("sk") or r[1] == "two-launch"), key=lambda r: r[0])
+                best_e = min((r for r in rows if r[1].startswith("en") or r[1] == "two-launch"), key=lambda r: r[0])
+                combo = dataclasses.replace(best_s[2], expand_splits=best_e[2].expand_splits, block_n=best_e[2].block_n,
+                                            expand_warps=best_e[2].expand_warps)
+                seconds = _graph_seconds(lambda p=p, cfg=combo: run_group(p, cfg), device, reps) / shapes.num_layers
+                row = {"rank": rank, "proj": p, "variant": "combo", "config": _two_launch_summary(combo),
+                       "us_per_layer": seconds * 1e6, "bytes_per_layer": nbytes,
+                       "pct_copy_bw": 100 * nbytes / seconds / copy_bw}
+                rows.append((seconds, "combo", combo, row))
+                log.info("%s", row)
             rows.sort(key=lambda r: r[0])
+            fastest[(rank, p)] = rows[0][2]
             result["groups"] += [r[3] for r in rows]
             if rank == ranks[0]:
-                best_r16[p] = [(n, c, s) for s, n, c, _ in rows if c.fused][:3]
+                best_r16[p] = [(n, c, s) for s, n, c, _ in rows if n != "two-launch"][:3]
         # whole step per policy: two-launch, and the fastest measured configuration per projection
         for policy in ("two-launch", "fastest"):
             cfgs = {}
@@ -412,10 +447,7 @@ def step_sweep(shapes, num_tokens: int, ranks, device, dtype, copy_bw: float, re
                 if policy == "two-launch":
                     cfgs[p] = dataclasses.replace(step._configs[p], fused=False)
                 else:
-                    mine = [r for r in result["groups"] if r["rank"] == rank and r["proj"] == p]
-                    top = min(mine, key=lambda r: r["us_per_layer"])
-                    cfgs[p] = (dataclasses.replace(step._configs[p], fused=False) if top["config"] == "two-launch"
-                               else dataclasses.replace(step._configs[p], fused=True, **top["config"]))
+                    cfgs[p] = fastest[(rank, p)]
 
             def run_step(cfgs=cfgs):
                 for layer in range(shapes.num_layers):
@@ -429,7 +461,7 @@ def step_sweep(shapes, num_tokens: int, ranks, device, dtype, copy_bw: float, re
             row = {"rank": rank, "policy": policy, "time_ms": seconds * 1e3, "lora_bytes": lora_bytes,
                    "floor_ms": lora_bytes / copy_bw * 1e3, "pct_copy_bw": 100 * lora_bytes / seconds / copy_bw,
                    "launches": shapes.num_layers * sum(1 if c.fused else 2 for c in cfgs.values()),
-                   "configs": {p: _fused_summary(c) if c.fused else "two-launch" for p, c in cfgs.items()}}
+                   "configs": {p: _fused_summary(c) if c.fused else _two_launch_summary(c) for p, c in cfgs.items()}}
             result["steps"].append(row)
             log.info("STEP %s", row)
     for rank in ranks:
@@ -512,6 +544,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-two-launch", action="store_true",
                         help="with --sweep: also sweep the two-launch shrink / expand (slow: ~190 configs per shape)")
     parser.add_argument("--skip-prefill", action="store_true", help="decode shapes only")
+    parser.add_argument("--step-sweep-mode", choices=("fused", "two-launch"), default="fused",
+                        help="with --step-sweep: which configurations to try at rank 16 (rank 64 tries the 3 best)")
     parser.add_argument("--step-sweep", action="store_true",
                         help="only: per-projection and whole-step CUDA-graph timings of the two-launch path and fused "
                              "configurations (decode, 64 tokens on 64 adapters, ranks 16 and 64)")
@@ -536,7 +570,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.step_sweep:
         import triton
 
-        sweep = step_sweep(shapes, step_tokens, [16, 64] if not args.smoke else [16], device, dtype, copy_bw, reps)
+        sweep = step_sweep(shapes, step_tokens, [16, 64] if not args.smoke else [16], device, dtype, copy_bw, reps,
+                           mode=args.step_sweep_mode)
         env = {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype).replace("torch.", "")}
         payload = {"command": "python -m loraplex.bench.lora_kernels " + " ".join(

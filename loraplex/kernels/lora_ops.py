@@ -72,12 +72,16 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
         tiles = triton.cdiv(max_slice_width, block_n)
         expand_splits = min(tiles, triton.cdiv(TARGET_PROGRAMS, active_chunks * num_slices))
     fused = {}
-    if decode and max_slice_width is not None:
+    if FUSED_DECODE and decode and max_slice_width is not None:
         fused = fused_decode_policy(active_chunks, num_slices, max_rank, k_dim, max_slice_width)
     return LoRAKernelConfig(block_m=block_m, block_r=block_r, block_k=block_k, split_k=split_k, block_n=block_n,
                             shrink_warps=shrink_warps, expand_splits=expand_splits, **fused)
 
 
+# Off: on the H200 (docs/benchmarks/NOTES-lora.md) every fused configuration measured slower than the
+# two-launch path for every Llama-3-8B decode projection (rank 16: 25-100% slower per projection in a CUDA
+# graph). The kernel stays, tested, for other shapes and for later work.
+FUSED_DECODE = False
 FUSED_TARGET_PROGRAMS = 256  # ~2 per SM: each fused program streams 100+ KB, enough to keep loads in flight
 
 
