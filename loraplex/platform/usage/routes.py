@@ -5,9 +5,18 @@ sink and the quota gate on the platform's services."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from datetime import datetime
 
 from litestar import Request, Router, delete, get, patch, post, put
+from litestar.openapi.spec import (
+    OpenAPIHeader,
+    OpenAPIMediaType,
+    OpenAPIResponse,
+    OpenAPIType,
+    Operation,
+    Schema,
+)
 from litestar.params import Parameter
 from litestar.response import Stream
 
@@ -102,7 +111,25 @@ async def my_usage(request: Request, start: str | None = _FROM, end: str | None 
 # ---- admin: exports -------------------------------------------------------------------------------
 
 
-@get("/usage/export", responses=_ERR, summary="Export usage (streamed CSV or JSON lines)")
+@dataclass
+class _ExportOperation(Operation):
+    """The export's 200 is CSV or JSON lines (not JSON), with ``x-usage-complete``: say so in OpenAPI."""
+
+    def __post_init__(self) -> None:
+        ok = (self.responses or {}).get("200")
+        if isinstance(ok, OpenAPIResponse):
+            text = Schema(type=OpenAPIType.STRING)
+            ok.description = "Aggregated usage rows, streamed"
+            ok.content = {media: OpenAPIMediaType(schema=text) for media in export.MEDIA_TYPES.values()}
+            ok.headers = {
+                "x-usage-complete": OpenAPIHeader(schema=Schema(type=OpenAPIType.STRING, enum=["true", "false"]),
+                                                  description="every event of the window had reached the ledger"),
+                "content-disposition": OpenAPIHeader(schema=text, description="attachment; filename=..."),
+            }
+
+
+@get("/usage/export", responses=_ERR, summary="Export usage (streamed CSV or JSON lines)",
+     operation_class=_ExportOperation)
 async def export_usage(
     request: Request, start: str | None = _FROM, end: str | None = _TO, group_by: str = _GROUP,
     tenant: str | None = Parameter(query="tenant", default=None, max_length=64, description="name or id"),
