@@ -1,7 +1,9 @@
 """Incremental detokenization and stop strings (pure Python; the tokenizer is passed in).
 
 Decodes a small window of recent tokens each step (vLLM's prefix/read offsets), so the cost per token is
-constant and multi-byte characters split across tokens appear only once complete.
+constant and multi-byte characters split across tokens appear only once complete. ``append_batch`` does
+one step for many requests with a single Rust ``decode_batch`` call of a fast tokenizer (the same text
+as ``decode`` per window, without a Python-level call per window).
 """
 
 from __future__ import annotations
@@ -35,10 +37,16 @@ class IncrementalDetokenizer:
 
     def append(self, token_id: int) -> str:
         """Add one token; returns the newly completed text (may be empty)."""
+        prefix_window, new_window = self._push(token_id)
+        return self._apply(self._decode(prefix_window), self._decode(new_window))
+
+    def _push(self, token_id: int) -> tuple[list[int], list[int]]:
+        """Add the token; the two windows whose text the step needs (before and with the new tokens)."""
         self.token_ids.append(token_id)
         self._new_text_start = len(self.output_text)
-        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.token_ids[self.prefix_offset:])
+        return self.token_ids[self.prefix_offset:self.read_offset], self.token_ids[self.prefix_offset:]
+
+    def _apply(self, prefix_text: str, new_text: str) -> str:
         if len(new_text) <= len(prefix_text) or new_text.endswith("\ufffd"):
             return ""
         delta = new_text[len(prefix_text):]
@@ -73,3 +81,25 @@ class IncrementalDetokenizer:
         if finished:
             return len(self.output_text)
         return max(0, len(self.output_text) - self.holdback)
+
+
+def append_batch(detokenizers: list[IncrementalDetokenizer], token_ids: list[int]) -> None:
+    """``d.append(t)`` for each pair, decoding every window of one tokenizer and skip setting in one call."""
+    groups: dict[tuple[int, bool], list[int]] = {}
+    windows: list[list[int]] = []
+    for i, (d, t) in enumerate(zip(detokenizers, token_ids)):
+        windows.extend(d._push(t))
+        groups.setdefault((id(d.tokenizer), d.skip_special_tokens), []).append(i)
+    texts: list[str] = [""] * len(windows)
+    for (_, skip), members in groups.items():
+        tokenizer = detokenizers[members[0]].tokenizer
+        group_windows = [w for i in members for w in windows[2 * i:2 * i + 2]]
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # equals decode(clean_up_tokenization_spaces=False) of a fast tokenizer
+            decoded = backend.decode_batch(group_windows, skip_special_tokens=skip)
+        else:
+            decoded = [detokenizers[members[0]]._decode(w) for w in group_windows]
+        for k, i in enumerate(members):
+            texts[2 * i], texts[2 * i + 1] = decoded[2 * k], decoded[2 * k + 1]
+    for i, d in enumerate(detokenizers):
+        d._apply(texts[2 * i], texts[2 * i + 1])

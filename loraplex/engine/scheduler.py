@@ -16,6 +16,7 @@ import time
 
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.detokenizer import append_batch
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -209,6 +210,8 @@ class Scheduler:
         prompt_logprobs = result.prompt_logprobs
         sampled_ids, sampled_lps, logprobs_of = result.sampled_token_ids, result.sampled_logprobs, result.logprobs
         registers = bm.enable_prefix_caching
+        to_detokenize: list[Request] = []
+        to_check: list[Request] = []
         block_size = bm.block_size
         for s in out.scheduled:
             req = s.request
@@ -230,14 +233,14 @@ class Scheduler:
             logprobs = logprobs_of.get(req.seq_id) if logprobs_of else None
             sampled_logprobs = sampled_lps.get(req.seq_id)
             if s.num_samples == 1 and logprobs is None:  # the common decode: one token, no top-N logprobs
-                req.append_token(token_ids[0])
+                req.token_ids.append(token_ids[0])
+                if req.detokenizer is not None:
+                    to_detokenize.append(req)
                 if sampled_logprobs is not None:
                     req.cumulative_logprob += sampled_logprobs[0]
                 if req.first_token_time is None:
                     req.first_token_time = now
-                status = req.check_stop(max_model_len)
-                if status is not None:
-                    self._finish(req, status)
+                to_check.append(req)
                 touched.append(req)
                 continue
             samples = [req] + [self._fork(req, i) for i in range(1, s.num_samples)]
@@ -254,6 +257,14 @@ class Scheduler:
                 if status is not None:
                     self._finish(sample, status)
                 touched.append(sample)
+        # the common case's text, all requests in one tokenizer call, then its stop checks (stop strings
+        # read that text)
+        if to_detokenize:
+            append_batch([r.detokenizer for r in to_detokenize], [r.token_ids[-1] for r in to_detokenize])
+        for req in to_check:
+            status = req.check_stop(max_model_len)
+            if status is not None:
+                self._finish(req, status)
         return touched
 
     def _fork(self, parent: Request, index: int) -> Request:
