@@ -166,14 +166,27 @@ async def revoke_key(session: AsyncSession, kv: KV, key_id: str, tenant_id: str 
 
 
 async def bootstrap_admin(session: AsyncSession) -> str | None:
-    """On first start: the ``admin`` tenant and one admin key. Returns the key (to print once) or None."""
-    has_admin = (
-        await session.execute(select(ApiKey.id, ApiKey.scopes).join(Tenant).where(Tenant.name == ADMIN_TENANT))
-    ).all()
-    if any(SCOPE_ADMIN in (scopes or []) for _, scopes in has_admin):
+    """On first start: the ``admin`` tenant and one admin key. Returns the key (to print once) or None.
+
+    Never again once any admin key was issued (recovery: ``loraplex admin key create --tenant admin
+    --scope admin`` on the database). Replicas starting together on an empty database may race: the
+    loser of the tenant insert finds the winner's tenant and key and prints nothing."""
+
+    async def has_admin_key() -> bool:
+        rows = (await session.execute(
+            select(ApiKey.scopes).join(Tenant).where(Tenant.name == ADMIN_TENANT)
+        )).all()
+        return any(SCOPE_ADMIN in (scopes or []) for (scopes,) in rows)
+
+    if await has_admin_key():
         return None
     tenant = (await session.execute(select(Tenant).where(Tenant.name == ADMIN_TENANT))).scalars().first()
     if tenant is None:
-        tenant = await create_tenant(session, ADMIN_TENANT)
+        try:
+            tenant = await create_tenant(session, ADMIN_TENANT)
+        except ApiError:  # another replica created it a moment ago
+            if await has_admin_key():
+                return None
+            tenant = await get_tenant(session, ADMIN_TENANT)
     _, new = await create_key(session, tenant.id, scopes=[SCOPE_ADMIN], name="bootstrap")
     return new.key
