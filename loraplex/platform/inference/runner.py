@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from loraplex.engine.protocol import EngineDeadError, EngineRequest, TokenDelta
 from loraplex.engine.sampling_params import SamplingParams
@@ -20,6 +21,9 @@ from loraplex.platform.auth import Principal
 from loraplex.platform.errors import ApiError
 from loraplex.platform.hooks import STATUS_ABORTED, STATUS_COMPLETED, STATUS_ERROR, ResolvedModel, UsageEvent
 from loraplex.platform.limits import RateGrant
+
+if TYPE_CHECKING:  # services imports hooks; a runtime import here would be a cycle
+    from loraplex.platform.services import Services
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,7 @@ class _PromptState:
 
 @dataclass
 class Generation:
-    services: object  # Services (kept loose to avoid an import cycle)
+    services: Services
     principal: Principal
     model: ResolvedModel
     endpoint: str
