@@ -147,3 +147,37 @@ async def test_cli_replay_moves_a_stopped_servers_spool_into_the_ledger(tmp_path
                          capture_output=True, text=True, timeout=120)
     (row,) = [json.loads(x) for x in out.stdout.splitlines()]
     assert (row["requests"], row["completion_tokens"]) == (3, 6)
+
+
+@pytest.fixture
+def fresh_pg(postgres_url):
+    from tests.e2e.server import FreshPostgres
+
+    with FreshPostgres(postgres_url) as url:
+        yield url
+
+
+async def test_plan_change_reaches_another_replica_at_once(tmp_path, fresh_pg, redis_url):
+    """Replica b caches acme's quota; an admin change on replica a reaches b through Redis pub/sub
+    well before b's cache (5 s) would expire."""
+    import asyncio
+
+    async with usage_app(tmp_path / "a", database_url=fresh_pg, redis_url=redis_url) as a, \
+            usage_app(tmp_path / "b", database_url=fresh_pg, redis_url=redis_url) as b:
+        await a.tenant("acme")
+        admin = a.headers()
+        assert (await a.client.post("/admin/plans", json={"name": "p", "monthly_token_quota": 1000},
+                                    headers=admin)).status_code == 201
+        await a.client.put("/admin/tenant-plans/acme", json={"plan": "p"}, headers=admin)
+
+        async def quota_seen_by_b():
+            r = await b.client.get("/admin/tenant-plans/acme", headers=admin)
+            return r.json()["quota"]["monthly_token_quota"]
+
+        assert await quota_seen_by_b() == 1000  # now cached on b
+        r = await a.client.put("/admin/tenant-plans/acme", json={"monthly_token_quota": 5}, headers=admin)
+        assert r.json()["quota"]["monthly_token_quota"] == 5
+        changed_at = asyncio.get_running_loop().time()
+        while await quota_seen_by_b() != 5:
+            assert asyncio.get_running_loop().time() - changed_at < 2.0, "b kept its cached quota"
+            await asyncio.sleep(0.02)
