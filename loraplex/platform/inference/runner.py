@@ -13,7 +13,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from loraplex.engine.protocol import EngineDeadError, EngineRequest, TokenDelta
 from loraplex.engine.sampling_params import SamplingParams
@@ -21,9 +20,7 @@ from loraplex.platform.auth import Principal
 from loraplex.platform.errors import ApiError
 from loraplex.platform.hooks import STATUS_ABORTED, STATUS_COMPLETED, STATUS_ERROR, ResolvedModel, UsageEvent
 from loraplex.platform.limits import RateGrant
-
-if TYPE_CHECKING:  # services imports hooks; a runtime import here would be a cycle
-    from loraplex.platform.services import Services
+from loraplex.platform.services import Services
 
 log = logging.getLogger(__name__)
 
