@@ -4,9 +4,10 @@ Runs the engine's real host path on the CPU: ``Scheduler.schedule`` (with the bl
 cache), ``StepInputBuilder.prepare`` (padded to the CUDA-graph bucket, as the graph path does), the
 ``StepSampler`` (row selection, the ``Sampler`` on a tiny logits projection, results to host dicts) and
 ``Scheduler.update_from_output`` (append, stop checks, full-block hashing). The model forward is
-replaced by a fixed hidden-state tensor; requests carry no detokenizer (text is the engine's separate
-cost, measured elsewhere). Prompts are prefilled first through the same scheduler, so the timed steps
-are steady-state decodes at the requested context length.
+replaced by a fixed hidden-state tensor; with ``--tokenizer`` each request carries the engine's
+incremental detokenizer (text is decoded in ``update``), without it no text is made. Prompts are
+prefilled first through the same scheduler, so the timed steps are steady-state decodes at the requested
+context length.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ def add_host_overhead_args(p) -> None:
     p.add_argument("--sampling", default="greedy", choices=("greedy", "random", "penalties"),
                    help="sampling params of every request (penalties: repetition + frequency)")
     p.add_argument("--no-graph-padding", action="store_true", help="prepare as the eager path (no bucket padding)")
+    p.add_argument("--tokenizer", default=None, help="HF tokenizer directory: requests get the engine's incremental "
+                                                    "detokenizer, so `update` includes the text (default: no text)")
     p.add_argument("--out", default=None, help="markdown report path (also writes .json next to it)")
     p.add_argument("--smoke", action="store_true", help="a few small steps: checks the harness only")
 
@@ -51,8 +54,8 @@ def run_host_overhead(*args, **kwargs) -> dict:
 
 
 def _run(num_requests: int = 256, context: int = 1024, steps: int = 300, warmup: int = 30,
-                      block_size: int = 16, sampling: str = "greedy", graph_padding: bool = True,
-                      seed: int = 0) -> dict:
+         block_size: int = 16, sampling: str = "greedy", graph_padding: bool = True,
+         seed: int = 0, tokenizer: str | None = None) -> dict:
     import torch
 
     from loraplex.engine.block_manager import BlockManager
@@ -80,10 +83,19 @@ def _run(num_requests: int = 256, context: int = 1024, steps: int = 300, warmup:
                                           frequency_penalty=0.2, ignore_eos=True)}[sampling]
     # tiny logits: on a GPU the logits math is device work; here it would only add CPU compute to the host path
     vocab, hidden_size = 64, 16
+    tok = None
+    if tokenizer is not None:
+        from loraplex.engine.detokenizer import IncrementalDetokenizer
+        from loraplex.engine.engine_core import load_tokenizer
+
+        tok = load_tokenizer(tokenizer)
     for i in range(num_requests):  # one SamplingParams object each, as the server creates them
         p = SamplingParams(**{k: getattr(params, k) for k in params.__dataclass_fields__})
-        sched.add_request(Request(request_id=f"r{i}", prompt_token_ids=[rng.randrange(1, vocab) for _ in range(context)],
-                                  sampling_params=p))
+        req = Request(request_id=f"r{i}", prompt_token_ids=[rng.randrange(1, vocab) for _ in range(context)],
+                      sampling_params=p)
+        if tok is not None:
+            req.detokenizer = IncrementalDetokenizer(tok, req.prompt_token_ids, p.skip_special_tokens)
+        sched.add_request(req)
     builder = StepInputBuilder(num_requests, config.max_num_batched_tokens, max_len, block_size, cpu)
     buckets = graph_buckets(num_requests)
 
@@ -133,7 +145,8 @@ def _run(num_requests: int = 256, context: int = 1024, steps: int = 300, warmup:
                       "cpu_median_us": statistics.median(cpu_times[name])} for name, v in times.items()}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     return {"num_requests": num_requests, "context": context, "steps": steps, "block_size": block_size,
-            "sampling": sampling, "graph_padding": graph_padding, "prefill_steps": prefill_steps,
+            "sampling": sampling, "graph_padding": graph_padding, "detokenize": tokenizer is not None,
+            "prefill_steps": prefill_steps,
             "block_table_row_writes_per_step": (builder.rows.num_row_writes - writes_before) / steps, "phases_us": summary, "torch": torch.__version__,
             "cpu_count": os.cpu_count(), "load_average_1m": load}
 
@@ -154,7 +167,8 @@ def render_markdown(result: dict, command: str) -> str:
         f"Command: `{command}`", "",
         f"{result['num_requests']} running requests, all decoding, context {result['context']} tokens "
         f"(block size {result['block_size']}), sampling `{result['sampling']}`, "
-        f"{'padded to the CUDA-graph bucket' if result['graph_padding'] else 'eager layout (no padding)'}; "
+        f"{'padded to the CUDA-graph bucket' if result['graph_padding'] else 'eager layout (no padding)'}, "
+        f"{'with' if result.get('detokenize') else 'without'} detokenization; "
         f"{result['steps']} timed steps, torch {result['torch']}; block-table rows rewritten per step: "
         f"{result['block_table_row_writes_per_step']:.1f} of {result['num_requests']}.", "",
         f"Machine: {result['cpu_count']} CPU cores, 1-minute load average {_load(result)} while it ran.",
@@ -170,9 +184,10 @@ def render_markdown(result: dict, command: str) -> str:
         "", "Phases: `schedule` = `Scheduler.schedule()` (block allocation, prefix-cache bookkeeping, KV waste);",
         "`prepare` = `StepInputBuilder.prepare()` (token ids, positions, slot mapping, block tables, offsets);",
         "`sample` = `StepSampler` host work plus the sampler on a 16x64 logits projection (CPU torch ops);",
-        "`update` = `Scheduler.update_from_output()` (append, stop checks, prefix-cache hashing of full blocks).",
-        "Not included: the model forward, the host->device copies (pinned, asynchronous on CUDA), the",
-        "detokenizer and the engine's per-request `TokenDelta`s.",
+        "`update` = `Scheduler.update_from_output()` (append, stop checks, prefix-cache hashing of full blocks,",
+        "and with `--tokenizer` the batched incremental detokenization).",
+        "Not included: the model forward, the host->device copies (pinned, asynchronous on CUDA) and the",
+        "engine's per-request `TokenDelta`s.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -183,10 +198,11 @@ def run_host_overhead_cli(args) -> int:
     command = command_line(args)
     if args.smoke:
         result = run_host_overhead(num_requests=8, context=40, steps=5, warmup=2, block_size=args.block_size,
-                                   sampling=args.sampling, graph_padding=not args.no_graph_padding)
+                                   sampling=args.sampling, graph_padding=not args.no_graph_padding,
+                                   tokenizer=args.tokenizer)
     else:
         result = run_host_overhead(args.num_requests, args.context, args.steps, args.warmup, args.block_size,
-                                   args.sampling, not args.no_graph_padding)
+                                   args.sampling, not args.no_graph_padding, tokenizer=args.tokenizer)
     text = render_markdown(result, command)
     print(text)
     if args.out:

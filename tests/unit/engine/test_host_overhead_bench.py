@@ -8,8 +8,10 @@ from loraplex.bench.host_overhead import PHASES, run_host_overhead
 from loraplex.cli import main
 
 
-def test_every_timed_step_decodes_every_request():
-    result = run_host_overhead(num_requests=24, context=40, steps=20, warmup=2, block_size=4)
+def test_every_timed_step_decodes_every_request(tiny_model):
+    result = run_host_overhead(num_requests=24, context=40, steps=20, warmup=2, block_size=4,
+                               tokenizer=tiny_model["model_dir"])
+    assert result["detokenize"] is True
     phases = result["phases_us"]
     assert set(phases) == {*PHASES, "total"}
     assert all(phases[p]["median_us"] > 0 for p in PHASES)
