@@ -128,6 +128,8 @@ class Authenticator:
     async def stop(self) -> None:
         if self._sub:
             await self._sub.close()
+        if self._tasks:  # let last-used writes finish (cancelling one mid-query upsets the pool)
+            await asyncio.wait(list(self._tasks), timeout=2.0)
         for task in list(self._tasks):
             task.cancel()
 

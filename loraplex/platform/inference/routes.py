@@ -24,7 +24,7 @@ from loraplex.platform.inference.pipeline import (
     wait_for_disconnect,
 )
 from loraplex.platform.inference.runner import EngineFailure
-from loraplex.platform.inference.sse import DONE, SSEStream, sse_event
+from loraplex.platform.inference.sse import DONE, SSEStream, StreamingOperation, sse_event
 from loraplex.platform.models import SCOPE_INFERENCE
 
 _ERRORS = error_responses(400, 401, 403, 404, 429, 503)
@@ -99,6 +99,7 @@ def _usage(gen) -> s.Usage:
 
 
 @post("/v1/completions", guards=_INFER, status_code=200, tags=["openai"], summary="Create a completion",
+      operation_class=StreamingOperation,
       responses={**_ERRORS, 200: ResponseSpec(data_container=s.CompletionResponse, description="A completion, "
                  "or with stream=true a text/event-stream of CompletionChunk events ending in [DONE]")})
 async def create_completion(request: Request, data: s.CompletionRequest) -> Response[s.CompletionResponse]:
@@ -179,6 +180,7 @@ async def _completion_events(prep: Prepared, resolved, created: int, echo: list[
 
 
 @post("/v1/chat/completions", guards=_INFER, status_code=200, tags=["openai"], summary="Create a chat completion",
+      operation_class=StreamingOperation,
       responses={**_ERRORS, 200: ResponseSpec(data_container=s.ChatCompletionResponse, description="A chat "
                  "completion, or with stream=true a text/event-stream of ChatCompletionChunk events ending in [DONE]")})
 async def create_chat_completion(request: Request, data: s.ChatCompletionRequest) -> Response[s.ChatCompletionResponse]:

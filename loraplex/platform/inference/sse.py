@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import msgspec
+from litestar.openapi.spec import OpenAPIMediaType, OpenAPIType, Operation, Reference, Schema
 from litestar.response import Stream
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.utils.helpers import get_enum_string_value
@@ -36,6 +38,17 @@ def _connection_gone(receive) -> Callable[[], bool] | None:
     if transport is None or not hasattr(transport, "is_closing"):
         return None
     return lambda: transport.is_closing() or bool(getattr(cycle, "disconnected", False))
+
+
+@dataclass
+class StreamingOperation(Operation):
+    """OpenAPI: a 200 that is JSON, or with ``stream: true`` a ``text/event-stream``."""
+
+    def __post_init__(self) -> None:
+        ok = (self.responses or {}).get("200")
+        if ok is not None and not isinstance(ok, Reference) and ok.content is not None:
+            ok.content[SSE_MEDIA_TYPE] = OpenAPIMediaType(schema=Schema(
+                type=OpenAPIType.STRING, description="`data: <chunk JSON>` events, then `data: [DONE]`"))
 
 
 class _ClosingStreamingResponse(ASGIStreamingResponse):
