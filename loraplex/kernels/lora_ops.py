@@ -70,7 +70,15 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
     expand_splits = None
     if max_slice_width is not None:
         tiles = triton.cdiv(max_slice_width, block_n)
-        expand_splits = min(tiles, triton.cdiv(TARGET_PROGRAMS, active_chunks * num_slices))
+        target = TARGET_PROGRAMS
+        if decode and max_rank <= 16:
+            # H200 step sweep (CUDA graph, Llama-3-8B, rank 16, NOTES-lora.md): about 512 expand programs,
+            # rounded up to a power of two, was fastest for all four projections (o and down -1.7 us per layer
+            # each); at rank 64 down lost 8 us per layer with it, so larger ranks keep 1024
+            target = 512
+            expand_splits = min(tiles, triton.next_power_of_2(triton.cdiv(target, active_chunks * num_slices)))
+        else:
+            expand_splits = min(tiles, triton.cdiv(target, active_chunks * num_slices))
     fused = {}
     if FUSED_DECODE and decode and max_slice_width is not None:
         fused = fused_decode_policy(active_chunks, num_slices, max_rank, k_dim, max_slice_width)
