@@ -163,7 +163,7 @@ class LLMEngine:
     def _delta(self, req: Request) -> TokenDelta:
         finished = req.is_finished
         sent = req.num_sent_tokens
-        new_ids = req.output_token_ids[sent:]
+        new_ids = req.token_ids[req.num_prompt_tokens + sent:]  # not output_token_ids[sent:]: no full copy
         text = ""
         if req.detokenizer is not None:
             upto = max(req.num_sent_chars, req.detokenizer.streamable_text_len(finished))
