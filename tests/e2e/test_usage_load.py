@@ -17,7 +17,7 @@ from tests.e2e.server import FreshPostgres, start_server
 from tests.e2e.usage_client import Expected, export_rows, run_one, sums, upload_adapter
 
 NUM_REQUESTS = 1000
-MAX_TOKENS = 4
+MAX_TOKENS = 3
 KINDS = ["nonstream"] * 40 + ["stream"] * 30 + ["abort"] * 20 + ["invalid"] * 10
 SERVER_ENV = {
     "LORAPLEX_MAX_CONCURRENT_REQUESTS": "4000", "LORAPLEX_DEFAULT_REQUESTS_PER_MINUTE": "1000000",
