@@ -278,3 +278,18 @@ async def test_disk_failure_keeps_events_in_memory_until_the_ledger_has_them(db_
         await sink.drain_once()
         assert sorted(await _rows(sessions)) == ["s1", "s2", "s3"] and not sink.pending
         sink.spool.close()
+
+
+async def test_an_odd_record_never_blocks_the_ones_behind_it(db_url, tmp_path):
+    from dataclasses import replace
+
+    async with migrated(db_url) as sessions:
+        tid = await add_tenant(sessions, "acme")
+        sink = LedgerSink(sessions, tmp_path / "spool")
+        sink.spool.open()
+        await sink.record(replace(event("odd", tid), model="m" * 5000, adapter_name="a" * 999, finish_reason="x" * 99))
+        await sink.record(event("next", tid))
+        await sink.drain_once()
+        rows = await _rows(sessions)
+        assert sorted(rows) == ["next", "odd"] and len(rows["odd"].model) == 256
+        sink.spool.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import func, select
+from sqlalchemy import String, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -33,13 +33,28 @@ def as_utc(value: datetime) -> datetime:
     return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
 
 
+def _text_limits() -> dict[str, int]:
+    return {c.name: c.type.length for c in UsageRecord.__table__.columns
+            if isinstance(c.type, String) and c.type.length and c.name in _COLUMNS}
+
+
+_TEXT_LIMITS = _text_limits()
+_REQUIRED_TEXT = ("tenant_id", "tenant_name", "key_id", "model", "endpoint", "status")
+
+
 def record_row(record: dict) -> dict:
-    """A spool record -> ledger row values (tolerates missing optional fields)."""
+    """A spool record -> ledger row values. Never fails on a value the table cannot hold (a text too
+    long, a missing field): one odd record must not block every later one behind it in the spool."""
     row = {c: record.get(c) for c in _COLUMNS}
     row["created_at"] = as_utc(datetime.fromisoformat(record["created_at"]))
     for c in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens"):
         row[c] = int(row[c] or 0)
     row["total_s"] = float(row["total_s"] or 0.0)
+    for c in _REQUIRED_TEXT:
+        row[c] = "" if row[c] is None else row[c]
+    for c, limit in _TEXT_LIMITS.items():
+        if isinstance(row[c], str) and len(row[c]) > limit:
+            row[c] = row[c][:limit]
     return row
 
 
