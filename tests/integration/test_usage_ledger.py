@@ -288,8 +288,10 @@ async def test_an_odd_record_never_blocks_the_ones_behind_it(db_url, tmp_path):
         sink = LedgerSink(sessions, tmp_path / "spool")
         sink.spool.open()
         await sink.record(replace(event("odd", tid), model="m" * 5000, adapter_name="a" * 999, finish_reason="x" * 99))
+        await sink.spool.append({"request_id": "broken"})  # valid JSON, not a usage event: logged, skipped
         await sink.record(event("next", tid))
         await sink.drain_once()
         rows = await _rows(sessions)
         assert sorted(rows) == ["next", "odd"] and len(rows["odd"].model) == 256
+        assert sink.spool.closed_segments() == []
         sink.spool.close()

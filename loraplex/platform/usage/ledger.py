@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime, timezone
 
 from sqlalchemy import String, func, select
@@ -12,6 +13,8 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from loraplex.platform.db import SessionFactory, utcnow
 from loraplex.platform.hooks import UsageEvent
 from loraplex.platform.usage.models import UsageRecord
+
+log = logging.getLogger(__name__)
 
 # 19 columns per row: stays far below SQLite's and asyncpg's bound-parameter limits
 INSERT_BATCH = 500
@@ -46,6 +49,8 @@ def record_row(record: dict) -> dict:
     """A spool record -> ledger row values. Never fails on a value the table cannot hold (a text too
     long, a missing field): one odd record must not block every later one behind it in the spool."""
     row = {c: record.get(c) for c in _COLUMNS}
+    if not isinstance(row["request_id"], str) or not row["request_id"]:
+        raise ValueError("a usage record needs a request_id")
     row["created_at"] = as_utc(datetime.fromisoformat(record["created_at"]))
     for c in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens"):
         row[c] = int(row[c] or 0)
@@ -65,9 +70,16 @@ def billable_tokens(record: dict) -> int:
 async def insert_records(sessions: SessionFactory, records: list[dict]) -> set[str]:
     """Write records; returns the request ids that were *new* (the rest were already in the ledger)."""
     unique: dict[str, dict] = {}
+    rows = []
     for r in records:
-        unique.setdefault(r["request_id"], r)  # the first delivery wins; the others are the same event
-    rows = [record_row(r) for r in unique.values()]
+        if r.get("request_id") in unique:
+            continue  # the first delivery wins; the others are the same event
+        try:
+            rows.append(record_row(r))
+        except (KeyError, TypeError, ValueError):
+            log.error("usage record cannot be stored and is skipped: %s", r)  # never blocks the rest
+            continue
+        unique[r["request_id"]] = r
     if not rows:
         return set()
     now = utcnow()
