@@ -42,10 +42,12 @@ class LoRAStep:
         self._counters = None
         self._configs: dict[str, object] = {}
         if use_triton and num_active:
+            from loraplex.kernels.lora_expand import slice_col_align
             from loraplex.kernels.lora_meta import build_lora_meta
             from loraplex.kernels.lora_ops import choose_config, lora_apply
 
             self._lora_apply = lora_apply
+            self._col_align = {p: min(16, slice_col_align(pool.slice_loc_host[p])) for p in PROJ_MODULES}
 
             num_tokens = token_slots.shape[0]
             shapes = pool.shapes
@@ -76,7 +78,8 @@ class LoRAStep:
         if self.use_triton:
             width = max(self.pool.shapes.slice_widths(proj))
             return self._lora_apply(x, out, a, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj], width,
-                                    self._meta, self._configs[proj], self._scratch, self._counters)
+                                    self._meta, self._configs[proj], self._scratch, self._counters,
+                                    self._col_align[proj])
         from loraplex.kernels.lora_ref import lora_apply_ref
 
         return lora_apply_ref(x, out, a, bt, self.token_slots, ranks, self.pool.scaling,

@@ -75,7 +75,7 @@ def _pool_case(shapes, proj: str, num_tokens: int, num_adapters: int, rank: int,
 
 def _timed_pair(b, cfg, device, reps: int, kernels=("shrink", "expand")) -> tuple[float | None, float | None]:
     """Median seconds of (shrink, expand) for one batch under one launch configuration (None: not timed)."""
-    from loraplex.kernels.lora_expand import lora_expand
+    from loraplex.kernels.lora_expand import lora_expand, slice_col_align
     from loraplex.kernels.lora_meta import build_lora_meta
     from loraplex.kernels.lora_shrink import lora_shrink
 
@@ -88,9 +88,12 @@ def _timed_pair(b, cfg, device, reps: int, kernels=("shrink", "expand")) -> tupl
     def shrink():
         lora_shrink(b.x, b.lora_a, b.ranks, meta, y=y, **shrink_kw)
 
+    align = slice_col_align(b.slice_loc.tolist())  # host copy, outside any timing
+
     def expand():
         lora_expand(y, b.lora_b, b.ranks, b.scaling, b.slice_loc, width, meta, b.out, block_n=cfg.block_n,
-                    n_splits=cfg.expand_splits, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages)
+                    n_splits=cfg.expand_splits, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages,
+                    col_align=align)
 
     return tuple(_median_seconds(fn, device, reps) if name in kernels else None
                  for name, fn in (("shrink", shrink), ("expand", expand)))
@@ -386,7 +389,7 @@ def step_sweep(shapes, num_tokens: int, ranks, device, dtype, copy_bw: float, re
             for layer in range(shapes.num_layers):
                 a, bt, rk = pool.layer_view(p, layer)
                 lora_apply(xs[p], outs[p], a, bt, rk, pool.scaling, pool.slice_loc[p], width, step._meta, cfg,
-                           scratch, step._counters)
+                           scratch, step._counters, step._col_align[p])
 
         for p in PROJ_MODULES:
             base = step._configs[p]
@@ -454,7 +457,8 @@ def step_sweep(shapes, num_tokens: int, ranks, device, dtype, copy_bw: float, re
                     for p in PROJ_MODULES:
                         a, bt, rk = pool.layer_view(p, layer)
                         lora_apply(xs[p], outs[p], a, bt, rk, pool.scaling, pool.slice_loc[p],
-                                   max(shapes.slice_widths(p)), step._meta, cfgs[p], scratch, step._counters)
+                                   max(shapes.slice_widths(p)), step._meta, cfgs[p], scratch, step._counters,
+                                   step._col_align[p])
 
             seconds = _graph_seconds(run_step, device, reps)
             lora_bytes = pool.num_bytes

@@ -42,7 +42,7 @@ def _lora_expand_kernel(
     stride_ot, stride_on,
     stride_rs,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, COL_ALIGN: tl.constexpr = 1,
 ):
     n_split = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -55,6 +55,12 @@ def _lora_expand_kernel(
         return
     n_begin = tl.load(slice_loc_ptr + sl)
     n_end = tl.load(slice_loc_ptr + sl + 1)
+    if COL_ALIGN > 1:
+        # column offsets loaded from memory have unknown alignment, so without this hint every B / out
+        # access is a 2-byte scalar and the N loop is not pipelined (no cp.async); the caller guarantees
+        # that every slice offset is a multiple of COL_ALIGN
+        n_begin = tl.multiple_of(n_begin, COL_ALIGN)
+        n_end = tl.multiple_of(n_end, COL_ALIGN)
     # this program's columns: a 1/n_splits share of the slice, whole BLOCK_N tiles
     share = (n_end - n_begin + n_splits - 1) // n_splits
     per_split = (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
@@ -89,6 +95,14 @@ def _lora_expand_kernel(
         tl.store(o_ptrs, (base.to(tl.float32) + acc).to(base.dtype), mask=o_mask)
 
 
+def slice_col_align(slice_loc: list[int]) -> int:
+    """Largest power of two (<= 16) dividing every slice offset: the COL_ALIGN hint that is true for them."""
+    align = 16
+    while align > 1 and any(v % align for v in slice_loc):
+        align //= 2
+    return align
+
+
 def lora_expand(
     y: torch.Tensor,  # [SPLIT_K, S, T, R] float32
     lora_b: torch.Tensor,  # [num_slots, R, N_total]
@@ -103,6 +117,7 @@ def lora_expand(
     n_splits: int | None = None,  # programs per (chunk, slice) along N; default: one BLOCK_N tile each
     num_warps: int = 4,
     num_stages: int = 3,
+    col_align: int = 1,  # every slice_loc value is a multiple of this (slice_col_align): lets B / out vectorize
 ) -> torch.Tensor:
     split_k, num_slices, num_tokens, max_rank = y.shape
     num_slots, b_rank, n_total = lora_b.shape
@@ -114,6 +129,7 @@ def lora_expand(
     assert slice_loc.shape == (num_slices + 1,) and slice_loc.dtype == torch.int32
     assert lora_b.stride(2) == 1, "lora_b must be contiguous along N"
     assert meta.num_tokens == num_tokens and meta.num_slots == num_slots
+    assert col_align in (1, 2, 4, 8, 16) and col_align <= block_n, "col_align: a power of two <= 16 and <= block_n"
     if num_tokens == 0 or meta.max_chunks == 0:
         return out
     block_r = max(16, triton.next_power_of_2(max_rank))
@@ -129,6 +145,6 @@ def lora_expand(
         out.stride(0), out.stride(1),
         ranks.stride(0),
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_PRECISION=dot_precision(out.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(out.dtype), COL_ALIGN=col_align, num_warps=num_warps, num_stages=num_stages,
     )
     return out

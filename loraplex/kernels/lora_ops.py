@@ -126,6 +126,7 @@ def lora_apply(
     cfg: LoRAKernelConfig,
     scratch: torch.Tensor | None = None,  # [>=split_k, >=S, T, R] float32
     counters: torch.Tensor | None = None,  # [>= max_chunks * S] int32 zeros (fused split-K only)
+    col_align: int = 1,  # slice_col_align(slice offsets), known on the host: vectorized expand when > 1
 ) -> torch.Tensor:
     """Semantics: ``lora_ref.lora_apply_ref`` (shrink, then expand with the split-K reduce fused in)."""
     assert meta.block_m == cfg.block_m, "metadata was built for another chunk size"
@@ -137,4 +138,5 @@ def lora_apply(
     y = lora_shrink(x, lora_a, ranks, meta, split_k=cfg.split_k, block_r=cfg.block_r, block_k=cfg.block_k,
                     y=scratch, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages)
     return lora_expand(y, lora_b, ranks, scaling, slice_loc, max_slice_width, meta, out, block_n=cfg.block_n,
-                       n_splits=cfg.expand_splits, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages)
+                       n_splits=cfg.expand_splits, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages,
+                       col_align=col_align)

@@ -217,3 +217,27 @@ def test_fused_split_k_under_cuda_graph_replay(monkeypatch):
         batch.token_slots = slots_buf.clone()
         torch.testing.assert_close(out.float(), _reference(batch).float(), **TOL[torch.bfloat16])
         assert not counters.any()
+
+
+@pytest.mark.parametrize("widths", [(4096, 1024, 1024), (14336, 14336), (56, 56), (72, 24)])
+@pytest.mark.parametrize("num_tokens, num_active", [(64, 64), (300, 4)])
+def test_expand_column_hint_bf16(widths, num_tokens, num_active):
+    """lora_apply with the vectorizing COL_ALIGN hint (as LoRAStep passes it) against the twin, decode and
+    prefill regimes, widths that allow 16-, 8- and 8-element alignment."""
+    from loraplex.kernels.lora_expand import slice_col_align
+
+    loc = [0]
+    for w in widths:
+        loc.append(loc[-1] + w)
+    gen = torch.Generator().manual_seed(num_tokens)
+    slots = torch.randint(-1, num_active, (num_tokens,), generator=gen).to(torch.int32)
+    batch = make_lora_batch(num_tokens, 520, widths, num_slots=num_active, max_rank=16, dtype=torch.bfloat16,
+                            device="cuda", token_slots=slots, seed=num_tokens)
+    cfg = choose_config(num_tokens, num_active, num_active, 16, 520, len(widths), batch.max_slice_width)
+    meta = build_lora_meta(batch.token_slots, num_active, cfg.block_m)
+    out = batch.out.clone()
+    lora_apply(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
+               batch.max_slice_width, meta, cfg, col_align=slice_col_align(loc))
+    base = batch.token_slots < 0
+    assert torch.equal(out[base], batch.out[base])
+    torch.testing.assert_close(out.float(), _reference(batch).float(), **TOL[torch.bfloat16])

@@ -117,3 +117,28 @@ def test_expand_twin_skips_untargeted_slice():
     rows = batch.token_slots == slot
     assert torch.equal(out[rows, 48:64], batch.out[rows, 48:64])
     assert not torch.equal(out[rows, :48], batch.out[rows, :48])
+
+
+@pytest.mark.parametrize("widths, align", [((48, 16, 16), 16), ((56, 56), 8), ((72,), 8)])
+def test_expand_with_column_alignment_hint(widths, align):
+    """The COL_ALIGN hint (vectorized B / out on the GPU) changes nothing in the result; the host helper gives
+    the largest power of two dividing every slice offset."""
+    loc = [0]
+    for w in widths:
+        loc.append(loc[-1] + w)
+    assert lora_expand.slice_col_align(loc) == align
+    batch = make_lora_batch(23, K_DIM, widths, max_rank=16, mix="zipf", seed=len(widths))
+    meta = build_lora_meta(batch.token_slots, batch.lora_a.shape[0], 16)
+    y = lora_shrink.lora_shrink(batch.x, batch.lora_a, batch.ranks, meta, block_k=32)
+    out = batch.out.clone()
+    lora_expand.lora_expand(y, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc, batch.max_slice_width,
+                            meta, out, block_n=16, n_splits=2, col_align=align)
+    ref = lora_apply_ref(batch.x, batch.out.clone(), batch.lora_a, batch.lora_b, batch.token_slots,
+                         batch.ranks, batch.scaling, batch.slice_loc)
+    _check(batch, out, ref)
+
+
+def test_slice_col_align_edges():
+    assert lora_expand.slice_col_align([0, 4096, 5120, 6144]) == 16  # capped: 16 elements is enough
+    assert lora_expand.slice_col_align([0, 7]) == 1
+    assert lora_expand.slice_col_align([0, 12, 24]) == 4
