@@ -42,12 +42,14 @@ class LoRAStep:
         self._counters = None
         self._configs: dict[str, object] = {}
         if use_triton and num_active:
+            from loraplex.kernels import lora_ops
             from loraplex.kernels.lora_expand import slice_col_align
             from loraplex.kernels.lora_meta import build_lora_meta
             from loraplex.kernels.lora_ops import choose_config, lora_apply
 
             self._lora_apply = lora_apply
-            self._col_align = {p: min(16, slice_col_align(pool.slice_loc_host[p])) for p in PROJ_MODULES}
+            self._col_align = {p: min(16, slice_col_align(pool.slice_loc_host[p])) if lora_ops.VECTORIZE_EXPAND
+                               else 1 for p in PROJ_MODULES}
 
             num_tokens = token_slots.shape[0]
             shapes = pool.shapes

@@ -86,6 +86,11 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
                             shrink_warps=shrink_warps, expand_splits=expand_splits, **fused)
 
 
+# Slice offsets as a COL_ALIGN hint for the expand (16-byte, cp.async-pipelined B / out accesses instead of
+# 2-byte scalars in the sm_90 PTX). Added after the last H200 run of 2026-11-30: compile- and
+# interpreter-tested, not yet measured nor run on a GPU; False restores the previous (measured) expand.
+VECTORIZE_EXPAND = True
+
 # Off: on the H200 (docs/benchmarks/NOTES-lora.md) every fused configuration measured slower than the
 # two-launch path for every Llama-3-8B decode projection (rank 16: 25-100% slower per projection in a CUDA
 # graph). The kernel stays, tested, for other shapes and for later work.
