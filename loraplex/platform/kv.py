@@ -186,7 +186,7 @@ class _RedisSubscription:
             await self._pubsub.aclose()
 
 
-MAX_REDIS_CONNECTIONS = 64
+MAX_REDIS_CONNECTIONS = 512
 
 
 class RedisKV:
@@ -197,7 +197,7 @@ class RedisKV:
 
         # a blocking pool: a burst of requests waits briefly for a connection instead of failing with
         # "Too many connections" (a 500) once the default pool of 100 is in use
-        pool = redis.BlockingConnectionPool.from_url(url, max_connections=MAX_REDIS_CONNECTIONS, timeout=10,
+        pool = redis.BlockingConnectionPool.from_url(url, max_connections=MAX_REDIS_CONNECTIONS, timeout=30,
                                                      decode_responses=True, health_check_interval=10)
         self._redis = redis.Redis(connection_pool=pool)
         self._prefix = prefix
