@@ -59,7 +59,7 @@ def _lora_fused_kernel(
     stride_yp, stride_ys, stride_yt, stride_yr,
     stride_rs,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, COL_ALIGN: tl.constexpr = 1,
 ):
     pid0 = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -73,6 +73,9 @@ def _lora_fused_kernel(
         return
     n_begin = tl.load(slice_loc_ptr + sl)
     n_end = tl.load(slice_loc_ptr + sl + 1)
+    if COL_ALIGN > 1:  # as in lora_expand: 16-byte, pipelined B / out accesses (the caller guarantees it)
+        n_begin = tl.multiple_of(n_begin, COL_ALIGN)
+        n_end = tl.multiple_of(n_end, COL_ALIGN)
     if SPLIT_K == 1:
         # this program's columns: per_split of them (whole BLOCK_N tiles, the same for every slice, so a
         # narrow GQA k or v slice gets fewer programs than q and every program moves about the same bytes)
@@ -168,6 +171,7 @@ def lora_fused(
     counters: torch.Tensor | None = None,  # [>= max_chunks * S] int32, zeros (split_k > 1)
     num_warps: int = 4,
     num_stages: int = 3,
+    col_align: int = 1,  # lora_expand.slice_col_align of the slice offsets
 ) -> torch.Tensor:
     """Semantics: ``lora_ref.lora_apply_ref``, in one launch."""
     num_tokens, k_dim = x.shape
@@ -184,6 +188,7 @@ def lora_fused(
     assert meta.num_tokens == num_tokens and meta.num_slots == num_slots
     assert meta.block_m >= 16 and block_k >= 16 and block_n >= 16, "tl.dot needs tiles of at least 16"
     assert split_k == 1 or n_splits == 1, "either split K (last arriver expands) or split N, not both"
+    assert col_align in (1, 2, 4, 8, 16) and col_align <= block_n
     if num_tokens == 0 or meta.max_chunks == 0:
         return out
     if split_k > 1:
@@ -216,6 +221,6 @@ def lora_fused(
         *y_strides,
         ranks.stride(0),
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_R=fused_block_r(max_rank), BLOCK_K=block_k, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(x.dtype), COL_ALIGN=col_align, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -139,7 +139,7 @@ def lora_apply(
         return lora_fused(x, out, lora_a, lora_b, ranks, scaling, slice_loc, max_slice_width, meta,
                           split_k=cfg.fused_split_k, n_splits=cfg.fused_n_splits, block_k=cfg.fused_block_k,
                           block_n=cfg.fused_block_n, y=scratch, counters=counters, num_warps=cfg.fused_warps,
-                          num_stages=cfg.fused_stages)
+                          num_stages=cfg.fused_stages, col_align=col_align)
     y = lora_shrink(x, lora_a, ranks, meta, split_k=cfg.split_k, block_r=cfg.block_r, block_k=cfg.block_k,
                     y=scratch, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages)
     return lora_expand(y, lora_b, ranks, scaling, slice_loc, max_slice_width, meta, out, block_n=cfg.block_n,

@@ -3,11 +3,16 @@ cubin, so a kernel that only works in the interpreter fails here, in CI, before 
 
 from __future__ import annotations
 
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import triton
-
-from loraplex.kernels import lora_expand, lora_fused, lora_shrink
 
 try:
     from triton.backends.compiler import GPUTarget
@@ -16,25 +21,42 @@ except ImportError:  # pragma: no cover - very old triton
     GPUTarget = ASTSource = None
 
 INT_PTRS = ("cnt_ptr", "ranks_ptr", "sorted_ids_ptr", "chunk_slots_ptr", "chunk_starts_ptr", "chunk_lens_ptr", "slice_loc_ptr")
+REPO = Path(__file__).resolve().parents[3]
 
 
-def _compile(kernel, ptr_types: dict[str, str], constexprs: dict, *, runtime_hints: bool = False, **options):
-    # the test process runs kernels in the interpreter: compile the plain function instead
-    fn = triton.runtime.jit.JITFunction(getattr(kernel, "fn", kernel))
+def compile_here(kernel: str, ptr_types: dict[str, str], constexprs: dict, runtime_hints: bool = False,
+                 **options) -> dict:
+    """AOT-compile ``module.kernel`` (names under loraplex.kernels) for sm_90; run by ``_compile`` in a child."""
+    module, name = kernel.split(".")
+    fn = triton.runtime.jit.JITFunction(getattr(importlib.import_module(f"loraplex.kernels.{module}"), name).fn)
     constexprs = dict(constexprs)
     attrs = None
     if runtime_hints:
         # what the JIT launcher knows at run time: unit inner strides, 16-divisible pointers and strides
         constexprs.update({n: 1 for n in fn.arg_names if n in ("stride_xk", "stride_ak", "stride_bn", "stride_on",
                                                                 "stride_yr")})
-    signature = {name: "constexpr" if name in constexprs else ptr_types.get(name, "*i32" if name in INT_PTRS
-                                                                             else "i32")
-                 for name in fn.arg_names}
+    signature = {n: "constexpr" if n in constexprs else ptr_types.get(n, "*i32" if n in INT_PTRS else "i32")
+                 for n in fn.arg_names}
     if runtime_hints:
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                  if n not in constexprs and (signature[n].startswith("*") or n.startswith("stride"))}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return {"ptx": compiled.asm["ptx"], "cubin": bool(compiled.asm["cubin"]), "shared": compiled.metadata.shared}
+
+
+def _compile(kernel: str, ptr_types: dict[str, str], constexprs: dict, *, runtime_hints: bool = False,
+             **options) -> dict:
+    """In a child process without TRITON_INTERPRET: in this (interpreter) process triton's AOT compile fails on
+    a cold cache, the language being bound to the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = json.dumps([kernel, ptr_types, constexprs, runtime_hints, options])
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from test_lora_compile import compile_here; "
+            "a = json.loads(sys.argv[2]); print(json.dumps(compile_here(*a[:4], **a[4])))")
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
@@ -42,16 +64,16 @@ def _compile(kernel, ptr_types: dict[str, str], constexprs: dict, *, runtime_hin
 @pytest.mark.parametrize("regime", ["decode", "prefill"])
 def test_kernels_compile_for_sm90_in_bf16(regime):
     block_m, block_r, block_k, split_k = (16, 16, 128, 4) if regime == "decode" else (64, 64, 64, 1)
-    shrink = _compile(lora_shrink._lora_shrink_kernel, {"x_ptr": "*bf16", "a_ptr": "*bf16", "y_ptr": "*fp32"},
+    shrink = _compile("lora_shrink._lora_shrink_kernel", {"x_ptr": "*bf16", "a_ptr": "*bf16", "y_ptr": "*fp32"},
                       dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
                            DOT_PRECISION="tf32"), num_warps=4, num_stages=3)
-    expand = _compile(lora_expand._lora_expand_kernel,
+    expand = _compile("lora_expand._lora_expand_kernel",
                       {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"},
                       dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=128, BLOCK_R=64, DOT_PRECISION="tf32", COL_ALIGN=8),
                       num_warps=4)
     for compiled in (shrink, expand):
-        assert compiled.asm["cubin"] and "mma" in compiled.asm["ptx"]  # tensor-core dots, not scalar loops
-        assert compiled.metadata.shared <= 100 * 1024
+        assert compiled["cubin"] and "mma" in compiled["ptx"]  # tensor-core dots, not scalar loops
+        assert compiled["shared"] <= 100 * 1024
 
 
 @pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
@@ -59,14 +81,14 @@ def test_kernels_compile_for_sm90_in_bf16(regime):
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_fused_kernel_compiles_for_sm90_in_bf16(split_k):
     """Both fused variants (column split; split-K with the last-arriver ticket) build with tensor-core dots."""
-    compiled = _compile(lora_fused._lora_fused_kernel,
+    compiled = _compile("lora_fused._lora_fused_kernel",
                         {"x_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", "out_ptr": "*bf16", "y_ptr": "*fp32",
                          "scaling_ptr": "*fp32"},
                         dict(SPLIT_K=split_k, BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, BLOCK_N=128,
-                             DOT_PRECISION="tf32"), num_warps=4, num_stages=3)
-    assert compiled.asm["cubin"] and "mma" in compiled.asm["ptx"]
-    assert ("atom" in compiled.asm["ptx"]) == (split_k > 1)  # the ticket exists only where K is split
-    assert compiled.metadata.shared <= 100 * 1024
+                             DOT_PRECISION="tf32", COL_ALIGN=8), num_warps=4, num_stages=3)
+    assert compiled["cubin"] and "mma" in compiled["ptx"]
+    assert ("atom" in compiled["ptx"]) == (split_k > 1)  # the ticket exists only where K is split
+    assert compiled["shared"] <= 100 * 1024
 
 
 @pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
@@ -76,10 +98,10 @@ def test_expand_column_hint_gives_pipelined_16_byte_accesses():
     scalar accesses and the N loop is not pipelined. With it: cp.async for B, 16-byte out loads and stores."""
     ptx = {}
     for align in (1, 8):
-        compiled = _compile(lora_expand._lora_expand_kernel,
+        compiled = _compile("lora_expand._lora_expand_kernel",
                             {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"},
                             dict(SPLIT_K=8, BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="tf32",
                                  COL_ALIGN=align), runtime_hints=True, num_warps=4, num_stages=3)
-        ptx[align] = compiled.asm["ptx"]
+        ptx[align] = compiled["ptx"]
     assert "cp.async" not in ptx[1] and "st.global.b16" in ptx[1]
     assert "cp.async" in ptx[8] and "st.global.v4" in ptx[8] and "st.global.b16" not in ptx[8]

@@ -45,7 +45,8 @@ def _check(batch, out, ref):
 
 
 @pytest.mark.parametrize("mix", MIXES)
-@pytest.mark.parametrize("variant", [dict(n_splits=1), dict(n_splits=3, block_n=16), dict(split_k=3, block_k=16)])
+@pytest.mark.parametrize("variant", [dict(n_splits=1), dict(n_splits=3, block_n=16), dict(split_k=3, block_k=16),
+                                     dict(n_splits=2, block_n=16, col_align=16)])
 def test_fused_matches_twin(mix, variant):
     batch = make_lora_batch(37, K_DIM, QKV, max_rank=16, mix=mix, seed=len(mix))
     batch.token_slots[0] = 2  # at least one adapter token in every mix
