@@ -2,6 +2,11 @@
 
     python -m loraplex.bench.lora_kernels --out docs/benchmarks/lora_kernels_h200.json     # on a GPU
     TRITON_INTERPRET=1 python -m loraplex.bench.lora_kernels --smoke --out /tmp/lora.json   # CPU check
+    python -m loraplex.bench.lora_kernels --step-sweep [--step-sweep-mode two-launch] --out /tmp/sweep.json
+
+``--step-sweep`` times each projection's launches over all layers as one CUDA graph (no host launch cost, which
+``do_bench`` partly exposes for the 10-50 us decode kernels) for many launch configurations, then the whole step
+with the fastest per projection; that is the figure to tune decode against.
 
 Measures, in one run: the device copy bandwidth (bytes read + written by a large device-to-device copy);
 shrink and expand per fused projection (q|k|v, o, gate|up, down) for decode (64 tokens over 64 distinct
