@@ -3,6 +3,8 @@ schema (status codes, content types, headers, bodies), for every operation (othe
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 import schemathesis
@@ -28,7 +30,8 @@ def live_server(request, tmp_path_factory):
         yield srv
 
 
-MAX_EXAMPLES = 15
+# more for a deeper local run: LORAPLEX_TEST_SCHEMATHESIS_EXAMPLES=200
+MAX_EXAMPLES = int(os.environ.get("LORAPLEX_TEST_SCHEMATHESIS_EXAMPLES", "15"))
 INFERENCE_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 

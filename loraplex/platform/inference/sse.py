@@ -47,8 +47,15 @@ class StreamingOperation(Operation):
     def __post_init__(self) -> None:
         ok = (self.responses or {}).get("200")
         if ok is not None and not isinstance(ok, Reference) and ok.content is not None:
+            # one server-sent event (schemathesis checks each event against this)
             ok.content[SSE_MEDIA_TYPE] = OpenAPIMediaType(schema=Schema(
-                type=OpenAPIType.STRING, description="`data: <chunk JSON>` events, then `data: [DONE]`"))
+                type=OpenAPIType.OBJECT, required=["data"],
+                properties={
+                    "data": Schema(type=OpenAPIType.STRING, description="a chunk (JSON), an error object "
+                                   "(JSON, ends the stream) or the final `[DONE]`"),
+                    "event": Schema(type=OpenAPIType.STRING),
+                },
+            ))
 
 
 class _ClosingStreamingResponse(ASGIStreamingResponse):
