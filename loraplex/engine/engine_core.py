@@ -49,6 +49,9 @@ class LLMEngine:
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {limit}")
         config.resolve(limit)
+        if config.enable_lora:
+            # the GPU slot pool is allocated eagerly: it must exist before the KV cache takes "free" memory
+            self.runner.get_lora_manager()
         num_blocks = self.runner.plan_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_cuda_graphs()  # CUDA only (and not with enforce_eager)
