@@ -107,7 +107,11 @@ def test_thousand_concurrent_requests_export_equals_what_clients_received(server
     assert all(r["adapter_id"] for r in by_adapter if "lora" in r["model"])
     assert all(r["adapter_id"] is None for r in by_adapter if "lora" not in r["model"])
     aborted = sum(r["aborted"] for r in by_adapter)
-    assert aborted == sum(o.kind == "abort" and not o.finished for o in outcomes)
+    cut = [o for o in outcomes if o.kind == "abort" and not o.finished]
+    # a cut stream that still received every token was generated to the end: the server records its usage
+    # (durably) before it sends the final usage chunk and [DONE], so it may rightly say "completed"
+    short = sum(o.completion_tokens < MAX_TOKENS for o in cut)
+    assert short <= aborted <= len(cut), (short, aborted, len(cut))
 
     # the same totals per tenant through the other groupings
     per_tenant = {t: sum((c for (tt, _), c in expected.items() if tt == t), Counter()) for t in tenants}
