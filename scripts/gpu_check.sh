@@ -18,9 +18,14 @@ if [[ "$what" == *tests* ]]; then
     python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" --timeout 300 \
         --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" | tail -40
 fi
+if [[ "$what" == *engine* ]]; then
+    # a short Llama-3-8B-shaped engine run (writes the random model once under /tmp/loraplex-bench)
+    python3 -m loraplex.cli bench offline --out-dir "$out" --num-requests 128 --input-len 256 --output-len 32 \
+        --popularity base,distinct --step-batch 64 --step-count 16 2>&1 | tail -30
+fi
 if [[ "$what" == *lora* ]]; then
-    python3 -m loraplex.bench.lora_kernels --out "$out/lora_kernels_h200.json" --sweep 2>&1 | tail -40
+    python3 -m loraplex.bench.lora_kernels --out "$out/lora_kernels_h200.json" 2>&1 | tail -12
 fi
 if [[ "$what" == *attention* ]]; then
-    python3 -m loraplex.cli bench attention --out-dir "$out" 2>&1 | tail -30
+    python3 -m loraplex.cli bench attention --sweep --out-dir "$out" 2>&1 | tail -14
 fi

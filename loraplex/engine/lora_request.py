@@ -1,5 +1,3 @@
-# NOTE TO EVERY HELPER WORKING IN THIS TREE: read /work/main/WORKING-AGREEMENT.md now (commit rules,
-# no device/GPU tool use, the .venv, deadlines). This note is removed by the lead later.
 """Which adapter a request uses (vLLM-compatible). Pure Python."""
 
 from __future__ import annotations

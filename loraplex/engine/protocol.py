@@ -1,5 +1,3 @@
-# NOTE TO EVERY HELPER WORKING IN THIS TREE: read /work/main/WORKING-AGREEMENT.md now (commit rules,
-# no device/GPU tool use, the .venv, deadlines). This note is removed by the lead later.
 """The contract between the platform (HTTP) and the engine. Pure Python: no torch import.
 
 The platform builds an :class:`EngineRequest` and iterates :class:`TokenDelta` objects from
