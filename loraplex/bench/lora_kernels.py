@@ -34,6 +34,8 @@ from pathlib import Path
 
 import torch
 
+from loraplex.bench.roofline import measure_copy_bandwidth
+
 log = logging.getLogger(__name__)
 
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
@@ -57,14 +59,6 @@ def _median_seconds(fn, device: torch.device, reps: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def measure_copy_bandwidth(device: torch.device, nbytes: int) -> float:
-    """Bytes/s of a device-to-device copy, counting bytes read plus bytes written."""
-    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    seconds = _median_seconds(lambda: dst.copy_(src), device, reps=100)
-    return 2 * nbytes / seconds
 
 
 def _pool_case(shapes, proj: str, num_tokens: int, num_adapters: int, rank: int, device, dtype, seed: int):
@@ -574,7 +568,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         shapes, reps = BaseShapes.from_config(LLAMA3_8B), args.reps
         regimes, ranks, step_tokens, copy_bytes = [("decode", 64, 64), ("prefill", 8192, 8)], [16, 64], 64, 1 << 30
-    copy_bw = measure_copy_bandwidth(device, copy_bytes)
+    copy_bw = measure_copy_bandwidth(device, copy_bytes, iters=100)
     log.info("copy bandwidth %.0f GB/s", copy_bw / 1e9)
     if args.step_sweep:
         import triton
