@@ -122,11 +122,13 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stopping:
-                self._drain_commands()
+                drained = self._drain_commands()
                 if self.engine.has_unfinished_requests():
                     self._dispatch(self.engine.step())
                     self._stats = self.engine.get_stats()
                 else:
+                    if drained:  # e.g. the last request was aborted: no step follows to refresh the stats
+                        self._stats = self.engine.get_stats()
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
             reason: BaseException = EngineDeadError("the engine was shut down")
@@ -137,12 +139,15 @@ class AsyncEngine:
             self._dead = reason
             self._fail_everything(reason)
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self) -> bool:
+        """Run queued commands; True when there were any."""
+        drained = False
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return drained
+            drained = True
             kind = command[0]
             if kind == "add":
                 _, request, stream, added = command

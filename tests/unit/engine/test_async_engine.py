@@ -78,6 +78,8 @@ async def test_abort_and_early_exit_end_the_stream(engine):
             break
         await asyncio.sleep(0.01)
     assert not engine.engine.has_unfinished_requests()
+    # the idle engine's stats follow the abort too (no step runs after it to refresh them)
+    assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
 
 
 async def test_bad_request_raises_before_streaming(engine):
