@@ -53,6 +53,7 @@ class Settings:
     default_requests_per_minute: int = 600
     default_tokens_per_minute: int = 200_000
     drain_timeout_s: float = 30.0
+    engine_restart_delay_s: float = 2.0  # first wait before a dead engine is replaced (then doubles)
     # secrets: server secret for cache-salt HMAC and session cookies; generated into data_dir if unset
     server_secret: str | None = None
     log_level: str = "INFO"

@@ -64,11 +64,58 @@ def build_engine(settings: Settings, model_id: str):
 
 
 async def start_engine_in_background(services) -> None:
+    """Start the engine off the event loop, then supervise it for the life of the app.
+
+    An engine whose step loop died (a device fault, a bug) has already ended its streams with an error
+    event; the supervisor drops it, waits (exponential backoff from ``engine_restart_delay_s``, up to a
+    minute) and loads a fresh one, so the replica recovers by itself. ``/ready`` is 503 meanwhile and new
+    requests get a fast 503. A failure of the very first start is a configuration problem: not retried.
+    """
+    settings = services.settings
+    delay = settings.engine_restart_delay_s
+    first = True
+    while True:
+        try:
+            engine = await asyncio.to_thread(build_engine, settings, services.base_model_id)
+        except Exception as exc:
+            log.exception("the engine failed to start")
+            services.engine_error = f"{type(exc).__name__}: {exc}"
+            if first:
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, _MAX_RESTART_DELAY_S)
+            continue
+        first = False
+        services.engine, services.engine_error = engine, None
+        log.info("engine ready: model %s, max_model_len %s", engine.model_id, engine.max_model_len)
+        healthy_since = asyncio.get_running_loop().time()
+        while engine.is_healthy():
+            await asyncio.sleep(_WATCH_INTERVAL_S)
+        if asyncio.get_running_loop().time() - healthy_since > _MAX_RESTART_DELAY_S:
+            delay = settings.engine_restart_delay_s  # it ran fine for a while: start the backoff over
+        services.engine = None
+        services.engine_restarts += 1
+        log.error("the engine loop died; loading a new engine in %.1f s (restart %d)", delay,
+                  services.engine_restarts)
+        await engine.shutdown()
+        del engine
+        _release_device_memory()
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, _MAX_RESTART_DELAY_S)
+
+
+_WATCH_INTERVAL_S = 0.25
+_MAX_RESTART_DELAY_S = 60.0
+
+
+def _release_device_memory() -> None:
+    import gc
+
+    gc.collect()
     try:
-        engine = await asyncio.to_thread(build_engine, services.settings, services.base_model_id)
-    except Exception as exc:
-        log.exception("the engine failed to start")
-        services.engine_error = f"{type(exc).__name__}: {exc}"
-        return
-    services.engine = engine
-    log.info("engine ready: model %s, max_model_len %s", engine.model_id, engine.max_model_len)
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 (best effort: the next load reports real problems)
+        log.debug("could not release device memory", exc_info=True)

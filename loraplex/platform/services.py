@@ -42,6 +42,7 @@ class Services:
     base_model_id: str  # public id of the base model (what ``model`` names for no adapter)
     engine: EngineClient | None = None  # None while loading
     engine_error: str | None = None  # why the engine could not start
+    engine_restarts: int = 0  # engines replaced by the supervisor after their loop died
     draining: bool = False
     extras: dict[str, object] = field(default_factory=dict)  # per-area state (e.g. "registry")
     background: set[asyncio.Task] = field(default_factory=set)
