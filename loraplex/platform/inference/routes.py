@@ -10,6 +10,7 @@ from litestar import Request, Response, get, post
 from litestar.openapi.datastructures import ResponseSpec
 from litestar.params import Parameter
 
+from loraplex.platform import idempotency
 from loraplex.platform.auth import principal_of, require_scope
 from loraplex.platform.errors import ApiError, ErrorBody, ErrorResponse, error_responses, model_not_found
 from loraplex.platform.hooks import ResolvedModel
@@ -27,7 +28,7 @@ from loraplex.platform.inference.runner import EngineFailure
 from loraplex.platform.inference.sse import DONE, SSEStream, StreamingOperation, sse_event
 from loraplex.platform.models import SCOPE_INFERENCE
 
-_ERRORS = error_responses(400, 401, 403, 404, 429, 503)
+_ERRORS = error_responses(400, 401, 403, 404, 409, 422, 429, 503)
 _INFER = [require_scope(SCOPE_INFERENCE)]
 
 
@@ -102,7 +103,13 @@ def _usage(gen) -> s.Usage:
       operation_class=StreamingOperation,
       responses={**_ERRORS, 200: ResponseSpec(data_container=s.CompletionResponse, description="A completion, "
                  "or with stream=true a text/event-stream of CompletionChunk events ending in [DONE]")})
-async def create_completion(request: Request, data: s.CompletionRequest) -> Response[s.CompletionResponse]:
+async def create_completion(request: Request, data: s.CompletionRequest,
+                            idempotency_key: str | None = idempotency.KEY_PARAMETER) -> Response[s.CompletionResponse]:
+    return await idempotency.json_route(request, idempotency_key, "completions", bool(data.stream),
+                                        lambda: _create_completion(request, data))
+
+
+async def _create_completion(request: Request, data: s.CompletionRequest) -> Response[s.CompletionResponse]:
     principal, resolved = await authorize_and_resolve(request, data.model)
     engine = request.app.state.services.engine
     if data.best_of is not None and data.best_of != (data.n or 1):
@@ -183,7 +190,15 @@ async def _completion_events(prep: Prepared, resolved, created: int, echo: list[
       operation_class=StreamingOperation,
       responses={**_ERRORS, 200: ResponseSpec(data_container=s.ChatCompletionResponse, description="A chat "
                  "completion, or with stream=true a text/event-stream of ChatCompletionChunk events ending in [DONE]")})
-async def create_chat_completion(request: Request, data: s.ChatCompletionRequest) -> Response[s.ChatCompletionResponse]:
+async def create_chat_completion(request: Request, data: s.ChatCompletionRequest,
+                                 idempotency_key: str | None = idempotency.KEY_PARAMETER,
+                                 ) -> Response[s.ChatCompletionResponse]:
+    return await idempotency.json_route(request, idempotency_key, "chat.completions", bool(data.stream),
+                                        lambda: _create_chat_completion(request, data))
+
+
+async def _create_chat_completion(request: Request, data: s.ChatCompletionRequest,
+                                  ) -> Response[s.ChatCompletionResponse]:
     principal, resolved = await authorize_and_resolve(request, data.model)
     engine = request.app.state.services.engine
     top_n = 0

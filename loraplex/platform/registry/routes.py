@@ -7,6 +7,7 @@ from __future__ import annotations
 from litestar import Request, Response, delete, get, patch, post
 from litestar.params import Parameter
 
+from loraplex.platform import idempotency
 from loraplex.platform.auth import principal_of, require_scope
 from loraplex.platform.errors import error_responses, not_found
 from loraplex.platform.models import SCOPE_ADAPTERS_WRITE
@@ -30,13 +31,19 @@ _NAME = Parameter(max_length=160, pattern=r"^[a-z0-9][a-z0-9._-]{0,63}(@[1-9][0-
 @post("/v1/adapters", guards=_WRITE, status_code=201, request_max_body_size=None, tags=["adapters"],
       summary="Upload an adapter (multipart/form-data)",
       responses=error_responses(400, 401, 403, 408, 409, 413, 415, 422, 503))
-async def upload_adapter(request: Request) -> Response[AdapterOut]:
+async def upload_adapter(request: Request,
+                         idempotency_key: str | None = idempotency.KEY_PARAMETER) -> Response[AdapterOut]:
     """Fields: ``name``; optional ``description``, ``visibility`` (private | shared | public, admins only) and
     ``shared_with`` (tenant names, repeated or comma-separated); files: ``archive`` (.tar.gz or .zip) or
     ``config`` (adapter_config.json) + ``weights`` (adapter_model.safetensors)."""
-    principal = await principal_of(request)
-    pending, listed = await registry_of(request).upload(request, principal)
-    return Response(adapter_out(listed, principal.tenant_id, version=pending.version), status_code=201)
+    registry = registry_of(request)
+
+    async def run() -> Response[AdapterOut]:
+        principal = await principal_of(request)
+        pending, listed = await registry.upload(request, principal)
+        return Response(adapter_out(listed, principal.tenant_id, version=pending.version), status_code=201)
+
+    return await idempotency.upload_route(request, idempotency_key, "adapters", registry.max_upload_bytes, run)
 
 
 @get("/v1/adapters", guards=_READ, tags=["adapters"], summary="List adapters you own or may use",
