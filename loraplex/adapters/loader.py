@@ -23,7 +23,7 @@ from loraplex.adapters.validate import AdapterSpec, read_adapter
 
 @dataclass
 class HostAdapter:
-    adapter_id: int
+    adapter_id: int  # the id that first read these files; ids naming the same unchanged files share this object
     spec: AdapterSpec
     a: dict[str, torch.Tensor | None]  # proj -> [L, S, r, K]; None when no slice is targeted
     bt: dict[str, torch.Tensor | None]  # proj -> [L, r, N_total]

@@ -2,7 +2,9 @@
 
 Bookkeeping lives on the host; the engine calls ``validate_and_prefetch`` when a request arrives (disk
 read and validation happen then, off the step), ``acquire``/``release`` around a request's life (pinned
-adapters are never evicted), and ``prepare_step`` once per step.
+adapters are never evicted), and ``prepare_step`` once per step. Ids whose directory holds the same,
+unchanged files share one validated host copy (``file_cache``): a file is read and validated once, not
+once per id, and again only when it changes on disk.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 import torch
 
 from loraplex.adapters.errors import AdapterError
+from loraplex.adapters.file_cache import ValidatedFiles, file_key
 from loraplex.adapters.host_cache import HostLRUCache
 from loraplex.adapters.loader import HostAdapter, load_adapter
 from loraplex.adapters.mapping import LoRAStep, token_slots_from_ids
@@ -47,11 +50,13 @@ class LoRAManager:
         self.dtype = dtype
         self.pool = SlotPool(self.shapes, max_loras, max_lora_rank, self.device, dtype)
         self.host_cache: HostLRUCache[HostAdapter] = HostLRUCache(max(max_cpu_loras or max_loras, max_loras))
+        self._validated: ValidatedFiles[HostAdapter] = ValidatedFiles()
         self.use_triton = _triton_usable(self.device)
         self._paths: dict[int, str] = {}  # adapter_id -> lora_path, to re-read after a host eviction
         self._names: dict[int, str] = {}  # adapter_id -> lora_name (stats only)
         self._slot_of: dict[int, int] = {}
         self._slot_lru: OrderedDict[int, None] = OrderedDict()  # resident adapter ids, least recent first
+        self._free_slots = list(range(max_loras - 1, -1, -1))  # popped from the end: lowest slot first
         self._pins: dict[int, int] = {}
         self._pending_removal: set[int] = set()
         # removed ids keep their path: a request queued before the removal can still re-read the files
@@ -60,6 +65,7 @@ class LoRAManager:
         self.num_loads = 0  # host -> GPU slot copies
         self.num_evictions = 0  # resident adapters displaced from a slot
         self.num_host_loads = 0  # disk -> host cache reads (validation included)
+        self.num_host_reuses = 0  # host cache fills served by files already validated for another id
 
     # ---- adapters in host memory ---------------------------------------------------------------
     def validate_and_prefetch(self, lora_request) -> HostAdapter:
@@ -85,12 +91,18 @@ class LoRAManager:
         return adapter
 
     def _read(self, adapter_id: int, path: str) -> HostAdapter:
-        adapter = load_adapter(adapter_id, path, self.shapes, self.max_lora_rank, dtype=self.dtype,
-                               pin_memory=self.device.type == "cuda")
-        self.num_host_loads += 1
+        key = file_key(path)  # taken before the read: a file changing during it is read again next time
+        adapter = self._validated.get(key)
+        if adapter is None:
+            adapter = load_adapter(adapter_id, path, self.shapes, self.max_lora_rank, dtype=self.dtype,
+                                   pin_memory=self.device.type == "cuda")
+            self.num_host_loads += 1
+            self._validated.put(key, adapter)
+            log.info("adapter %d loaded to host: rank %d, modules %s", adapter_id, adapter.rank,
+                     ",".join(adapter.spec.target_modules))
+        else:
+            self.num_host_reuses += 1
         self.host_cache.put(adapter_id, adapter)
-        log.info("adapter %d loaded to host: rank %d, modules %s", adapter_id, adapter.rank,
-                 ",".join(adapter.spec.target_modules))
         return adapter
 
     # ---- pins --------------------------------------------------------------------------------------
@@ -129,6 +141,7 @@ class LoRAManager:
         if slot is not None:
             self._slot_lru.pop(adapter_id, None)
             self.pool.clear(slot)
+            self._free_slots.append(slot)
 
     # ---- GPU slots -----------------------------------------------------------------------------------
     def resident_adapter_ids(self) -> list[int]:
@@ -192,10 +205,8 @@ class LoRAManager:
         return slot
 
     def _free_slot(self, step_ids: list[int]) -> int:
-        used = set(self._slot_of.values())
-        for slot in range(self.max_loras):
-            if slot not in used:
-                return slot
+        if self._free_slots:
+            return self._free_slots.pop()
         in_step = set(step_ids)
         for victim in self._slot_lru:  # least recently used first
             if victim not in in_step and not self._pins.get(victim):
