@@ -9,7 +9,7 @@ A record per (tenant, route, key) lives in the platform kv for :data:`RECORD_TTL
   ``idempotent-replayed: true`` (the engine does not run, nothing is billed); a different body with the same
   key is 422 ``idempotency_key_reused``.
 
-5xx, 429 and a client that went away release the key (the client may retry); other 4xx are stored and
+5xx, 408, 409, 429 and a client that went away release the key (the client may retry); other 4xx are stored and
 replayed, like Stripe. A stream cannot be replayed: once started, its key answers 409
 ``idempotent_replay_unavailable``.
 """
@@ -144,7 +144,8 @@ def store_of(request: Request) -> IdempotencyStore:
 
 
 def _releases(status: int) -> bool:
-    return status >= 500 or status in (408, 429, 499)
+    # worth retrying: server faults, limits, timeouts, a lost race (409) and a client that went away
+    return status >= 500 or status in (408, 409, 429, 499)
 
 
 def replay(stored: Stored) -> Response:

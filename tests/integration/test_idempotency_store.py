@@ -70,7 +70,7 @@ async def test_a_different_body_while_in_progress_is_422(kvs):
     assert err.value.status_code == 422
 
 
-@pytest.mark.parametrize("status", [500, 503, 429])
+@pytest.mark.parametrize("status", [500, 503, 429, 409])
 async def test_server_errors_and_rate_limits_release_the_key(kvs, status):
     store = idem.IdempotencyStore(kvs[0])
     scope = store.scope("t", "completions", f"k-{status}")
