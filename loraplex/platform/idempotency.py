@@ -2,9 +2,9 @@
 
 A record per (tenant, route, key) lives in the platform kv for :data:`RECORD_TTL_S`:
 
-- ``pending``: one request holds the key. The claim is the kv's atomic token bucket (capacity 1), so two
-  replicas racing for a key see one winner; the loser gets 409 ``idempotency_key_in_use``. The bucket
-  refills after :data:`LEASE_S`, so a replica that dies mid-request frees the key.
+- ``pending``: one request holds the key. The claim is an atomic set-if-absent in the kv (SET NX in Redis),
+  so two replicas racing for a key see one winner; the loser gets 409 ``idempotency_key_in_use``. The claim
+  expires after :data:`LEASE_S`, so a replica that dies mid-request frees the key.
 - ``done``: status, content type and body of the first answer. The same request again gets that answer with
   ``idempotent-replayed: true`` (the engine does not run, nothing is billed); a different body with the same
   key is 422 ``idempotency_key_reused``.
@@ -118,8 +118,7 @@ class IdempotencyStore:
         stored = await self.lookup(scope, fp)
         if stored is not None:
             return stored
-        bucket = await self.kv.token_bucket("claim:" + scope, 1.0, 1.0 / self.lease_s)
-        if not bucket.allowed:
+        if not await self.kv.set_if_absent("claim:" + scope, "1", self.lease_s):
             rec = await self._record(scope)  # the holder may have finished meanwhile
             if rec is not None and rec["state"] == "done":
                 return self._answer(rec, fp)
@@ -136,7 +135,7 @@ class IdempotencyStore:
 
     async def release(self, scope: str) -> None:
         await self.kv.delete(scope)
-        await self.kv.token_bucket("claim:" + scope, 1.0, 1.0 / self.lease_s, cost=-1.0, force=True)
+        await self.kv.delete("claim:" + scope)
 
 
 def store_of(request: Request) -> IdempotencyStore:

@@ -39,6 +39,10 @@ class KV(Protocol):
 
     async def set(self, key: str, value: str, ttl_s: float | None = None) -> None: ...
 
+    async def set_if_absent(self, key: str, value: str, ttl_s: float) -> bool:
+        """Atomically set ``key`` unless it holds a live value; True when this call set it."""
+        ...
+
     async def delete(self, key: str) -> None: ...
 
     async def token_bucket(
@@ -108,6 +112,13 @@ class LocalKV:
         self._data[key] = (value, None if ttl_s is None else self._clock() + ttl_s)
         if len(self._data) > 100_000:
             self._evict_expired()
+
+    async def set_if_absent(self, key: str, value: str, ttl_s: float) -> bool:
+        # get() and set() never suspend, so nothing else runs between the check and the write
+        if await self.get(key) is not None:
+            return False
+        await self.set(key, value, ttl_s)
+        return True
 
     def _evict_expired(self) -> None:
         now = self._clock()
@@ -215,6 +226,9 @@ class RedisKV:
             await self._redis.set(self._k(key), value)
         else:
             await self._redis.set(self._k(key), value, px=max(1, int(ttl_s * 1000)))
+
+    async def set_if_absent(self, key: str, value: str, ttl_s: float) -> bool:
+        return bool(await self._redis.set(self._k(key), value, px=max(1, int(ttl_s * 1000)), nx=True))
 
     async def delete(self, key: str) -> None:
         await self._redis.delete(self._k(key))
