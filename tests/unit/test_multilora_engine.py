@@ -158,3 +158,23 @@ def test_malformed_adapter_fails_only_its_request(tiny_model, hf_reference, tmp_
     # the engine keeps serving afterwards, the good adapters included
     again = llm.generate(prompts[0], PARAMS, lora_request=loras[0])[0]
     assert again.outputs[0].token_ids == hf_reference(work[0][0], work[0][1])
+
+
+def test_many_ids_over_few_files_match_peft_and_read_each_file_once(tiny_model, hf_reference):
+    """The offline bench's shape: adapter k -> id k+1, file k % 3. Ids sharing a file share one validated
+    copy, and each still gets exactly its file's PEFT tokens, through slot evictions."""
+    llm = LLM(tiny_model["model_dir"], dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=64,
+              max_cpu_loras=3)  # holds 3 of the 9 ids: without sharing, 6 would be read twice
+    work = _workload(seed=4)[:3]
+    prompts, loras, owners = [], [], []
+    for k in range(9):
+        prompt, _ = work[k % 3]
+        prompts.append({"prompt_token_ids": prompt})
+        loras.append(LoRARequest(f"tenant-{k}", k + 1, adapter_dir(tiny_model, k % 3)))
+        owners.append((prompt, k % 3))
+    outs = llm.generate(prompts, PARAMS, lora_request=loras)
+    for (prompt, owner), out in zip(owners, outs):
+        assert out.outputs[0].token_ids == hf_reference(prompt, owner)
+    manager = llm.engine.runner.get_lora_manager()
+    assert manager.num_host_loads == 3 and manager.num_host_reuses > 0
+    assert manager.num_loads == 9 and manager.num_evictions == 7
