@@ -1,6 +1,7 @@
 """Metering under load against a live server (PostgreSQL + Redis): 1,000 concurrent requests of every
-kind (non-streaming, streaming, aborted mid-stream, invalid), exports taken while they run, and the
-export totals compared with what the clients actually received, per tenant and per adapter."""
+kind (non-streaming, streaming, aborted mid-stream, invalid; 900 start at once, two groups of 50 are
+staged at the export cuts), exports taken while they run, and the export totals compared with what the
+clients actually received, per tenant and per adapter."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from tests.e2e.usage_client import Expected, export_rows, run_one, sums, upload_
 
 NUM_REQUESTS = 1000
 MAX_TOKENS = 3
+EARLY_DONE_AT_FIRST_CUT = 250  # the first window cut: after this many of the unstaged requests are done
 KINDS = ["nonstream"] * 40 + ["stream"] * 30 + ["abort"] * 20 + ["invalid"] * 10
 SERVER_ENV = {
     "LORAPLEX_MAX_CONCURRENT_REQUESTS": "4000", "LORAPLEX_DEFAULT_REQUESTS_PER_MINUTE": "1000000",
@@ -41,34 +43,60 @@ def _iso(t: datetime) -> str:
 
 
 async def _load(server, plan: list[tuple[str, str, str, str]], cuts: list[datetime], windows: list):
-    """Run every request at once; take window exports at 1/3 and 2/3 of completions, while the rest run."""
+    """Run the requests concurrently and take two window exports while they run.
+
+    Most requests start at once. Two small groups are staged so that every window provably has requests
+    ending in it, whatever the client's lag behind the server on a 2-core machine: group A starts at the
+    first cut, the second cut is taken once group A is done, and group B starts at the second cut. Each
+    export runs while other requests are still in flight."""
     rng = random.Random(7)
-    limits = httpx.Limits(max_connections=NUM_REQUESTS, max_keepalive_connections=NUM_REQUESTS)
-    done = 0
+    # no keep-alive: a staged request must not pick a pooled connection the server is just closing as idle
+    limits = httpx.Limits(max_connections=NUM_REQUESTS, max_keepalive_connections=0)
+    first_cut, second_cut = asyncio.Event(), asyncio.Event()
+    num_staged = {g: sum(1 for i in range(len(plan)) if _group(i) == g) for g in ("a", "b")}
+    done = {"early": 0, "a": 0, "b": 0}
     async with httpx.AsyncClient(base_url=server.base_url, timeout=300, limits=limits) as client:
-        async def one(kind, tenant, key, model):
-            nonlocal done
+        async def one(i, kind, tenant, key, model):
+            group = _group(i)
+            if group == "a":
+                await first_cut.wait()
+            elif group == "b":
+                await second_cut.wait()
             try:
                 return await run_one(client, server.base_url, kind, tenant, key, model,
                                      random.Random(rng.random()), MAX_TOKENS)
             finally:
-                done += 1
+                done[group] += 1
+
+        async def export(start: datetime, end: datetime, done_at_cut: int):
+            r = await client.get("/admin/usage/export", headers={"Authorization": f"Bearer {server.admin_key}"},
+                                 params={"format": "jsonl", "group_by": "adapter", "from": _iso(start), "to": _iso(end)})
+            assert r.status_code == 200 and r.headers["x-usage-complete"] == "true", r.text
+            return r.text, done_at_cut
+
+        async def cut_and_export(event: asyncio.Event) -> asyncio.Task:
+            cut = datetime.now(timezone.utc)
+            task = asyncio.create_task(export(cuts[-1], cut, sum(done.values())))
+            cuts.append(cut)
+            event.set()
+            return task
 
         async def exporter():
-            admin = {"Authorization": f"Bearer {server.admin_key}"}
-            for fraction in (1 / 3, 2 / 3):
-                while done < NUM_REQUESTS * fraction:
-                    await asyncio.sleep(0.05)
-                cut = datetime.now(timezone.utc)
-                r = await client.get("/admin/usage/export", headers=admin, params={
-                    "format": "jsonl", "group_by": "adapter", "from": _iso(cuts[-1]), "to": _iso(cut)})
-                assert r.status_code == 200 and r.headers["x-usage-complete"] == "true", r.text
-                windows.append((r.text, done))
-                cuts.append(cut)
+            while done["early"] < EARLY_DONE_AT_FIRST_CUT:
+                await asyncio.sleep(0.02)
+            first = await cut_and_export(first_cut)
+            while done["a"] < num_staged["a"]:
+                await asyncio.sleep(0.02)
+            second = await cut_and_export(second_cut)
+            windows.extend(await asyncio.gather(first, second))
 
-        tasks = [one(*p) for p in plan]
+        tasks = [one(i, *p) for i, p in enumerate(plan)]
         results, _ = await asyncio.gather(asyncio.gather(*tasks), exporter())
     return results
+
+
+def _group(i: int) -> str:
+    return {9: "a", 19: "b"}.get(i % 20, "early")
 
 
 def test_thousand_concurrent_requests_export_equals_what_clients_received(server, tiny_model):
@@ -127,7 +155,8 @@ def test_thousand_concurrent_requests_export_equals_what_clients_received(server
         for key, c in sums(rows, lambda r: (r["tenant"], r["model"])).items():
             combined.update({(key, f): v for f, v in c.items()})
     assert combined == Counter({(k, f): v for k, c in expected.items() for f, v in c.items()})
-    assert min(sum(r["requests"] for r in rows) for rows in pieces) > 0
+    sizes = [sum(r["requests"] for r in rows) for rows in pieces]
+    assert min(sizes) > 0, (sizes, [n for _, n in windows])
 
     # tenants see their own usage only, with the same numbers
     key, _ = tenants["acme"]
