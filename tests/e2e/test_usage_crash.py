@@ -17,6 +17,9 @@ from tests.e2e.usage_client import run_one
 
 NUM_REQUESTS = 200
 KILL_AFTER = 70
+# every tenth request is a long stream, still generating when the kill lands: the client on 2 cores lags
+# the server, which otherwise could finish every short request before the client counted KILL_AFTER
+LONG_EVERY, LONG_TOKENS = 10, 200
 SERVER_ENV = {
     "LORAPLEX_MAX_CONCURRENT_REQUESTS": "2000", "LORAPLEX_DEFAULT_REQUESTS_PER_MINUTE": "1000000",
     "LORAPLEX_DEFAULT_TOKENS_PER_MINUTE": "1000000000", "LORAPLEX_LOG_LEVEL": "WARNING",
@@ -30,9 +33,11 @@ async def _load_then_kill(server, key: str, model: str):
     async with httpx.AsyncClient(base_url=server.base_url, timeout=120, limits=limits) as client:
         async def one(i: int):
             nonlocal finished
-            kind = ("nonstream", "stream")[i % 2]
+            long = i % LONG_EVERY == 0
+            kind = "stream" if long else ("nonstream", "stream")[i % 2]
             try:
-                o = await run_one(client, server.base_url, kind, "acme", key, model, random.Random(i), 4)
+                o = await run_one(client, server.base_url, kind, "acme", key, model, random.Random(i),
+                                  LONG_TOKENS if long else 4)
             except (httpx.HTTPError, OSError, asyncio.IncompleteReadError, ValueError):
                 return None  # cut by the kill
             if o.finished:
