@@ -287,30 +287,8 @@ def bench_decode_step(shapes, num_tokens: int, rank: int, device, dtype, copy_bw
               "tokens": num_tokens, "adapters": num_tokens, "rank": rank, "layers": shapes.num_layers,
               "launches": per_layer * shapes.num_layers, "lora_bytes": lora_bytes,
               "floor_ms": lora_bytes / copy_bw * 1e3, "target_ms": STEP_TARGET_MS}
-    if device.type == "cuda":
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            run_step()  # compile and warm up outside the capture
-        torch.cuda.current_stream(device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run_step()
-        times = []
-        for _ in range(5):
-            graph.replay()
-        for _ in range(reps):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end) / 1e3)
-        seconds = statistics.median(times)
-        result["cuda_graph"] = True
-    else:
-        seconds = _median_seconds(run_step, device, reps)
-        result["cuda_graph"] = False
+    seconds = _graph_seconds(run_step, device, reps)  # one CUDA-graph replay on the GPU
+    result["cuda_graph"] = device.type == "cuda"
     result.update(time_ms=seconds * 1e3, gb_s=lora_bytes / seconds / 1e9,
                   pct_copy_bw=100 * lora_bytes / seconds / copy_bw)
     return result
