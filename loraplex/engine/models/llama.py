@@ -9,11 +9,14 @@ LoRA hook: after each base projection the model calls ``lora.add(layer_idx, proj
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from loraplex.kernels import fused_ops_ref as fo
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -96,11 +99,23 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.d
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos/sin: [T, D]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def fused_ops_default(device) -> bool:
+    """Triton element-wise kernels on CUDA (``LORAPLEX_FUSED_OPS=0`` turns them off, for A/B runs)."""
+    return torch.device(device).type == "cuda" and os.environ.get("LORAPLEX_FUSED_OPS", "1") != "0"
+
+
+class _Ops:
+    """The layer's element-wise steps: the Triton kernels of ``loraplex.kernels.fused_ops`` or their twins."""
+
+    def __init__(self, fused: bool):
+        if fused:
+            from loraplex.kernels import fused_ops as k
+
+            self.rms_norm, self.add_rms_norm = k.rms_norm, k.add_rms_norm
+            self.rope_store_kv, self.silu_mul = k.rope_store_kv, k.silu_mul
+        else:
+            self.rms_norm, self.add_rms_norm = fo.rms_norm_ref, fo.add_rms_norm_ref
+            self.rope_store_kv, self.silu_mul = fo.rope_store_kv_ref, fo.silu_mul_ref
 
 
 class RMSNorm(nn.Module):
@@ -110,9 +125,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return fo.rms_norm_ref(x, self.weight, self.eps)
 
 
 def _param(*shape, device, dtype) -> nn.Parameter:
@@ -138,38 +151,40 @@ class LlamaLayer(nn.Module):
         self.down_bias = _param(h, device=device, dtype=dtype) if cfg.mlp_bias else None
         self.scale = d ** -0.5
 
-    def forward(self, hidden, cos, sin, kv_cache, attn, lora):
-        # hidden: [T, H]
-        x = self.input_layernorm(hidden)
+    def forward(self, hidden, residual, cos, sin, kv_cache, attn, lora, ops: _Ops):
+        """``hidden`` [T, H] is the previous layer's MLP output and ``residual`` the stream before it
+        (None at the first layer, where ``hidden`` is the embedding); returns (MLP output, residual)."""
+        if residual is None:
+            residual = hidden
+            x = ops.rms_norm(hidden, self.input_layernorm.weight, self.input_layernorm.eps)
+        else:
+            x, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
         qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2kv]
         if lora is not None:
             lora.add(self.idx, "qkv", x, qkv)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         num_tokens = hidden.shape[0]
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        attn.backend.store_kv(k, v, key_cache, value_cache, attn.slot_mapping)
+        # RoPE on q and k; k and v go into the paged cache (attention reads the new tokens' K/V from there)
+        q = ops.rope_store_kv(qkv, cos, sin, key_cache, value_cache, attn.slot_mapping, self.num_heads,
+                              self.num_kv_heads, self.head_dim)
         o = attn.backend.attention(q, key_cache, value_cache, attn, self.scale).view(num_tokens, self.q_size)
         out = F.linear(o, self.o_weight, self.o_bias)
         if lora is not None:
             lora.add(self.idx, "o", o, out)
-        hidden = hidden + out
-        x = self.post_attention_layernorm(hidden)
+        norm = self.post_attention_layernorm
+        x, residual = ops.add_rms_norm(out, residual, norm.weight, norm.eps)
         gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
         if lora is not None:
             lora.add(self.idx, "gate_up", x, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        act = F.silu(gate) * up
+        act = ops.silu_mul(gate_up)
         down = F.linear(act, self.down_weight, self.down_bias)
         if lora is not None:
             lora.add(self.idx, "down", act, down)
-        return hidden + down
+        return down, residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, device, dtype):
+    def __init__(self, cfg: LlamaConfig, device, dtype, fused_ops: bool | None = None):
         super().__init__()
         self.config = cfg
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
@@ -178,15 +193,20 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, device=device,
                                                                    dtype=dtype)
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        self.fused_ops = fused_ops_default(device) if fused_ops is None else fused_ops
+        self.ops = _Ops(self.fused_ops)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, attn, lora=None) -> torch.Tensor:
         # input_ids, positions: [T]; returns final hidden states [T, H]
         hidden = F.embedding(input_ids, self.embed_tokens)
         cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
+        ops, residual = self.ops, None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, kv_cache, attn, lora)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn, lora, ops)
+        if residual is None:  # no layers
+            return ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
+        return ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
