@@ -1,16 +1,25 @@
 """LoRAManager: adapters from disk -> host LRU cache -> GPU slots, and the per-step LoRA batch.
 
-Bookkeeping lives on the host; the engine calls ``validate_and_prefetch`` when a request arrives (disk
-read and validation happen then, off the step), ``acquire``/``release`` around a request's life (pinned
-adapters are never evicted), and ``prepare_step`` once per step. Ids whose directory holds the same,
-unchanged files share one validated host copy (``file_cache``): a file is read and validated once, not
-once per id, and again only when it changes on disk.
+Bookkeeping lives on the engine thread; disk reads do not. The engine calls ``submit`` when a request
+arrives (a background read starts; nothing waits), the scheduler calls ``poll`` at the start of each step
+(finished reads enter the host cache, failed ones are returned so their requests fail, and the adapters of
+the first waiting requests are read ahead) and admits a request only once ``is_ready`` says its adapter is
+in host memory or a slot. ``acquire``/``release`` pin the adapters of running requests (never evicted),
+``prefetch_slots`` copies the adapters of the next waiting requests into slots while the current step
+runs, and ``prepare_step``/``assign_slots`` give every adapter of a step a slot, waiting only for the fills
+of those slots. Ids whose directory holds the same, unchanged files share one validated host copy
+(``file_cache``), and concurrent reads of one file are one read. ``validate_and_prefetch`` is the
+synchronous read (same checks, same errors).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections import OrderedDict
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +30,8 @@ from loraplex.adapters.host_cache import HostLRUCache
 from loraplex.adapters.loader import HostAdapter, load_adapter
 from loraplex.adapters.mapping import LoRAStep, token_slots_from_ids
 from loraplex.adapters.modules import BaseShapes
+from loraplex.adapters.packed import pack_adapter
+from loraplex.adapters.prefetch import BackgroundLoader
 from loraplex.adapters.slot_pool import SlotPool
 
 log = logging.getLogger(__name__)
@@ -36,9 +47,16 @@ def _triton_usable(device: torch.device) -> bool:
     return True
 
 
+@dataclass(eq=False)
+class _PendingLoad:
+    key: Hashable  # file identity being read
+    path: str
+    name: str
+
+
 class LoRAManager:
     def __init__(self, hf_config: Any, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
-                 device: str | torch.device, dtype: torch.dtype) -> None:
+                 device: str | torch.device, dtype: torch.dtype, num_load_workers: int | None = None) -> None:
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         if max_lora_rank < 1:
@@ -51,9 +69,16 @@ class LoRAManager:
         self.pool = SlotPool(self.shapes, max_loras, max_lora_rank, self.device, dtype)
         self.host_cache: HostLRUCache[HostAdapter] = HostLRUCache(max(max_cpu_loras or max_loras, max_loras))
         self._validated: ValidatedFiles[HostAdapter] = ValidatedFiles()
+        self.loader = BackgroundLoader(self._load_files, num_load_workers or min(4, os.cpu_count() or 1))
         self.use_triton = _triton_usable(self.device)
         self._paths: dict[int, str] = {}  # adapter_id -> lora_path, to re-read after a host eviction
         self._names: dict[int, str] = {}  # adapter_id -> lora_name (stats only)
+        self._loading: dict[int, _PendingLoad] = {}  # adapter_id -> the background read it waits for
+        self._reads: dict[Hashable, list[int]] = {}  # file identity being read -> ids waiting for it
+        # distinct adapters of the first waiting requests, in scheduling order (from ``poll``): read ahead,
+        # kept in the host cache, filled into slots ahead of need and not evicted for another prefetch
+        self._lookahead: list[int] = []
+        self._lookahead_set: set[int] = set()
         self._slot_of: dict[int, int] = {}
         self._slot_lru: OrderedDict[int, None] = OrderedDict()  # resident adapter ids, least recent first
         self._free_slots = list(range(max_loras - 1, -1, -1))  # popped from the end: lowest slot first
@@ -61,49 +86,164 @@ class LoRAManager:
         self._pending_removal: set[int] = set()
         # removed ids keep their path: a request queued before the removal can still re-read the files
         self._removed: set[int] = set()
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.num_loads = 0  # host -> GPU slot copies
+        self.num_prefetched_loads = 0  # of which made ahead of the step that needed them
         self.num_evictions = 0  # resident adapters displaced from a slot
         self.num_host_loads = 0  # disk -> host cache reads (validation included)
         self.num_host_reuses = 0  # host cache fills served by files already validated for another id
+        self.num_load_failures = 0  # reads that failed (each fails the requests waiting for it)
+        self.host_load_seconds = 0.0  # wall time of all reads (background and synchronous)
 
     # ---- adapters in host memory ---------------------------------------------------------------
-    def validate_and_prefetch(self, lora_request) -> HostAdapter:
-        """Validate and cache an adapter in host memory. Raises AdapterError for a bad adapter."""
+    def submit(self, lora_request) -> None:
+        """Register a request's adapter; returns at once (the engine's ``add_request``). The read starts
+        now when a loader worker is idle, else at a later ``poll`` in scheduling order (a burst of requests
+        never reads more adapters ahead than the host cache holds). Raises AdapterError only for an id
+        clash; a bad file is reported by ``poll``."""
         adapter_id, path = lora_request.lora_int_id, str(lora_request.lora_path)
-        known = self._paths.get(adapter_id)
-        if known is not None and known != path:
-            if adapter_id not in self._removed:
-                raise AdapterError(f"lora_int_id {adapter_id} is already registered for another path ({known})",
-                                   file=path)
-            if self._pins.get(adapter_id):
-                raise AdapterError(f"lora_int_id {adapter_id} was replaced but its old version still serves running "
-                                   "requests; retry when they finish", file=path)
-            self._forget_weights(adapter_id)  # a new version under a removed id
+        self._check_path(adapter_id, path)
+        if (not self.is_ready(adapter_id) and adapter_id not in self._loading
+                and len(self._loading) < self.loader.num_workers):
+            self._start_load(adapter_id, path, lora_request.lora_name)
+
+    def validate_and_prefetch(self, lora_request) -> HostAdapter:
+        """Validate and cache an adapter in host memory now. Raises AdapterError for a bad adapter."""
+        adapter_id, path = lora_request.lora_int_id, str(lora_request.lora_path)
+        self._check_path(adapter_id, path)
         cached = self.host_cache.get(adapter_id)
         if cached is not None:
             return cached
         adapter = self._read(adapter_id, path)
-        self._paths[adapter_id] = path
-        self._names[adapter_id] = lora_request.lora_name
-        self._pending_removal.discard(adapter_id)
-        self._removed.discard(adapter_id)
+        self._loaded(adapter_id, path, lora_request.lora_name)
         return adapter
 
-    def _read(self, adapter_id: int, path: str) -> HostAdapter:
+    def poll(self, waiting: Iterable[Any] = ()) -> dict[int, str]:
+        """Once per step, before admission: take finished background reads into the host cache, then start
+        reads for the adapters of the first waiting requests (``waiting``: their LoRA requests in scheduling
+        order, as many distinct ids as the host cache holds). Returns adapter id -> error text for reads
+        that failed: the requests waiting for those adapters fail."""
+        ahead: dict[int, Any] = {}  # adapter id -> a LoRA request naming it, first come first
+        for lora_request in waiting:
+            ahead.setdefault(lora_request.lora_int_id, lora_request)
+            if len(ahead) >= self.host_cache.capacity:
+                break
+        self._lookahead, self._lookahead_set = list(ahead), set(ahead)
+        failures = self._collect()
+        for adapter_id, lora_request in ahead.items():
+            if adapter_id not in failures and not self.is_ready(adapter_id) and adapter_id not in self._loading:
+                # the registered version (a replacement under a removed id) before the request's own path
+                path = self._paths.get(adapter_id) or str(lora_request.lora_path)
+                self._start_load(adapter_id, path, lora_request.lora_name)
+        return failures
+
+    def is_ready(self, adapter_id: int) -> bool:
+        """The adapter can run in the next step without a disk read (in host memory or in a slot)."""
+        return adapter_id in self._slot_of or adapter_id in self.host_cache
+
+    def is_resident(self, adapter_id: int) -> bool:
+        return adapter_id in self._slot_of
+
+    def wait_for_load(self, timeout: float) -> bool:
+        """Block until a background read finishes (at most ``timeout`` s): for an engine with nothing to run
+        but requests waiting for their adapters. False at once when no read is in flight."""
+        return self.loader.wait(timeout)
+
+    @property
+    def num_pending_loads(self) -> int:
+        """Load queue depth: file reads queued or running in the background."""
+        return self.loader.num_in_flight
+
+    @property
+    def num_loading_adapters(self) -> int:
+        """Adapter ids waiting for a background read."""
+        return len(self._loading)
+
+    def _check_path(self, adapter_id: int, path: str) -> None:
+        pending = self._loading.get(adapter_id)
+        known = pending.path if pending is not None else self._paths.get(adapter_id)
+        if known is None or known == path:
+            return
+        if adapter_id not in self._removed:
+            raise AdapterError(f"lora_int_id {adapter_id} is already registered for another path ({known})",
+                               file=path)
+        if self._pins.get(adapter_id):
+            raise AdapterError(f"lora_int_id {adapter_id} was replaced but its old version still serves running "
+                               "requests; retry when they finish", file=path)
+        self._forget_weights(adapter_id)  # a new version under a removed id
+
+    def _start_load(self, adapter_id: int, path: str, name: str) -> None:
         key = file_key(path)  # taken before the read: a file changing during it is read again next time
+        shared = self._validated.get(key)
+        if shared is not None:  # files already validated for another id: no read at all
+            self.num_host_reuses += 1
+            self.host_cache.put(adapter_id, shared, keep=self._lookahead_set)
+            self._loaded(adapter_id, path, name)
+            return
+        read_key = key if key is not None else ("unreadable", path)
+        self._loading[adapter_id] = _PendingLoad(read_key, path, name)
+        ids = self._reads.get(read_key)
+        if ids is None:
+            self._reads[read_key] = [adapter_id]
+            self.loader.submit(read_key, path)
+        else:
+            ids.append(adapter_id)  # the same files are being read for another id: wait for that read
+
+    def _collect(self) -> dict[int, str]:
+        failures: dict[int, str] = {}
+        for result in self.loader.take_done():
+            ids = self._reads.pop(result.key, [])
+            self.host_load_seconds += result.seconds
+            if result.error is None:
+                self.num_host_loads += 1
+                if result.key[0] != "unreadable":
+                    self._validated.put(result.key, result.adapter)
+                log.info("adapter %s read in %.3f s: rank %d, modules %s", result.path, result.seconds,
+                         result.adapter.rank, ",".join(result.adapter.spec.target_modules))
+            else:
+                self.num_load_failures += 1
+                log.warning("adapter %s failed to load: %s", result.path, result.error)
+            served = 0
+            for adapter_id in ids:
+                pending = self._loading.get(adapter_id)
+                if pending is None or pending.key != result.key:
+                    continue  # removed or replaced while the read ran
+                if result.error is not None:
+                    del self._loading[adapter_id]
+                    failures[adapter_id] = str(result.error)
+                    continue
+                self.num_host_reuses += served > 0
+                served += 1
+                self.host_cache.put(adapter_id, result.adapter, keep=self._lookahead_set)
+                self._loaded(adapter_id, pending.path, pending.name)
+        return failures
+
+    def _loaded(self, adapter_id: int, path: str, name: str) -> None:
+        self._loading.pop(adapter_id, None)
+        self._paths[adapter_id] = path
+        self._names[adapter_id] = name
+        self._pending_removal.discard(adapter_id)
+        self._removed.discard(adapter_id)
+
+    def _read(self, adapter_id: int, path: str) -> HostAdapter:
+        """Synchronous read into the host cache (shared validated files are not read again)."""
+        key = file_key(path)
         adapter = self._validated.get(key)
         if adapter is None:
-            adapter = load_adapter(adapter_id, path, self.shapes, self.max_lora_rank, dtype=self.dtype,
-                                   pin_memory=self.device.type == "cuda")
+            started = time.perf_counter()
+            adapter = self._load_files(path, adapter_id)
+            self.host_load_seconds += time.perf_counter() - started
             self.num_host_loads += 1
             self._validated.put(key, adapter)
-            log.info("adapter %d loaded to host: rank %d, modules %s", adapter_id, adapter.rank,
-                     ",".join(adapter.spec.target_modules))
+            log.info("adapter %d read on the engine thread: rank %d", adapter_id, adapter.rank)
         else:
             self.num_host_reuses += 1
-        self.host_cache.put(adapter_id, adapter)
+        self.host_cache.put(adapter_id, adapter, keep=self._lookahead_set)
         return adapter
+
+    def _load_files(self, path: str, adapter_id: int = 0) -> HostAdapter:
+        """Read, validate and pack one adapter directory (any thread; touches no shared state)."""
+        adapter = load_adapter(adapter_id, path, self.shapes, self.max_lora_rank, dtype=self.dtype)
+        return pack_adapter(adapter, pin_memory=self.device.type == "cuda")
 
     # ---- pins --------------------------------------------------------------------------------------
     def acquire(self, adapter_id: int) -> None:
@@ -123,7 +263,8 @@ class LoRAManager:
             self._drop(adapter_id)
 
     def remove_adapter(self, adapter_id: int) -> None:
-        """Forget an adapter (host cache and slot) once its last running request has released it."""
+        """Forget an adapter (host cache, slot, a read in flight) once its last running request has
+        released it."""
         if self._pins.get(adapter_id):
             self._pending_removal.add(adapter_id)
         else:
@@ -136,6 +277,7 @@ class LoRAManager:
         self._forget_weights(adapter_id)
 
     def _forget_weights(self, adapter_id: int) -> None:
+        self._loading.pop(adapter_id, None)  # a read still in flight is ignored for this id
         self.host_cache.pop(adapter_id)
         slot = self._slot_of.pop(adapter_id, None)
         if slot is not None:
@@ -176,15 +318,39 @@ class LoRAManager:
     def assign_slots(self, adapter_ids) -> dict[int, int]:
         """Give every adapter of a step (ids, 0 = base, ignored) a GPU slot; returns adapter id -> slot.
 
-        Host bookkeeping plus asynchronous slot fills. ``prepare_step`` uses it; the engine's CUDA-graph
-        decode path calls it alone, writes the per-token slots into a static buffer and derives the kernel
-        metadata inside the graph (``LoRAStep``)."""
+        Host bookkeeping plus asynchronous slot fills; the current stream then waits for the fills of these
+        slots only. ``prepare_step`` uses it; the engine's CUDA-graph decode path calls it alone, writes the
+        per-token slots into a static buffer and derives the kernel metadata inside the graph."""
         step_ids = sorted({int(a) for a in adapter_ids if a})
         if len(step_ids) > self.max_loras:
             raise RuntimeError(f"{len(step_ids)} adapters in one step, over max_loras={self.max_loras}")
         for adapter_id in step_ids:
             self._ensure_slot(adapter_id, step_ids)
-        return {a: self._slot_of[a] for a in step_ids}
+        slot_of = {a: self._slot_of[a] for a in step_ids}
+        self.pool.wait_for_fills(slot_of.values())
+        return slot_of
+
+    def prefetch_slots(self) -> int:
+        """Fill slots ahead of need, once per step after the running adapters are pinned: adapters of the
+        first waiting requests (``poll``'s order) that are in host memory take a free slot, or the slot of
+        the least recently used adapter that no running request pins and no request of that window needs.
+        On CUDA the fills overlap the step about to run. Returns the number of fills."""
+        window = self._lookahead[:self.max_loras]
+        wanted = set(window)
+        num = 0
+        for adapter_id in window:
+            if adapter_id in self._slot_of:
+                continue
+            adapter = self.host_cache.get(adapter_id)
+            if adapter is None:
+                continue
+            slot = self._take_slot(avoid=wanted, strict=True)
+            if slot is None:
+                break
+            self._place(adapter_id, slot, adapter)
+            num += 1
+        self.num_prefetched_loads += num
+        return num
 
     def _ensure_slot(self, adapter_id: int, step_ids: list[int]) -> int:
         slot = self._slot_of.get(adapter_id)
@@ -192,39 +358,38 @@ class LoRAManager:
             self._slot_lru.move_to_end(adapter_id)
             return slot
         adapter = self.host_cache.get(adapter_id)
-        if adapter is None:
+        if adapter is None:  # the scheduler admits only ready adapters; direct callers may skip that
             path = self._paths.get(adapter_id)
             if path is None:
                 raise KeyError(f"adapter {adapter_id} was never prefetched (validate_and_prefetch first)")
             adapter = self._read(adapter_id, path)  # AdapterError if its files changed or disappeared
-        slot = self._free_slot(step_ids)
-        self._fill(slot, adapter)
+        slot = self._take_slot(avoid=set(step_ids) | self._lookahead_set, strict=False, step_ids=step_ids)
+        if slot is None:
+            raise RuntimeError("no GPU slot can be freed: every slot holds an adapter of this step or a running "
+                               f"request (max_loras={self.max_loras}); the scheduler must keep within it")
+        self._place(adapter_id, slot, adapter)
+        return slot
+
+    def _take_slot(self, avoid: set[int], strict: bool, step_ids: Iterable[int] = ()) -> int | None:
+        """A free slot, else the slot of the least recently used unpinned adapter not in ``avoid`` (with
+        ``strict=False``, one in ``avoid`` but not in ``step_ids`` when there is no other)."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        unpinned = [a for a in self._slot_lru if not self._pins.get(a)]  # least recently used first
+        victim = next((a for a in unpinned if a not in avoid), None)
+        if victim is None and not strict:
+            in_step = set(step_ids)
+            victim = next((a for a in unpinned if a not in in_step), None)
+        if victim is None:
+            return None
+        slot = self._slot_of.pop(victim)
+        del self._slot_lru[victim]
+        self.num_evictions += 1
+        log.info("adapter %d evicted from slot %d", victim, slot)
+        return slot
+
+    def _place(self, adapter_id: int, slot: int, adapter: HostAdapter) -> None:
+        self.pool.fill(slot, adapter)
         self._slot_of[adapter_id] = slot
         self._slot_lru[adapter_id] = None
         self.num_loads += 1
-        return slot
-
-    def _free_slot(self, step_ids: list[int]) -> int:
-        if self._free_slots:
-            return self._free_slots.pop()
-        in_step = set(step_ids)
-        for victim in self._slot_lru:  # least recently used first
-            if victim not in in_step and not self._pins.get(victim):
-                slot = self._slot_of.pop(victim)
-                del self._slot_lru[victim]
-                self.num_evictions += 1
-                log.info("adapter %d evicted from slot %d", victim, slot)
-                return slot
-        raise RuntimeError("no GPU slot can be freed: every slot holds an adapter of this step or a running "
-                           f"request (max_loras={self.max_loras}); the scheduler must keep within it")
-
-    def _fill(self, slot: int, adapter: HostAdapter) -> None:
-        if self._copy_stream is None:
-            self.pool.fill(slot, adapter)
-            return
-        # the copy waits for kernels still reading the old occupant, and the next step waits for the copy
-        current = torch.cuda.current_stream(self.device)
-        self._copy_stream.wait_stream(current)
-        with torch.cuda.stream(self._copy_stream):
-            self.pool.fill(slot, adapter)
-        current.wait_stream(self._copy_stream)

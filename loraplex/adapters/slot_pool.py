@@ -8,6 +8,12 @@ Shape (per proj in qkv, o, gate_up, down, with S slices, K inputs, N_total outpu
 
 Rows beyond an adapter's rank are never read (the kernels clamp to ``ranks``), so a slot is refilled
 without zeroing and mixed ranks cost only their own rank.
+
+Fills on CUDA run on a copy stream, after every kernel already queued on the current stream (readers of the
+slot's previous occupant), and record one event per fill: ``wait_for_fills(slots)`` makes the current stream
+wait for the fills of those slots only, so a fill ahead of need overlaps the steps before it. A packed
+adapter (``packed.py``) is one host->device transfer plus a few device-side copies. Tensors are filled in
+place and never reallocated (captured CUDA graphs read them).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 
 from loraplex.adapters.loader import HostAdapter
 from loraplex.adapters.modules import MODULE_INDEX, PROJ_MODULES, BaseShapes
+from loraplex.adapters.packed import PackedAdapter
 
 
 class SlotPool:
@@ -44,29 +51,79 @@ class SlotPool:
             self.slice_loc[p] = torch.tensor(loc, dtype=torch.int32, device=self.device)
         self._proj_module_range = {p: (MODULE_INDEX[m[0]], MODULE_INDEX[m[0]] + len(m))
                                    for p, m in PROJ_MODULES.items()}
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # slot -> (event recorded after its last fill, its host adapter): the reference keeps the host copy alive
+        # at least until a step waits for the fill (torch's pinned allocator also holds a buffer that an
+        # in-flight copy reads)
+        self._pending_fills: dict[int, tuple[torch.cuda.Event, HostAdapter]] = {}
 
     @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.bt.values()))
 
     def fill(self, slot: int, adapter: HostAdapter) -> None:
-        """Copy an adapter into a slot (asynchronous from pinned memory; stream order protects readers)."""
-        r = adapter.rank
-        assert 0 <= slot < self.max_loras and r <= self.max_rank
+        """Copy an adapter into a slot: synchronous on the CPU, queued on the copy stream on CUDA."""
+        assert 0 <= slot < self.max_loras and adapter.rank <= self.max_rank
+        if self._copy_stream is None:
+            self._write(slot, adapter.rank, _sources(adapter))
+            return
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            if isinstance(adapter, PackedAdapter):
+                # one transfer of the whole adapter, then device-side copies into the slot's strided rows
+                staged = adapter.buffer.to(self.device, non_blocking=True)
+                self._write(slot, adapter.rank, adapter.device_views(staged))
+            else:
+                self._write(slot, adapter.rank, _sources(adapter))
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        self._pending_fills[slot] = (event, adapter)
+
+    def wait_for_fills(self, slots) -> None:
+        """Order the current stream after the fills of these slots (no-op on the CPU or when filled)."""
+        if not self._pending_fills:
+            return
+        current = None
+        for slot in slots:
+            pending = self._pending_fills.pop(slot, None)
+            if pending is not None:
+                current = current or torch.cuda.current_stream(self.device)
+                current.wait_event(pending[0])
+
+    @property
+    def num_pending_fills(self) -> int:
+        """Fills queued that no step has waited for yet (prefetched slots not yet used)."""
+        return len(self._pending_fills)
+
+    def _write(self, slot: int, r: int, src: dict) -> None:
         non_blocking = self.device.type == "cuda"
         for proj in PROJ_MODULES:
-            a, bt = adapter.a[proj], adapter.bt[proj]
+            a = src.get(f"a.{proj}")
             if a is None:
                 continue
             self.a[proj][:, slot, :, :r].copy_(a, non_blocking=non_blocking)
-            self.bt[proj][:, slot, :r].copy_(bt, non_blocking=non_blocking)
-        self.ranks[:, :, slot].copy_(adapter.ranks, non_blocking=non_blocking)
-        self.scaling[slot] = adapter.spec.scaling
+            self.bt[proj][:, slot, :r].copy_(src[f"bt.{proj}"], non_blocking=non_blocking)
+        self.ranks[:, :, slot].copy_(src["ranks"], non_blocking=non_blocking)
+        scaling = src["scaling"]
+        if isinstance(scaling, torch.Tensor):
+            self.scaling[slot:slot + 1].copy_(scaling, non_blocking=non_blocking)
+        else:
+            self.scaling[slot] = scaling
 
     def clear(self, slot: int) -> None:
+        self.wait_for_fills([slot])  # a fill still in flight would write the ranks back
         self.ranks[:, :, slot] = 0
 
     def layer_view(self, proj: str, layer: int):
         """(a [max_loras, S, R, K], bt [max_loras, R, N_total], ranks [S, max_loras]) of one layer."""
         lo, hi = self._proj_module_range[proj]
         return self.a[proj][layer], self.bt[proj][layer], self.ranks[layer, lo:hi]
+
+
+def _sources(adapter: HostAdapter) -> dict:
+    """An adapter's tensors under the names of a packed layout (``packed.py``)."""
+    src: dict = {"ranks": adapter.ranks, "scaling": adapter.spec.scaling}
+    for proj in PROJ_MODULES:
+        if adapter.a.get(proj) is not None:
+            src[f"a.{proj}"], src[f"bt.{proj}"] = adapter.a[proj], adapter.bt[proj]
+    return src

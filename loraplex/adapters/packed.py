@@ -1,0 +1,70 @@
+"""One host buffer per adapter, so that a slot fill is one host->device copy.
+
+``load_adapter`` lays an adapter out per fused projection (``a [L, S, r, K]``, ``bt [L, r, N_total]``,
+``ranks [L, 7]``). ``pack_adapter`` moves all of it, plus the scaling as one float32, into a single byte
+buffer (pinned on CUDA) and keeps the per-projection tensors as views into it. A fill then copies the
+buffer to the device in one transfer and scatters it into the slot with a few device-side copies
+(``SlotPool.fill``), instead of one host->device transfer per tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.adapters.loader import HostAdapter
+
+_ALIGN = 64  # bytes: every segment starts aligned for any dtype and for vectorized device copies
+
+
+@dataclass(frozen=True)
+class Segment:
+    offset: int  # bytes into the buffer
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def num_bytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This segment of a uint8 buffer (host or device) as a tensor of its shape and dtype."""
+        return buffer[self.offset:self.offset + self.num_bytes].view(self.dtype).view(self.shape)
+
+
+@dataclass
+class PackedAdapter(HostAdapter):
+    buffer: torch.Tensor  # uint8 [num_bytes], pinned on CUDA; a, bt, ranks are views into it
+    layout: dict[str, Segment]  # "a.<proj>" | "bt.<proj>" | "ranks" | "scaling" -> its segment
+
+    def device_views(self, staged: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every segment as a view of ``staged``, a copy of ``buffer`` (on the device)."""
+        return {name: seg.view(staged) for name, seg in self.layout.items()}
+
+
+def pack_adapter(adapter: HostAdapter, pin_memory: bool) -> PackedAdapter:
+    """Copy an adapter into one (pinned) buffer; the result shares nothing with ``adapter``."""
+    tensors: dict[str, torch.Tensor] = {}
+    for proj, a in adapter.a.items():
+        if a is not None:
+            tensors[f"a.{proj}"] = a
+            tensors[f"bt.{proj}"] = adapter.bt[proj]
+    tensors["ranks"] = adapter.ranks
+    tensors["scaling"] = torch.tensor([adapter.spec.scaling], dtype=torch.float32)
+    layout: dict[str, Segment] = {}
+    offset = 0
+    for name, t in tensors.items():
+        layout[name] = Segment(offset, tuple(t.shape), t.dtype)
+        offset += -(-layout[name].num_bytes // _ALIGN) * _ALIGN
+    buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=pin_memory)
+    for name, t in tensors.items():
+        layout[name].view(buffer).copy_(t)
+    views = {name: seg.view(buffer) for name, seg in layout.items()}
+    return PackedAdapter(
+        adapter_id=adapter.adapter_id, spec=adapter.spec,
+        a={p: views.get(f"a.{p}") for p in adapter.a}, bt={p: views.get(f"bt.{p}") for p in adapter.bt},
+        ranks=views["ranks"], buffer=buffer, layout=layout)
