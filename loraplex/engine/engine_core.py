@@ -74,7 +74,8 @@ class LLMEngine:
                     lora_request: LoRARequest | None = None, cache_salt: str | None = None, priority: int = 0,
                     arrival_time: float | None = None, prompt: str | None = None) -> None:
         """Queue a request. Bad input raises ValueError; an adapter that fails to load fails only this
-        request (its deltas say finish_reason "error")."""
+        request (its deltas say finish_reason "error"). Returns at once: the adapter is read in the
+        background and the scheduler admits the request once it is in host memory."""
         if not prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
         vocab = self.runner.model_config.vocab_size
@@ -89,7 +90,10 @@ class LLMEngine:
         self._finished_indices[request_id] = set()
         if lora_request is not None:
             try:
-                self.runner.get_lora_manager().validate_and_prefetch(lora_request)
+                manager = self.runner.get_lora_manager()
+                if self.scheduler.adapters is None:
+                    self.scheduler.adapters = manager
+                manager.submit(lora_request)  # raises only for an id clash; a bad file fails it later
             except Exception as exc:  # noqa: BLE001 (any adapter failure fails this request only)
                 log.warning("request %s: adapter %s failed: %s", request_id, lora_request.lora_name, exc)
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_ERROR, error=str(exc))
@@ -131,8 +135,14 @@ class LLMEngine:
         return deltas
 
     def _pin_running_adapters(self) -> None:
-        """Running requests' adapters keep their GPU slots: only adapters of waiting or finished requests
-        are evicted (the scheduler keeps the running adapters within max_loras)."""
+        """LoRA work of a step, after scheduling: requests whose adapter read failed get their final
+        deltas (sent with the next step's); running requests' adapters keep their GPU slots (only adapters
+        of waiting or finished requests are evicted; the scheduler keeps the running adapters within
+        max_loras); then the adapters of the next waiting requests are copied into free or evictable slots
+        while this step runs."""
+        for request_id, samples in self.scheduler.take_failed():
+            log.warning("request %s: adapter failed: %s", request_id, samples[0].error if samples else "")
+            self._pending.extend(self._final_deltas(request_id, samples))
         manager = self.runner.lora_manager
         running = {r.lora_id for r in self.scheduler.running if r.lora_id}
         for lora_id in running - self._pinned_loras:
@@ -140,6 +150,7 @@ class LLMEngine:
         for lora_id in self._pinned_loras - running:
             manager.release(lora_id)
         self._pinned_loras = running
+        manager.prefetch_slots()
 
     def _mark_finished(self, request_id: str, index: int) -> None:
         done = self._finished_indices.get(request_id)
@@ -217,8 +228,8 @@ class LLMEngine:
 
     @property
     def counters(self) -> dict[str, float]:
-        bm, sched = self.block_manager, self.scheduler
-        return {
+        bm, sched, manager = self.block_manager, self.scheduler, self.runner.lora_manager
+        counters = {
             "num_kv_blocks": bm.num_blocks, "num_used_blocks": bm.num_used_blocks, "kv_cache_usage": bm.usage,
             "prefix_cache_hit_rate": bm.prefix_hit_rate, "prefix_cache_query_tokens": bm.num_prefix_query_tokens,
             "prefix_cache_hit_tokens": bm.num_prefix_hit_tokens, "prefix_cache_evictions": bm.num_evictions,
@@ -228,3 +239,13 @@ class LLMEngine:
             "kv_waste_last": sched.last_kv_waste,
             "kv_waste_mean": self._kv_waste_sum / sched.num_steps if sched.num_steps else 0.0,
         }
+        if manager is not None:
+            counters.update({
+                "lora_slot_loads": manager.num_loads, "lora_prefetched_slot_loads": manager.num_prefetched_loads,
+                "lora_slot_evictions": manager.num_evictions, "lora_host_loads": manager.num_host_loads,
+                "lora_host_reuses": manager.num_host_reuses, "lora_load_failures": manager.num_load_failures,
+                "lora_host_load_seconds": manager.host_load_seconds,
+                "lora_load_queue_depth": manager.num_pending_loads,
+                "lora_loading_adapters": manager.num_loading_adapters,
+            })
+        return counters

@@ -7,12 +7,23 @@ sequence is preempted (its blocks freed, recomputed later). Then waiting request
 ``max_loras`` distinct-adapter limit allow; a waiting request of higher priority may preempt lower-priority
 running work. ``update_from_output`` applies the sampled tokens, forks ``n > 1`` samples once the prompt
 is computed, checks stop conditions and frees finished sequences' blocks.
+
+Adapters (when the engine sets ``adapters``, its LoRA manager): each step starts with ``adapters.poll``,
+which takes finished background reads and reads ahead for the first waiting requests; a request whose
+adapter read failed fails (``take_failed``). A waiting request whose adapter is not yet in host memory is
+skipped: it keeps its place and blocks nobody behind it. Within one priority, requests that need no new
+adapter slot (base model, or an adapter already running or resident) are admitted before those that do;
+a request passed over that way ages like one kept out by ``max_loras`` (``wait_steps``), and once aged
+(``lora_max_wait_steps``) takes its FCFS place again, so nothing starves. When nothing can run but reads
+are in flight, the step waits briefly for one instead of spinning.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
@@ -20,9 +31,23 @@ from loraplex.engine.detokenizer import append_batch
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
+IDLE_LOAD_WAIT_S = 0.02  # longest wait for an adapter read in a step that has nothing to run
+
+
+class AdapterGate(Protocol):
+    """What the scheduler asks about adapters (``LoRAManager`` implements it)."""
+
+    def poll(self, waiting: Iterable) -> dict[int, str]: ...  # LoRA requests in order -> failed id: error
+
+    def is_ready(self, adapter_id: int) -> bool: ...  # in host memory or a slot: may run now
+
+    def is_resident(self, adapter_id: int) -> bool: ...  # holds a GPU slot
+
+    def wait_for_load(self, timeout: float) -> bool: ...
+
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, adapters: AdapterGate | None = None):
         assert config.max_model_len is not None and config.max_num_batched_tokens is not None
         self.config = config
         self.block_manager = block_manager
@@ -33,6 +58,8 @@ class Scheduler:
         self.num_steps = 0
         self.num_computed_prompt_tokens = 0  # prompt tokens actually run through the model
         self.last_kv_waste = 0.0
+        self.adapters = adapters
+        self._failed: list[tuple[str, list[Request]]] = []  # (request id, samples) failed by an adapter read
 
     # ---- queue management ----------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -70,6 +97,8 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.adapters is not None:
+            self._poll_adapters()
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         scheduled: dict[int, ScheduledRequest] = {}
@@ -113,15 +142,43 @@ class Scheduler:
                 self.num_computed_prompt_tokens += min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
         self.last_kv_waste = self._kv_waste(scheduled)
         self.num_steps += 1
+        if not scheduled and self.waiting and self.adapters is not None:
+            self.adapters.wait_for_load(IDLE_LOAD_WAIT_S)  # nothing to run: only adapter reads can change that
         return out
+
+    def _poll_adapters(self) -> None:
+        failures = self.adapters.poll(r.lora_request for r in self.waiting if r.lora_id)
+        if not failures:
+            return
+        for req in [r for r in self.waiting if r.lora_id in failures]:
+            if req.is_finished:
+                continue  # a sibling sample already failed it
+            samples = [r for r in self.samples.get(req.request_id, []) if not r.is_finished]
+            for sample in samples:
+                sample.num_pending_forks = 0
+                self.finish_request(sample, RequestStatus.FINISHED_ERROR, error=failures[req.lora_id])
+            self._failed.append((req.request_id, samples))
+
+    def take_failed(self) -> list[tuple[str, list[Request]]]:
+        """Requests failed by an adapter read since the last call: (request id, its samples, now finished)."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _admit_waiting(self, budget: int, scheduled: dict[int, ScheduledRequest],
                        preempted: list[Request]) -> int:
-        bm, cfg = self.block_manager, self.config
+        bm, cfg, adapters = self.block_manager, self.config, self.adapters
+        if self.waiting and len(self.running) >= cfg.max_num_seqs and \
+                self.running[-1].priority <= self.waiting[0].priority:
+            return budget  # full, and no waiting request outranks the running ones: nothing can be admitted
         active_loras = {r.lora_id for r in self.running if r.lora_id}
-        for req in list(self.waiting):
+        passed_over: list[Request] = []
+        order = self._waiting_order(active_loras, passed_over) if adapters is not None else list(self.waiting)
+        admitted_ahead = False  # some request admitted ahead of one passed over
+        for req in order:
             if budget <= 0:
                 break
+            if req.lora_id and adapters is not None and not adapters.is_ready(req.lora_id):
+                continue  # its adapter is still being read: keeps its place, blocks nobody
             if req.lora_id and req.lora_id not in active_loras and len(active_loras) >= cfg.max_loras:
                 req.wait_steps += 1
                 if req.wait_steps >= cfg.lora_max_wait_steps:
@@ -150,7 +207,34 @@ class Scheduler:
                 active_loras.add(req.lora_id)
             scheduled[req.seq_id] = self._scheduled(req, num_new)
             budget -= num_new
+            admitted_ahead = admitted_ahead or bool(passed_over)
+        if admitted_ahead:
+            for req in passed_over:
+                if req.status is not RequestStatus.RUNNING:
+                    req.wait_steps += 1
         return budget
+
+    def _waiting_order(self, active_loras: set[int], passed_over: list[Request]) -> Iterator[Request]:
+        """Waiting requests in admission order: per priority, first those that need no new adapter slot
+        (base, or an adapter running or resident; ``active_loras`` grows as requests are admitted), then the
+        others, which are collected in ``passed_over``. Aged requests and requests whose adapter is still
+        being read keep their FCFS place."""
+        adapters, max_wait = self.adapters, self.config.lora_max_wait_steps
+        held: list[Request] = []
+        priority = None
+        for req in list(self.waiting):
+            if req.priority != priority:
+                yield from held
+                held.clear()
+                priority = req.priority
+            lora_id = req.lora_id
+            if (lora_id and lora_id not in active_loras and req.wait_steps < max_wait
+                    and adapters.is_ready(lora_id) and not adapters.is_resident(lora_id)):
+                held.append(req)
+                passed_over.append(req)
+            else:
+                yield req
+        yield from held
 
     def _preempt_lower_priority(self, req: Request, scheduled: dict[int, ScheduledRequest],
                                 preempted: list[Request], budget: int) -> int | None:
