@@ -13,7 +13,8 @@ from tests.conftest import adapter_dir
 # bf16 logprobs move with the GEMM's row count (a padded bucket vs the real batch) and the attention
 # split count; fp32 only by reassociation
 LOGPROB_ATOL = {"float32": 2e-3, "bfloat16": 8e-2}
-NEAR_TIE = {"float32": 1e-3, "bfloat16": 6e-2}
+# a near tie in bf16: one ulp of a logit in [8, 16) is 1/16 = 0.0625 (seen with the fused element-wise kernels)
+NEAR_TIE = {"float32": 1e-3, "bfloat16": 7e-2}
 
 
 def _llm(tiny_model, dtype: str, eager: bool) -> LLM:

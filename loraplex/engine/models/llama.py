@@ -112,10 +112,28 @@ class _Ops:
             from loraplex.kernels import fused_ops as k
 
             self.rms_norm, self.add_rms_norm = k.rms_norm, k.add_rms_norm
-            self.rope_store_kv, self.silu_mul = k.rope_store_kv, k.silu_mul
+            self.silu_mul = k.silu_mul
+
+            def rope_store_kv(qkv, cos, sin, key_cache, value_cache, attn, num_heads, num_kv_heads, head_dim):
+                return k.rope_store_kv(qkv, cos, sin, key_cache, value_cache, attn.slot_mapping, num_heads,
+                                       num_kv_heads, head_dim)
+
+            self.rope_store_kv = rope_store_kv
         else:
             self.rms_norm, self.add_rms_norm = fo.rms_norm_ref, fo.add_rms_norm_ref
-            self.rope_store_kv, self.silu_mul = fo.rope_store_kv_ref, fo.silu_mul_ref
+            self.rope_store_kv, self.silu_mul = self._rope_then_store, fo.silu_mul_ref
+
+    @staticmethod
+    def _rope_then_store(qkv, cos, sin, key_cache, value_cache, attn, num_heads, num_kv_heads, head_dim):
+        """The twin path: torch RoPE, then the attention backend's KV store (its Triton kernel on CUDA, which
+        CUDA graphs can capture: the reference store selects rows with a host-synchronizing mask)."""
+        t = qkv.shape[0]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = fo.rope_ref(q.view(t, num_heads, head_dim), cos, sin)
+        k = fo.rope_ref(k.view(t, num_kv_heads, head_dim), cos, sin)
+        attn.backend.store_kv(k, v.view(t, num_kv_heads, head_dim), key_cache, value_cache, attn.slot_mapping)
+        return q
 
 
 class RMSNorm(nn.Module):
@@ -165,8 +183,8 @@ class LlamaLayer(nn.Module):
         num_tokens = hidden.shape[0]
         key_cache, value_cache = kv_cache
         # RoPE on q and k; k and v go into the paged cache (attention reads the new tokens' K/V from there)
-        q = ops.rope_store_kv(qkv, cos, sin, key_cache, value_cache, attn.slot_mapping, self.num_heads,
-                              self.num_kv_heads, self.head_dim)
+        q = ops.rope_store_kv(qkv, cos, sin, key_cache, value_cache, attn, self.num_heads, self.num_kv_heads,
+                              self.head_dim)
         o = attn.backend.attention(q, key_cache, value_cache, attn, self.scale).view(num_tokens, self.q_size)
         out = F.linear(o, self.o_weight, self.o_bias)
         if lora is not None:
