@@ -174,45 +174,47 @@ class Scheduler:
         passed_over: list[Request] = []
         order = self._waiting_order(active_loras, passed_over) if adapters is not None else list(self.waiting)
         admitted_ahead = False  # some request admitted ahead of one passed over
-        for req in order:
-            if budget <= 0:
-                break
-            if req.lora_id and adapters is not None and not adapters.is_ready(req.lora_id):
-                continue  # its adapter is still being read: keeps its place, blocks nobody
-            if req.lora_id and req.lora_id not in active_loras and len(active_loras) >= cfg.max_loras:
-                req.wait_steps += 1
-                if req.wait_steps >= cfg.lora_max_wait_steps:
-                    break  # aged: nothing behind it is admitted until its adapter fits
-                continue
-            num_seqs = 1 + req.num_pending_forks
-            while len(self.running) + num_seqs > cfg.max_num_seqs:
-                budget = self._preempt_lower_priority(req, scheduled, preempted, budget)
-                if budget is None:
-                    return 0
-            cached = bm.find_cached_prefix(req)
-            num_new = min(req.num_tokens - len(cached) * bm.block_size, budget)
-            while not bm.allocate_slots(req, num_new, cached):
-                budget = self._preempt_lower_priority(req, scheduled, preempted, budget)
-                if budget is None:
-                    return 0
-                num_new = min(req.num_tokens - len(cached) * bm.block_size, budget)
-            if req.num_preemptions == 0 and req.num_output_tokens == 0:
-                req.num_cached_tokens = len(cached) * bm.block_size
-                bm.record_prefix_query(req.num_prompt_tokens, req.num_cached_tokens)
-            self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
-            req.wait_steps = 0
-            bisect.insort(self.running, req, key=lambda r: r.sort_key)
-            if req.lora_id:
-                active_loras.add(req.lora_id)
-            scheduled[req.seq_id] = self._scheduled(req, num_new)
-            budget -= num_new
-            admitted_ahead = admitted_ahead or bool(passed_over)
-        if admitted_ahead:
-            for req in passed_over:
-                if req.status is not RequestStatus.RUNNING:
+        try:
+            for req in order:
+                if budget <= 0:
+                    break
+                if req.lora_id and adapters is not None and not adapters.is_ready(req.lora_id):
+                    continue  # its adapter is still being read: keeps its place, blocks nobody
+                if req.lora_id and req.lora_id not in active_loras and len(active_loras) >= cfg.max_loras:
                     req.wait_steps += 1
-        return budget
+                    if req.wait_steps >= cfg.lora_max_wait_steps:
+                        break  # aged: nothing behind it is admitted until its adapter fits
+                    continue
+                num_seqs = 1 + req.num_pending_forks
+                while len(self.running) + num_seqs > cfg.max_num_seqs:
+                    budget = self._preempt_lower_priority(req, scheduled, preempted, budget)
+                    if budget is None:
+                        return 0
+                cached = bm.find_cached_prefix(req)
+                num_new = min(req.num_tokens - len(cached) * bm.block_size, budget)
+                while not bm.allocate_slots(req, num_new, cached):
+                    budget = self._preempt_lower_priority(req, scheduled, preempted, budget)
+                    if budget is None:
+                        return 0
+                    num_new = min(req.num_tokens - len(cached) * bm.block_size, budget)
+                if req.num_preemptions == 0 and req.num_output_tokens == 0:
+                    req.num_cached_tokens = len(cached) * bm.block_size
+                    bm.record_prefix_query(req.num_prompt_tokens, req.num_cached_tokens)
+                self.waiting.remove(req)
+                req.status = RequestStatus.RUNNING
+                req.wait_steps = 0
+                bisect.insort(self.running, req, key=lambda r: r.sort_key)
+                if req.lora_id:
+                    active_loras.add(req.lora_id)
+                scheduled[req.seq_id] = self._scheduled(req, num_new)
+                budget -= num_new
+                admitted_ahead = admitted_ahead or bool(passed_over)
+            return budget
+        finally:
+            if admitted_ahead:
+                for req in passed_over:
+                    if req.status is not RequestStatus.RUNNING:
+                        req.wait_steps += 1
 
     def _waiting_order(self, active_loras: set[int], passed_over: list[Request]) -> Iterator[Request]:
         """Waiting requests in admission order: per priority, first those that need no new adapter slot

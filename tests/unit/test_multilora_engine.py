@@ -178,3 +178,4 @@ def test_many_ids_over_few_files_match_peft_and_read_each_file_once(tiny_model, 
     manager = llm.engine.runner.get_lora_manager()
     assert manager.num_host_loads == 3 and manager.num_host_reuses > 0
     assert manager.num_loads == 9 and manager.num_evictions == 7
+    assert manager.num_prefetched_loads > 0  # slots filled for waiting requests before their step
