@@ -1,4 +1,4 @@
-"""``loraplex bench attention|offline|online``: each writes JSON + markdown to docs/benchmarks/.
+"""``loraplex bench attention|offline|online|all|step-profile|host-overhead``: each writes JSON + markdown to docs/benchmarks/.
 
 ``--smoke`` runs any of them on the CPU in seconds with tiny shapes (the tiny demo model for the
 engine, the Triton interpreter for the kernels) so the harness itself is tested without a GPU.
@@ -58,6 +58,7 @@ def register(subparsers) -> None:
     full.add_argument("--online-rate", type=float, default=0.0,
                       help="also serve the model over HTTP and send Poisson arrivals at this rate (0 = skip)")
     full.add_argument("--online-requests", type=int, default=200)
+    full.add_argument("--online-adapters", type=int, default=16, help="adapters uploaded to the launched server")
     full.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     full.add_argument("--slo-tpot-ms", type=float, default=100.0)
     full.set_defaults(func=_run_full, bench_parser=full, peer="hf-peft")
@@ -68,6 +69,14 @@ def register(subparsers) -> None:
 
     add_online_args(onl)
     onl.set_defaults(func=run_online_cli, bench_parser=onl)
+
+    from loraplex.bench.step_profile import add_step_profile_args
+
+    prof = sub.add_parser("step-profile", help="one decode step phase by phase (host) and kernel by kernel "
+                                               "(torch.profiler): GPU time by category, GPU idle, launches")
+    common(prof)
+    add_step_profile_args(prof)
+    prof.set_defaults(func=_run_step_profile, bench_parser=prof)
 
     from loraplex.bench.host_overhead import add_host_overhead_args, run_host_overhead_cli
 
@@ -152,6 +161,16 @@ def _run_full(args) -> int:
     from loraplex.bench.full import run_full
 
     return run_full(args, device, _out_dir(args))
+
+
+def _run_step_profile(args) -> int:
+    args.report_command = command_line(args)  # before --smoke rewrites the settings
+    device = _device(args)
+    if device.type != "cuda":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is first imported
+    from loraplex.bench.step_profile import run_step_profile_cli
+
+    return run_step_profile_cli(args, device, _out_dir(args))
 
 
 def _run_offline(args) -> int:
