@@ -10,12 +10,16 @@ tokens on the host, so its wall time is the whole step: scheduling, batch prepar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from loraplex.bench.instrument import ScheduleRecorder, StepRecord
 from loraplex.bench.workload import BenchRequest, make_requests, num_distinct_adapters
 
 log = logging.getLogger(__name__)
@@ -44,15 +48,27 @@ def lora_requests(requests: list[BenchRequest], adapter_dirs: list[Path]) -> lis
             for r in requests]
 
 
-def run_generate(llm, requests: list[BenchRequest], adapter_dirs: list[Path]) -> dict:
+def adapter_rank_of(adapter_dirs: list[Path]) -> Callable[[int], int]:
+    """Adapter id (k + 1, as ``lora_requests`` numbers them) -> the rank in its file's adapter_config.json."""
+    ranks = [json.loads((Path(d) / "adapter_config.json").read_text())["r"] for d in adapter_dirs]
+    return lambda adapter_id: ranks[(adapter_id - 1) % len(ranks)]
+
+
+def run_generate(llm, requests: list[BenchRequest], adapter_dirs: list[Path],
+                 steps: list[StepRecord] | None = None) -> dict:
+    """One ``llm.generate`` over all requests; with ``steps`` (a list), every engine step is recorded into it."""
     from loraplex import SamplingParams
 
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0) for r in requests]
     loras = lora_requests(requests, adapter_dirs)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, lora_request=loras)
-    elapsed = time.perf_counter() - start
+    recorder = ScheduleRecorder(llm.engine) if steps is not None else contextlib.nullcontext()
+    with recorder:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, lora_request=loras)
+        elapsed = time.perf_counter() - start
+    if steps is not None:
+        steps.extend(recorder.steps)
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     errors = [o.outputs[0].error for o in outputs if o.outputs[0].error]
     expected = sum(r.output_len for r in requests)
@@ -70,17 +86,39 @@ def run_generate(llm, requests: list[BenchRequest], adapter_dirs: list[Path]) ->
 def run_popularities(
     llm, popularities: list[str], num_requests: int, input_len: int, output_len: int, len_dist: str,
     vocab_size: int, adapter_dirs: list[Path], seed: int = 0,
+    floor: Callable[[list[StepRecord]], dict] | None = None,
 ) -> list[dict]:
+    """Throughput of each popularity. With ``floor`` (steps -> ``roofline.workload_floor``), each run's steps are
+    recorded and its HBM floor is reported beside it, and ``roofline_over_base`` = base floor time ÷ this run's
+    floor time per output token: the ÷ base ratio that the HBM bandwidth allows for this workload."""
     rows = []
     for pop in popularities:
         requests = make_requests(num_requests, input_len, output_len, pop, vocab_size, seed, len_dist)
-        row = {"popularity": pop, **run_generate(llm, requests, adapter_dirs)}
-        log.info("offline %s: %.1f output tok/s", pop, row["output_tok_per_s"])
+        steps: list[StepRecord] | None = [] if floor else None
+        row = {"popularity": pop, **run_generate(llm, requests, adapter_dirs, steps)}
+        if floor:
+            row["roofline"] = floor(steps)
+            row["floor_s_per_output_token"] = row["roofline"]["floor_s"] / row["output_tokens"]
+            row["wall_over_floor"] = row["elapsed_s"] / row["roofline"]["floor_s"]
+        log.info("offline %s: %.1f output tok/s in %.1f s%s", pop, row["output_tok_per_s"], row["elapsed_s"],
+                 f" (HBM floor {row['roofline']['floor_s']:.3g} s, {row['roofline']['mean_decode_adapters']:.1f} "
+                 f"adapters and {row['roofline']['mean_decode_batch']:.0f} sequences per decode step)"
+                 if floor and row["roofline"]["num_decode_steps"] else "")
         rows.append(row)
+    add_over_base(rows)
+    return rows
+
+
+def add_over_base(rows: list[dict]) -> None:
+    """Each row's throughput ÷ the base row's, and (rows with a floor) the ratio the HBM roofline allows."""
     base = next((r for r in rows if r["popularity"] == "base"), None)
     for r in rows:
         r["over_base"] = r["output_tok_per_s"] / base["output_tok_per_s"] if base else None
-    return rows
+        if "floor_s_per_output_token" in r:
+            roof = (base["floor_s_per_output_token"] / r["floor_s_per_output_token"]
+                    if base and "floor_s_per_output_token" in base else None)
+            r["roofline_over_base"] = roof
+            r["over_base_of_roofline"] = r["over_base"] / roof if roof else None
 
 
 def measure_decode_step(
@@ -91,25 +129,31 @@ def measure_decode_step(
     from loraplex import SamplingParams
 
     popularity = "distinct" if distinct_adapters else "base"
-    requests = make_requests(batch, context, steps + 4, popularity, vocab_size, seed=seed + context)
+    # the first sequences decode while later prompts prefill (>= 2,048 tokens a step): none may finish early
+    max_tokens = steps + 4 + -(-batch * context // 2048)
+    requests = make_requests(batch, context, max_tokens, popularity, vocab_size, seed=seed + context)
     loras = lora_requests(requests, adapter_dirs)
     engine = llm.engine
-    params = SamplingParams(max_tokens=steps + 4, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
     ids = [f"step-bench-{seed}-{popularity}-{i}" for i in range(batch)]
     for rid, req, lora in zip(ids, requests, loras):
         engine.add_request(rid, req.prompt_token_ids, params, lora_request=lora)
     produced = dict.fromkeys(ids, 0)
     times: list[float] = []
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() and len(times) < steps:
         decoding = all(produced[r] >= 1 for r in ids)
         start = time.perf_counter()
         deltas = engine.step()
         elapsed = time.perf_counter() - start
-        if decoding and len(times) < steps:
+        if decoding:
             times.append(elapsed)
         for d in deltas:
             if d.request_id in produced:
                 produced[d.request_id] += len(d.token_ids)
+    for rid in ids:
+        engine.abort_request(rid)
+    while engine.has_unfinished_requests():
+        engine.step()
     if not times:
         raise RuntimeError("no decode step was timed: the batch never decoded together")
     return {

@@ -13,7 +13,7 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def _smoke(args) -> None:
+def smoke_settings(args) -> None:
     """CPU-sized settings: the tiny demo-model shape, a handful of requests."""
     args.layers = 2
     args.num_requests = min(args.num_requests, 6)
@@ -48,21 +48,37 @@ def run_offline_bench(args, device: torch.device, out_dir: str | None) -> int:
     return 0
 
 
-def collect_offline(args, device: torch.device) -> tuple[dict, list[tuple[str, str]]]:
-    """Run the offline benchmark; returns the raw figures and the report's markdown sections."""
+def collect_offline(args, device: torch.device, clock=None) -> tuple[dict, list[tuple[str, str]]]:
+    """Run the offline benchmark; returns the raw figures and the report's markdown sections. ``clock``
+    (``timing.SectionClock``) times each part; the result keeps those wall times under ``section_wall_s``."""
     from loraplex.bench.llama8b import write_adapter_pool
-    from loraplex.bench.offline import make_llm, measure_decode_step, run_popularities
+    from loraplex.bench.offline import (
+        adapter_rank_of,
+        add_over_base,
+        make_llm,
+        measure_decode_step,
+        run_popularities,
+    )
     from loraplex.bench.report import environment
-    from loraplex.bench.roofline import ModelShape, decode_step_bytes, measure_copy_bandwidth, roofline
+    from loraplex.bench.roofline import (
+        ModelShape,
+        decode_step_bytes,
+        measure_copy_bandwidth,
+        roofline,
+        workload_floor,
+    )
     from loraplex.bench.sections import peer_section, step_section, throughput_section
+    from loraplex.bench.timing import SectionClock
 
+    clock = clock or SectionClock(log, "bench offline")
     if args.smoke:
-        _smoke(args)
-    model_dir = prepare_model(args, device)
-    hf_cfg = json.loads((model_dir / "config.json").read_text())
-    shape = ModelShape.from_hf(hf_cfg)
-    num_files = max(args.num_adapter_files, args.peer_adapters if args.peer != "none" else 0)
-    adapter_dirs = write_adapter_pool(model_dir, num_files, args.rank, device)
+        smoke_settings(args)
+    with clock("model and adapter files"):
+        model_dir = prepare_model(args, device)
+        hf_cfg = json.loads((model_dir / "config.json").read_text())
+        shape = ModelShape.from_hf(hf_cfg)
+        num_files = max(args.num_adapter_files, args.peer_adapters if args.peer != "none" else 0)
+        adapter_dirs = write_adapter_pool(model_dir, num_files, args.rank, device)
     dtype = getattr(torch, args.dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
@@ -74,33 +90,46 @@ def collect_offline(args, device: torch.device) -> tuple[dict, list[tuple[str, s
     if args.peer == "hf-peft":
         from loraplex.bench.peer_hf import run_hf_peft
 
-        result["peer"] = run_hf_peft(
-            model_dir, adapter_dirs[: args.peer_adapters], device, dtype, args.peer_requests, args.peer_batch,
-            args.input_len, args.peer_output_len or args.output_len, shape.vocab_size, seed=args.seed)
+        with clock("peer (HF + PEFT)"):
+            result["peer"] = run_hf_peft(
+                model_dir, adapter_dirs[: args.peer_adapters], device, dtype, args.peer_requests, args.peer_batch,
+                args.input_len, args.peer_output_len or args.output_len, shape.vocab_size, seed=args.seed)
 
-    llm = make_llm(model_dir, str(device), args.dtype, args.max_loras, args.rank,
-                   max_num_seqs=args.max_num_seqs, max_cpu_loras=args.max_cpu_loras,
-                   max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
-    # warm-up: compiles kernels, fills allocator pools; with adapters so their path warms too
-    run_popularities(llm, ["uniform"], min(8, args.num_requests), min(args.input_len, 64), 4, "fixed",
-                     shape.vocab_size, adapter_dirs, seed=args.seed + 99)
+    with clock("engine start"):
+        llm = make_llm(model_dir, str(device), args.dtype, args.max_loras, args.rank,
+                       max_num_seqs=args.max_num_seqs, max_cpu_loras=args.max_cpu_loras,
+                       max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+    with clock("engine warm-up"):
+        # compiles kernels, fills allocator pools; with adapters so their path warms too
+        run_popularities(llm, ["uniform"], min(8, args.num_requests), min(args.input_len, 64), 4, "fixed",
+                         shape.vocab_size, adapter_dirs, seed=args.seed + 99)
 
-    rows = run_popularities(llm, args.popularity, args.num_requests, args.input_len, args.output_len,
-                            args.len_dist, shape.vocab_size, adapter_dirs, seed=args.seed)
+    rank_of = adapter_rank_of(adapter_dirs)
+
+    def floor(steps):
+        return workload_floor(steps, shape, rank_of, elem, bandwidth)
+
+    rows = []
+    for pop in args.popularity:
+        with clock(f"offline {pop}"):
+            rows += run_popularities(llm, [pop], args.num_requests, args.input_len, args.output_len,
+                                     args.len_dist, shape.vocab_size, adapter_dirs, seed=args.seed, floor=floor)
+    add_over_base(rows)
     result["throughput"] = rows
     sections.append(throughput_section(rows))
 
     if args.step_batch > 0:
         steps = []
-        for label, distinct in (("base", False), (f"{args.step_batch} distinct rank-{args.rank} adapters", True)):
-            step = measure_decode_step(llm, args.step_batch, args.step_context, args.step_count, shape.vocab_size,
-                                       adapter_dirs, distinct_adapters=distinct)
-            ctx = round(step["mean_context"])
-            ranks = [args.rank] * args.step_batch if distinct else []
-            step_bytes = decode_step_bytes(shape, [ctx] * args.step_batch, ranks, elem_bytes=elem)
-            step["roofline"] = roofline(step_bytes, bandwidth, step["step_mean_s"])
-            step["label"] = label
-            steps.append(step)
+        with clock("decode step vs roofline"):
+            for label, distinct in (("base", False), (f"{args.step_batch} distinct rank-{args.rank} adapters", True)):
+                step = measure_decode_step(llm, args.step_batch, args.step_context, args.step_count,
+                                           shape.vocab_size, adapter_dirs, distinct_adapters=distinct)
+                ctx = round(step["mean_context"])
+                ranks = [args.rank] * args.step_batch if distinct else []
+                step_bytes = decode_step_bytes(shape, [ctx] * args.step_batch, ranks, elem_bytes=elem)
+                step["roofline"] = roofline(step_bytes, bandwidth, step["step_mean_s"])
+                step["label"] = label
+                steps.append(step)
         result["decode_step"] = steps
         sections.append(step_section(steps))
 
@@ -110,4 +139,5 @@ def collect_offline(args, device: torch.device) -> tuple[dict, list[tuple[str, s
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    result["section_wall_s"] = dict(clock.walls)
     return result, sections

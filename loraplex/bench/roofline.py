@@ -69,18 +69,26 @@ class StepBytes:
         return self.weights + self.lora + self.kv
 
 
+def step_bytes(
+    shape: ModelShape, num_tokens: int, context_tokens: int, adapter_ranks: list[int], elem_bytes: int = 2,
+    targets: tuple[str, ...] = PROJECTIONS,
+) -> StepBytes:
+    """Bytes any engine step reads: ``num_tokens`` embedding rows, the KV of ``context_tokens`` tokens summed over
+    the batch (each sequence's context including this step's tokens), ``adapter_ranks`` per *distinct* adapter."""
+    lm_head = shape.vocab_size * shape.hidden_size
+    embed_rows = num_tokens * shape.hidden_size
+    weights = (shape.num_layers * shape.layer_params() + lm_head + embed_rows + shape.hidden_size) * elem_bytes
+    lora = sum(adapter_ranks) * shape.lora_params_per_rank(targets) * elem_bytes
+    kv = context_tokens * shape.kv_bytes_per_token(elem_bytes)
+    return StepBytes(weights=weights, lora=lora, kv=kv)
+
+
 def decode_step_bytes(
     shape: ModelShape, context_lens: list[int], adapter_ranks: list[int], elem_bytes: int = 2,
     targets: tuple[str, ...] = PROJECTIONS,
 ) -> StepBytes:
     """Bytes one decode step reads: ``context_lens`` per sequence, ``adapter_ranks`` per *distinct* active adapter."""
-    batch = len(context_lens)
-    lm_head = shape.vocab_size * shape.hidden_size
-    embed_rows = batch * shape.hidden_size
-    weights = (shape.num_layers * shape.layer_params() + lm_head + embed_rows + shape.hidden_size) * elem_bytes
-    lora = sum(adapter_ranks) * shape.lora_params_per_rank(targets) * elem_bytes
-    kv = sum(context_lens) * shape.kv_bytes_per_token(elem_bytes)
-    return StepBytes(weights=weights, lora=lora, kv=kv)
+    return step_bytes(shape, len(context_lens), sum(context_lens), adapter_ranks, elem_bytes, targets)
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float:
@@ -99,3 +107,26 @@ def roofline(step: StepBytes, bandwidth: float, measured_step_s: float | None = 
         out["measured_step_s"] = measured_step_s
         out["measured_over_floor"] = measured_step_s / floor
     return out
+
+
+def workload_floor(steps: list, shape: ModelShape, rank_of, elem_bytes: int, bandwidth: float) -> dict:
+    """The HBM floor of a whole run, step by step as the engine scheduled it.
+
+    ``steps``: ``instrument.StepRecord``s (tokens, summed context, distinct adapter ids); ``rank_of(adapter_id)``
+    gives each adapter's real rank. Every step pays all base weights, the A/B of each of its distinct adapters and
+    the KV of its sequences' contexts."""
+    weights = lora = kv = 0
+    decode = [s for s in steps if s.is_decode]
+    for s in steps:
+        b = step_bytes(shape, s.num_tokens, s.context_tokens, [rank_of(a) for a in s.lora_ids], elem_bytes)
+        weights, lora, kv = weights + b.weights, lora + b.lora, kv + b.kv
+    total = weights + lora + kv
+    return {
+        "num_steps": len(steps), "num_decode_steps": len(decode), "weights_bytes": weights, "lora_bytes": lora,
+        "kv_bytes": kv, "total_bytes": total, "floor_s": total / bandwidth,
+        "mean_decode_batch": sum(s.num_seqs for s in decode) / len(decode) if decode else None,
+        "mean_decode_adapters": sum(len(s.lora_ids) for s in decode) / len(decode) if decode else None,
+        "max_step_adapters": max((len(s.lora_ids) for s in steps), default=0),
+        "mean_decode_context": (sum(s.context_tokens for s in decode) / sum(s.num_seqs for s in decode)
+                                if decode else None),
+    }

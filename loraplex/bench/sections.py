@@ -55,14 +55,41 @@ def throughput_section(rows: list[dict]) -> tuple[str, str]:
     out = []
     for r in rows:
         target = OVER_BASE_TARGETS.get(r["popularity"])
-        out.append({**r, "target": target, "meets": _meets(r.get("over_base"), target)})
+        roof = r.get("roofline") or {}
+        out.append({**r, "target": target, "meets": _meets(r.get("over_base"), target),
+                    "floor_s": roof.get("floor_s"), "adapters_per_step": roof.get("mean_decode_adapters"),
+                    "batch": roof.get("mean_decode_batch")})
     body = table(out, [
         ("popularity", "popularity"), ("num_adapters", "adapters"), ("num_requests", "requests"),
         ("prompt_tokens", "prompt tokens"), ("output_tokens", "output tokens"), ("elapsed_s", "wall s"),
         ("output_tok_per_s", "output tok/s"), ("total_tok_per_s", "total tok/s"),
-        ("over_base", "÷ base"), ("target", "target"), ("meets", "meets"),
+        ("over_base", "÷ base"), ("roofline_over_base", "roofline ÷ base"), ("target", "target"), ("meets", "meets"),
+        ("floor_s", "HBM floor s"), ("wall_over_floor", "wall ÷ floor"), ("batch", "mean decode batch"),
+        ("adapters_per_step", "adapters / decode step"),
     ])
-    return "Offline throughput by adapter popularity", body
+    note = roofline_note(rows)
+    return "Offline throughput by adapter popularity", body + ("\n\n" + note if note else "")
+
+
+def roofline_note(rows: list[dict]) -> str:
+    """What the roofline column means, and which ÷ base targets the HBM bandwidth rules out for these runs."""
+    if not any(r.get("roofline_over_base") for r in rows):
+        return ""
+    text = ("\"roofline ÷ base\" is the ÷ base ratio that the HBM bandwidth allows for the same workload: each "
+            "run's floor is summed over the engine steps it actually ran (all base weights, the A and B of each "
+            "distinct adapter in the step at its real rank, the KV of every sequence's context, ÷ the measured copy "
+            "bandwidth), and the ratio is the base run's floor time per output token ÷ this run's. A target above it "
+            "cannot be met at this schedule, however fast the kernels.")
+    over = [f"{r['popularity']} (target {OVER_BASE_TARGETS[r['popularity']]:g}; the roofline allows "
+            f"{r['roofline_over_base']:.2f} at a mean of {r['roofline']['mean_decode_adapters']:.1f} distinct "
+            f"adapters and {r['roofline']['mean_decode_batch']:.0f} sequences per decode step)" for r in rows
+            if r.get("roofline_over_base") and r["popularity"] in OVER_BASE_TARGETS
+            and r["roofline_over_base"] < OVER_BASE_TARGETS[r["popularity"]]]
+    if over:
+        text += " Targets above the roofline here: " + "; ".join(over) + "."
+    else:
+        text += " Every ÷ base target is within its roofline here."
+    return text
 
 
 def step_section(rows: list[dict]) -> tuple[str, str]:
@@ -119,7 +146,25 @@ def online_section(result: dict) -> tuple[str, str]:
              f"TPOT ≤ {s['slo_tpot_s'] * 1e3:g} ms.")
     body = table(rows, [("metric", "latency (ms)"), ("mean", "mean"), ("p50", "p50"), ("p90", "p90"),
                         ("p99", "p99"), ("count", "samples")])
+    server = result.get("server")
+    if server:
+        store = (f"SQLite file in its own data dir ({server.get('num_adapters', 0)} adapters, "
+                 f"{server.get('num_usage_records', 0)} usage records after the run)" if server.get("sqlite_file")
+                 else "no SQLite file found in its data dir")
+        intro += (f"\n\nServer: `loraplex serve` started by the bench on the same model with the embedded default "
+                  f"(no database or Redis URL: {store}; in-process cache and limiter), ready in "
+                  f"{server.get('start_s', 0):.1f} s"
+                  + (f", {len(result['adapters'])} adapters uploaded through the API in {server['upload_s']:.1f} s"
+                     if "upload_s" in server else "")
+                  + f"; stopped with SIGTERM, exit code {server['exit_code']} after {server['stop_s']:.1f} s"
+                  + (" (killed: it did not drain in time)" if server.get("killed") else "") + ".")
     return "Online serving", intro + "\n\n" + body
+
+
+def wall_time_section(walls: dict[str, float], total_s: float) -> tuple[str, str]:
+    rows = [{"section": name, "wall_s": s, "share": s / total_s if total_s else None} for name, s in walls.items()]
+    rows.append({"section": "**whole run**", "wall_s": total_s, "share": 1.0})
+    return "Wall time by part", table(rows, [("section", "part"), ("wall_s", "wall s"), ("share", "share")])
 
 
 LORA_BW_TARGET = 0.70
@@ -144,8 +189,10 @@ def target_rows(attn: dict | None, lora: dict | None, offline: dict | None) -> l
     through = {r["popularity"]: r for r in (offline or {}).get("throughput") or []}
     for pop, target in OVER_BASE_TARGETS.items():
         if pop in through and through[pop].get("over_base") is not None:
+            roof = through[pop].get("roofline_over_base")
             add(f"multi-LoRA ÷ base throughput, {pop}", through[pop]["over_base"], target,
-                note=f"{through[pop]['output_tok_per_s']:,.0f} output tok/s")
+                note=f"{through[pop]['output_tok_per_s']:,.0f} output tok/s"
+                     + (f"; HBM roofline allows {roof:.3g}" if roof else ""))
     peer = (offline or {}).get("peer")
     if peer and peer.get("output_tok_per_s"):
         for pop in ("uniform", "distinct"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -30,3 +31,23 @@ def time_per_call(fn: Callable[[], object], device: torch.device, iters: int = 2
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class SectionClock:
+    """Wall time of each named section of a benchmark run, logged as each ends (a run that is cut short
+    still shows in its log how far it got and what each part cost)."""
+
+    def __init__(self, logger, prefix: str):
+        self.logger = logger
+        self.prefix = prefix
+        self.walls: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        self.logger.info("%s: %s ...", self.prefix, name)
+        try:
+            yield
+        finally:
+            self.walls[name] = self.walls.get(name, 0.0) + time.perf_counter() - start
+            self.logger.info("%s: %s took %.1f s", self.prefix, name, self.walls[name])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loraplex.bench.llama8b import RandomModelSpec, hf_config
-from loraplex.bench.roofline import ModelShape, decode_step_bytes, roofline
+from loraplex.bench.roofline import ModelShape, decode_step_bytes, roofline, step_bytes, workload_floor
 
 SHAPE = ModelShape.from_hf(hf_config(RandomModelSpec()))
 
@@ -30,3 +30,33 @@ def test_roofline_ratio():
     out = roofline(step, bandwidth=4.24e12, measured_step_s=0.005)
     assert out["floor_s"] == pytest.approx(step.total / 4.24e12)
     assert out["measured_over_floor"] == pytest.approx(0.005 / out["floor_s"])
+
+
+def test_workload_floor_sums_each_step_with_its_own_adapters():
+    from loraplex.bench.instrument import StepRecord
+
+    def decode(n_adapters, ctx=1024):
+        return StepRecord(64, 64, 64 * ctx, frozenset(range(1, n_adapters + 1)))
+
+    prefill = StepRecord(8, 8 * 1024, 8 * 1024, frozenset({1, 2}))
+    base = workload_floor([decode(0)] * 10, SHAPE, lambda a: 16, 2, bandwidth=4.24e12)
+    lora = workload_floor([prefill] + [decode(64)] * 10, SHAPE, lambda a: 16, 2, bandwidth=4.24e12)
+    one = decode_step_bytes(SHAPE, [1024] * 64, [16] * 64)
+    assert lora["lora_bytes"] == 10 * one.lora + 2 * 16 * SHAPE.lora_params_per_rank() * 2
+    assert one.lora == pytest.approx(5.37e9, rel=0.01)  # 64 distinct rank-16 adapters: +5.4 GB every step
+    assert lora["num_steps"] == 11 and lora["num_decode_steps"] == 10
+    assert lora["mean_decode_adapters"] == 64 and lora["mean_decode_batch"] == 64 and lora["max_step_adapters"] == 64
+    assert lora["mean_decode_context"] == 1024
+    assert base["floor_s"] == pytest.approx(10 * decode_step_bytes(SHAPE, [1024] * 64, []).total / 4.24e12)
+    # same output tokens: the ÷ base ratio the roofline allows is the ratio of the floors: ~0.81 when every decode
+    # step of batch 64 at context 1,024 carries 64 distinct rank-16 adapters
+    distinct = workload_floor([decode(64)] * 10, SHAPE, lambda a: 16, 2, bandwidth=4.24e12)
+    assert base["floor_s"] / distinct["floor_s"] == pytest.approx(23.6 / (23.6 + 5.37), rel=0.01)
+    mixed = workload_floor([decode(ranks) for ranks in (1, 1)], SHAPE, lambda a: 64, 2, bandwidth=1.0)
+    assert mixed["lora_bytes"] == 2 * 64 * SHAPE.lora_params_per_rank() * 2  # each adapter at its real rank
+
+
+def test_step_bytes_of_a_prefill_step():
+    step = step_bytes(SHAPE, num_tokens=2048, context_tokens=4096, adapter_ranks=[16])
+    assert step.kv == 4096 * SHAPE.kv_bytes_per_token(2)
+    assert step.weights - decode_step_bytes(SHAPE, [1], []).weights == 2047 * SHAPE.hidden_size * 2  # embedding rows

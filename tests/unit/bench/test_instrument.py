@@ -1,0 +1,104 @@
+"""Bench instrumentation on a real (tiny, CPU) engine: what each step held, the time of each phase of a step,
+and the step profile — and the engine's own methods back in place afterwards."""
+
+from __future__ import annotations
+
+from argparse import Namespace
+
+import pytest
+import torch
+
+from loraplex.bench.instrument import PhaseTimers
+from loraplex.bench.llama8b import write_adapter_pool
+from loraplex.bench.offline import adapter_rank_of, make_llm, run_generate
+from loraplex.bench.offline_run import prepare_model
+from loraplex.bench.roofline import ModelShape, step_bytes, workload_floor
+from loraplex.bench.step_profile import profile_decode_steps
+from loraplex.bench.workload import make_requests
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    work = tmp_path_factory.mktemp("bench-instrument")
+    model_dir = prepare_model(Namespace(model=None, smoke=True, work_dir=str(work), layers=2), CPU)
+    adapters = write_adapter_pool(model_dir, 3, 8, CPU)
+    llm = make_llm(model_dir, "cpu", "float32", max_loras=4, max_lora_rank=8, max_num_seqs=8)
+    import json
+
+    shape = ModelShape.from_hf(json.loads((model_dir / "config.json").read_text()))
+    return llm, adapters, shape
+
+
+def _engine_methods_untouched(engine) -> bool:
+    runner = engine.runner
+    return ("schedule" not in vars(engine.scheduler) and "update_from_output" not in vars(engine.scheduler)
+            and "_delta" not in vars(engine) and "prepare" not in vars(runner.inputs)
+            and type(runner.step_sampler).__name__ == "StepSampler" and "launch" not in vars(runner.step_sampler)
+            and "launch" not in vars(runner) and "execute" not in vars(runner))
+
+
+def test_schedule_recorder_sees_each_step_of_a_run(setup):
+    llm, adapters, shape = setup
+    requests = make_requests(6, 12, 4, "distinct", shape.vocab_size, seed=5)
+    steps = []
+    row = run_generate(llm, requests, adapters, steps)
+    assert row["output_tokens"] == 24
+    assert _engine_methods_untouched(llm.engine)
+    # the first step holds only prompts (nothing computed before it): context = tokens = 12 per sequence
+    assert not steps[0].is_decode and steps[0].context_tokens == steps[0].num_tokens == 12 * steps[0].num_seqs
+    assert sum(s.num_tokens for s in steps) == 6 * 12 + 6 * 3  # each prompt once, then 3 decoded tokens each
+    decode = [s for s in steps if s.is_decode]
+    assert decode and all(s.context_tokens >= 13 * s.num_seqs for s in decode)
+    assert all(len(s.lora_ids) <= 4 for s in steps)  # max_loras
+    assert {a for s in steps for a in s.lora_ids} == {r.adapter + 1 for r in requests}
+
+    floor = workload_floor(steps, shape, adapter_rank_of(adapters), 4, bandwidth=1e9)
+    expect = sum(step_bytes(shape, s.num_tokens, s.context_tokens, [8] * len(s.lora_ids), 4).total for s in steps)
+    assert floor["total_bytes"] == expect and floor["floor_s"] == pytest.approx(expect / 1e9)
+    assert floor["lora_bytes"] == sum(len(s.lora_ids) for s in steps) * 8 * shape.lora_params_per_rank() * 4
+    assert floor["mean_decode_adapters"] == pytest.approx(sum(len(s.lora_ids) for s in decode) / len(decode))
+
+
+def test_phase_timers_account_for_the_whole_step(setup):
+    llm, adapters, shape = setup
+    requests = make_requests(3, 10, 3, "distinct", shape.vocab_size, seed=6)
+    engine = llm.engine
+    from loraplex import SamplingParams
+    from loraplex.bench.offline import lora_requests
+
+    for i, (r, lora) in enumerate(zip(requests, lora_requests(requests, adapters))):
+        engine.add_request(f"phase-{i}", r.prompt_token_ids, SamplingParams(max_tokens=3, ignore_eos=True),
+                           lora_request=lora)
+    timers = PhaseTimers(engine)
+    with timers.install():
+        while engine.has_unfinished_requests():
+            timers.step()
+    assert _engine_methods_untouched(engine)
+    assert len(timers.steps) >= 3  # a prefill, then two decode steps (more if admission was spread out)
+    for record in timers.steps:
+        phases = {k: v for k, v in record.items() if k != "step"}
+        assert sum(phases.values()) == pytest.approx(record["step"], rel=1e-6)
+        for name in ("schedule", "prepare inputs", "forward launch", "sample: logits", "update", "deltas"):
+            assert record[name] > 0, name
+    assert timers.calls["deltas"] == 3 * 3  # one per token
+    assert timers.calls["schedule"] == len(timers.steps)
+    assert timers.calls["LoRA slots"] >= 3
+
+
+def test_profile_decode_steps_on_the_cpu(setup):
+    llm, adapters, shape = setup
+    run = profile_decode_steps(llm, batch=3, context=12, num_adapters=2, adapter_dirs=adapters, steps=3,
+                               profile_steps=2, vocab_size=shape.vocab_size)
+    assert _engine_methods_untouched(llm.engine) and not llm.engine.has_unfinished_requests()
+    assert run["steps_timed"] == 3 and run["steps_profiled"] == 2
+    phases = {p["phase"]: p for p in run["phases"]}
+    assert phases["deltas"]["calls_per_step"] == 3  # one delta per sequence: the whole batch decoded each step
+    assert phases["step"]["mean_us"] == pytest.approx(run["step_mean_s"] * 1e6)
+    assert sum(p["mean_us"] for name, p in phases.items() if name != "step") == pytest.approx(
+        phases["step"]["mean_us"], rel=1e-6)
+    trace = run["trace"]
+    assert trace["num_steps"] == 2 and not trace["has_gpu_activity"]  # CPU: host operators only
+    assert trace["host_ops"]["ops_per_step"] > 0
+    assert run["unprofiled_step_minus_gpu_busy_us"] is None
