@@ -24,6 +24,7 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None  # token budget per step; default max(2048, max_model_len)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    async_scheduling: bool | None = None  # overlap host work with the device's step; None: on for CUDA
     lora_max_wait_steps: int = 16  # a request kept out by the max_loras limit this long stops other admissions
     # LoRA
     enable_lora: bool = False

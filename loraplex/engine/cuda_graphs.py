@@ -82,16 +82,20 @@ class DecodeGraphRunner:
         return None
 
     # ---- one step ------------------------------------------------------------------------------------
-    def run(self, batch: StepBatch, lora_manager=None, slot_of: dict[int, int] | None = None) -> torch.Tensor:
+    def run(self, batch: StepBatch, lora_manager=None, slot_of: dict[int, int] | None = None,
+            fixup=None) -> torch.Tensor:
         """Final hidden states [B, H] of a pure-decode batch padded to its bucket (``batch.num_rows``).
 
-        With adapters in the step, ``slot_of`` maps each adapter id to its GPU slot (already assigned)."""
+        With adapters in the step, ``slot_of`` maps each adapter id to its GPU slot (already assigned).
+        ``fixup(input_ids)`` (optional) edits the static input-id buffer on the device before the replay."""
         assert batch.is_decode and batch.num_rows in self.buckets, "only padded pure-decode batches replay"
         bucket, num_seqs = batch.num_rows, batch.num_seqs
         key = (bucket, bool(slot_of))
         if key not in self._graphs:
             self._capture(key, lora_manager)
         self._load_inputs(batch, slot_of if key[1] else None)
+        if fixup is not None:
+            fixup(self.input_ids)
         graph, hidden = self._graphs[key]
         if graph is None:
             hidden = self._forward(key, lora_manager)

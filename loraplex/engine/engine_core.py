@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from loraplex.engine.protocol import EngineStats, TokenDelta, TopLogprob
 from loraplex.engine.request import Request, RequestStatus, TokenLogprobs
 from loraplex.engine.sampling_params import SamplingParams
 from loraplex.engine.scheduler import Scheduler
+from loraplex.engine.scheduler_output import PLACEHOLDER_TOKEN, SchedulerOutput
+from loraplex.engine.step_sampler import PendingSample
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,14 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self._kv_waste_sum = 0.0
         self._tokens_per_second = 0.0
+        # overlapped steps pay off where the device runs asynchronously to the host
+        # (LORAPLEX_ASYNC_SCHEDULING=0/1 decides when the config leaves it open: A/B runs and CPU tests)
+        self.async_scheduling = config.async_scheduling
+        if self.async_scheduling is None:
+            env = os.environ.get("LORAPLEX_ASYNC_SCHEDULING")
+            self.async_scheduling = env != "0" if env is not None else self.runner.device.type == "cuda"
+        self._inflight: tuple[SchedulerOutput, PendingSample] | None = None  # a step left running
+        self.num_overlapped_steps = 0
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d, max_model_len %d", config.model,
                  config.device, self.runner.dtype, num_blocks, config.block_size, config.max_model_len)
 
@@ -109,22 +120,36 @@ class LLMEngine:
             self._pending.extend(self._final_deltas(request_id, aborted))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._pending)
+        return self.scheduler.has_unfinished_requests() or bool(self._pending) or self._inflight is not None
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> list[TokenDelta]:
+        """Schedule and run one step; returns the token deltas that became known.
+
+        Overlapped steps (``async_scheduling``): a step whose sampling needs nothing from the host is
+        left running on the device while the call returns; the next call schedules and queues the
+        following step first (its sequences' newest token is a placeholder that the device fills in from
+        the running step's samples), and only then waits for the running step's tokens and applies them,
+        so the host's scheduling, detokenization and bookkeeping overlap the device's work. Deltas of a
+        step therefore arrive one call later; a sequence that stops at step n has also been run in step
+        n + 1, whose token for it is dropped. Steps with logprobs, penalties or forks run synchronously."""
         deltas, self._pending = self._pending, []
         started = time.monotonic()
+        prev, self._inflight = self._inflight, None
         out = self.scheduler.schedule()
+        self._kv_waste_sum += self.scheduler.last_kv_waste
         if self.runner.lora_manager is not None:
             self._pin_running_adapters()
-        result = self.runner.execute(out)
-        touched = self.scheduler.update_from_output(out, result)
-        self._kv_waste_sum += self.scheduler.last_kv_waste
+        pending = self.runner.launch(out, prev[1] if prev is not None else None)
         num_new = 0
-        for req in touched:
-            num_new += 1
-            deltas.append(self._delta(req))
+        if prev is not None:
+            num_new += self._complete(prev[0], prev[1], deltas, provisional=True)
+        if self.async_scheduling and pending.is_async:
+            self._apply_provisional(out)
+            self._inflight = (out, pending)
+            self.num_overlapped_steps += 1
+        else:
+            num_new += self._complete(out, pending, deltas, provisional=False)
         if num_new:
             self.num_generated_tokens += num_new
             rate = num_new / max(time.monotonic() - started, 1e-9)
@@ -133,6 +158,61 @@ class LLMEngine:
             if d.finished:
                 self._mark_finished(d.request_id, d.index)
         return deltas
+
+    def _complete(self, out: SchedulerOutput, pending: PendingSample, deltas: list[TokenDelta],
+                  provisional: bool) -> int:
+        """Wait for a step's tokens, apply them, and append the deltas; returns how many samples got one."""
+        result = pending.result()
+        extra = self._undo_provisional(out, result) if provisional else []
+        touched = self.scheduler.update_from_output(out, result)
+        for req in extra + touched:
+            deltas.append(self._delta(req))
+        return len(extra) + len(touched)
+
+    def _apply_provisional(self, out: SchedulerOutput) -> None:
+        """What ``update_from_output`` will do for a step still running, as far as the host knows it now:
+        its tokens count as computed and each sampling sequence has a placeholder for its new token, so
+        the next step can be scheduled at once."""
+        running = RequestStatus.RUNNING
+        for s in out.scheduled:
+            req = s.request
+            if req.status is running:  # not finished by the step completed meanwhile
+                req.num_computed_tokens += s.num_new_tokens
+                if s.num_samples:
+                    req.token_ids.append(PLACEHOLDER_TOKEN)
+
+    def _undo_provisional(self, out: SchedulerOutput, result) -> list:
+        """Take a completed step's provisional state back before ``update_from_output`` applies the real
+        one. A sequence preempted meanwhile (it waits with num_computed_tokens 0) gets its real token in
+        place of the placeholder here, since the update skips sequences that are not running; returns
+        those, which have a new token to report."""
+        running = RequestStatus.RUNNING
+        reported = []
+        for s in out.scheduled:
+            req = s.request
+            has_placeholder = bool(s.num_samples) and req.token_ids[-1] == PLACEHOLDER_TOKEN
+            if req.status is running:
+                req.num_computed_tokens -= s.num_new_tokens
+                if s.num_samples:
+                    assert has_placeholder, "a running sequence lost its placeholder"
+                    req.token_ids.pop()
+            elif has_placeholder and req.status.finished:
+                req.token_ids.pop()  # aborted or failed while the step ran: its token is dropped
+            elif has_placeholder:  # preempted by the scheduling of the step after this one
+                token = result.sampled_token_ids[req.seq_id][0]
+                req.token_ids[-1] = token
+                lps = result.sampled_logprobs.get(req.seq_id)
+                if lps:
+                    req.cumulative_logprob += lps[0]
+                if req.first_token_time is None:
+                    req.first_token_time = time.monotonic()
+                if req.detokenizer is not None:
+                    req.detokenizer.append(token)
+                status = req.check_stop(self.config.max_model_len)
+                if status is not None:
+                    self.scheduler.finish_request(req, status)
+                reported.append(req)
+        return reported
 
     def _pin_running_adapters(self) -> None:
         """LoRA work of a step, after scheduling: requests whose adapter read failed get their final
@@ -178,6 +258,10 @@ class LLMEngine:
         finished = req.is_finished
         sent = req.num_sent_tokens
         new_ids = req.token_ids[req.num_prompt_tokens + sent:]  # not output_token_ids[sent:]: no full copy
+        num_generated = req.num_output_tokens
+        if new_ids and new_ids[-1] == PLACEHOLDER_TOKEN:  # aborted with a step in flight: not a token
+            new_ids.pop()
+            num_generated -= 1
         text = ""
         if req.detokenizer is not None:
             upto = max(req.num_sent_chars, req.detokenizer.streamable_text_len(finished))
@@ -185,7 +269,7 @@ class LLMEngine:
             req.num_sent_chars = upto
         first = req.num_deltas == 0
         req.num_deltas += 1
-        req.num_sent_tokens = req.num_output_tokens
+        req.num_sent_tokens = num_generated
         params = req.sampling_params
         logprobs = None
         if params.logprobs is not None:
@@ -197,7 +281,7 @@ class LLMEngine:
             request_id=req.request_id, index=req.index, token_ids=new_ids, text=text, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, finished=finished, finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens, num_generated_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens, num_generated_tokens=num_generated,
             cumulative_logprob=req.cumulative_logprob,
             error=req.error, first_scheduled_time=req.first_scheduled_time if first else None,
             first_token_time=req.first_token_time if first else None,
@@ -236,6 +320,7 @@ class LLMEngine:
             "cow_block_copies": bm.num_cow_copies, "num_preemptions": sched.num_preemptions,
             "num_computed_prompt_tokens": sched.num_computed_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens, "num_steps": sched.num_steps,
+            "num_overlapped_steps": self.num_overlapped_steps,
             "kv_waste_last": sched.last_kv_waste,
             "kv_waste_mean": self._kv_waste_sum / sched.num_steps if sched.num_steps else 0.0,
         }

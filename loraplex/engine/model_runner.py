@@ -12,6 +12,7 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from loraplex.engine.attention import AttentionMetadata, get_attention_backend
@@ -21,7 +22,7 @@ from loraplex.engine.models.llama import LlamaConfig, LlamaForCausalLM
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from loraplex.engine.step_inputs import StepBatch, StepInputBuilder
-from loraplex.engine.step_sampler import StepSampler
+from loraplex.engine.step_sampler import PendingSample, StepSampler
 from loraplex.engine.weights import load_weights
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,10 @@ class ModelRunner:
         load_weights(self.model, config.model)
         self.backend = get_attention_backend(self.device)
         self.sampler = Sampler(self.device, config.seed)
-        self.step_sampler = StepSampler(self.model.compute_logits, self.sampler, self.device)
+        self.step_sampler = StepSampler(self.model.compute_logits, self.sampler, self.device,
+                                        max_rows=config.max_num_seqs)
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self._fixup_host = torch.zeros(2, config.max_num_seqs, dtype=torch.int64, pin_memory=pin)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.lora_manager = None
         self.inputs: StepInputBuilder | None = None  # with the KV cache (needs the resolved limits)
@@ -126,26 +130,59 @@ class ModelRunner:
         return self.lora_manager
 
     # ---- one step ------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its results."""
+        return self.launch(out).result()
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput, prev: PendingSample | None = None) -> PendingSample:
+        """Queue one step on the device; ``result()`` of the returned object waits for its tokens.
+
+        Input tokens that are still placeholders (``PLACEHOLDER_TOKEN``: the previous step's samples, which
+        the host does not have yet) are read on the device from ``prev.tokens``."""
         if out.blocks_to_copy:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*out.blocks_to_copy))
             for key_cache, value_cache in self.kv_caches:
                 key_cache[dst] = key_cache[src]
                 value_cache[dst] = value_cache[src]
         if out.is_empty:
-            return ModelRunnerOutput()
+            return PendingSample(ModelRunnerOutput())
         graphs = self.graphs
         batch = self.inputs.prepare(out, graphs.bucket_for if graphs is not None else None)
+        fixup = self._placeholder_fixup(out, batch, prev)
         if batch.graph_bucket is not None:
             slot_of = self.get_lora_manager().assign_slots(out.lora_ids) if out.lora_ids else None
-            hidden = graphs.run(batch, self.lora_manager, slot_of)
+            hidden = graphs.run(batch, self.lora_manager, slot_of, fixup=fixup)
             self.inputs.mark_copied()
         else:
-            hidden = self._run_eager(out, batch)
-        return self.step_sampler(out, batch, hidden)
+            hidden = self._run_eager(out, batch, fixup)
+        return self.step_sampler.launch(out, batch, hidden)
 
-    def _run_eager(self, out: SchedulerOutput, batch: StepBatch) -> torch.Tensor:
+    def _placeholder_fixup(self, out: SchedulerOutput, batch: StepBatch, prev: PendingSample | None):
+        """None, or a function that writes the previous step's device tokens into this step's input ids
+        at the rows that hold a placeholder (a sequence's single new token, sampled by ``prev``)."""
+        ids = batch.input_ids.numpy()[:batch.num_tokens]
+        rows = np.flatnonzero(ids < 0)
+        if not rows.size:
+            return None
+        assert prev is not None and prev.is_async, "placeholder input without the step that samples it"
+        # a placeholder is its sequence's only new token, so its row is that sequence's last row
+        seq_of_row = np.searchsorted(batch.last_token_rows, rows)
+        scheduled = out.scheduled
+        src = [prev.row_of[scheduled[i].request.seq_id] for i in seq_of_row.tolist()]
+        n = rows.size
+        staging = self._fixup_host[:, :n]  # reused each step: prepare() waited for the last step's copies
+        staging[0] = torch.from_numpy(rows)
+        staging[1] = torch.tensor(src, dtype=torch.int64)
+        index = staging.to(self.device, non_blocking=True)
+        tokens = prev.tokens
+
+        def apply(input_ids: torch.Tensor) -> None:
+            input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
+
+        return apply
+
+    def _run_eager(self, out: SchedulerOutput, batch: StepBatch, fixup=None) -> torch.Tensor:
         dev = self.device
         nb = dev.type == "cuda"
         attn = AttentionMetadata(
@@ -156,6 +193,10 @@ class ModelRunner:
             max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
         input_ids = batch.input_ids.to(dev, non_blocking=nb)
         positions = batch.positions.to(dev, non_blocking=nb)
+        if fixup is not None:
+            if not nb:
+                input_ids = input_ids.clone()  # .to() on the CPU returned the host buffer itself
+            fixup(input_ids)
         self.inputs.mark_copied()
         lora = None
         if out.lora_ids:

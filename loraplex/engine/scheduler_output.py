@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from loraplex.engine.request import Request, TokenLogprobs
 
+# A sequence's newest token while the step that samples it is still running (overlapped steps): the runner
+# reads the real token on the device; the host replaces the placeholder when the step's results arrive.
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass
 class ScheduledRequest:

@@ -15,18 +15,99 @@ import torch
 
 from loraplex.engine.request import TokenLogprobs
 from loraplex.engine.sampler import Sampler, SampleRow
+from loraplex.engine.sampling_params import SAMPLE_LOGPROBS, SAMPLE_PENALTIES
 from loraplex.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from loraplex.engine.step_inputs import StepBatch
 
 
+class PendingSample:
+    """A step's sampling, launched: ``result()`` waits for its tokens on the host.
+
+    ``tokens`` (device, [R] int64) holds the sampled tokens in the order of ``row_of`` (seq_id -> index),
+    so the next step can read a token on the device before the host has it (overlapped steps). A pending
+    sample whose result was computed synchronously (``tokens`` None) cannot feed a next step that way."""
+
+    def __init__(self, result: ModelRunnerOutput | None = None, tokens: torch.Tensor | None = None,
+                 row_of: dict[int, int] | None = None, host: torch.Tensor | None = None,
+                 event: torch.cuda.Event | None = None, seq_ids: list[int] | None = None):
+        self._result = result
+        self.tokens = tokens
+        self.row_of = row_of or {}
+        self._host, self._event, self._seq_ids = host, event, seq_ids
+
+    @property
+    def is_async(self) -> bool:
+        return self.tokens is not None
+
+    def result(self) -> ModelRunnerOutput:
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            n = len(self._seq_ids)
+            packed = self._host[:, :n].numpy()
+            token_ids = packed[0].astype(np.int64).tolist()
+            lps = packed[1].tolist()
+            self._result = ModelRunnerOutput(
+                sampled_token_ids={q: [t] for q, t in zip(self._seq_ids, token_ids)},
+                sampled_logprobs={q: [lp] for q, lp in zip(self._seq_ids, lps)})
+            self._host = None  # its ring slot may be reused
+        return self._result
+
+
 class StepSampler:
+    RING = 4  # pinned result buffers: steps whose tokens may still be on their way to the host
+
     def __init__(self, compute_logits: Callable[[torch.Tensor], torch.Tensor], sampler: Sampler,
-                 device: torch.device):
+                 device: torch.device, max_rows: int = 0):
         self.compute_logits = compute_logits  # [N, H] hidden -> [N, V] float32 logits
         self.sampler = sampler
         self.device = torch.device(device)
         self._prompt_arrays: dict[int, np.ndarray] = {}  # seq_id -> prompt ids, for penalized requests
         self._max_cached_prompts = 4096
+        self.max_rows = max_rows
+        self._ring: list[torch.Tensor] = []
+        self._ring_next = 0
+
+    def launch(self, out: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor) -> PendingSample:
+        """Sample the step without waiting for the tokens when the step allows it: one sample per
+        sequence (no fork), no penalties (they read the output tokens on the host), no logprobs or prompt
+        logprobs. Otherwise the synchronous path, already finished."""
+        counts = batch.sample_counts
+        flags = batch.sampler_flags
+        simple = (self.max_rows and not batch.any_prompt_logprobs
+                  and not flags & (SAMPLE_PENALTIES | SAMPLE_LOGPROBS) and max(counts, default=0) <= 1)
+        row_idx = batch.last_token_rows[np.asarray(counts, dtype=bool)] if simple else None
+        if not simple or not 0 < row_idx.size <= self.max_rows:
+            return PendingSample(self(out, batch, hidden))
+        reqs = [s.request for s, c in zip(out.scheduled, counts) if c]
+        logits = self.compute_logits(hidden[torch.from_numpy(row_idx).to(self.device, non_blocking=True)])
+        sampled = self.sampler.sample(logits, [r.sampling_params for r in reqs],
+                                      lambda: [SampleRow(r.sampling_params, r.index, r.num_output_tokens,
+                                                         self._prompt_array(r), r.output_token_ids) for r in reqs],
+                                      flags)
+        host = self._next_host_buffer()
+        n = row_idx.size
+        event = None
+        if self.device.type == "cuda":
+            host[0, :n].copy_(sampled.token_ids.double(), non_blocking=True)  # float64 holds any token id exactly
+            host[1, :n].copy_(sampled.logprobs.double(), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host[0, :n] = sampled.token_ids
+            host[1, :n] = sampled.logprobs
+        seq_ids = [r.seq_id for r in reqs]
+        return PendingSample(tokens=sampled.token_ids, row_of={q: i for i, q in enumerate(seq_ids)}, host=host,
+                             event=event, seq_ids=seq_ids)
+
+    def _next_host_buffer(self) -> torch.Tensor:
+        if not self._ring:
+            pin = self.device.type == "cuda" and torch.cuda.is_available()
+            self._ring = [torch.zeros(2, self.max_rows, dtype=torch.float64, pin_memory=pin)
+                          for _ in range(self.RING)]
+        buf = self._ring[self._ring_next]
+        self._ring_next = (self._ring_next + 1) % self.RING
+        return buf
 
     def __call__(self, out: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
         result = ModelRunnerOutput()

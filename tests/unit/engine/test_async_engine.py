@@ -91,10 +91,10 @@ async def test_bad_request_raises_before_streaming(engine):
 async def test_dead_loop_fails_open_streams_and_new_requests(engine):
     task, got = await _long_stream_started(engine, "victim")
 
-    def boom(out):
+    def boom(out, prev=None):
         raise RuntimeError("device fell over")
 
-    engine.engine.runner.execute = boom
+    engine.engine.runner.launch = boom
     await asyncio.wait_for(task, 10)
     assert got[-1].finished and got[-1].finish_reason == "error" and "device fell over" in got[-1].error
     assert not engine.is_healthy()

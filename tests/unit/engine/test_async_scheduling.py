@@ -1,0 +1,95 @@
+"""Overlapped (asynchronous) scheduling gives exactly the outputs of synchronous steps.
+
+The CPU runs the same code path as CUDA (placeholders, the device-side fix-up of input ids, provisional
+bookkeeping, late results), only without real concurrency, so every case here is a real check: stop
+tokens and stop strings met mid-run (the next step already ran those sequences), preemption while a
+step is in flight (a tiny KV cache), forks and logprobs (steps that fall back to synchronous), adapters,
+seeded random sampling, shared prefixes, and aborts with a step in flight.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.engine_core import LLMEngine
+from loraplex.engine.scheduler_output import PLACEHOLDER_TOKEN
+from tests.conftest import adapter_dir
+
+PROMPTS = [[1, 17, 33, 95, 12], [1, 17, 33, 95, 12, 40, 41], [1, 300, 301], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14],
+           [1, 200], [1, 17, 33, 95, 99, 98, 97, 96, 95, 94, 93, 92, 91, 90], [1, 60, 61, 62]]
+
+
+def _run(tiny_model, async_on: bool, params, loras, **engine_kw):
+    llm = LLM(tiny_model["model_dir"], dtype="float32", enable_lora=True, max_loras=2, max_num_seqs=8,
+              async_scheduling=async_on, **engine_kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, lora_request=loras)
+    return llm, [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
+
+
+def _workload(tiny_model, stop_token: int, stop_text: str):
+    loras = [None, LoRARequest("a0", 1, adapter_dir(tiny_model, 0)), None,
+             LoRARequest("a1", 2, adapter_dir(tiny_model, 1)), LoRARequest("a0", 1, adapter_dir(tiny_model, 0)),
+             None, LoRARequest("a2", 3, adapter_dir(tiny_model, 2))]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=25, temperature=0, stop_token_ids=[stop_token]),
+        SamplingParams(max_tokens=18, temperature=0.8, seed=11, ignore_eos=True),
+        SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop=[stop_text]),
+        SamplingParams(max_tokens=9, n=2, temperature=0.9, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=15, temperature=0, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=30, temperature=0, ignore_eos=True),
+    ]
+    return params, loras
+
+
+@pytest.mark.parametrize("kv_blocks", [None, 12])  # 12 blocks of 4 tokens: preemption under load
+def test_async_outputs_equal_sync_outputs(tiny_model, kv_blocks):
+    plain = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    _, probe = _run(tiny_model, False, plain, _workload(tiny_model, 0, "x")[1])
+    # a stop token and a stop string that really occur mid-output, so sequences stop while the next step runs
+    stop_token = probe[1][0][0][6]
+    stop_text = probe[3][0][1][3:6] or "a"
+    params, loras = _workload(tiny_model, stop_token, stop_text)
+    kw = {"num_kv_blocks": kv_blocks, "block_size": 4} if kv_blocks else {}
+    sync_llm, want = _run(tiny_model, False, params, loras, **kw)
+    async_llm, got = _run(tiny_model, True, params, loras, **kw)
+    assert got == want
+    assert want[1][0][2] == "stop" and len(want[1][0][0]) < 25  # the stop token ended it early
+    assert async_llm.engine.num_overlapped_steps > 10 and sync_llm.engine.num_overlapped_steps == 0
+    if kv_blocks:
+        assert async_llm.engine.scheduler.num_preemptions > 0
+    for out in got:  # no placeholder ever reaches a user
+        for token_ids, _, _ in out:
+            assert PLACEHOLDER_TOKEN not in token_ids
+    assert not async_llm.engine.has_unfinished_requests()
+    assert async_llm.engine.block_manager.num_used_blocks == 0 or async_llm.engine.config.enable_prefix_caching
+
+
+def test_abort_with_a_step_in_flight_reports_only_real_tokens(tiny_model):
+    engine = LLMEngine(EngineConfig(model=tiny_model["model_dir"], dtype="float32", async_scheduling=True))
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    engine.add_request("keep", PROMPTS[0], params)
+    engine.add_request("cut", PROMPTS[2], params)
+    got: dict[str, list] = {"keep": [], "cut": []}
+    for _ in range(6):
+        for d in engine.step():
+            got[d.request_id].append(d)
+    assert engine._inflight is not None  # a step is running now, with placeholders in both sequences
+    engine.abort_request("cut")
+    while engine.has_unfinished_requests():
+        for d in engine.step():
+            got[d.request_id].append(d)
+    cut_tokens = [t for d in got["cut"] for t in d.token_ids]
+    final = got["cut"][-1]
+    assert final.finished and final.finish_reason == "abort"
+    assert PLACEHOLDER_TOKEN not in cut_tokens and final.num_generated_tokens == len(cut_tokens) > 0
+    keep_tokens = [t for d in got["keep"] for t in d.token_ids]
+    assert len(keep_tokens) == 50 and got["keep"][-1].num_generated_tokens == 50
+    sync = LLMEngine(EngineConfig(model=tiny_model["model_dir"], dtype="float32", async_scheduling=False))
+    sync.add_request("keep", PROMPTS[0], params)
+    ref = []
+    while sync.has_unfinished_requests():
+        ref += [t for d in sync.step() for t in d.token_ids]
+    assert keep_tokens == ref
