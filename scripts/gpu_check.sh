@@ -1,19 +1,38 @@
 #!/usr/bin/env bash
-# On a CUDA machine whose image already has torch/triton/transformers/peft (our H200 runs):
-# install the carried platform wheels (.whl/, see docs/benchmarks/README.md), then run the GPU tests
-# and the kernel microbenchmarks. Results land in ${OUT:-./gpu-out}.
+# On a CUDA machine whose image already has torch/triton/transformers/peft (our H200 runs): install the carried
+# platform wheels (.whl/, see docs/benchmarks/README.md) unless the platform already imports, then run what
+# the first argument names (comma-separated; default tests,lora,attention). Results land in ${OUT:-./gpu-out}.
+#
+#   tests      GPU tests                        lora       LoRA kernel microbenchmark
+#   attention  paged attention vs SDPA (sweep)  engine     a short engine run (bench offline)
+#   report     the issue-9 report: bench all with the HF + PEFT peer and an online run through a launched
+#              `loraplex serve` (embedded default: SQLite + in-process), cut short by SIGTERM at
+#              ${REPORT_TIMEOUT_S:-560} s so a partial report is still written (rc 3)
+#   profile    bench step-profile: one decode step, base and 64 distinct rank-16 adapters, with traces
+#
+# Knobs (environment): ONLINE_RATE (30 req/s), ONLINE_REQUESTS (300), PEER_OUTPUT_LEN (64), BENCH_ARGS (more
+# flags for `bench all`), PROFILE_ARGS (more flags for `bench step-profile`), SMOKE=1 (tiny shapes on the CPU:
+# checks the harness, e.g. `SMOKE=1 PATH=.venv/bin:$PATH bash scripts/gpu_check.sh report,profile`).
 set -uo pipefail
 out="${OUT:-$PWD/gpu-out}"; mkdir -p "$out"
-if ls .whl/*.whl >/dev/null 2>&1; then
+export PYTHONUNBUFFERED=1
+if python3 -c 'import litestar, sqlalchemy, aiosqlite, alembic, uvicorn, sniffio' >/dev/null 2>&1; then
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+elif ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH="/tmp/site:$PWD"
 else
     export PYTHONPATH="$PWD"
 fi
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv
+fi
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 what="${1:-tests,lora,attention}"
+smoke=()
+[[ -n "${SMOKE:-}" ]] && smoke=(--smoke)
+status=0
+
 if [[ "$what" == *tests* ]]; then
     python3 -m pytest tests/gpu -q -p no:cacheprovider -o addopts="" --timeout 300 \
         --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log" | tail -40
@@ -21,11 +40,36 @@ fi
 if [[ "$what" == *engine* ]]; then
     # a short Llama-3-8B-shaped engine run (writes the random model once under /tmp/loraplex-bench)
     python3 -m loraplex.cli bench offline --out-dir "$out" --num-requests 128 --input-len 256 --output-len 32 \
-        --popularity base,distinct --step-batch 64 --step-count 16 2>&1 | tail -30
+        --popularity base,distinct --step-batch 64 --step-count 16 ${smoke[@]+"${smoke[@]}"} 2>&1 | tail -30
 fi
 if [[ "$what" == *lora* ]]; then
     python3 -m loraplex.bench.lora_kernels --out "$out/lora_kernels_h200.json" 2>&1 | tail -12
 fi
 if [[ "$what" == *attention* ]]; then
-    python3 -m loraplex.cli bench attention --sweep --out-dir "$out" 2>&1 | tail -14
+    python3 -m loraplex.cli bench attention --sweep --out-dir "$out" ${smoke[@]+"${smoke[@]}"} 2>&1 | tail -14
 fi
+if [[ "$what" == *report* ]]; then
+    # the launched server needs the platform: fail now rather than after minutes of offline runs
+    if ! python3 -c 'import loraplex.platform.app, loraplex.platform.cli_serve, uvicorn, aiosqlite, alembic'; then
+        echo "report: the platform's packages do not import (carry .whl: docs/benchmarks/README.md)"; exit 1
+    fi
+    # SIGTERM makes bench all write the parts that finished; KILL 30 s later if it does not stop
+    # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
+    timeout -k 30 "${REPORT_TIMEOUT_S:-560}" python3 -m loraplex.cli bench all --out-dir "$out" --peer hf-peft \
+        --num-requests 1000 --input-len 256 --output-len 128 --peer-output-len "${PEER_OUTPUT_LEN:-64}" \
+        --online-rate "${ONLINE_RATE:-30}" --online-requests "${ONLINE_REQUESTS:-300}" \
+        --slo-ttft-ms 1000 --slo-tpot-ms 100 ${BENCH_ARGS:-} ${smoke[@]+"${smoke[@]}"} > "$out/report.log" 2>&1
+    rc=$?
+    grep -E "bench all: .* (took|in all)|online: |offline [a-z]+: |cut short" "$out/report.log"
+    echo "report: bench all exited with $rc (3: cut short, partial report written)"; status=$((status | rc))
+fi
+if [[ "$what" == *profile* ]]; then
+    # shellcheck disable=SC2086  # PROFILE_ARGS is a list of flags
+    python3 -m loraplex.cli bench step-profile --out-dir "$out" --adapters 0,64 --trace-dir "$out" \
+        ${PROFILE_ARGS:-} ${smoke[@]+"${smoke[@]}"} > "$out/profile.log" 2>&1
+    rc=$?
+    grep -E "step-profile" "$out/profile.log" | grep -v "^loraplex bench"
+    sed -n '/^## Host time per phase/,/^## Top kernels/p' "$out/profile.log" | head -60
+    echo "profile: bench step-profile exited with $rc"; status=$((status | rc))
+fi
+exit "$status"

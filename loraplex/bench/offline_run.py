@@ -48,9 +48,14 @@ def run_offline_bench(args, device: torch.device, out_dir: str | None) -> int:
     return 0
 
 
-def collect_offline(args, device: torch.device, clock=None) -> tuple[dict, list[tuple[str, str]]]:
-    """Run the offline benchmark; returns the raw figures and the report's markdown sections. ``clock``
-    (``timing.SectionClock``) times each part; the result keeps those wall times under ``section_wall_s``."""
+def collect_offline(args, device: torch.device, clock=None, result: dict | None = None
+                    ) -> tuple[dict, list[tuple[str, str]]]:
+    """Run the offline benchmark; returns the raw figures and the report's markdown sections.
+
+    ``clock`` (``timing.SectionClock``) times each part; ``result`` (a dict) is filled in place as each part
+    ends, so a caller whose run is cut short still has the parts that finished (``offline_sections`` turns
+    them into the report's sections). Order: peer, engine, the decode step vs its floor, then each popularity
+    (the slowest, distinct, last by default)."""
     from loraplex.bench.llama8b import write_adapter_pool
     from loraplex.bench.offline import (
         adapter_rank_of,
@@ -67,10 +72,10 @@ def collect_offline(args, device: torch.device, clock=None) -> tuple[dict, list[
         roofline,
         workload_floor,
     )
-    from loraplex.bench.sections import peer_section, step_section, throughput_section
     from loraplex.bench.timing import SectionClock
 
     clock = clock or SectionClock(log, "bench offline")
+    result = {} if result is None else result
     if args.smoke:
         smoke_settings(args)
     with clock("model and adapter files"):
@@ -82,10 +87,10 @@ def collect_offline(args, device: torch.device, clock=None) -> tuple[dict, list[
     dtype = getattr(torch, args.dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
-    result: dict = {"environment": environment(device), "model_dir": str(model_dir), "model_shape": vars(shape),
-                    "copy_bandwidth_Bps": bandwidth, "settings": {k: v for k, v in vars(args).items()
-                                                                  if k not in ("func", "bench_parser", "report_command")}}
-    sections = []
+    result.update({"environment": environment(device), "model_dir": str(model_dir), "model_shape": vars(shape),
+                   "copy_bandwidth_Bps": bandwidth, "section_wall_s": clock.walls,
+                   "settings": {k: v for k, v in vars(args).items()
+                                if k not in ("func", "bench_parser", "report_command")}})
 
     if args.peer == "hf-peft":
         from loraplex.bench.peer_hf import run_hf_peft
@@ -104,22 +109,8 @@ def collect_offline(args, device: torch.device, clock=None) -> tuple[dict, list[
         run_popularities(llm, ["uniform"], min(8, args.num_requests), min(args.input_len, 64), 4, "fixed",
                          shape.vocab_size, adapter_dirs, seed=args.seed + 99)
 
-    rank_of = adapter_rank_of(adapter_dirs)
-
-    def floor(steps):
-        return workload_floor(steps, shape, rank_of, elem, bandwidth)
-
-    rows = []
-    for pop in args.popularity:
-        with clock(f"offline {pop}"):
-            rows += run_popularities(llm, [pop], args.num_requests, args.input_len, args.output_len,
-                                     args.len_dist, shape.vocab_size, adapter_dirs, seed=args.seed, floor=floor)
-    add_over_base(rows)
-    result["throughput"] = rows
-    sections.append(throughput_section(rows))
-
     if args.step_batch > 0:
-        steps = []
+        steps = result["decode_step"] = []
         with clock("decode step vs roofline"):
             for label, distinct in (("base", False), (f"{args.step_batch} distinct rank-{args.rank} adapters", True)):
                 step = measure_decode_step(llm, args.step_batch, args.step_context, args.step_count,
@@ -130,14 +121,34 @@ def collect_offline(args, device: torch.device, clock=None) -> tuple[dict, list[
                 step["roofline"] = roofline(step_bytes, bandwidth, step["step_mean_s"])
                 step["label"] = label
                 steps.append(step)
-        result["decode_step"] = steps
-        sections.append(step_section(steps))
 
-    if "peer" in result:
-        sections.append(peer_section(result["peer"], rows))
+    rank_of = adapter_rank_of(adapter_dirs)
+
+    def floor(steps):
+        return workload_floor(steps, shape, rank_of, elem, bandwidth)
+
+    rows = result["throughput"] = []
+    for pop in args.popularity:
+        with clock(f"offline {pop}"):
+            rows += run_popularities(llm, [pop], args.num_requests, args.input_len, args.output_len,
+                                     args.len_dist, shape.vocab_size, adapter_dirs, seed=args.seed, floor=floor)
+            add_over_base(rows)
+
     del llm
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    result["section_wall_s"] = dict(clock.walls)
-    return result, sections
+    return result, offline_sections(result)
+
+
+def offline_sections(result: dict) -> list[tuple[str, str]]:
+    """The report's sections for whatever parts of the offline run ``result`` holds."""
+    from loraplex.bench.sections import peer_section, step_section, throughput_section
+
+    rows = result.get("throughput") or []
+    sections = [throughput_section(rows)] if rows else []
+    if result.get("decode_step"):
+        sections.append(step_section(result["decode_step"]))
+    if "peer" in result:
+        sections.append(peer_section(result["peer"], rows))
+    return sections

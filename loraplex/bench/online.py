@@ -10,11 +10,15 @@ Module-level imports stay light: ``loraplex bench --help`` imports this file.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -167,6 +171,8 @@ def add_online_args(p) -> None:
     p.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-requests", type=int, default=4,
+                   help="sent at once before the measured run (not counted): the server compiles its kernels")
     launch = p.add_argument_group("--launch: start loraplex serve here (own data dir, free port) and upload adapters")
     launch.add_argument("--launch", action="store_true")
     launch.add_argument("--model-dir", default=None, help="HF directory to serve (default: the random "
@@ -194,13 +200,20 @@ def _launch(args, device):
                                         layers=args.layers), device)
     serve_args = ["--device", device.type, "--dtype", args.dtype, "--enable-lora", "--max-loras",
                   str(args.max_loras), "--max-lora-rank", str(args.rank), "--max-num-seqs", str(args.max_num_seqs)]
+    started = time.perf_counter()
     server = launch_server(model_dir, serve_args)
+    server.timings["start_s"] = time.perf_counter() - started
+    log.info("online: loraplex serve ready in %.1f s (pid %d, data dir %s)", server.timings["start_s"],
+             server.proc.pid, server.data_dir)
     try:
         args.url, args.api_key = server.base_url, server.admin_key
         args.model = args.model or server.base_model()
         if args.popularity != "base" and not args.adapters:
             pool = write_adapter_pool(model_dir, args.num_adapters, args.rank, device)
+            started = time.perf_counter()
             args.adapters = ",".join(server.upload_adapter(d, f"bench-{i}") for i, d in enumerate(pool))
+            server.timings["upload_s"] = time.perf_counter() - started
+            log.info("online: uploaded %d adapters in %.1f s", len(pool), server.timings["upload_s"])
         if args.vocab_size is None:
             args.vocab_size = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     except BaseException:
@@ -216,6 +229,7 @@ def collect_online(args, device) -> dict:
     from loraplex.bench.workload import make_requests
 
     server = _launch(args, device) if args.launch else None
+    launched = None
     try:
         if not args.model:
             raise SystemExit("--model is required: the served base model name (GET /v1/models lists it)")
@@ -225,17 +239,32 @@ def collect_online(args, device) -> dict:
         reqs = make_requests(args.num_requests, args.input_len, args.output_len, args.popularity,
                              args.vocab_size or 512, args.seed, args.len_dist)
         models = [args.model if r.adapter is None else adapters[r.adapter % len(adapters)] for r in reqs]
+        warmup = getattr(args, "warmup_requests", 0)
+        if warmup:
+            started = time.perf_counter()
+            warm, _ = asyncio.run(run_online(
+                args.url, args.api_key, models[:warmup], [r.prompt_token_ids for r in reqs[:warmup]],
+                [min(4, r.output_len) for r in reqs[:warmup]], float("inf"), seed=args.seed))
+            log.info("online: %d warm-up requests in %.1f s (%d failed)", len(warm), time.perf_counter() - started,
+                     sum(r.error is not None for r in warm))
         records, duration = asyncio.run(run_online(
             args.url, args.api_key, models, [r.prompt_token_ids for r in reqs], [r.output_len for r in reqs],
             args.rate, seed=args.seed))
     finally:
         if server is not None:
-            server.stop()
+            launched = {**server.timings, **server.stop()}
+            launched.update(server.embedded_state())
+            shutil.rmtree(server.data_dir, ignore_errors=True)
+            log.info("online: server stopped (exit code %s, %.1f s to drain)", launched["exit_code"],
+                     launched["stop_s"])
     summary = summarize(records, duration, args.slo_ttft_ms / 1e3, args.slo_tpot_ms / 1e3)
+    log.info("online: %d of %d requests completed in %.1f s, %.1f output tok/s, goodput %.2f req/s",
+             summary["completed"], summary["num_requests"], duration, summary["output_tok_per_s"] or 0,
+             summary["goodput_req_per_s"] or 0)
     rate = args.rate if args.rate != float("inf") else "inf"  # JSON has no infinity
     return {"url": args.url, "rate": rate, "popularity": args.popularity, "adapters": adapters,
             "input_len": args.input_len, "output_len": args.output_len, "launched": server is not None,
-            "summary": summary}
+            "warmup_requests": getattr(args, "warmup_requests", 0), "server": launched, "summary": summary}
 
 
 def run_online_cli(args) -> int:

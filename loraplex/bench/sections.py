@@ -140,7 +140,9 @@ def online_section(result: dict) -> tuple[str, str]:
                      "p99": _ms(d["p99"]), "count": d["count"]})
     intro = (f"Poisson arrivals at {result['rate']} req/s, {s['num_requests']} requests "
              f"({s['completed']} completed, {s['failed']} failed), popularity {result['popularity']}, "
-             f"{result['input_len']} prompt / {result['output_len']} output tokens. "
+             f"{result['input_len']} prompt / {result['output_len']} output tokens"
+             + (f", after {result['warmup_requests']} warm-up requests (not counted)" if result.get("warmup_requests")
+                else "") + ". "
              f"Output throughput {s['output_tok_per_s'] or 0:.1f} tok/s; goodput "
              f"{s['goodput_req_per_s'] or 0:.2f} req/s within TTFT ≤ {s['slo_ttft_s'] * 1e3:g} ms and "
              f"TPOT ≤ {s['slo_tpot_s'] * 1e3:g} ms.")

@@ -30,6 +30,9 @@ class LaunchedServer:
     admin_key: str
     proc: subprocess.Popen
     output: list[str] = field(default_factory=list)
+    data_dir: Path | None = None
+    env_overrides: dict[str, str] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: start, adapter uploads
 
     def base_model(self) -> str:
         import httpx
@@ -53,7 +56,10 @@ class LaunchedServer:
             raise RuntimeError(f"uploading adapter {name} failed: HTTP {r.status_code} {r.text[:300]}")
         return r.json()["model"]
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self, timeout: float = 60.0) -> dict:
+        """SIGTERM (the server drains), SIGKILL after ``timeout``; returns how it ended."""
+        started = time.monotonic()
+        killed = False
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -61,6 +67,27 @@ class LaunchedServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+                killed = True
+        return {"pid": self.proc.pid, "exit_code": self.proc.returncode, "killed": killed,
+                "stop_s": time.monotonic() - started}
+
+    def embedded_state(self) -> dict:
+        """What the server left in its data dir: the embedded default keeps its database there as SQLite.
+        Read after ``stop``; ``database_url`` / ``redis_url`` say whether the server was given any (it was not)."""
+        import sqlite3
+
+        db = self.data_dir / "loraplex.db" if self.data_dir else None
+        state = {"data_dir": str(self.data_dir), "sqlite_file": str(db) if db and db.exists() else None,
+                 "database_url": self.env_overrides.get("LORAPLEX_DATABASE_URL"),
+                 "redis_url": self.env_overrides.get("LORAPLEX_REDIS_URL")}
+        if state["sqlite_file"]:
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+            try:
+                for name in ("tenants", "adapters", "usage_records"):
+                    state[f"num_{name}"] = con.execute(f"SELECT COUNT(*) FROM {name}").fetchone()[0]
+            finally:
+                con.close()
+        return state
 
 
 def launch_server(model_dir: Path, serve_args: list[str], ready_timeout: float = 900.0) -> LaunchedServer:
@@ -68,9 +95,11 @@ def launch_server(model_dir: Path, serve_args: list[str], ready_timeout: float =
     import httpx
 
     port = _free_port()
+    data_dir = Path(tempfile.mkdtemp(prefix="loraplex-bench-serve-"))
+    # only these LORAPLEX_ settings: no database or Redis URL, so the server runs the embedded default
+    overrides = {"LORAPLEX_DATA_DIR": str(data_dir), "LORAPLEX_HOST": "127.0.0.1", "LORAPLEX_PORT": str(port)}
     env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
-    env.update({"LORAPLEX_DATA_DIR": tempfile.mkdtemp(prefix="loraplex-bench-serve-"),
-                "LORAPLEX_HOST": "127.0.0.1", "LORAPLEX_PORT": str(port), "PYTHONUNBUFFERED": "1"})
+    env.update(overrides, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "serve", str(model_dir), *serve_args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     output: list[str] = []
@@ -89,7 +118,7 @@ def launch_server(model_dir: Path, serve_args: list[str], ready_timeout: float =
         key = key or next((m.group(1) for m in map(KEY_RE.search, list(output)) if m), None)
         try:
             if key and httpx.get(base + "/ready", timeout=2.0).status_code == 200:
-                return LaunchedServer(base, key, proc, output)
+                return LaunchedServer(base, key, proc, output, data_dir, overrides)
         except httpx.HTTPError:
             pass
         time.sleep(0.2)

@@ -41,13 +41,20 @@ class SectionClock:
         self.logger = logger
         self.prefix = prefix
         self.walls: dict[str, float] = {}
+        self.current: str | None = None  # the section running now
+        self.raised_in: str | None = None  # the innermost section an exception (or a stop) left
 
     @contextlib.contextmanager
     def __call__(self, name: str):
         start = time.perf_counter()
+        outer, self.current = self.current, name
         self.logger.info("%s: %s ...", self.prefix, name)
         try:
             yield
+        except BaseException:
+            self.raised_in = self.raised_in or name
+            raise
         finally:
+            self.current = outer
             self.walls[name] = self.walls.get(name, 0.0) + time.perf_counter() - start
             self.logger.info("%s: %s took %.1f s", self.prefix, name, self.walls[name])

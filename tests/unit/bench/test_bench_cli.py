@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from loraplex.cli import main
 
@@ -34,6 +35,13 @@ def test_bench_offline_smoke_with_peer(tmp_path):
     assert all(r["output_tokens"] == r["num_requests"] * 4 for r in rows.values())  # ignore_eos honoured
     assert rows["distinct"]["num_adapters"] == rows["distinct"]["num_requests"]
     assert rows["base"]["over_base"] == 1.0
+    # the HBM roofline of each run, from the steps the engine ran: adapters cost bytes, so ratios fall below 1
+    assert rows["base"]["roofline_over_base"] == 1.0 and rows["base"]["roofline"]["lora_bytes"] == 0
+    assert rows["base"]["roofline"]["mean_decode_adapters"] == 0
+    assert rows["identical"]["roofline"]["mean_decode_adapters"] == 1
+    assert rows["distinct"]["roofline"]["max_step_adapters"] <= 4  # --smoke: 4 GPU slots
+    assert 0 < rows["distinct"]["roofline_over_base"] < rows["identical"]["roofline_over_base"] < 1
+    assert "roofline ÷ base" in md and "Targets above the roofline here" in md
     steps = data["decode_step"]
     assert [s["num_adapters"] for s in steps] == [0, 3] and steps[1]["roofline"]["lora"] > 0
     assert data["peer"]["output_tokens"] == 2 * 4
@@ -41,15 +49,47 @@ def test_bench_offline_smoke_with_peer(tmp_path):
         assert title in md
 
 
-def test_bench_all_smoke_puts_every_target_in_one_report(tmp_path):
+def test_bench_all_smoke_puts_every_target_in_one_report_with_a_launched_server(tmp_path):
     out = tmp_path / "out"
     rc = main(["bench", "all", "--smoke", "--skip-lora-kernels", "--popularity", "base,distinct", "--peer", "none",
-               "--work-dir", str(tmp_path / "work"), "--out-dir", str(out)])
+               "--online-rate", "20", "--work-dir", str(tmp_path / "work"), "--out-dir", str(out)])
     assert rc == 0
     data, md = _report(out, "issue9")
-    assert set(data) >= {"attention", "offline", "command", "environment"}
+    assert set(data) >= {"attention", "offline", "online", "command", "environment", "section_wall_s"}
     targets = md.split("## Targets (issue 9)")[1].split("\n## ")[0]
     for name in ("decode step ÷ HBM floor (batch 3, context ~16)", "multi-LoRA ÷ base throughput, distinct",
                  "paged decode attention speed ÷ SDPA"):
         assert name in targets
+    assert "HBM roofline allows" in targets
     assert "HF + PEFT" not in targets  # the peer was switched off: no figure is invented for it
+    # online: every request streamed through a server the bench started with the embedded default and stopped
+    online = data["online"]
+    assert online["launched"] and online["summary"]["completed"] == 8 and online["summary"]["failed"] == 0
+    server = online["server"]
+    assert server["database_url"] is None and server["redis_url"] is None and server["sqlite_file"]
+    assert server["num_adapters"] == 2
+    assert server["num_usage_records"] == 8 + online["warmup_requests"] == 12  # one usage record per request
+    assert server["exit_code"] == 0 and not server["killed"]
+    assert not Path(f"/proc/{server['pid']}").exists() and not Path(server["data_dir"]).exists()
+    assert "## Online serving" in md and "embedded default" in md
+    walls = data["section_wall_s"]
+    assert {"attention", "online (launched loraplex serve)", "offline base", "offline distinct"} <= set(walls)
+    assert sum(walls.values()) <= data["total_wall_s"] and "## Wall time by part" in md
+
+
+def test_bench_step_profile_smoke(tmp_path):
+    out = tmp_path / "out"
+    rc = main(["bench", "step-profile", "--smoke", "--adapters", "0,64", "--work-dir", str(tmp_path / "work"),
+               "--out-dir", str(out), "--trace-dir", str(out)])
+    assert rc == 0
+    data, md = _report(out, "step-profile")
+    assert data["command"] == (f"loraplex bench step-profile --out-dir {out} --smoke --work-dir {tmp_path / 'work'} "
+                               f"--adapters 0,64 --trace-dir {out}")
+    base, lora = data["runs"]
+    assert (base["label"], lora["label"]) == ("base", "4 distinct rank-8 adapters")  # --smoke: batch 4
+    assert "LoRA slots" not in {p["phase"] for p in base["phases"]}
+    assert "LoRA slots" in {p["phase"] for p in lora["phases"]}
+    assert lora["roofline"]["lora"] > 0 == base["roofline"]["lora"]
+    assert all(Path(r["trace_file"]).stat().st_size > 0 for r in data["runs"])
+    for title in ("Host time per phase of a decode step", "GPU busy and idle inside a step", "Host operators: base"):
+        assert title in md

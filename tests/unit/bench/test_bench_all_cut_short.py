@@ -1,0 +1,43 @@
+"""``bench all`` stopped by SIGTERM (as ``timeout`` does before a hard time limit): it still writes the report of
+the parts that finished, says where it was cut, stops the server it launched, and exits 3."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_sigterm_during_the_online_part_writes_a_partial_report_and_stops_the_server(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loraplex.cli", "bench", "all", "--smoke", "--skip-lora-kernels", "--peer", "none",
+         "--popularity", "base", "--online-rate", "1", "--work-dir", str(tmp_path / "work"), "--out-dir", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, server_pid = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"online: loraplex serve ready in .* \(pid (\d+)", line)
+            if m:
+                server_pid = int(m.group(1))
+            if server_pid and "online: uploaded" in line:  # the requests go out at 1/s from here: ~8 s
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = "".join(lines) + rest
+    assert proc.returncode == 3, log[-3000:]
+    assert server_pid and not Path(f"/proc/{server_pid}").exists(), "the launched server outlived the bench"
+    (json_path,) = out.glob("issue9-*.json")
+    data = json.loads(json_path.read_text())
+    assert data["cut_short"]["part"] == "online (launched loraplex serve)"
+    assert data["attention"]["decode"] and "online" not in data and not data.get("offline")
+    assert set(data["section_wall_s"]) == {"attention", "model files", "online (launched loraplex serve)"}
+    md = next(out.glob("issue9-*.md")).read_text()
+    assert "## Cut short" in md and "## Paged attention" in md and "## Offline throughput" not in md
