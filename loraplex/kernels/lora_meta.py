@@ -10,10 +10,17 @@ Shape:
     chunk_slots       [max_chunks] int32   slot of each chunk, -1 = unused chunk (program exits)
     chunk_starts      [max_chunks] int32   first position of the chunk in ``sorted_token_ids``
     chunk_lens        [max_chunks] int32   tokens in the chunk (0 for unused chunks)
+    num_chunks        [1] int32            chunks in use; they are the first ``num_chunks`` entries
 
 ``max_chunks = cdiv(T, block_m) + min(T, num_slots)`` depends only on T and the pool size (every slot's
 run adds at most one partial chunk), so a CUDA graph captured for T replays correctly for any mix of
-adapters: grids are sized from this maximum, never from a count seen at capture time.
+adapters: grids are sized from this maximum, never from a count seen at capture time. The kernels read
+``num_chunks`` on the device to spread their fixed grid over the chunks actually in use (one adapter:
+a few chunks, each served by many programs; distinct adapters: one program row per chunk).
+
+Two builders with the same result: ``build_lora_meta_torch`` (device torch ops, ~30 small kernels on CUDA)
+and, on CUDA for decode-sized batches, one single-program Triton kernel (``_lora_meta_kernel``): inside a
+decode CUDA graph every launch costs a few microseconds, so one launch instead of ~30 per step.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 
 def max_chunks_for(num_tokens: int, num_slots: int, block_m: int) -> int:
@@ -36,6 +45,7 @@ class LoRAKernelMeta:
     chunk_lens: torch.Tensor  # [max_chunks] int32
     num_slots: int
     block_m: int
+    num_chunks: torch.Tensor | None = None  # [1] int32: chunks in use (the first ones); None = all may be
 
     @property
     def num_tokens(self) -> int:
@@ -46,10 +56,30 @@ class LoRAKernelMeta:
         return self.chunk_slots.shape[0]
 
 
-def build_lora_meta(token_slots: torch.Tensor, num_slots: int, block_m: int) -> LoRAKernelMeta:
-    """Group tokens by slot and cut each slot's run into chunks of ``block_m``. Device ops only."""
+# the single-program builder handles up to this many tokens / slots (decode buckets); larger steps (prefill)
+# use the torch ops, whose launch count is small next to their kernels
+META_KERNEL_MAX_TOKENS = 1024
+META_KERNEL_MAX_SLOTS = 1024
+
+
+def build_lora_meta(token_slots: torch.Tensor, num_slots: int, block_m: int,
+                    use_kernel: bool | None = None) -> LoRAKernelMeta:
+    """Group tokens by slot and cut each slot's run into chunks of ``block_m``. Device ops only.
+
+    ``use_kernel``: the single-launch Triton builder (default: on CUDA when the sizes allow it)."""
     assert token_slots.dim() == 1, "token_slots must be [T]"
     assert block_m >= 1 and num_slots >= 1
+    num_tokens = token_slots.shape[0]
+    fits = 0 < num_tokens <= META_KERNEL_MAX_TOKENS and num_slots <= META_KERNEL_MAX_SLOTS
+    if use_kernel is None:
+        use_kernel = token_slots.is_cuda and fits
+    if use_kernel and fits:
+        return _build_lora_meta_kernel(token_slots, num_slots, block_m)
+    return build_lora_meta_torch(token_slots, num_slots, block_m)
+
+
+def build_lora_meta_torch(token_slots: torch.Tensor, num_slots: int, block_m: int) -> LoRAKernelMeta:
+    """Reference builder in torch ops (also the path for large batches and the CPU twins)."""
     device = token_slots.device
     num_tokens = token_slots.shape[0]
     slots = token_slots.to(torch.int64)
@@ -80,4 +110,101 @@ def build_lora_meta(token_slots: torch.Tensor, num_slots: int, block_m: int) -> 
         chunk_lens=torch.where(valid, lens, zero).to(torch.int32),
         num_slots=num_slots,
         block_m=block_m,
+        num_chunks=chunk_end[-1:].to(torch.int32),
     )
+
+
+@triton.jit
+def _lora_meta_kernel(
+    slots_ptr, sorted_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr, seg_ptr,
+    T, NUM_SLOTS, MAX_CHUNKS,
+    BLOCK_M: tl.constexpr, TB: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, UB: tl.constexpr,
+):
+    """One program. key(t) = slot, or NUM_SLOTS for base tokens; position of t in the stable sort =
+    #(key < key(t)) + #(key == key(t) and index < t), counted by comparison over blocks of UB tokens.
+    Per slot: count, first sorted position, chunks (cumulative sums); per chunk: the slot whose chunk range
+    holds it (one-hot over slots). ``seg_ptr`` is an int32 scratch of 4 * SB (per-slot tables, re-read by
+    chunk blocks after a barrier)."""
+    offs_t = tl.arange(0, TB)
+    t_mask = offs_t < T
+    s_t = tl.load(slots_ptr + offs_t, mask=t_mask, other=-1)
+    key_t = tl.where(s_t < 0, NUM_SLOTS, s_t)
+    pos = tl.zeros((TB,), dtype=tl.int32)
+    offs_u = tl.arange(0, UB)
+    for u0 in range(0, TB, UB):
+        u = u0 + offs_u
+        s_u = tl.load(slots_ptr + u, mask=u < T, other=-1)
+        key_u = tl.where(s_u < 0, NUM_SLOTS, s_u)
+        before = (key_u[None, :] < key_t[:, None]) | ((key_u[None, :] == key_t[:, None]) & (u[None, :] < offs_t[:, None]))
+        before = before & (u < T)[None, :]
+        pos += tl.sum(before.to(tl.int32), axis=1)
+    tl.store(sorted_ptr + pos, offs_t, mask=t_mask)
+
+    # per slot: tokens, first sorted position, chunk range
+    offs_s = tl.arange(0, SB)
+    counts = tl.zeros((SB,), dtype=tl.int32)
+    for u0 in range(0, TB, UB):
+        u = u0 + offs_u
+        s_u = tl.load(slots_ptr + u, mask=u < T, other=-1)
+        hit = (s_u[None, :] == offs_s[:, None]) & (u < T)[None, :]
+        counts += tl.sum(hit.to(tl.int32), axis=1)
+    counts = tl.where(offs_s < NUM_SLOTS, counts, 0)
+    seg_start = tl.cumsum(counts, axis=0) - counts
+    n_chunks = (counts + BLOCK_M - 1) // BLOCK_M
+    chunk_end = tl.cumsum(n_chunks, axis=0)
+    chunk_begin = chunk_end - n_chunks
+    tl.store(num_chunks_ptr, tl.sum(n_chunks, axis=0))
+    # the chunk loop below needs these per slot in every lane: through memory (no register gather)
+    tl.store(seg_ptr + offs_s, chunk_begin)
+    tl.store(seg_ptr + SB + offs_s, chunk_end)
+    tl.store(seg_ptr + 2 * SB + offs_s, seg_start)
+    tl.store(seg_ptr + 3 * SB + offs_s, counts)
+    tl.debug_barrier()
+
+    offs_c = tl.arange(0, CB)
+    begin_s = tl.load(seg_ptr + offs_s)
+    end_s = tl.load(seg_ptr + SB + offs_s)
+    start_s = tl.load(seg_ptr + 2 * SB + offs_s)
+    count_s = tl.load(seg_ptr + 3 * SB + offs_s)
+    for c0 in range(0, MAX_CHUNKS, CB):
+        c = c0 + offs_c
+        inside = (begin_s[None, :] <= c[:, None]) & (c[:, None] < end_s[None, :])  # at most one slot per chunk
+        valid = tl.sum(inside.to(tl.int32), axis=1) > 0
+        slot = tl.sum(tl.where(inside, offs_s[None, :], 0), axis=1)
+        first = tl.sum(tl.where(inside, begin_s[None, :], 0), axis=1)
+        seg = tl.sum(tl.where(inside, start_s[None, :], 0), axis=1)
+        cnt = tl.sum(tl.where(inside, count_s[None, :], 0), axis=1)
+        local = (c - first) * BLOCK_M
+        c_mask = c < MAX_CHUNKS
+        tl.store(chunk_slots_ptr + c, tl.where(valid, slot, -1), mask=c_mask)
+        tl.store(chunk_starts_ptr + c, tl.where(valid, seg + local, 0), mask=c_mask)
+        tl.store(chunk_lens_ptr + c, tl.where(valid, tl.minimum(cnt - local, BLOCK_M), 0), mask=c_mask)
+
+
+def _build_lora_meta_kernel(token_slots: torch.Tensor, num_slots: int, block_m: int) -> LoRAKernelMeta:
+    device = token_slots.device
+    num_tokens = token_slots.shape[0]
+    slots = token_slots if token_slots.dtype == torch.int32 and token_slots.is_contiguous() else \
+        token_slots.to(torch.int32).contiguous()
+    max_chunks = max_chunks_for(num_tokens, num_slots, block_m)
+    sb = max(16, triton.next_power_of_2(num_slots))
+    # one allocation for every output (a single caching-allocator call; the kernel writes every entry)
+    buf = torch.empty(num_tokens + 3 * max_chunks + 1 + 4 * sb, dtype=torch.int32, device=device)
+    sorted_ids = buf[:num_tokens]
+    chunk_slots = buf[num_tokens:num_tokens + max_chunks]
+    chunk_starts = buf[num_tokens + max_chunks:num_tokens + 2 * max_chunks]
+    chunk_lens = buf[num_tokens + 2 * max_chunks:num_tokens + 3 * max_chunks]
+    num_chunks = buf[num_tokens + 3 * max_chunks:num_tokens + 3 * max_chunks + 1]
+    seg = buf[num_tokens + 3 * max_chunks + 1:]
+    tb = max(16, triton.next_power_of_2(num_tokens))
+    ub = max(1, min(tb, 4096 // tb, 8192 // sb))  # [TB, UB] and [SB, UB] compare tiles stay small
+    ub = max(16, ub)
+    cb = max(16, min(triton.next_power_of_2(max_chunks), 8192 // sb))
+    _lora_meta_kernel[(1,)](
+        slots, sorted_ids, chunk_slots, chunk_starts, chunk_lens, num_chunks, seg,
+        num_tokens, num_slots, max_chunks,
+        BLOCK_M=block_m, TB=tb, SB=sb, CB=cb, UB=ub, num_warps=4 if tb <= 256 else 8,
+    )
+    return LoRAKernelMeta(token_slots=slots, sorted_token_ids=sorted_ids, chunk_slots=chunk_slots,
+                          chunk_starts=chunk_starts, chunk_lens=chunk_lens, num_slots=num_slots, block_m=block_m,
+                          num_chunks=num_chunks)

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-import torch
+import importlib
+import os
 
-from loraplex.kernels.lora_meta import build_lora_meta, max_chunks_for
+os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest; kept here so this module runs alone
+
+import pytest
+import torch
+from triton.runtime.interpreter import InterpretedFunction
+
+from loraplex.kernels import lora_meta
+from loraplex.kernels.lora_meta import build_lora_meta, build_lora_meta_torch, max_chunks_for
+
+if not isinstance(lora_meta._lora_meta_kernel, InterpretedFunction):
+    importlib.reload(lora_meta)
+    from loraplex.kernels.lora_meta import build_lora_meta, build_lora_meta_torch  # noqa: F811
 
 
 def test_chunks_cover_each_slot_run_in_order():
@@ -32,3 +44,28 @@ def test_all_base_and_empty_batches():
     assert (meta.chunk_slots == -1).all() and meta.max_chunks == 1 + 4
     empty = build_lora_meta(torch.zeros(0, dtype=torch.int32), num_slots=4, block_m=16)
     assert empty.max_chunks == 0
+
+
+def test_num_chunks_counts_the_chunks_in_use():
+    slots = torch.tensor([2, -1, 0, 2, 2, 0, -1, 2, 2, 5], dtype=torch.int32)
+    meta = build_lora_meta(slots, num_slots=8, block_m=2)
+    assert int(meta.num_chunks) == int((meta.chunk_slots >= 0).sum()) == 5
+    assert (meta.chunk_slots[:5] >= 0).all() and (meta.chunk_slots[5:] == -1).all()  # in-use chunks first
+    assert int(build_lora_meta(torch.full((5,), -1, dtype=torch.int32), 4, 16).num_chunks) == 0
+
+
+@pytest.mark.parametrize("num_tokens, num_slots, block_m", [(1, 4, 16), (7, 8, 16), (64, 64, 16), (133, 8, 64),
+                                                            (300, 40, 16), (5, 1, 2)])
+def test_single_launch_builder_equals_torch_builder(num_tokens, num_slots, block_m):
+    """The one-program Triton builder (used on CUDA for decode steps) gives exactly the torch ops' metadata:
+    random mixes, one adapter, and all-base batches."""
+    gen = torch.Generator().manual_seed(num_tokens * 7 + num_slots)
+    cases = [torch.randint(-1, num_slots, (num_tokens,), generator=gen, dtype=torch.int32),
+             torch.full((num_tokens,), num_slots // 2, dtype=torch.int32),
+             torch.full((num_tokens,), -1, dtype=torch.int32)]
+    for slots in cases:
+        got = build_lora_meta(slots, num_slots, block_m, use_kernel=True)
+        want = build_lora_meta_torch(slots, num_slots, block_m)
+        for field in ("sorted_token_ids", "chunk_slots", "chunk_starts", "chunk_lens", "num_chunks"):
+            assert torch.equal(getattr(got, field).long(), getattr(want, field).long()), field
+        assert got.max_chunks == max_chunks_for(num_tokens, num_slots, block_m)
