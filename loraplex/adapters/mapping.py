@@ -46,6 +46,7 @@ class LoRAStep:
             from loraplex.kernels.lora_expand import slice_col_align
             from loraplex.kernels.lora_meta import build_lora_meta
             from loraplex.kernels.lora_ops import choose_config, lora_apply
+            from loraplex.kernels.lora_shrink import pdl_supported
 
             self._lora_apply = lora_apply
             self._col_align = {p: min(16, slice_col_align(pool.slice_loc_host[p])) if lora_ops.VECTORIZE_EXPAND
@@ -53,16 +54,21 @@ class LoRAStep:
 
             num_tokens = token_slots.shape[0]
             shapes = pool.shapes
+            pdl = pdl_supported(token_slots.device)
             self._configs = {p: choose_config(num_tokens, num_active, pool.max_loras, pool.max_rank,
-                                              shapes.proj_in(p), len(mods), max(shapes.slice_widths(p)))
+                                              shapes.proj_in(p), len(mods), max(shapes.slice_widths(p)), pdl=pdl)
                              for p, mods in PROJ_MODULES.items()}
+            self._widths = {p: max(shapes.slice_widths(p)) for p in PROJ_MODULES}
             block_m = self._configs["qkv"].block_m  # same regime for every proj (depends on T and adapters)
+            # one launch on CUDA for decode-sized steps (inside the decode CUDA graph: every launch counts)
             self._meta = build_lora_meta(token_slots, pool.max_loras, block_m)
-            max_split = max(max(c.split_k, c.fused_split_k) for c in self._configs.values())
-            self._scratch = torch.empty(max_split, 3, num_tokens, pool.max_rank, dtype=torch.float32,
+            parts = max(c.parts_max for c in self._configs.values())
+            self._scratch = torch.empty(parts, 3, num_tokens, pool.max_rank, dtype=torch.float32,
                                         device=token_slots.device)
-            # tickets of the fused decode kernel's last-arriver expand; every launch leaves them at 0
-            self._counters = torch.zeros(self._meta.max_chunks * 3, dtype=torch.int32, device=token_slots.device)
+            self._counters = None
+            if any(c.fused and c.fused_split_k > 1 for c in self._configs.values()):
+                # tickets of the fused decode kernel's last-arriver expand; every launch leaves them at 0
+                self._counters = torch.zeros(self._meta.max_chunks * 3, dtype=torch.int32, device=token_slots.device)
 
     @property
     def has_adapters(self) -> bool:
@@ -78,8 +84,8 @@ class LoRAStep:
         if x.stride(-1) != 1:
             x = x.contiguous()
         if self.use_triton:
-            width = max(self.pool.shapes.slice_widths(proj))
-            return self._lora_apply(x, out, a, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj], width,
+            return self._lora_apply(x, out, a, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj],
+                                    self._widths[proj],
                                     self._meta, self._configs[proj], self._scratch, self._counters,
                                     self._col_align[proj])
         from loraplex.kernels.lora_ref import lora_apply_ref

@@ -3,23 +3,30 @@
 Semantics (twin: ``lora_ref.lora_expand_ref``), for token t with slot l = token_slots[t] >= 0, slice s with
 r = rank[s, l] > 0, column n of slice s (slice_loc[s] <= n < slice_loc[s+1]):
 
-    y_t[j]    = sum_p y[p, s, t, j]                          (split-K partials of the shrink, j < r)
+    y_t[j]    = sum_{p < P} y[p, s, t, j]                    (split-K partials of the shrink, j < r)
     out[t, n] = cast(float32(out[t, n]) + scaling[l] * sum_{j<r} y_t[j] * B[l, j, n])
 
 Rows of slot -1 tokens and slices an adapter does not target are never written (bit-identical).
 
 Shape:
-    y          [SPLIT_K, S, T, R] float32      shrink partials
+    y          [SPLIT_K, S, T, R] float32      shrink partials (P of them valid: ``split_parts`` of the shrink)
     lora_b     [num_slots, R, N_total]         B transposed: rank rows packed first, columns contiguous
     ranks      [S, num_slots] int32
     scaling    [num_slots] float32
     slice_loc  [S + 1] int32                   column offsets, unequal widths allowed (GQA q|k|v)
     out        [T, N_total]                    base projection output, updated in place
 
-Grid: (n_splits, max_chunks, S); each program loops over whole BLOCK_N tiles of a 1/n_splits share of its
-slice's columns (y is loaded once, the B loads are pipelined); programs beyond their slice's width, of
-unused chunks or of rank-0 slices exit at once. Each chunk's tokens are distinct and slices own disjoint
-columns, so stores never race.
+Grid: (progs, S), ``progs`` fixed on the host. The programs of a slice are spread over the chunks in use
+(``meta.num_chunks`` = C, read on the device): each chunk gets progs // C programs, each adding a share
+(whole BLOCK_N tiles) of the slice's columns, so one adapter's few chunks are spread over as many programs
+as many adapters' many chunks (CUDA-graph safe: the grid never depends on the batch). Each program loads
+y once and loops over its tiles (B pipelined by the compiler, the next ``out`` tile loaded one trip ahead);
+programs beyond their slice's width, of unused chunks or of rank-0 slices exit at once. Each chunk's
+tokens are distinct and slices own disjoint columns, so stores never race.
+
+Programmatic dependent launch (``pdl``): the launch may start while the shrink runs; metadata, slot and
+rank are read first, then every program that reads y / out waits for the shrink (griddepcontrol.wait), and
+program 0 always waits, so this launch never completes before its predecessor.
 """
 
 from __future__ import annotations
@@ -29,24 +36,33 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels.lora_meta import LoRAKernelMeta
-from loraplex.kernels.lora_shrink import dot_precision
+from loraplex.kernels.lora_shrink import dot_precision, gdc_wait, num_chunks_of, split_parts
 
 
-@triton.jit(do_not_specialize=["n_splits"])
+@triton.jit(do_not_specialize=["shrink_progs"])
 def _lora_expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scaling_ptr, slice_loc_ptr,
-    sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr,
-    n_splits,
+    sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr,
+    progs, shrink_progs, k_tiles,
     stride_yp, stride_ys, stride_yt, stride_yr,
     stride_bl, stride_br, stride_bn,
     stride_ot, stride_on,
     stride_rs,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, COL_ALIGN: tl.constexpr = 1,
+    DOT_PRECISION: tl.constexpr, COL_ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    PREFETCH_OUT: tl.constexpr = True,
 ):
-    n_split = tl.program_id(0)
-    chunk = tl.program_id(1)
-    sl = tl.program_id(2)
+    pid = tl.program_id(0)
+    sl = tl.program_id(1)
+    if USE_PDL:
+        if (pid == 0) & (sl == 0):
+            gdc_wait()
+    num_chunks = tl.load(num_chunks_ptr)
+    per_chunk = progs // tl.maximum(num_chunks, 1)
+    chunk = pid // per_chunk
+    n_split = pid % per_chunk
+    if chunk >= num_chunks:
+        return
     slot = tl.load(chunk_slots_ptr + chunk)
     if slot < 0:
         return
@@ -61,13 +77,13 @@ def _lora_expand_kernel(
         # that every slice offset is a multiple of COL_ALIGN
         n_begin = tl.multiple_of(n_begin, COL_ALIGN)
         n_end = tl.multiple_of(n_end, COL_ALIGN)
-    # this program's columns: a 1/n_splits share of the slice, whole BLOCK_N tiles
-    share = (n_end - n_begin + n_splits - 1) // n_splits
-    per_split = (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    n_lo = n_begin + n_split * per_split
+    # this program's columns: a 1/per_chunk share of the slice, whole BLOCK_N tiles
+    share = (n_end - n_begin + per_chunk - 1) // per_chunk
+    share = (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    n_lo = n_begin + n_split * share
     if n_lo >= n_end:
         return
-    n_hi = tl.minimum(n_lo + per_split, n_end)
+    n_hi = tl.minimum(n_lo + share, n_end)
     start = tl.load(chunk_starts_ptr + chunk)
     length = tl.load(chunk_lens_ptr + chunk)
     offs_m = tl.arange(0, BLOCK_M)
@@ -75,24 +91,49 @@ def _lora_expand_kernel(
     tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
+    scale = tl.load(scaling_ptr + slot)
+    parts, _ = split_parts(shrink_progs, num_chunks, SPLIT_K, k_tiles)
     y_ptrs = y_ptr + sl * stride_ys + tok[:, None] * stride_yt + offs_r[None, :] * stride_yr
     y_mask = m_mask[:, None] & r_mask[None, :]
-    ys = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    for p in range(1, SPLIT_K):
-        ys += tl.load(y_ptrs + p * stride_yp, mask=y_mask, other=0.0)
-    scale = tl.load(scaling_ptr + slot)
     b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None].to(tl.int64) * stride_br
     o_rows = out_ptr + tok[:, None] * stride_ot
-    for n0 in range(n_lo, n_hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < n_hi
-        b = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn, mask=r_mask[:, None] & n_mask[None, :],
-                    other=0.0)
-        acc = tl.dot(ys.to(b.dtype), b, input_precision=DOT_PRECISION) * scale
-        o_ptrs = o_rows + offs_n[None, :].to(tl.int64) * stride_on
-        o_mask = m_mask[:, None] & n_mask[None, :]
-        base = tl.load(o_ptrs, mask=o_mask, other=0.0)
-        tl.store(o_ptrs, (base.to(tl.float32) + acc).to(base.dtype), mask=o_mask)
+    offs_bn = tl.arange(0, BLOCK_N)
+    if USE_PDL:
+        gdc_wait()  # y (the shrink) and out (the base projection) are written by earlier launches
+    ys = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    for p in tl.static_range(1, SPLIT_K):
+        # (a tensor compare: the interpreter rejects a mask broadcast from a scalar one)
+        p_mask = (offs_m * 0 + p) < parts
+        ys += tl.load(y_ptrs + p * stride_yp, mask=y_mask & p_mask[:, None], other=0.0)
+    ys = ys.to(b_ptr.dtype.element_ty)
+    if PREFETCH_OUT:
+        # out is read-modify-written per tile; its load is not pipelined by the compiler, so the next tile's
+        # load is issued one trip ahead (its latency overlaps this trip's B load, dot and store)
+        nxt = tl.load(o_rows + (n_lo + offs_bn)[None, :].to(tl.int64) * stride_on,
+                      mask=m_mask[:, None] & ((n_lo + offs_bn) < n_hi)[None, :], other=0.0)
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            offs_n = n0 + offs_bn
+            n_mask = offs_n < n_hi
+            base = nxt
+            offs_nx = offs_n + BLOCK_N
+            nxt = tl.load(o_rows + offs_nx[None, :].to(tl.int64) * stride_on,
+                          mask=m_mask[:, None] & (offs_nx < n_hi)[None, :], other=0.0)
+            b = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn, mask=r_mask[:, None] & n_mask[None, :],
+                        other=0.0)
+            acc = tl.dot(ys, b, input_precision=DOT_PRECISION) * scale
+            o_ptrs = o_rows + offs_n[None, :].to(tl.int64) * stride_on
+            tl.store(o_ptrs, (base.to(tl.float32) + acc).to(base.dtype), mask=m_mask[:, None] & n_mask[None, :])
+    else:
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            offs_n = n0 + offs_bn
+            n_mask = offs_n < n_hi
+            b = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn, mask=r_mask[:, None] & n_mask[None, :],
+                        other=0.0)
+            acc = tl.dot(ys, b, input_precision=DOT_PRECISION) * scale
+            o_ptrs = o_rows + offs_n[None, :].to(tl.int64) * stride_on
+            o_mask = m_mask[:, None] & n_mask[None, :]
+            base = tl.load(o_ptrs, mask=o_mask, other=0.0)
+            tl.store(o_ptrs, (base.to(tl.float32) + acc).to(base.dtype), mask=o_mask)
 
 
 def slice_col_align(slice_loc: list[int]) -> int:
@@ -114,10 +155,14 @@ def lora_expand(
     out: torch.Tensor,  # [T, N_total], updated in place
     *,
     block_n: int = 128,
-    n_splits: int | None = None,  # programs per (chunk, slice) along N; default: one BLOCK_N tile each
+    n_splits: int | None = None,  # programs per chunk and slice along N (distinct adapters); default one tile each
     num_warps: int = 4,
     num_stages: int = 3,
     col_align: int = 1,  # every slice_loc value is a multiple of this (slice_col_align): lets B / out vectorize
+    shrink_progs: int | None = None,  # the shrink's ``progs`` and K tiles: which partials of y are valid;
+    k_tiles: int | None = None,  # None: all y.shape[0] of them
+    pdl: bool = False,
+    prefetch_out: bool = True,
 ) -> torch.Tensor:
     split_k, num_slices, num_tokens, max_rank = y.shape
     num_slots, b_rank, n_total = lora_b.shape
@@ -130,21 +175,26 @@ def lora_expand(
     assert lora_b.stride(2) == 1, "lora_b must be contiguous along N"
     assert meta.num_tokens == num_tokens and meta.num_slots == num_slots
     assert col_align in (1, 2, 4, 8, 16) and col_align <= block_n, "col_align: a power of two <= 16 and <= block_n"
+    assert (shrink_progs is None) == (k_tiles is None), "shrink_progs and k_tiles come together"
     if num_tokens == 0 or meta.max_chunks == 0:
         return out
+    if shrink_progs is None:  # every partial valid: P = split_k for any chunk count
+        shrink_progs, k_tiles = split_k * meta.max_chunks, split_k
     block_r = max(16, triton.next_power_of_2(max_rank))
     max_tiles = triton.cdiv(max_slice_width, block_n)
     n_splits = max_tiles if n_splits is None else max(1, min(n_splits, max_tiles))
-    grid = (n_splits, meta.max_chunks, num_slices)
+    progs = n_splits * meta.max_chunks
+    grid = (progs, num_slices)
     _lora_expand_kernel[grid](
         y, lora_b, out, ranks, scaling, slice_loc,
-        meta.sorted_token_ids, meta.chunk_slots, meta.chunk_starts, meta.chunk_lens,
-        n_splits,
+        meta.sorted_token_ids, meta.chunk_slots, meta.chunk_starts, meta.chunk_lens, num_chunks_of(meta),
+        progs, shrink_progs, k_tiles,
         y.stride(0), y.stride(1), y.stride(2), y.stride(3),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         out.stride(0), out.stride(1),
         ranks.stride(0),
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_PRECISION=dot_precision(out.dtype), COL_ALIGN=col_align, num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(out.dtype), COL_ALIGN=col_align, USE_PDL=pdl, PREFETCH_OUT=prefetch_out,
+        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return out

@@ -5,6 +5,12 @@ rank tiles so small ranks waste nothing, and split-K over the long hidden dimens
 (chunk, slice) programs still fill the GPU. Prefill steps have long segments per adapter: chunks of 64
 tokens and a rank tile covering the whole rank so x is read once per chunk. The expand splits each slice's
 columns so that enough programs run, each looping over several N tiles.
+
+Grids are sized on the host for the worst case (every chunk in use: ``split_k`` shrink programs and
+``expand_splits`` expand programs per chunk); the kernels spread them over the chunks actually in use, read
+on the device. So a decode CUDA graph captured for distinct adapters serves one adapter's 64 tokens (4
+chunks) with the same number of programs: up to ``split_k_max`` K parts per chunk in the shrink, and
+columns split ~17x finer in the expand.
 """
 
 from __future__ import annotations
@@ -30,13 +36,16 @@ class LoRAKernelConfig:
     block_m: int
     block_r: int  # shrink rank tile
     block_k: int  # shrink K tile
-    split_k: int
+    split_k: int  # shrink programs per chunk when every chunk is in use (grid = split_k * max_chunks)
     block_n: int  # expand N tile
     shrink_warps: int = 4
     shrink_stages: int = 3
-    expand_splits: int | None = None  # expand programs per (chunk, slice) along N; None = one tile each
+    expand_splits: int | None = None  # expand programs per chunk when every chunk is in use; None = one per tile
     expand_warps: int = 4
     expand_stages: int = 3
+    split_k_max: int | None = None  # most K parts per chunk (fewer chunks in use: more parts); None = split_k
+    pdl: bool = False  # programmatic dependent launch (sm_90+): shrink and expand overlap their neighbours
+    prefetch_out: bool = True  # expand loads the next out tile one trip ahead
     # decode: one fused launch (lora_fused) instead of shrink + expand; fused_split_k > 1 uses the
     # last-arriver counter, else fused_n_splits programs per (chunk, slice) split the columns
     fused: bool = False
@@ -47,10 +56,23 @@ class LoRAKernelConfig:
     fused_warps: int = 4
     fused_stages: int = 3
 
+    @property
+    def parts_max(self) -> int:
+        """Rows of the fp32 shrink scratch this configuration writes."""
+        return max(self.split_k, self.split_k_max or 1, self.fused_split_k)
+
+
+# decode: up to this many K parts per chunk when few chunks are in use (one adapter's 64 tokens: 4 chunks)
+DECODE_SPLIT_K_MAX = 16
+
 
 def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_rank: int,
-                  k_dim: int, num_slices: int = 3, max_slice_width: int | None = None) -> LoRAKernelConfig:
-    """Pick tiles from host-known sizes only (token count, distinct adapters), never device values."""
+                  k_dim: int, num_slices: int = 3, max_slice_width: int | None = None,
+                  pdl: bool = False) -> LoRAKernelConfig:
+    """Pick tiles from host-known sizes only (token count, distinct adapters), never device values.
+
+    ``pdl``: the caller's device supports programmatic dependent launch (``lora_shrink.pdl_supported``) and
+    the policy wants it (``USE_PDL``)."""
     per_adapter = num_tokens / max(1, num_active_slots)
     rank_pow2 = max(16, triton.next_power_of_2(max_rank))
     decode = per_adapter <= 32
@@ -66,6 +88,10 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
     while (programs * split_k < TARGET_PROGRAMS and k_dim // (split_k * 2) >= MIN_K_PER_SPLIT
            and split_k < max_split):
         split_k *= 2
+    split_k_max = split_k
+    if decode:
+        # fewer chunks in use than planned (few adapters): each gets more K parts, down to one K tile each
+        split_k_max = max(split_k, min(DECODE_SPLIT_K_MAX, triton.next_power_of_2(triton.cdiv(k_dim, block_k))))
     block_n = 128
     expand_splits = None
     if max_slice_width is not None:
@@ -83,13 +109,20 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
     if FUSED_DECODE and decode and max_slice_width is not None:
         fused = fused_decode_policy(active_chunks, num_slices, max_rank, k_dim, max_slice_width)
     return LoRAKernelConfig(block_m=block_m, block_r=block_r, block_k=block_k, split_k=split_k, block_n=block_n,
-                            shrink_warps=shrink_warps, expand_splits=expand_splits, **fused)
+                            shrink_warps=shrink_warps, expand_splits=expand_splits, split_k_max=split_k_max,
+                            pdl=pdl and USE_PDL, **fused)
 
 
 # Slice offsets as a COL_ALIGN hint for the expand (16-byte, cp.async-pipelined B / out accesses instead of
 # 2-byte scalars in the sm_90 PTX). Added after the last H200 run of 2026-11-30: compile- and
 # interpreter-tested, not yet measured nor run on a GPU; False restores the previous (measured) expand.
 VECTORIZE_EXPAND = True
+
+# Programmatic dependent launch for the shrink and the expand where the device supports it (sm_90+): the
+# expand's programs are resident and past their metadata loads when the shrink ends, and the shrink starts as
+# the base projection's last blocks leave. Each kernel waits (griddepcontrol.wait) before reading what an
+# earlier launch wrote.
+USE_PDL = True
 
 # Off: on the H200 (docs/benchmarks/NOTES-lora.md) every fused configuration measured slower than the
 # two-launch path for every Llama-3-8B decode projection (rank 16: 25-100% slower per projection in a CUDA
@@ -129,7 +162,7 @@ def lora_apply(
     max_slice_width: int,
     meta: LoRAKernelMeta,
     cfg: LoRAKernelConfig,
-    scratch: torch.Tensor | None = None,  # [>=split_k, >=S, T, R] float32
+    scratch: torch.Tensor | None = None,  # [>=cfg.parts_max, >=S, T, R] float32
     counters: torch.Tensor | None = None,  # [>= max_chunks * S] int32 zeros (fused split-K only)
     col_align: int = 1,  # slice_col_align(slice offsets), known on the host: vectorized expand when > 1
 ) -> torch.Tensor:
@@ -140,8 +173,12 @@ def lora_apply(
                           split_k=cfg.fused_split_k, n_splits=cfg.fused_n_splits, block_k=cfg.fused_block_k,
                           block_n=cfg.fused_block_n, y=scratch, counters=counters, num_warps=cfg.fused_warps,
                           num_stages=cfg.fused_stages, col_align=col_align)
-    y = lora_shrink(x, lora_a, ranks, meta, split_k=cfg.split_k, block_r=cfg.block_r, block_k=cfg.block_k,
-                    y=scratch, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages)
+    parts = cfg.split_k_max or cfg.split_k
+    shrink_progs = cfg.split_k * meta.max_chunks
+    y = lora_shrink(x, lora_a, ranks, meta, split_k=parts, progs=shrink_progs, block_r=cfg.block_r,
+                    block_k=cfg.block_k, y=scratch, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages,
+                    pdl=cfg.pdl)
     return lora_expand(y, lora_b, ranks, scaling, slice_loc, max_slice_width, meta, out, block_n=cfg.block_n,
                        n_splits=cfg.expand_splits, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages,
-                       col_align=col_align)
+                       col_align=col_align, shrink_progs=shrink_progs, k_tiles=triton.cdiv(x.shape[1], cfg.block_k),
+                       pdl=cfg.pdl, prefetch_out=cfg.prefetch_out)

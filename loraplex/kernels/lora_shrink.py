@@ -1,12 +1,12 @@
 """LoRA shrink in Triton: y = x @ A for a batch whose tokens carry their own adapter slot.
 
 Semantics (twin: ``lora_ref.lora_shrink_ref``), for token t with slot l = token_slots[t] >= 0, slice s,
-r < rank[s, l], split p:
+r < rank[s, l], part p < P:
 
-    y[p, s, t, r] = sum_{k in split p} x[t, k] * A[l, s, r, k]      (float32 accumulate)
-    sum_p y[p, s, t, r] == lora_shrink_ref(...)[s, t, r]
+    y[p, s, t, r] = sum_{k in part p} x[t, k] * A[l, s, r, k]      (float32 accumulate)
+    sum_{p < P} y[p, s, t, r] == lora_shrink_ref(...)[s, t, r]
 
-Entries of y for slot -1 tokens or r >= rank are NOT written (the expand masks them by rank).
+Entries of y for slot -1 tokens, r >= rank or p >= P are NOT written (the expand masks them).
 
 Shape:
     x        [T, K]                  model dtype
@@ -14,10 +14,18 @@ Shape:
     ranks    [S, num_slots] int32
     y        [SPLIT_K, S, T, R] float32 scratch
 
-Grid: (SPLIT_K * cdiv(R, BLOCK_R), max_chunks, S). A program owns one chunk of <= BLOCK_M tokens of one
-slot, one rank tile and one K range; it exits at once when the chunk is unused, or its rank tile lies
-beyond the slot's real rank (so padding up to R is never read). Split-K partials are reduced by the
-expand kernel (two-pass, atomic-free: works under TRITON_INTERPRET=1 and needs no zeroing).
+Grid: (progs, cdiv(R, BLOCK_R), S), ``progs`` fixed on the host (from buffer maxima, CUDA-graph safe). The
+programs of a slice are spread over the chunks in use, read on the device (``meta.num_chunks`` = C):
+each chunk gets P = parts(progs, C) programs, each summing a 1/P share of the K tiles (split-K), so one
+adapter's few chunks are served by as many programs as many adapters' many chunks. ``parts`` (below) is
+the same function in the expand, which sums exactly those P partials (two-pass, atomic-free: works under
+TRITON_INTERPRET=1 and needs no zeroing). A program exits at once when its chunk is beyond C, or its
+rank tile lies beyond the slot's real rank (so padding up to R is never read).
+
+Programmatic dependent launch (``pdl``, sm_90+, CUDA only): the launch may start while the previous kernel
+(the base projection) finishes; every program that reads x waits for it first (griddepcontrol.wait), and
+program 0 always waits, so this launch never completes before its predecessor. Each program also lets the
+next launch (the expand) start once all of this grid has been scheduled.
 """
 
 from __future__ import annotations
@@ -28,24 +36,49 @@ import triton.language as tl
 
 from loraplex.kernels.lora_meta import LoRAKernelMeta
 
+try:  # grid dependency control (programmatic dependent launch); triton >= 3.4
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - older triton: pdl stays off
+    gdc_launch_dependents = gdc_wait = None
+
+PDL_AVAILABLE = gdc_wait is not None
+
+
+@triton.jit
+def split_parts(progs, num_chunks, SPLIT_K: tl.constexpr, k_tiles):
+    """(P, tiles per part): P parts per chunk (<= SPLIT_K, <= k_tiles, P * num_chunks <= progs), none empty."""
+    want = tl.minimum(tl.maximum(progs // tl.maximum(num_chunks, 1), 1), SPLIT_K)
+    want = tl.minimum(want, k_tiles)
+    per = (k_tiles + want - 1) // want
+    return (k_tiles + per - 1) // per, per
+
 
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, y_ptr, ranks_ptr,
-    sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr,
-    K, k_per_split,
+    sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr,
+    K, progs,
     stride_xt, stride_xk,
     stride_al, stride_as, stride_ar, stride_ak,
     stride_yp, stride_ys, stride_yt, stride_yr,
     stride_rs,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    pid0 = tl.program_id(0)
-    chunk = tl.program_id(1)
+    pid = tl.program_id(0)
+    r_tile = tl.program_id(1)
     sl = tl.program_id(2)
-    split = pid0 % SPLIT_K
-    r_tile = pid0 // SPLIT_K
+    if USE_PDL:
+        gdc_launch_dependents()
+        if (pid == 0) & (r_tile == 0) & (sl == 0):
+            gdc_wait()
+    num_chunks = tl.load(num_chunks_ptr)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    parts, tiles_per = split_parts(progs, num_chunks, SPLIT_K, k_tiles)
+    chunk = pid // parts
+    part = pid % parts
+    if chunk >= num_chunks:
+        return
     slot = tl.load(chunk_slots_ptr + chunk)
     if slot < 0:
         return
@@ -61,19 +94,22 @@ def _lora_shrink_kernel(
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     offs_k = tl.arange(0, BLOCK_K)
-    k_begin = split * k_per_split
-    x_ptrs = x_ptr + tok[:, None] * stride_xt + (k_begin + offs_k)[None, :].to(tl.int64) * stride_xk
+    k_lo = part * tiles_per * BLOCK_K
+    k_hi = tl.minimum(k_lo + tiles_per * BLOCK_K, K)
+    x_ptrs = x_ptr + tok[:, None] * stride_xt + (k_lo + offs_k)[None, :].to(tl.int64) * stride_xk
     a_base = a_ptr + slot.to(tl.int64) * stride_al + sl.to(tl.int64) * stride_as
-    a_ptrs = a_base + offs_r[None, :].to(tl.int64) * stride_ar + (k_begin + offs_k)[:, None].to(tl.int64) * stride_ak
+    a_ptrs = a_base + offs_r[None, :].to(tl.int64) * stride_ar + (k_lo + offs_k)[:, None].to(tl.int64) * stride_ak
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for kk in range(0, k_per_split, BLOCK_K):
-        k_mask = (k_begin + kk + offs_k) < K
+    if USE_PDL:
+        gdc_wait()  # x is written by a kernel before this launch's predecessor; A and the metadata are not
+    for kk in range(k_lo, k_hi, BLOCK_K):
+        k_mask = (kk + offs_k) < k_hi
         xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         at = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         a_ptrs += BLOCK_K * stride_ak
-    y_ptrs = (y_ptr + split * stride_yp + sl * stride_ys + tok[:, None] * stride_yt
+    y_ptrs = (y_ptr + part * stride_yp + sl * stride_ys + tok[:, None] * stride_yt
               + offs_r[None, :] * stride_yr)
     tl.store(y_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
 
@@ -83,19 +119,30 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper or newer, compiled kernels (never the interpreter)."""
+    import os
+
+    if not PDL_AVAILABLE or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
 def lora_shrink(
     x: torch.Tensor,  # [T, K]
     lora_a: torch.Tensor,  # [num_slots, S, R, K]
     ranks: torch.Tensor,  # [S, num_slots] int32
     meta: LoRAKernelMeta,
     *,
-    split_k: int = 1,
+    split_k: int = 1,  # most parts per chunk (y holds this many partials)
+    progs: int | None = None,  # programs per (rank tile, slice); default split_k * max_chunks
     block_r: int = 16,
     block_k: int = 128,
     y: torch.Tensor | None = None,  # [>=split_k, >=S, T, R] float32 scratch, reused across layers
     num_warps: int = 4,
     num_stages: int = 3,
-) -> torch.Tensor:  # [split_k, S, T, R] float32 partial sums
+    pdl: bool = False,
+) -> torch.Tensor:  # [split_k, S, T, R] float32 partial sums; the expand needs the same split_k and progs
     num_tokens, k_dim = x.shape
     num_slots, num_slices, max_rank, a_k = lora_a.shape
     assert a_k == k_dim, f"x has K={k_dim}, lora_a has K={a_k}"
@@ -110,17 +157,31 @@ def lora_shrink(
     assert y.shape[2:] == (num_tokens, max_rank) and y.dtype == torch.float32
     if num_tokens == 0 or meta.max_chunks == 0:
         return y
-    k_per_split = triton.cdiv(triton.cdiv(k_dim, split_k), block_k) * block_k
-    grid = (split_k * triton.cdiv(max_rank, block_r), meta.max_chunks, num_slices)
+    progs = split_k * meta.max_chunks if progs is None else progs
+    grid = (progs, triton.cdiv(max_rank, block_r), num_slices)
     _lora_shrink_kernel[grid](
         x, lora_a, y, ranks,
-        meta.sorted_token_ids, meta.chunk_slots, meta.chunk_starts, meta.chunk_lens,
-        k_dim, k_per_split,
+        meta.sorted_token_ids, meta.chunk_slots, meta.chunk_starts, meta.chunk_lens, num_chunks_of(meta),
+        k_dim, progs,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
         y.stride(0), y.stride(1), y.stride(2), y.stride(3),
         ranks.stride(0),
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return y
+
+
+def shrink_split(k_dim: int, meta: LoRAKernelMeta, split_k: int, block_k: int, progs: int | None = None) -> dict:
+    """What ``lora_expand`` needs to know of a ``lora_shrink`` call (which partials of y are valid)."""
+    return {"shrink_progs": split_k * meta.max_chunks if progs is None else progs,
+            "k_tiles": triton.cdiv(k_dim, block_k)}
+
+
+def num_chunks_of(meta: LoRAKernelMeta) -> torch.Tensor:
+    """meta.num_chunks, or (metadata built elsewhere) a device scalar saying every chunk may be in use."""
+    if meta.num_chunks is not None:
+        return meta.num_chunks
+    return torch.full((1,), meta.max_chunks, dtype=torch.int32, device=meta.chunk_slots.device)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 
 import pytest
 import torch
 
-from loraplex.kernels import lora_expand, lora_fused, lora_shrink
+from loraplex.kernels import lora_expand, lora_fused, lora_meta, lora_shrink
 from loraplex.kernels.lora_meta import build_lora_meta
 from loraplex.kernels.lora_ops import choose_config, lora_apply
 from loraplex.kernels.lora_ref import lora_apply_ref
@@ -26,13 +27,13 @@ def compiled_kernels():
 
     interpreted = isinstance(lora_shrink._lora_shrink_kernel, InterpretedFunction)
     if interpreted:
-        for module in (lora_shrink, lora_expand, lora_fused):
+        for module in (lora_meta, lora_shrink, lora_expand, lora_fused):
             importlib.reload(module)
     yield
     if saved is not None:
         os.environ["TRITON_INTERPRET"] = saved
     if interpreted:
-        for module in (lora_shrink, lora_expand, lora_fused):
+        for module in (lora_meta, lora_shrink, lora_expand, lora_fused):
             importlib.reload(module)
 
 
@@ -44,9 +45,12 @@ def _reference(batch):
 
 
 def _apply(batch, num_active):
+    """As LoRAStep launches: programmatic dependent launch where the GPU has it (sm_90+)."""
+    from loraplex.kernels.lora_shrink import pdl_supported
+
     k_dim = batch.x.shape[1]
     cfg = choose_config(batch.x.shape[0], num_active, batch.lora_a.shape[0], batch.lora_a.shape[2], k_dim,
-                        len(batch.slice_loc) - 1, batch.max_slice_width)
+                        len(batch.slice_loc) - 1, batch.max_slice_width, pdl=pdl_supported(batch.x.device))
     meta = build_lora_meta(batch.token_slots, batch.lora_a.shape[0], cfg.block_m)
     out = batch.out.clone()
     lora_apply(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
@@ -241,3 +245,119 @@ def test_expand_column_hint_bf16(widths, num_tokens, num_active):
     base = batch.token_slots < 0
     assert torch.equal(out[base], batch.out[base])
     torch.testing.assert_close(out.float(), _reference(batch).float(), **TOL[torch.bfloat16])
+
+
+# ---- metadata in one launch, grids spread over the chunks in use, programmatic dependent launch ----------
+
+
+@pytest.mark.parametrize("num_tokens, num_slots", [(1, 4), (64, 64), (64, 256), (256, 256), (1000, 1024), (133, 8)])
+def test_single_launch_metadata_equals_torch_ops(num_tokens, num_slots):
+    from loraplex.kernels.lora_meta import build_lora_meta_torch
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    for mix in ("distinct", "identical", "zipf", "uniform"):
+        slots = token_slots_for(mix, num_tokens, num_slots, gen).cuda()
+        for block_m in (16, 64):
+            got = build_lora_meta(slots, num_slots, block_m)
+            want = build_lora_meta_torch(slots, num_slots, block_m)
+            for field in ("sorted_token_ids", "chunk_slots", "chunk_starts", "chunk_lens", "num_chunks"):
+                assert torch.equal(getattr(got, field).long(), getattr(want, field).long()), (mix, block_m, field)
+
+
+def test_programmatic_dependent_launch_is_on_for_hopper():
+    from loraplex.kernels.lora_shrink import pdl_supported
+
+    want = torch.cuda.get_device_capability()[0] >= 9
+    assert pdl_supported(torch.device("cuda")) == want
+    assert choose_config(64, 64, 64, 16, 4096, 3, 4096, pdl=want).pdl == want
+
+
+@pytest.mark.parametrize("proj", ["qkv", "gate_up", "down"])
+@pytest.mark.parametrize("mix", ["identical", "eight", "skewed"])
+def test_decode_grid_for_distinct_serves_few_adapters_llama3_bf16(proj, mix):
+    """As the engine's decode CUDA graph: tiles planned for 64 distinct adapters (num_active = 64), run on one
+    adapter's 64 tokens, on 8 adapters' 8 tokens each, or a skewed mix: the shrink gives the few chunks more K
+    parts, the expand finer column shares; the result is the fp32 twin's."""
+    k_dim, widths = LLAMA3_GROUPS[proj]
+    gen = torch.Generator().manual_seed(len(proj) + len(mix))
+    if mix == "eight":
+        slots = (torch.randperm(64, generator=gen) % 8).to(torch.int32)
+    else:
+        slots = token_slots_for(mix, 64, 64, gen)
+    batch = make_lora_batch(64, k_dim, widths, num_slots=64, max_rank=16, dtype=torch.bfloat16, device="cuda",
+                            token_slots=slots, seed=3)
+    out = _apply(batch, num_active=64)
+    base = batch.token_slots < 0
+    assert torch.equal(out[base], batch.out[base])
+    torch.testing.assert_close(out.float(), _reference(batch).float(), **TOL[torch.bfloat16])
+
+
+def _chain(step, xs0, outs, bases):
+    """Layer i adds its delta into outs[i], reading outs[i - 1] as x: each shrink reads what the expand just
+    before it wrote (the dependency programmatic dependent launch must keep)."""
+    for out, base in zip(outs, bases):
+        out.copy_(base)
+    x = xs0
+    for layer, out in enumerate(outs):
+        step.add(layer, "o", x, out)
+        x = out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chained_launches_with_pdl_under_cuda_graph_replay(dtype):
+    """A chain of LoRA launches where every shrink reads the previous expand's output, captured in one CUDA graph
+    with programmatic dependent launch (as on the H200 by default) and replayed for other adapter mixes than at
+    capture: equal to the twin chain, and bit-identical to the same chain launched without PDL."""
+    from loraplex.adapters.mapping import LoRAStep
+    from loraplex.adapters.modules import BaseShapes
+    from loraplex.adapters.slot_pool import SlotPool
+
+    shapes = BaseShapes(num_layers=6, hidden_size=512, q_size=512, kv_size=128, intermediate_size=1024)
+    num_tokens, slots_n = 48, 16
+    pool = SlotPool(shapes, slots_n, 16, torch.device("cuda"), dtype)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for t in (*pool.a.values(), *pool.bt.values()):
+        t.normal_(0.0, 0.08, generator=gen)
+    pool.ranks.copy_(torch.randint(1, 17, pool.ranks.shape, generator=gen, device="cuda", dtype=torch.int32))
+    pool.scaling.copy_(torch.rand(slots_n, generator=gen, device="cuda") + 0.5)
+    slots_buf = torch.full((num_tokens,), -1, dtype=torch.int32, device="cuda")
+    x0 = torch.randn(num_tokens, 512, generator=gen, device="cuda").to(dtype)
+    bases = [torch.randn(num_tokens, 512, generator=gen, device="cuda").to(dtype) for _ in range(6)]
+    outs = [torch.empty_like(b) for b in bases]
+    cpu_gen = torch.Generator().manual_seed(1)
+
+    def graph_step():
+        step = LoRAStep(pool, slots_buf, min(num_tokens, slots_n), use_triton=True)  # as the engine captures
+        assert all(c.pdl for c in step._configs.values()) == (torch.cuda.get_device_capability()[0] >= 9)
+        _chain(step, x0, outs, bases)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph_step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graph_step()
+    for mix in ("identical", "distinct", "zipf", "skewed"):
+        slots_buf.copy_(token_slots_for(mix, num_tokens, slots_n, cpu_gen).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [o.clone() for o in outs]
+        # eager, programmatic dependent launch off: the same kernels in plain stream order
+        step = LoRAStep(pool, slots_buf, min(num_tokens, slots_n), use_triton=True)
+        step._configs = {p: dataclasses.replace(c, pdl=False) for p, c in step._configs.items()}
+        _chain(step, x0, outs, bases)
+        torch.cuda.synchronize()
+        for a, b in zip(got, outs):
+            assert torch.equal(a, b), mix
+        # the twin chain in fp32 from the same (rounded) inputs, cast like the kernels after each layer
+        twin = LoRAStep(pool, slots_buf, min(num_tokens, slots_n), use_triton=False)
+        x = x0
+        for layer, base in enumerate(bases):
+            a, bt, ranks = pool.layer_view("o", layer)
+            ref = lora_apply_ref(x.float(), base.float(), a.float(), bt.float(), twin.token_slots, ranks,
+                                 pool.scaling, pool.slice_loc_host["o"]).to(dtype)
+            tol = TOL[dtype] if dtype == torch.float32 else dict(rtol=3e-2, atol=5e-2)
+            torch.testing.assert_close(got[layer].float(), ref.float(), **tol)
+            x = got[layer]  # each layer checked from the kernels' own input

@@ -20,7 +20,8 @@ try:
 except ImportError:  # pragma: no cover - very old triton
     GPUTarget = ASTSource = None
 
-INT_PTRS = ("cnt_ptr", "ranks_ptr", "sorted_ids_ptr", "chunk_slots_ptr", "chunk_starts_ptr", "chunk_lens_ptr", "slice_loc_ptr")
+INT_PTRS = ("cnt_ptr", "ranks_ptr", "sorted_ids_ptr", "chunk_slots_ptr", "chunk_starts_ptr", "chunk_lens_ptr", "slice_loc_ptr",
+            "num_chunks_ptr", "slots_ptr", "sorted_ptr", "seg_ptr")
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -32,14 +33,14 @@ def compile_here(kernel: str, ptr_types: dict[str, str], constexprs: dict, runti
     constexprs = dict(constexprs)
     attrs = None
     if runtime_hints:
-        # what the JIT launcher knows at run time: unit inner strides, 16-divisible pointers and strides
+        # what the JIT launcher knows at run time: unit inner strides, 16-divisible pointers, strides and K
         constexprs.update({n: 1 for n in fn.arg_names if n in ("stride_xk", "stride_ak", "stride_bn", "stride_on",
                                                                 "stride_yr")})
     signature = {n: "constexpr" if n in constexprs else ptr_types.get(n, "*i32" if n in INT_PTRS else "i32")
                  for n in fn.arg_names}
     if runtime_hints:
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if n not in constexprs and (signature[n].startswith("*") or n.startswith("stride"))}
+                 if n not in constexprs and (signature[n].startswith("*") or n.startswith("stride") or n == "K")}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     return {"ptx": compiled.asm["ptx"], "cubin": bool(compiled.asm["cubin"]), "shared": compiled.metadata.shared}
@@ -66,14 +67,15 @@ def test_kernels_compile_for_sm90_in_bf16(regime):
     block_m, block_r, block_k, split_k = (16, 16, 128, 4) if regime == "decode" else (64, 64, 64, 1)
     shrink = _compile("lora_shrink._lora_shrink_kernel", {"x_ptr": "*bf16", "a_ptr": "*bf16", "y_ptr": "*fp32"},
                       dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-                           DOT_PRECISION="tf32"), num_warps=4, num_stages=3)
+                           DOT_PRECISION="tf32", USE_PDL=False), num_warps=4, num_stages=3)
     expand = _compile("lora_expand._lora_expand_kernel",
                       {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"},
-                      dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=128, BLOCK_R=64, DOT_PRECISION="tf32", COL_ALIGN=8),
-                      num_warps=4)
+                      dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=128, BLOCK_R=64, DOT_PRECISION="tf32", COL_ALIGN=8,
+                           USE_PDL=False, PREFETCH_OUT=True), num_warps=4)
     for compiled in (shrink, expand):
         assert compiled["cubin"] and "mma" in compiled["ptx"]  # tensor-core dots, not scalar loops
         assert compiled["shared"] <= 100 * 1024
+        assert "griddepcontrol" not in compiled["ptx"]  # programmatic dependent launch only when asked
 
 
 @pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
@@ -101,7 +103,38 @@ def test_expand_column_hint_gives_pipelined_16_byte_accesses():
         compiled = _compile("lora_expand._lora_expand_kernel",
                             {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"},
                             dict(SPLIT_K=8, BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="tf32",
-                                 COL_ALIGN=align), runtime_hints=True, num_warps=4, num_stages=3)
+                                 COL_ALIGN=align, USE_PDL=False, PREFETCH_OUT=False), runtime_hints=True, num_warps=4,
+                            num_stages=3)
         ptx[align] = compiled["ptx"]
     assert "cp.async" not in ptx[1] and "st.global.b16" in ptx[1]
     assert "cp.async" in ptx[8] and "st.global.v4" in ptx[8] and "st.global.b16" not in ptx[8]
+
+
+@pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, tests/gpu compiles and runs the kernels for real")
+def test_programmatic_dependent_launch_only_where_asked():
+    """USE_PDL puts griddepcontrol.wait in both kernels (before what earlier launches wrote) and
+    launch_dependents in the shrink (the expand may start while it runs); off, neither appears. The shrink's x
+    and A loads stay cp.async-pipelined either way (with the run-time hints: K divisible by 16)."""
+    shrink_types = {"x_ptr": "*bf16", "a_ptr": "*bf16", "y_ptr": "*fp32"}
+    expand_types = {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"}
+    for pdl in (True,):  # (off: test_kernels_compile_for_sm90_in_bf16)
+        shrink = _compile("lora_shrink._lora_shrink_kernel", shrink_types,
+                          dict(SPLIT_K=16, BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, DOT_PRECISION="tf32", USE_PDL=pdl),
+                          runtime_hints=True, num_warps=2, num_stages=3)["ptx"]
+        expand = _compile("lora_expand._lora_expand_kernel", expand_types,
+                          dict(SPLIT_K=16, BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="tf32", COL_ALIGN=16,
+                               USE_PDL=pdl, PREFETCH_OUT=True), runtime_hints=True, num_warps=4, num_stages=3)["ptx"]
+        assert ("griddepcontrol.wait" in shrink) == pdl and ("griddepcontrol.launch_dependents" in shrink) == pdl
+        assert ("griddepcontrol.wait" in expand) == pdl and "griddepcontrol.launch_dependents" not in expand
+        assert "cp.async" in shrink and "ld.global.b16" not in shrink
+        assert "cp.async" in expand and "st.global.v4" in expand and "st.global.b16" not in expand
+
+
+@pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, tests/gpu compiles and runs the kernels for real")
+@pytest.mark.parametrize("tb, sb, cb", [(1024, 1024, 16)])  # the largest tiles the builder uses
+def test_metadata_kernel_compiles_for_sm90(tb, sb, cb):
+    compiled = _compile("lora_meta._lora_meta_kernel", {}, dict(BLOCK_M=16, TB=tb, SB=sb, CB=cb, UB=16),
+                        num_warps=4 if tb <= 256 else 8)
+    assert compiled["cubin"] and compiled["shared"] <= 16 * 1024

@@ -33,7 +33,8 @@ def _run_both(batch, *, block_m=16, block_r=16, block_k=32, split_k=1, block_n=3
                                 block_k=block_k)
     out = batch.out.clone()
     lora_expand.lora_expand(y, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
-                            batch.max_slice_width, meta, out, block_n=block_n, n_splits=n_splits)
+                            batch.max_slice_width, meta, out, block_n=block_n, n_splits=n_splits,
+                            **lora_shrink.shrink_split(batch.x.shape[1], meta, split_k, block_k))
     ref = lora_apply_ref(batch.x, batch.out.clone(), batch.lora_a, batch.lora_b, batch.token_slots,
                          batch.ranks, batch.scaling, batch.slice_loc)
     return y, out, ref
@@ -129,10 +130,11 @@ def test_expand_with_column_alignment_hint(widths, align):
     assert lora_expand.slice_col_align(loc) == align
     batch = make_lora_batch(23, K_DIM, widths, max_rank=16, mix="zipf", seed=len(widths))
     meta = build_lora_meta(batch.token_slots, batch.lora_a.shape[0], 16)
-    y = lora_shrink.lora_shrink(batch.x, batch.lora_a, batch.ranks, meta, block_k=32)
+    y = lora_shrink.lora_shrink(batch.x, batch.lora_a, batch.ranks, meta, split_k=2, block_k=32)
     out = batch.out.clone()
     lora_expand.lora_expand(y, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc, batch.max_slice_width,
-                            meta, out, block_n=16, n_splits=2, col_align=align)
+                            meta, out, block_n=16, n_splits=2, col_align=align,
+                            **lora_shrink.shrink_split(batch.x.shape[1], meta, 2, 32))
     ref = lora_apply_ref(batch.x, batch.out.clone(), batch.lora_a, batch.lora_b, batch.token_slots,
                          batch.ranks, batch.scaling, batch.slice_loc)
     _check(batch, out, ref)
@@ -142,3 +144,37 @@ def test_slice_col_align_edges():
     assert lora_expand.slice_col_align([0, 4096, 5120, 6144]) == 16  # capped: 16 elements is enough
     assert lora_expand.slice_col_align([0, 7]) == 1
     assert lora_expand.slice_col_align([0, 12, 24]) == 4
+
+
+@pytest.mark.parametrize("mix", ["identical", "skewed", "distinct"])
+def test_grid_planned_for_every_chunk_serves_any_mix(mix):
+    """As in a decode CUDA graph: the grid is planned on the host for every token on its own adapter; the
+    kernels read how many chunks are in use and give each more K parts (up to split_k_max) and finer column
+    shares. One adapter's tokens (2 chunks) then run 7 K parts of 2 tiles each; the result is the twin's."""
+    from loraplex.kernels.lora_ops import LoRAKernelConfig
+    from loraplex.kernels.lora_shrink import lora_shrink as shrink
+
+    num_tokens, k_dim = 24, 200  # 13 K tiles of 16
+    batch = make_lora_batch(num_tokens, k_dim, QKV, num_slots=num_tokens, max_rank=16, mix=mix, seed=4)
+    batch.token_slots[:3] = num_tokens // 2  # some adapter tokens in every mix (identical: its own slot)
+    cfg = LoRAKernelConfig(block_m=16, block_r=16, block_k=16, split_k=2, split_k_max=8, block_n=16, expand_splits=2)
+    meta = build_lora_meta(batch.token_slots, num_tokens, cfg.block_m)
+    out = batch.out.clone()
+    lora_apply(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
+               batch.max_slice_width, meta, cfg)
+    ref = lora_apply_ref(batch.x, batch.out.clone(), batch.lora_a, batch.lora_b, batch.token_slots,
+                         batch.ranks, batch.scaling, batch.slice_loc)
+    _check(batch, out, ref)
+    # the shrink alone: the parts it writes for the chunks in use sum to the twin's y
+    y = torch.full((8, 3, num_tokens, 16), float("nan"))
+    shrink(batch.x, batch.lora_a, batch.ranks, meta, split_k=8, progs=2 * meta.max_chunks, block_k=16, y=y)
+    chunks = int(meta.num_chunks)
+    parts = min(2 * meta.max_chunks // chunks, 8, 13)
+    parts = -(-13 // -(-13 // parts))
+    if mix == "identical":
+        assert chunks <= 2 and parts == 7
+    y_ref = lora_shrink_ref(batch.x, batch.lora_a, batch.token_slots, batch.ranks)
+    rank_of = batch.ranks[:, batch.token_slots.clamp(min=0).long()]
+    valid = (torch.arange(16)[None, None, :] < rank_of[:, :, None]) & (batch.token_slots >= 0)[None, :, None]
+    torch.testing.assert_close(y[:parts].sum(0)[valid], y_ref[valid], **TOL[torch.float32])
+    assert y[parts:].isnan().all(), "no part beyond the chunk's count is written"
