@@ -76,13 +76,15 @@ def _timed_pair(b, cfg, device, reps: int, kernels=("shrink", "expand")) -> tupl
     """Median seconds of (shrink, expand) for one batch under one launch configuration (None: not timed)."""
     from loraplex.kernels.lora_expand import lora_expand, slice_col_align
     from loraplex.kernels.lora_meta import build_lora_meta
-    from loraplex.kernels.lora_shrink import lora_shrink
+    from loraplex.kernels.lora_shrink import lora_shrink, shrink_split
 
     meta = build_lora_meta(b.token_slots, b.lora_a.shape[0], cfg.block_m)
-    shrink_kw = dict(split_k=cfg.split_k, block_r=cfg.block_r, block_k=cfg.block_k, num_warps=cfg.shrink_warps,
-                     num_stages=cfg.shrink_stages)
+    parts, progs = cfg.split_k_max or cfg.split_k, cfg.split_k * meta.max_chunks  # as lora_ops.lora_apply
+    shrink_kw = dict(split_k=parts, progs=progs, block_r=cfg.block_r, block_k=cfg.block_k,
+                     num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages, pdl=cfg.pdl)
     y = lora_shrink(b.x, b.lora_a, b.ranks, meta, **shrink_kw)
     width = b.max_slice_width
+    split = shrink_split(b.x.shape[1], meta, parts, cfg.block_k, progs)
 
     def shrink():
         lora_shrink(b.x, b.lora_a, b.ranks, meta, y=y, **shrink_kw)
@@ -92,7 +94,7 @@ def _timed_pair(b, cfg, device, reps: int, kernels=("shrink", "expand")) -> tupl
     def expand():
         lora_expand(y, b.lora_b, b.ranks, b.scaling, b.slice_loc, width, meta, b.out, block_n=cfg.block_n,
                     n_splits=cfg.expand_splits, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages,
-                    col_align=align)
+                    col_align=align, pdl=cfg.pdl, prefetch_out=cfg.prefetch_out, **split)
 
     return tuple(_median_seconds(fn, device, reps) if name in kernels else None
                  for name, fn in (("shrink", shrink), ("expand", expand)))
@@ -243,55 +245,347 @@ def bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw: float, reps: i
     return rows
 
 
-def bench_decode_step(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: float, reps: int,
-                      policy: str = "default", configs: dict | None = None) -> dict:
-    """All LoRA work of one decode step through LoRAStep.add, one adapter per token, replayed as a CUDA graph.
+# the three decode workloads of the step figure: 64 tokens on 64 distinct adapters, on 8 (8 tokens each), on one
+STEP_MIXES = (("distinct", 64), ("8 adapters", 8), ("identical", 1))
 
-    policy: ``default`` (choose_config), ``two-launch`` (shrink + expand per projection, the pre-fusion
-    path) or ``swept`` (``configs``: the fastest fused configuration measured per projection).
-    """
+
+def _mix_slots(num_tokens: int, adapters: int, device) -> torch.Tensor:
+    """Slots 0..adapters-1, equal counts, in a seeded random order (a batch is not sorted by adapter)."""
+    gen = torch.Generator().manual_seed(adapters)
+    slots = torch.arange(num_tokens) % adapters
+    return slots[torch.randperm(num_tokens, generator=gen)].to(torch.int32).to(device)
+
+
+def _before_step_class(before_dir: str | None):
+    """LoRAStep of the previous kernels (a copy of their modules under ``before_dir``), for before/after figures
+    in one run; None when the copy is absent."""
+    if not before_dir or not Path(before_dir, "lora_before", "mapping.py").exists():
+        return None
+    sys.path.insert(0, str(Path(before_dir).resolve()))
+    return importlib.import_module("lora_before.mapping").LoRAStep
+
+
+def _config_summary(cfg) -> dict:
+    keys = ("split_k", "split_k_max", "block_k", "shrink_warps", "expand_splits", "block_n", "expand_warps", "pdl",
+            "prefetch_out")
+    return {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
+
+
+class _DecodeStepBench:
+    """All LoRA work of one decode step as the engine's decode CUDA graph runs it: a LoRAStep built from the
+    static slot buffer inside the graph (metadata on the device) for ``min(T, max_loras)`` adapters (tiles planned
+    for distinct adapters, whatever mix is replayed), then 32 layers x qkv, o, gate|up, down through
+    ``LoRAStep.add``. Every slot of the pool holds a distinct random adapter (distinct weights per layer)."""
+
+    def __init__(self, shapes, num_tokens: int, rank: int, device, dtype, num_slots: int | None = None):
+        from loraplex.adapters.modules import PROJ_MODULES
+        from loraplex.adapters.slot_pool import SlotPool
+
+        self.shapes, self.num_tokens, self.rank, self.device, self.dtype = shapes, num_tokens, rank, device, dtype
+        self.projs = tuple(PROJ_MODULES)
+        self.pool = SlotPool(shapes, num_slots or num_tokens, rank, device, dtype)
+        gen = torch.Generator(device=device).manual_seed(0)
+        for t in (*self.pool.a.values(), *self.pool.bt.values()):
+            t.normal_(0.0, 0.02, generator=gen)
+        self.pool.ranks.fill_(rank)
+        self.pool.scaling.fill_(2.0)
+        self.slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=device)  # the static buffer
+        self.xs = {p: torch.randn(num_tokens, shapes.proj_in(p), dtype=dtype, device=device) for p in self.projs}
+        self.outs = {p: torch.randn(num_tokens, sum(shapes.slice_widths(p)), dtype=dtype, device=device)
+                     for p in self.projs}
+        self.num_active = min(num_tokens, self.pool.max_loras)
+
+    def make_step(self, step_cls, overrides: dict | None = None, num_active: int | None = None):
+        step = step_cls(self.pool, self.slots, num_active or self.num_active, use_triton=True)
+        if overrides:
+            step._configs = {p: dataclasses.replace(c, **{**overrides.get("*", {}), **overrides.get(p, {})})
+                             for p, c in step._configs.items()}
+            need = max(c.parts_max for c in step._configs.values())
+            if need > step._scratch.shape[0]:
+                step._scratch = torch.empty(need, *step._scratch.shape[1:], dtype=torch.float32, device=self.device)
+        return step
+
+    def run(self, step, projs=None) -> None:
+        for layer in range(self.shapes.num_layers):
+            for p in projs or self.projs:
+                step.add(layer, p, self.xs[p], self.outs[p])
+
+    def bytes_needed(self, adapters: int, projs=None) -> tuple[int, int]:
+        """(adapter weight bytes, activation bytes) one step must move: A and B of the adapters in use at their
+        rank, x read and out read + written, every layer."""
+        elem = torch.finfo(self.dtype).bits // 8
+        weights = acts = 0
+        for p in projs or self.projs:
+            k, widths = self.shapes.proj_in(p), self.shapes.slice_widths(p)
+            weights += adapters * self.rank * (len(widths) * k + sum(widths)) * elem
+            acts += self.num_tokens * (k + 2 * sum(widths)) * elem
+        return weights * self.shapes.num_layers, acts * self.shapes.num_layers
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Eager:
+    """CPU stand-in for a captured graph (``--smoke``): replay runs the function."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+def _capture(fn, device):
+    if device.type != "cuda":
+        fn()
+        return _Eager(fn)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()  # compile and warm up outside the capture
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    return graph
+
+
+def _replay_seconds(graph, reps: int) -> float:
+    if isinstance(graph, _Eager):
+        times = []
+        for _ in range(max(1, reps // 20)):
+            start = time.perf_counter()
+            graph.replay()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+    times = []
+    for _ in range(reps):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _profile_kernels(graph) -> list[tuple[str, float, float]] | str:
+    """(name, start us, duration us) of every kernel of one replay, in order (torch profiler / CUPTI); a string
+    saying why when the profiler gives nothing."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        kernels = [(e.name, e.time_range.start, e.time_range.elapsed_us()) for e in prof.events()
+                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+        kernels.sort(key=lambda k: k[1])
+        return kernels or "the profiler recorded no kernel of the graph replay"
+    except Exception as exc:  # a profiler that cannot trace graph kernels here: report, don't fail the run
+        return f"profiler failed: {str(exc).splitlines()[0][:200]}"
+
+
+def _kernel_table(kernels, bench: _DecodeStepBench, adapters: int, copy_bw: float) -> tuple[dict, list[dict]]:
+    """Summary of one profiled replay and, per projection and LoRA kernel, the mean duration over the layers,
+    the mean gap before it (previous kernel's end to its start) and the % of copy bandwidth of its bytes."""
+    if isinstance(kernels, str):
+        return {"profile_error": kernels}, []
+    ends = [s + d for _, s, d in kernels]
+    summary = {"kernels": len(kernels), "busy_us": sum(d for _, _, d in kernels),
+               "span_us": ends[-1] - kernels[0][1],
+               "kernel_names": sorted({n for n, _, _ in kernels})}
+    lora = [i for i, (n, _, _) in enumerate(kernels) if "_lora_shrink" in n or "_lora_expand" in n]
+    summary["setup_kernels"] = lora[0] if lora else len(kernels)  # metadata etc. before the first LoRA kernel
+    summary["setup_us"] = (kernels[lora[0]][1] - kernels[0][1]) if lora else summary["span_us"]
+    per = {}
+    for j, i in enumerate(lora):
+        p = bench.projs[(j // 2) % len(bench.projs)]
+        kind = "shrink" if "_lora_shrink" in kernels[i][0] else "expand"
+        gap = kernels[i][1] - ends[i - 1] if i > 0 else 0.0
+        per.setdefault((p, kind), []).append((kernels[i][2], gap))
+    elem = torch.finfo(bench.dtype).bits // 8
+    rows = []
+    tokens = bench.num_tokens
+    for (p, kind), vals in per.items():
+        k, widths = bench.shapes.proj_in(p), bench.shapes.slice_widths(p)
+        if kind == "shrink":
+            nbytes = (adapters * len(widths) * bench.rank * k + tokens * k) * elem
+        else:
+            nbytes = (adapters * bench.rank * sum(widths) + 2 * tokens * sum(widths)) * elem
+        us = statistics.mean(v[0] for v in vals)
+        rows.append({"proj": p, "kernel": kind, "launches": len(vals), "us": us,
+                     "gap_us": statistics.mean(v[1] for v in vals), "bytes": nbytes,
+                     "pct_copy_bw": 100 * nbytes / (us * 1e-6) / copy_bw})
+    return summary, rows
+
+
+def bench_decode_steps(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: float, reps: int,
+                       policies: dict, before_dir: str | None = None, profile: bool = True,
+                       mixes=STEP_MIXES) -> dict:
+    """All LoRA work of one decode step, three workloads (``STEP_MIXES``), per policy.
+
+    policies: name -> config overrides for the current kernels ({} = defaults; {"*": {...}} for every
+    projection, or per projection), plus ``before`` (the previous kernels, when ``before_dir`` holds a copy).
+    Each policy's step is captured once, as the engine does, and replayed for each mix: ``time_ms`` (metadata
+    built inside the graph, as in the engine) and ``adds_ms`` (metadata built outside, only the 256 LoRA
+    launches: the method of the earlier 2.87 ms figure)."""
     from loraplex.adapters.mapping import LoRAStep
-    from loraplex.adapters.modules import PROJ_MODULES
-    from loraplex.adapters.slot_pool import SlotPool
 
-    pool = SlotPool(shapes, num_tokens, rank, device, dtype)
-    gen = torch.Generator(device=device).manual_seed(0)
-    for t in (*pool.a.values(), *pool.bt.values()):
-        t.normal_(0.0, 0.02, generator=gen)
-    pool.ranks.fill_(rank)
-    pool.scaling.fill_(2.0)
-    token_slots = torch.arange(num_tokens, dtype=torch.int32, device=device)
-    step = LoRAStep(pool, token_slots, num_tokens, use_triton=True)
-    if policy == "two-launch":
-        step._configs = {p: dataclasses.replace(c, fused=False) for p, c in step._configs.items()}
-    elif policy == "swept":
-        step._configs = {p: dataclasses.replace(step._configs[p], **_fused_summary(configs[p]), fused=True)
-                         if p in configs else step._configs[p] for p in step._configs}
-        need = max(c.fused_split_k for c in step._configs.values())
-        if need > step._scratch.shape[0]:
-            step._scratch = torch.empty(need, *step._scratch.shape[1:], dtype=torch.float32, device=device)
-    xs = {p: torch.randn(num_tokens, shapes.proj_in(p), dtype=dtype, device=device) for p in PROJ_MODULES}
-    outs = {p: torch.randn(num_tokens, sum(shapes.slice_widths(p)), dtype=dtype, device=device)
-            for p in PROJ_MODULES}
+    bench = _DecodeStepBench(shapes, num_tokens, rank, device, dtype)
+    before_cls = _before_step_class(before_dir)
+    rows, kernel_rows = [], []
+    for name, overrides in policies.items():
+        step_cls = before_cls if name == "before" else LoRAStep
+        if step_cls is None:
+            log.warning("no copy of the previous kernels under %s: policy %s skipped", before_dir, name)
+            continue
+        ov = None if name == "before" else overrides
+        bench.slots.copy_(_mix_slots(num_tokens, mixes[0][1], device))
+        try:
+            graph = _capture(lambda cls=step_cls, ov=ov: bench.run(bench.make_step(cls, ov)), device)
+        except Exception as exc:
+            log.warning("policy %s failed: %s", name, str(exc).splitlines()[0][:300])
+            _sync(device)
+            continue
+        configs = {p: _config_summary(c) for p, c in bench.make_step(step_cls, ov)._configs.items()}
+        for mix, adapters in mixes:
+            adapters = min(adapters, num_tokens, bench.pool.max_loras)
+            bench.slots.copy_(_mix_slots(num_tokens, adapters, device))
+            _sync(device)
+            seconds = _replay_seconds(graph, reps)
+            step = bench.make_step(step_cls, ov)  # metadata of this mix, outside the graph
+            adds = _capture(lambda step=step: bench.run(step), device)
+            adds_s = _replay_seconds(adds, reps)
+            del adds
+            weights, acts = bench.bytes_needed(adapters)
+            row = {"policy": name, "mix": mix, "adapters": adapters, "tokens": num_tokens, "rank": rank,
+                   "layers": shapes.num_layers, "time_ms": seconds * 1e3, "adds_ms": adds_s * 1e3,
+                   "lora_bytes": weights, "act_bytes": acts, "floor_ms": (weights + acts) / copy_bw * 1e3,
+                   "pct_copy_bw": 100 * (weights + acts) / seconds / copy_bw, "target_ms": STEP_TARGET_MS,
+                   "launches_planned": shapes.num_layers * 8, "configs": configs}
+            if profile:
+                summary, per_kernel = _kernel_table(_profile_kernels(graph), bench, adapters, copy_bw)
+                row.update(summary)
+                kernel_rows += [{"policy": name, "mix": mix, **r} for r in per_kernel]
+            rows.append(row)
+            log.info("STEP %s", {k: v for k, v in row.items() if k not in ("configs", "kernel_names")})
+        del graph
+    return {"tokens": num_tokens, "rank": rank, "layers": shapes.num_layers, "steps": rows, "kernels": kernel_rows}
 
-    def run_step():
-        for layer in range(shapes.num_layers):
-            for p in PROJ_MODULES:
-                step.add(layer, p, xs[p], outs[p])
 
-    elem = torch.finfo(dtype).bits // 8
-    lora_bytes = sum(t.numel() for t in (*pool.a.values(), *pool.bt.values())) * elem  # every slot is active
-    per_layer = sum(1 if c.fused else 2 for c in step._configs.values())
-    result = {"policy": policy, "configs": {p: _fused_summary(c) if c.fused else "two-launch"
-                                            for p, c in step._configs.items()},
-              "tokens": num_tokens, "adapters": num_tokens, "rank": rank, "layers": shapes.num_layers,
-              "launches": per_layer * shapes.num_layers, "lora_bytes": lora_bytes,
-              "floor_ms": lora_bytes / copy_bw * 1e3, "target_ms": STEP_TARGET_MS}
-    seconds = _graph_seconds(run_step, device, reps)  # one CUDA-graph replay on the GPU
-    result["cuda_graph"] = device.type == "cuda"
-    result.update(time_ms=seconds * 1e3, gb_s=lora_bytes / seconds / 1e9,
-                  pct_copy_bw=100 * lora_bytes / seconds / copy_bw)
-    return result
+# configuration changes tried per projection by --step-variants (relative to the default configuration);
+# "shrink" ones change only the shrink launch, "expand" ones only the expand
+STEP_VARIANTS = (
+    ("default", "both", {}),
+    ("no-pdl", "both", {"pdl": False}),
+    ("no-prefetch", "expand", {"prefetch_out": False}),
+    ("bn256", "expand", {"block_n": 256}),
+    ("bn256-w8", "expand", {"block_n": 256, "expand_warps": 8}),
+    ("en-x2", "expand", "expand_splits*2"),
+    ("en-/2", "expand", "expand_splits/2"),
+    ("sk-x2", "shrink", "split_k*2"),
+    ("sk-/2", "shrink", "split_k/2"),
+    ("bk256", "shrink", {"block_k": 256}),
+    ("sw4", "shrink", {"shrink_warps": 4}),
+    ("skmax8", "both", {"split_k_max": 8}),  # fewer K parts when few chunks are in use (fewer y partials to sum)
+)
+
+
+def _variant_overrides(change, cfg) -> dict:
+    if isinstance(change, dict):
+        return change
+    field, op = change[:-2], change[-2:]
+    value = getattr(cfg, field)
+    value = value * 2 if op == "*2" else max(1, value // 2)
+    if field == "split_k":
+        return {"split_k": min(value, cfg.split_k_max or value)}
+    return {field: value}
+
+
+def step_variants(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: float, reps: int,
+                  before_dir: str | None = None) -> dict:
+    """Per projection (its 32 layers in one CUDA graph, tiles planned as the engine does) and per workload, the
+    time of each ``STEP_VARIANTS`` change; per projection the best shrink change and the best expand change
+    (by the sum over the three workloads) are combined; then whole steps: before, default, the combination."""
+    from loraplex.adapters.mapping import LoRAStep
+
+    bench = _DecodeStepBench(shapes, num_tokens, rank, device, dtype)
+    before_cls = _before_step_class(before_dir)
+    groups, chosen = [], {}
+    for p in bench.projs:
+        base = bench.make_step(LoRAStep)._configs[p]
+        results = []  # (name, kind, overrides, {mix: us per layer})
+        cands = [(n, k, _variant_overrides(c, base)) for n, k, c in STEP_VARIANTS]
+        if before_cls is not None:
+            cands.insert(0, ("before", "both", None))
+        for name, kind, ov in cands:
+            times = {}
+            for mix, adapters in STEP_MIXES:
+                bench.slots.copy_(_mix_slots(num_tokens, adapters, device))
+                try:
+                    if name == "before":
+                        step = bench.make_step(before_cls)
+                    else:
+                        step = bench.make_step(LoRAStep, {p: ov})
+                    graph = _capture(lambda step=step, p=p: bench.run(step, (p,)), device)
+                    times[mix] = _replay_seconds(graph, reps) / shapes.num_layers * 1e6
+                    del graph
+                except Exception as exc:
+                    log.warning("%s %s %s failed: %s", p, name, mix, str(exc).splitlines()[0][:300])
+                    _sync(device)
+            if len(times) != len(STEP_MIXES):
+                continue
+            results.append((name, kind, ov, times))
+            weights, acts = bench.bytes_needed(min(STEP_MIXES[0][1], num_tokens), (p,))
+            groups.append({"proj": p, "variant": name, "overrides": ov, **{f"us_{m}": t for m, t in times.items()},
+                           "pct_copy_bw_distinct": 100 * (weights + acts) / shapes.num_layers
+                           / (times[STEP_MIXES[0][0]] * 1e-6) / copy_bw})
+            log.info("VARIANT %s", groups[-1])
+        score = {r[0]: sum(r[3].values()) for r in results}
+        new = [r for r in results if r[0] != "before"]
+        if not any(r[0] == "default" for r in new):
+            continue
+        best_shrink = min((r for r in new if r[1] == "shrink" or r[0] == "default"), key=lambda r: score[r[0]])
+        best_expand = min((r for r in new if r[1] == "expand" or r[0] == "default"), key=lambda r: score[r[0]])
+        combo = {**best_shrink[2], **best_expand[2]}
+        for name, kind, ov, _ in new:  # whole-launch changes (pdl off, fewer K parts) that beat the default
+            if kind == "both" and name != "default" and score[name] < score["default"]:
+                combo.update(ov)
+        chosen[p] = combo
+        log.info("CHOSEN %s %s (shrink %s, expand %s)", p, combo, best_shrink[0], best_expand[0])
+    policies = {"before": None, "default": {}, "no-pdl": {"*": {"pdl": False}}, "combo": chosen}
+    bench.pool = bench.xs = bench.outs = None  # the step bench below allocates its own
+    torch.cuda.empty_cache()
+    steps = bench_decode_steps(shapes, num_tokens, rank, device, dtype, copy_bw, reps, policies, before_dir)
+    return {"groups": groups, "chosen": chosen, **steps}
+
+
+def prefill_check(shapes, device, dtype, copy_bw: float, reps: int, before_dir: str | None,
+                  num_tokens: int = 8192, adapters: int = 8, rank: int = 16) -> list[dict]:
+    """Prefill regime (8,192 tokens on 8 adapters, equal runs): per projection, all layers in one CUDA graph, the
+    previous kernels against the current ones (metadata outside the graph)."""
+    from loraplex.adapters.mapping import LoRAStep
+
+    bench = _DecodeStepBench(shapes, num_tokens, rank, device, dtype, num_slots=adapters)
+    bench.slots.copy_(_mix_slots(num_tokens, adapters, device))
+    before_cls = _before_step_class(before_dir)
+    rows = []
+    for p in bench.projs:
+        weights, acts = bench.bytes_needed(adapters, (p,))
+        for name, cls in (("before", before_cls), ("default", LoRAStep)):
+            if cls is None:
+                continue
+            step = bench.make_step(cls, num_active=adapters)
+            graph = _capture(lambda step=step, p=p: bench.run(step, (p,)), device)
+            us = _replay_seconds(graph, reps) / shapes.num_layers * 1e6
+            del graph
+            rows.append({"proj": p, "policy": name, "tokens": num_tokens, "adapters": adapters, "rank": rank,
+                         "us_per_layer": us, "bytes_per_layer": (weights + acts) / shapes.num_layers,
+                         "pct_copy_bw": 100 * (weights + acts) / shapes.num_layers / (us * 1e-6) / copy_bw})
+            log.info("PREFILL %s", rows[-1])
+    return rows
 
 
 def _graph_seconds(fn, device, reps: int) -> float:
@@ -395,7 +689,7 @@ def step_sweep(shapes, num_tokens: int, ranks, device, dtype, copy_bw: float, re
                 except Exception as exc:  # a tile set over the shared-memory limit: skip it
                     log.warning("%s r%d %s %s failed: %s", p, rank, name, _fused_summary(cfg),
                                 str(exc).splitlines()[0][:160])
-                    torch.cuda.synchronize()
+                    _sync(device)
                     continue
                 row = {"rank": rank, "proj": p, "variant": name,
                        "config": _fused_summary(cfg) if cfg.fused else _two_launch_summary(cfg),
@@ -471,32 +765,82 @@ def _step_sweep_markdown(payload: dict) -> str:
     return "\n".join(lines)
 
 
+def _steps_markdown(steps: dict) -> list[str]:
+    """Whole-step rows (per policy and workload) and the per-kernel table of the profiled replays."""
+    lines = ["| policy | workload | adapters | time (ms) | LoRA launches only (ms) | kernels in the graph | "
+             "GPU busy (us) | LoRA weights (MB) | floor (ms) | % copy BW |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in steps["steps"]:
+        lines.append(f"| {r['policy']} | {r['mix']} | {r['adapters']} | {r['time_ms']:.3f} | {r['adds_ms']:.3f} | "
+                     f"{r.get('kernels', '—')} | {r['busy_us']:.0f} | " if "busy_us" in r else
+                     f"| {r['policy']} | {r['mix']} | {r['adapters']} | {r['time_ms']:.3f} | {r['adds_ms']:.3f} | — | — | ")
+        lines[-1] += f"{r['lora_bytes'] / 1e6:.0f} | {r['floor_ms']:.3f} | {r['pct_copy_bw']:.1f} |"
+    if steps.get("kernels"):
+        lines += ["", "Per kernel inside the graph (torch profiler over one replay; mean over the 32 layers; gap = "
+                  "previous kernel's end to this one's start; bytes = x or A, or B and out read + written, of the "
+                  "adapters in use):", "",
+                  "| policy | workload | proj | kernel | us | gap before (us) | MB | % copy BW |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in steps["kernels"]:
+            lines.append(f"| {r['policy']} | {r['mix']} | {r['proj']} | {r['kernel']} | {r['us']:.2f} | "
+                         f"{r['gap_us']:.2f} | {r['bytes'] / 1e6:.2f} | {r['pct_copy_bw']:.1f} |")
+    errors = {r.get("profile_error") for r in steps["steps"] if r.get("profile_error")}
+    lines += [f"Profiler: {e}" for e in sorted(errors)]
+    return lines
+
+
+STEPS_NOTE = ("Time (ms): median CUDA-graph replay of the whole step as the engine's decode graph runs it (LoRA "
+              "metadata built on the device inside the graph; tiles planned for min(T, slots) distinct adapters "
+              "whatever the workload). LoRA launches only: the same LoRA launches with the metadata built outside "
+              "the graph (the method of the earlier 2.87 ms figure). Floor: LoRA weights of the adapters in use plus "
+              "x and out (read + write) over the copy bandwidth. `before`: the previous kernels (a copy of their "
+              "modules, same run).")
+
+
 def _markdown(payload: dict) -> str:
-    env, step = payload["environment"], payload["decode_step"]
+    env = payload["environment"]
     lines = [f"# LoRA shrink/expand microbenchmark ({env['device_name']})", "", "Command:", "", "```",
              payload["command"], "```", "",
              f"Copy bandwidth (device-to-device, read + write): **{payload['copy_bandwidth_gb_s']:.0f} GB/s**. "
-             f"Bytes: what each kernel must move at the adapters' real rank (x or y, A or B, out read + write).",
-             "", "| regime | tokens | adapters | rank | proj | kernel | split-K | time (us) | MB | GB/s | % copy BW |"
-             " sweep best (us) | best % copy BW | best config |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"Bytes: what each kernel must move at the adapters' real rank (x or y, A or B, out read + write).", ""]
+    steps = payload.get("decode_steps")
+    if steps:
+        lines += ["## All LoRA work of one decode step", "",
+                  f"{steps['tokens']} tokens, rank {steps['rank']} on all 7 modules, {steps['layers']} layers, one "
+                  f"CUDA graph. {STEPS_NOTE}", ""] + _steps_markdown(steps) + [""]
+    lines += ["## Per kernel (do_bench: L2 flushed, host launch time partly inside the events)", "",
+              "| regime | tokens | adapters | rank | proj | kernel | split-K | time (us) | MB | GB/s | % copy BW |"
+              " sweep best (us) | best % copy BW | best config |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["kernels"]:
         best = ("| — | — | " + (json.dumps(r["config"]) if "config" in r else "—") + " |" if "best_time_us" not in r else
                 f"| {r['best_time_us']:.1f} | {r['best_pct_copy_bw']:.1f} | {json.dumps(r['best_config'])} |")
         lines.append(f"| {r['regime']} | {r['tokens']} | {r['adapters']} | {r['rank']} | {r['proj']} | "
                      f"{r['kernel']} | {r['split_k']} | {r['time_us']:.1f} | {r['bytes'] / 1e6:.2f} | "
                      f"{r['gb_s']:.0f} | {r['pct_copy_bw']:.1f} {best}")
-    lines += ["", "Fused rows (decode): one launch doing shrink + expand; `two_launch_us` = shrink + expand above; "
-              "config = split-K (last-arriver expand) or column splits.", "",
-              "## All LoRA work of one decode step", "",
-              f"{step['tokens']} tokens on {step['adapters']} distinct rank-{step['rank']} adapters, "
-              f"{step['layers']} layers x q|k|v, o, gate|up, down{', one CUDA graph' if step['cuda_graph'] else ''}:",
-              "", "| policy | launches | time (ms) | LoRA bytes (GB) | bandwidth floor (ms) | target (ms) | GB/s |"
-              " % copy BW | configs |", "|---|---|---|---|---|---|---|---|---|"]
-    for st in [step, *payload.get("decode_step_variants", [])]:
-        lines.append(f"| {st.get('policy', 'default')} | {st['launches']} | {st['time_ms']:.3f} | "
-                     f"{st['lora_bytes'] / 1e9:.2f} | {st['floor_ms']:.3f} | {st['target_ms']:.1f} | {st['gb_s']:.0f} | "
-                     f"{st['pct_copy_bw']:.1f} | {json.dumps(st.get('configs', ''))} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _variants_markdown(payload: dict) -> str:
+    sv = payload["step_variants"]
+    lines = [f"# LoRA decode step: launch variants per projection ({payload['environment']['device_name']})", "",
+             "Command:", "", "```", payload["command"], "```", "",
+             f"Copy bandwidth: **{payload['copy_bandwidth_gb_s']:.0f} GB/s**. {sv['tokens']} tokens, rank {sv['rank']}, "
+             f"{sv['layers']} layers; "
+             "every figure a CUDA-graph replay.", "", "## Whole step", "", STEPS_NOTE, ""]
+    lines += _steps_markdown(sv) + ["", "Per projection chosen (`combo`): " + json.dumps(sv["chosen"]), "",
+                                    "## Per projection (its 32 layers in one graph; us per layer)", "",
+                                    "| proj | variant | overrides | distinct | 8 adapters | identical | % copy BW (distinct) |",
+                                    "|---|---|---|---|---|---|---|"]
+    for r in sv["groups"]:
+        lines.append(f"| {r['proj']} | {r['variant']} | {json.dumps(r['overrides'])} | {r['us_distinct']:.2f} | "
+                     f"{r['us_8 adapters']:.2f} | {r['us_identical']:.2f} | {r['pct_copy_bw_distinct']:.1f} |")
+    if payload.get("prefill"):
+        lines += ["", "## Prefill (8,192 tokens on 8 adapters, rank 16; all layers of one projection in one graph)", "",
+                  "| proj | policy | us / layer | MB / layer | % copy BW |", "|---|---|---|---|---|"]
+        for r in payload["prefill"]:
+            lines.append(f"| {r['proj']} | {r['policy']} | {r['us_per_layer']:.1f} | {r['bytes_per_layer'] / 1e6:.1f} | "
+                         f"{r['pct_copy_bw']:.1f} |")
     lines.append("")
     return "\n".join(lines)
 
@@ -506,10 +850,10 @@ def _use_interpreter() -> None:
     os.environ["TRITON_INTERPRET"] = "1"
     from triton.runtime.interpreter import InterpretedFunction
 
-    from loraplex.kernels import lora_expand, lora_fused, lora_shrink
+    from loraplex.kernels import lora_expand, lora_fused, lora_meta, lora_shrink
 
     if not isinstance(lora_shrink._lora_shrink_kernel, InterpretedFunction):
-        for module in (lora_shrink, lora_expand, lora_fused):
+        for module in (lora_meta, lora_shrink, lora_expand, lora_fused):
             importlib.reload(module)
 
 
@@ -527,6 +871,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-prefill", action="store_true", help="decode shapes only")
     parser.add_argument("--step-sweep-mode", choices=("fused", "two-launch"), default="fused",
                         help="with --step-sweep: which configurations to try at rank 16 (rank 64 tries the 3 best)")
+    parser.add_argument("--step-variants", action="store_true",
+                        help="only: decode steps (three workloads) before / after, per-projection launch variants "
+                             "and their best combination, prefill before / after (CUDA graphs)")
+    parser.add_argument("--before-dir", default=".lora_before",
+                        help="folder holding lora_before/ (a copy of the previous kernel modules) for before/after")
+    parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile of the step graphs")
     parser.add_argument("--step-sweep", action="store_true",
                         help="only: per-projection and whole-step CUDA-graph timings of the two-launch path and fused "
                              "configurations (decode, 64 tokens on 64 adapters, ranks 16 and 64)")
@@ -564,31 +914,39 @@ def main(argv: list[str] | None = None) -> int:
         out.with_suffix(".md").write_text(_step_sweep_markdown(payload))
         log.info("wrote %s", out)
         return 0
+    import triton
+
+    env = {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+           "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype).replace("torch.", "")}
+    command = "python -m loraplex.bench.lora_kernels " + " ".join(shlex.quote(a) for a in
+                                                                (sys.argv[1:] if argv is None else argv))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.step_variants:
+        payload = {"command": command, "environment": env, "copy_bandwidth_gb_s": copy_bw / 1e9}
+        payload["step_variants"] = step_variants(shapes, step_tokens, 16, device, dtype, copy_bw, reps, args.before_dir)
+        out.write_text(json.dumps(payload, indent=2) + "\n")  # written twice: the prefill part may not finish
+        if not args.skip_prefill:
+            payload["prefill"] = prefill_check(shapes, device, dtype, copy_bw, max(5, reps // 5), args.before_dir,
+                                               num_tokens=regimes[1][1], adapters=regimes[1][2])
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+        out.with_suffix(".md").write_text(_variants_markdown(payload))
+        log.info("wrote %s", out)
+        return 0
+    policies = {"before": None, "default": {}, "no-pdl": {"*": {"pdl": False}}}
+    steps = bench_decode_steps(shapes, step_tokens, 16, device, dtype, copy_bw, reps, policies, args.before_dir,
+                               profile=not args.no_profile and device.type == "cuda",
+                               mixes=STEP_MIXES if not args.smoke else (("distinct", 8), ("identical", 1)))
+    default_distinct = next(r for r in steps["steps"] if r["policy"] == "default")
     if args.skip_prefill:
         regimes = [r for r in regimes if r[0] == "decode"]
     best_fused: dict = {}
     kernels = bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw, reps, args.sweep, args.sweep_two_launch,
                             best_fused)
-    step = bench_decode_step(shapes, step_tokens, 16, device, dtype, copy_bw, reps)
-    log.info("decode step: %s", step)
-    variants = [bench_decode_step(shapes, step_tokens, 16, device, dtype, copy_bw, reps, policy="two-launch")]
-    swept = {proj: c for (rank, proj), c in best_fused.items() if rank == 16}
-    if swept:
-        variants.append(bench_decode_step(shapes, step_tokens, 16, device, dtype, copy_bw, reps, policy="swept",
-                                          configs=swept))
-    for v in variants:
-        log.info("decode step (%s): %s", v["policy"], v)
-    import triton
-
-    env = {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
-           "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype).replace("torch.", "")}
-    payload = {"command": "python -m loraplex.bench.lora_kernels " + " ".join(shlex.quote(a) for a in
-                                                                            (sys.argv[1:] if argv is None else argv)),
-               "environment": env, "smoke": args.smoke, "shapes": dataclasses.asdict(shapes),
-               "copy_bandwidth_gb_s": copy_bw / 1e9, "kernels": kernels, "decode_step": step,
-               "decode_step_variants": variants}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"command": command, "environment": env, "smoke": args.smoke, "shapes": dataclasses.asdict(shapes),
+               "copy_bandwidth_gb_s": copy_bw / 1e9, "kernels": kernels, "decode_steps": steps,
+               # the distinct-adapter step of the default policy (the issue-9 target row)
+               "decode_step": {**default_distinct, "cuda_graph": device.type == "cuda"}}
     out.write_text(json.dumps(payload, indent=2) + "\n")
     out.with_suffix(".md").write_text(_markdown(payload))
     log.info("wrote %s and %s", out, out.with_suffix(".md"))
