@@ -1,6 +1,7 @@
-"""A/B of the engine's decode step on the Llama-3-8B-shaped random model: fused element-wise kernels on/off.
+"""A/B of the engine's decode step on the Llama-3-8B-shaped random model: fused element-wise kernels on/off,
+overlapped (async) scheduling on/off.
 
-For each variant (``LORAPLEX_FUSED_OPS`` = 1 / 0) a fresh engine times ``--steps`` whole engine steps
+For each variant (``F1A1`` = ``LORAPLEX_FUSED_OPS=1 LORAPLEX_ASYNC_SCHEDULING=1``, ...) a fresh engine times ``--steps`` whole engine steps
 with ``--batch`` sequences decoding at ``--context`` (base, then distinct rank-16 adapters), and a torch
 profiler run over a few base steps lists the GPU kernels (count and time per name). JSON to ``--out``.
 
@@ -58,7 +59,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--variants", default="1,0")
+    ap.add_argument("--variants", default="F1A1,F1A0,F0A0")
     args = ap.parse_args()
 
     from loraplex.bench.llama8b import RandomModelSpec, write_adapter_pool, write_random_model
@@ -76,22 +77,27 @@ def main() -> None:
     bw = measure_copy_bandwidth(dev)
     result = {"copy_bandwidth_Bps": bw, "batch": args.batch, "context": args.context, "variants": {}}
     for variant in args.variants.split(","):
-        os.environ["LORAPLEX_FUSED_OPS"] = variant
+        os.environ["LORAPLEX_FUSED_OPS"] = variant[1]
+        os.environ["LORAPLEX_ASYNC_SCHEDULING"] = variant[3]
         llm = make_llm(model_dir, "cuda", "bfloat16", 256, 16, max_num_seqs=256)
         out = {}
         for label, distinct in (("base", False), ("distinct", True)):
-            step = measure_decode_step(llm, args.batch, args.context, args.steps, shape.vocab_size, adapters,
-                                       distinct_adapters=distinct)
+            try:
+                step = measure_decode_step(llm, args.batch, args.context, args.steps, shape.vocab_size, adapters,
+                                           distinct_adapters=distinct)
+            except Exception as exc:  # noqa: BLE001 (report and go on to the next variant)
+                print(f"{variant} {label}: FAILED {exc!r}", flush=True)
+                continue
             ranks = [16] * args.batch if distinct else []
             floor = decode_step_bytes(shape, [round(step["mean_context"])] * args.batch, ranks).total / bw
             step["floor_s"], step["over_floor"] = floor, step["step_mean_s"] / floor
             out[label] = step
-            print(f"fused={variant} {label}: {step['step_mean_s'] * 1e3:.2f} ms (median "
+            print(f"{variant} {label}: {step['step_mean_s'] * 1e3:.2f} ms (median "
                   f"{step['step_median_s'] * 1e3:.2f}), floor {floor * 1e3:.2f} ms, x{step['over_floor']:.2f}",
                   flush=True)
         out["profile"] = profile_steps(llm, args.batch, args.context, shape.vocab_size, 8)
         prof = out["profile"]
-        print(f"fused={variant} profile: {prof['kernels_per_step']:.0f} kernels/step, GPU busy "
+        print(f"{variant} profile: {prof['kernels_per_step']:.0f} kernels/step, GPU busy "
               f"{prof['gpu_us_per_step'] / 1e3:.2f} ms/step, wall {prof['profiled_step_wall_ms']:.2f} ms", flush=True)
         for r in prof["top"][:25]:
             print(f"   {r['us_per_step']:9.1f} us  {r['calls_per_step']:6.1f}x  {r['kernel']}")

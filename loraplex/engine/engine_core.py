@@ -59,7 +59,7 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_cuda_graphs()  # CUDA only (and not with enforce_eager)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        self.scheduler = Scheduler(config, self.block_manager, adapters=self.runner.lora_manager)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self._pending: list[TokenDelta] = []  # deltas produced outside a step (errors, aborts)
