@@ -123,6 +123,7 @@ def _run_parts(args, device: torch.device, clock, result: dict, markdown: dict[s
         # before the offline engine exists, so the server process has the GPU to itself
         with clock("model files"):
             model_dir = prepare_model(args, device)
+        _release(device)  # the weights were drawn on the GPU: the server sizes its KV cache from free memory
         with clock("online (launched loraplex serve)"):
             result["online"] = collect_online(_online_args(args, str(model_dir)), device)
     result["offline"] = {}

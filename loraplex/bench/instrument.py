@@ -39,6 +39,7 @@ class StepRecord:
     num_tokens: int  # tokens computed this step (== num_seqs for a pure decode step)
     context_tokens: int  # sum over the sequences of their context after this step (KV read by attention)
     lora_ids: frozenset[int]  # distinct adapters in the step
+    num_sampled: int = 0  # sequences that sample a token this step (rows through the LM head)
 
     @property
     def is_decode(self) -> bool:
@@ -61,11 +62,12 @@ class ScheduleRecorder:
         def recorded_schedule():
             out = schedule()
             if out.scheduled:
-                computed = new = 0
+                computed = new = sampled = 0
                 for s in out.scheduled:
                     computed += s.request.num_computed_tokens
                     new += s.num_new_tokens
-                steps.append(StepRecord(len(out.scheduled), new, computed + new, frozenset(out.lora_ids)))
+                    sampled += s.num_samples > 0
+                steps.append(StepRecord(len(out.scheduled), new, computed + new, frozenset(out.lora_ids), sampled))
             return out
 
         return recorded_schedule

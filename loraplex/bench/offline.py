@@ -89,8 +89,9 @@ def run_popularities(
     floor: Callable[[list[StepRecord]], dict] | None = None,
 ) -> list[dict]:
     """Throughput of each popularity. With ``floor`` (steps -> ``roofline.workload_floor``), each run's steps are
-    recorded and its HBM floor is reported beside it, and ``roofline_over_base`` = base floor time ÷ this run's
-    floor time per output token: the ÷ base ratio that the HBM bandwidth allows for this workload."""
+    recorded and its floor is reported beside it, and ``roofline_over_base`` = base floor time ÷ this run's floor
+    time per output token: the ÷ base ratio with both runs at their floors (``hbm_roofline_over_base``: the same
+    from the HBM bytes alone)."""
     rows = []
     for pop in popularities:
         requests = make_requests(num_requests, input_len, output_len, pop, vocab_size, seed, len_dist)
@@ -99,6 +100,7 @@ def run_popularities(
         if floor:
             row["roofline"] = floor(steps)
             row["floor_s_per_output_token"] = row["roofline"]["floor_s"] / row["output_tokens"]
+            row["hbm_floor_s_per_output_token"] = row["roofline"]["hbm_floor_s"] / row["output_tokens"]
             row["wall_over_floor"] = row["elapsed_s"] / row["roofline"]["floor_s"]
         log.info("offline %s: %.1f output tok/s in %.1f s%s", pop, row["output_tok_per_s"], row["elapsed_s"],
                  f" (HBM floor {row['roofline']['floor_s']:.3g} s, {row['roofline']['mean_decode_adapters']:.1f} "
@@ -115,9 +117,11 @@ def add_over_base(rows: list[dict]) -> None:
     for r in rows:
         r["over_base"] = r["output_tok_per_s"] / base["output_tok_per_s"] if base else None
         if "floor_s_per_output_token" in r:
-            roof = (base["floor_s_per_output_token"] / r["floor_s_per_output_token"]
-                    if base and "floor_s_per_output_token" in base else None)
+            has = base is not None and "floor_s_per_output_token" in base
+            roof = base["floor_s_per_output_token"] / r["floor_s_per_output_token"] if has else None
             r["roofline_over_base"] = roof
+            r["hbm_roofline_over_base"] = (base["hbm_floor_s_per_output_token"] / r["hbm_floor_s_per_output_token"]
+                                           if has else None)
             r["over_base_of_roofline"] = r["over_base"] / roof if roof else None
 
 

@@ -69,6 +69,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
         ModelShape,
         decode_step_bytes,
         measure_copy_bandwidth,
+        measure_matmul_flops,
         roofline,
         workload_floor,
     )
@@ -87,8 +88,9 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
     dtype = getattr(torch, args.dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
+    matmul_flops = measure_matmul_flops(device)
     result.update({"environment": environment(device), "model_dir": str(model_dir), "model_shape": vars(shape),
-                   "copy_bandwidth_Bps": bandwidth, "section_wall_s": clock.walls,
+                   "copy_bandwidth_Bps": bandwidth, "matmul_flops_per_s": matmul_flops, "section_wall_s": clock.walls,
                    "settings": {k: v for k, v in vars(args).items()
                                 if k not in ("func", "bench_parser", "report_command")}})
 
@@ -125,7 +127,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
     rank_of = adapter_rank_of(adapter_dirs)
 
     def floor(steps):
-        return workload_floor(steps, shape, rank_of, elem, bandwidth)
+        return workload_floor(steps, shape, rank_of, elem, bandwidth, matmul_flops)
 
     rows = result["throughput"] = []
     for pop in args.popularity:

@@ -1,4 +1,5 @@
-"""The HBM roofline of a decode step: bytes it must read ÷ the device copy bandwidth measured in this run.
+"""The HBM roofline of a decode step: bytes it must read ÷ the device copy bandwidth measured in this run
+(and, for whole runs, the compute floor of prefill-heavy steps: ``workload_floor``).
 
 A decode step reads every base weight once (the embedding only for the batch's rows), the weights of each
 adapter that is active in the step (A and B of all targeted projections, at the adapter's real rank),
@@ -49,6 +50,10 @@ class ModelShape:
     def layer_params(self) -> int:
         return sum(a * b for a, b in self.proj_dims().values()) + 2 * self.hidden_size
 
+    def linear_params(self) -> int:
+        """Weights of every layer's projections (what each token multiplies), LM head excluded."""
+        return self.num_layers * sum(a * b for a, b in self.proj_dims().values())
+
     def lora_params_per_rank(self, targets: tuple[str, ...] = PROJECTIONS) -> int:
         """A and B elements of one adapter of rank 1 over all layers (81,920 per layer for Llama-3-8B)."""
         dims = self.proj_dims()
@@ -91,6 +96,23 @@ def decode_step_bytes(
     return step_bytes(shape, len(context_lens), sum(context_lens), adapter_ranks, elem_bytes, targets)
 
 
+def step_flops(shape: ModelShape, num_tokens: int, num_sampled: int) -> int:
+    """Multiply-adds ×2 that a step cannot avoid: every token through every projection, the sampled rows through
+    the LM head. Attention and LoRA FLOPs are left out (small at these lengths), so this is a lower bound too."""
+    return 2 * (shape.linear_params() * num_tokens + shape.vocab_size * shape.hidden_size * num_sampled)
+
+
+def measure_matmul_flops(device: torch.device, n: int | None = None, iters: int = 10) -> float:
+    """Dense matrix-product rate in FLOP/s on random data (bf16 n×n×n on a GPU, float32 on the CPU)."""
+    cuda = device.type == "cuda"
+    n = n or (8192 if cuda else 256)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    seconds = time_per_call(lambda: a @ b, device, iters=iters)
+    return 2 * n**3 / seconds
+
+
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     n = nbytes // 2
@@ -109,21 +131,36 @@ def roofline(step: StepBytes, bandwidth: float, measured_step_s: float | None = 
     return out
 
 
-def workload_floor(steps: list, shape: ModelShape, rank_of, elem_bytes: int, bandwidth: float) -> dict:
-    """The HBM floor of a whole run, step by step as the engine scheduled it.
+def workload_floor(steps: list, shape: ModelShape, rank_of, elem_bytes: int, bandwidth: float,
+                   flops_per_s: float | None = None) -> dict:
+    """The floor of a whole run, step by step as the engine scheduled it.
 
-    ``steps``: ``instrument.StepRecord``s (tokens, summed context, distinct adapter ids); ``rank_of(adapter_id)``
-    gives each adapter's real rank. Every step pays all base weights, the A/B of each of its distinct adapters and
-    the KV of its sequences' contexts."""
-    weights = lora = kv = 0
+    ``steps``: ``instrument.StepRecord``s (tokens, summed context, distinct adapter ids, sampled rows);
+    ``rank_of(adapter_id)`` gives each adapter's real rank. Every step reads all base weights, the A/B of each of
+    its distinct adapters and the KV of its sequences' contexts: ``hbm_floor_s`` = Σ bytes ÷ ``bandwidth``. With
+    ``flops_per_s`` a step also takes at least ``step_flops`` ÷ that rate (prefill is compute-bound), and
+    ``floor_s`` = Σ max(HBM time, compute time); without it ``floor_s`` is the HBM floor."""
+    weights = lora = kv = flops = 0
+    floor = hbm = 0.0
+    compute_bound = 0
     decode = [s for s in steps if s.is_decode]
     for s in steps:
         b = step_bytes(shape, s.num_tokens, s.context_tokens, [rank_of(a) for a in s.lora_ids], elem_bytes)
         weights, lora, kv = weights + b.weights, lora + b.lora, kv + b.kv
-    total = weights + lora + kv
+        step_hbm = b.total / bandwidth
+        hbm += step_hbm
+        if flops_per_s:
+            f = step_flops(shape, s.num_tokens, s.num_sampled)
+            flops += f
+            compute_bound += f / flops_per_s > step_hbm
+            floor += max(step_hbm, f / flops_per_s)
+        else:
+            floor += step_hbm
     return {
         "num_steps": len(steps), "num_decode_steps": len(decode), "weights_bytes": weights, "lora_bytes": lora,
-        "kv_bytes": kv, "total_bytes": total, "floor_s": total / bandwidth,
+        "kv_bytes": kv, "total_bytes": weights + lora + kv, "hbm_floor_s": hbm, "floor_s": floor,
+        "flops": flops if flops_per_s else None, "flops_per_s": flops_per_s,
+        "num_compute_bound_steps": compute_bound if flops_per_s else None,
         "mean_decode_batch": sum(s.num_seqs for s in decode) / len(decode) if decode else None,
         "mean_decode_adapters": sum(len(s.lora_ids) for s in decode) / len(decode) if decode else None,
         "max_step_adapters": max((len(s.lora_ids) for s in steps), default=0),

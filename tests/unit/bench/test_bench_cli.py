@@ -40,8 +40,21 @@ def test_bench_offline_smoke_with_peer(tmp_path):
     assert rows["base"]["roofline"]["mean_decode_adapters"] == 0
     assert rows["identical"]["roofline"]["mean_decode_adapters"] == 1
     assert rows["distinct"]["roofline"]["max_step_adapters"] <= 4  # --smoke: 4 GPU slots
-    assert 0 < rows["distinct"]["roofline_over_base"] < rows["identical"]["roofline_over_base"] < 1
-    assert "roofline ÷ base" in md and "Targets above the roofline here" in md
+    hbm = {p: r["hbm_roofline_over_base"] for p, r in rows.items()}
+    assert 0 < hbm["distinct"] < hbm["identical"] < hbm["base"] == 1
+    # same schedule as base (one adapter): the compute floor, the same for both, brings the ratio closer to 1
+    assert rows["identical"]["roofline"]["num_steps"] == rows["base"]["roofline"]["num_steps"]
+    assert hbm["identical"] <= rows["identical"]["roofline_over_base"] <= 1
+    assert all(r["roofline_over_base"] > 0 for r in rows.values())
+    assert data["matmul_flops_per_s"] > 0
+    assert "roofline ÷ base" in md
+    targets = {"identical": 0.97, "zipf": 0.93, "uniform": 0.90, "distinct": 0.80}
+    above = [p for p, t in targets.items() if rows[p]["roofline_over_base"] < t]
+    if above:  # the report names exactly the targets the hardware rules out for these runs
+        verdict = md.split("Targets above the roofline here: ")[1].split("\n")[0]
+        assert [p for p in targets if f"{p} (target" in verdict] == above
+    else:
+        assert "Every ÷ base target is within its roofline here" in md
     steps = data["decode_step"]
     assert [s["num_adapters"] for s in steps] == [0, 3] and steps[1]["roofline"]["lora"] > 0
     assert data["peer"]["output_tokens"] == 2 * 4
@@ -60,7 +73,7 @@ def test_bench_all_smoke_puts_every_target_in_one_report_with_a_launched_server(
     for name in ("decode step ÷ HBM floor (batch 3, context ~16)", "multi-LoRA ÷ base throughput, distinct",
                  "paged decode attention speed ÷ SDPA"):
         assert name in targets
-    assert "HBM roofline allows" in targets
+    assert "roofline ÷ base" in targets
     assert "HF + PEFT" not in targets  # the peer was switched off: no figure is invented for it
     # online: every request streamed through a server the bench started with the embedded default and stopped
     online = data["online"]

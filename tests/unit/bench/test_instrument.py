@@ -48,9 +48,10 @@ def test_schedule_recorder_sees_each_step_of_a_run(setup):
     assert _engine_methods_untouched(llm.engine)
     # the first step holds only prompts (nothing computed before it): context = tokens = 12 per sequence
     assert not steps[0].is_decode and steps[0].context_tokens == steps[0].num_tokens == 12 * steps[0].num_seqs
+    assert steps[0].num_sampled == steps[0].num_seqs  # whole prompts: each sequence samples its first token
     assert sum(s.num_tokens for s in steps) == 6 * 12 + 6 * 3  # each prompt once, then 3 decoded tokens each
     decode = [s for s in steps if s.is_decode]
-    assert decode and all(s.context_tokens >= 13 * s.num_seqs for s in decode)
+    assert decode and all(s.context_tokens >= 13 * s.num_seqs and s.num_sampled == s.num_seqs for s in decode)
     assert all(len(s.lora_ids) <= 4 for s in steps)  # max_loras
     assert {a for s in steps for a in s.lora_ids} == {r.adapter + 1 for r in requests}
 

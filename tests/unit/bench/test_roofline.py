@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 
 from loraplex.bench.llama8b import RandomModelSpec, hf_config
-from loraplex.bench.roofline import ModelShape, decode_step_bytes, roofline, step_bytes, workload_floor
+from loraplex.bench.roofline import (
+    ModelShape,
+    decode_step_bytes,
+    roofline,
+    step_bytes,
+    step_flops,
+    workload_floor,
+)
 
 SHAPE = ModelShape.from_hf(hf_config(RandomModelSpec()))
 
@@ -60,3 +67,21 @@ def test_step_bytes_of_a_prefill_step():
     step = step_bytes(SHAPE, num_tokens=2048, context_tokens=4096, adapter_ranks=[16])
     assert step.kv == 4096 * SHAPE.kv_bytes_per_token(2)
     assert step.weights - decode_step_bytes(SHAPE, [1], []).weights == 2047 * SHAPE.hidden_size * 2  # embedding rows
+
+
+def test_a_prefill_step_is_compute_bound_and_a_decode_step_memory_bound():
+    from loraplex.bench.instrument import StepRecord
+
+    assert SHAPE.linear_params() == pytest.approx(6.98e9, rel=0.01)  # Llama-3-8B without embedding and LM head
+    prefill = StepRecord(8, 8 * 1024, 8 * 1024, frozenset(), num_sampled=8)
+    decode = StepRecord(64, 64, 64 * 1024, frozenset(range(1, 65)), num_sampled=64)
+    flops_rate, bw = 7.9e14, 4.24e12
+    only_hbm = workload_floor([prefill, decode], SHAPE, lambda a: 16, 2, bw)
+    both = workload_floor([prefill, decode], SHAPE, lambda a: 16, 2, bw, flops_per_s=flops_rate)
+    prefill_compute = step_flops(SHAPE, 8192, 8) / flops_rate  # ~0.145 s: 8,192 tokens through 7 B weights
+    decode_hbm = step_bytes(SHAPE, 64, 64 * 1024, [16] * 64).total / bw  # ~6.9 ms
+    assert prefill_compute > step_bytes(SHAPE, 8192, 8192, []).total / bw
+    assert step_flops(SHAPE, 64, 64) / flops_rate < decode_hbm
+    assert both["floor_s"] == pytest.approx(prefill_compute + decode_hbm)
+    assert both["num_compute_bound_steps"] == 1 and both["hbm_floor_s"] == only_hbm["floor_s"]
+    assert only_hbm["flops"] is None and both["flops"] == step_flops(SHAPE, 8192, 8) + step_flops(SHAPE, 64, 64)
