@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.adapters.modules import PROJ_MODULES
+from loraplex.adapters.modules import MODULE_INDEX, PROJ_MODULES
 from loraplex.adapters.slot_pool import SlotPool
 
 
@@ -41,6 +41,7 @@ class LoRAStep:
         self._scratch = None
         self._counters = None
         self._configs: dict[str, object] = {}
+        self._chunk_ranks = None
         if use_triton and num_active:
             from loraplex.kernels import lora_ops
             from loraplex.kernels.lora_expand import slice_col_align
@@ -65,6 +66,11 @@ class LoRAStep:
             parts = max(c.parts_max for c in self._configs.values())
             self._scratch = torch.empty(parts, 3, num_tokens, pool.max_rank, dtype=torch.float32,
                                         device=token_slots.device)
+            # rank of each chunk's slot, every layer and module ([L, 7, max_chunks]; 2 launches per step): a
+            # kernel then reads slot, rank and tokens of its chunk in one round trip
+            if any(c.chunk_tables for c in self._configs.values()):
+                self._chunk_ranks = pool.ranks.index_select(2, self._meta.chunk_slots.clamp(min=0))
+            self._module_range = {p: (MODULE_INDEX[m[0]], MODULE_INDEX[m[0]] + len(m)) for p, m in PROJ_MODULES.items()}
             self._counters = None
             if any(c.fused and c.fused_split_k > 1 for c in self._configs.values()):
                 # tickets of the fused decode kernel's last-arriver expand; every launch leaves them at 0
@@ -84,10 +90,13 @@ class LoRAStep:
         if x.stride(-1) != 1:
             x = x.contiguous()
         if self.use_triton:
+            chunk_ranks = None
+            if self._chunk_ranks is not None:
+                lo, hi = self._module_range[proj]
+                chunk_ranks = self._chunk_ranks[layer_idx, lo:hi]
             return self._lora_apply(x, out, a, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj],
-                                    self._widths[proj],
-                                    self._meta, self._configs[proj], self._scratch, self._counters,
-                                    self._col_align[proj])
+                                    self._widths[proj], self._meta, self._configs[proj], self._scratch,
+                                    self._counters, self._col_align[proj], chunk_ranks)
         from loraplex.kernels.lora_ref import lora_apply_ref
 
         return lora_apply_ref(x, out, a, bt, self.token_slots, ranks, self.pool.scaling,

@@ -22,7 +22,8 @@ Grid: (progs, S), ``progs`` fixed on the host. The programs of a slice are sprea
 as many adapters' many chunks (CUDA-graph safe: the grid never depends on the batch). Each program loads
 y once and loops over its tiles (B pipelined by the compiler, the next ``out`` tile loaded one trip ahead);
 programs beyond their slice's width, of unused chunks or of rank-0 slices exit at once. Each chunk's
-tokens are distinct and slices own disjoint columns, so stores never race.
+tokens are distinct and slices own disjoint columns, so stores never race. With ``chunk_ranks`` (and
+``meta.chunk_tokens``) slot, rank and tokens are read by chunk in one round trip (as in the shrink).
 
 Programmatic dependent launch (``pdl``): the launch may start while the shrink runs; metadata, slot and
 rank are read first, then every program that reads y / out waits for the shrink (griddepcontrol.wait), and
@@ -36,21 +37,22 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels.lora_meta import LoRAKernelMeta
-from loraplex.kernels.lora_shrink import dot_precision, gdc_wait, num_chunks_of, split_parts
+from loraplex.kernels.lora_shrink import chunk_tables, dot_precision, gdc_wait, num_chunks_of, split_parts
 
 
 @triton.jit(do_not_specialize=["shrink_progs"])
 def _lora_expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scaling_ptr, slice_loc_ptr,
     sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr,
+    chunk_tokens_ptr, chunk_ranks_ptr,
     progs, shrink_progs, k_tiles,
     stride_yp, stride_ys, stride_yt, stride_yr,
     stride_bl, stride_br, stride_bn,
     stride_ot, stride_on,
-    stride_rs,
+    stride_rs, stride_crs,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr, COL_ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
-    PREFETCH_OUT: tl.constexpr = True,
+    PREFETCH_OUT: tl.constexpr = True, CHUNK_TABLES: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     sl = tl.program_id(1)
@@ -63,10 +65,18 @@ def _lora_expand_kernel(
     n_split = pid % per_chunk
     if chunk >= num_chunks:
         return
-    slot = tl.load(chunk_slots_ptr + chunk)
+    offs_m = tl.arange(0, BLOCK_M)
+    if CHUNK_TABLES:
+        # slot, rank and tokens all indexed by the chunk: one round trip, not three in a row
+        slot = tl.load(chunk_slots_ptr + chunk)
+        rank = tl.load(chunk_ranks_ptr + sl * stride_crs + chunk)
+        tok = tl.load(chunk_tokens_ptr + chunk * BLOCK_M + offs_m)
+    else:
+        slot = tl.load(chunk_slots_ptr + chunk)
+        rank = tl.load(ranks_ptr + sl * stride_rs + tl.maximum(slot, 0))
+        tok = tl.zeros((BLOCK_M,), dtype=tl.int32)
     if slot < 0:
         return
-    rank = tl.load(ranks_ptr + sl * stride_rs + slot)
     if rank == 0:
         return
     n_begin = tl.load(slice_loc_ptr + sl)
@@ -84,11 +94,14 @@ def _lora_expand_kernel(
     if n_lo >= n_end:
         return
     n_hi = tl.minimum(n_lo + share, n_end)
-    start = tl.load(chunk_starts_ptr + chunk)
-    length = tl.load(chunk_lens_ptr + chunk)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < length
-    tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    if CHUNK_TABLES:
+        m_mask = tok >= 0
+        tok = tl.maximum(tok, 0).to(tl.int64)
+    else:
+        start = tl.load(chunk_starts_ptr + chunk)
+        length = tl.load(chunk_lens_ptr + chunk)
+        m_mask = offs_m < length
+        tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     scale = tl.load(scaling_ptr + slot)
@@ -163,6 +176,7 @@ def lora_expand(
     k_tiles: int | None = None,  # None: all y.shape[0] of them
     pdl: bool = False,
     prefetch_out: bool = True,
+    chunk_ranks: torch.Tensor | None = None,  # [S, max_chunks] int32 (with meta.chunk_tokens: per-chunk tables)
 ) -> torch.Tensor:
     split_k, num_slices, num_tokens, max_rank = y.shape
     num_slots, b_rank, n_total = lora_b.shape
@@ -185,16 +199,19 @@ def lora_expand(
     n_splits = max_tiles if n_splits is None else max(1, min(n_splits, max_tiles))
     progs = n_splits * meta.max_chunks
     grid = (progs, num_slices)
+    tables = chunk_tables(meta, chunk_ranks, num_slices)
     _lora_expand_kernel[grid](
         y, lora_b, out, ranks, scaling, slice_loc,
         meta.sorted_token_ids, meta.chunk_slots, meta.chunk_starts, meta.chunk_lens, num_chunks_of(meta),
+        *tables,
         progs, shrink_progs, k_tiles,
         y.stride(0), y.stride(1), y.stride(2), y.stride(3),
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         out.stride(0), out.stride(1),
-        ranks.stride(0),
+        ranks.stride(0), tables[1].stride(0),
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         DOT_PRECISION=dot_precision(out.dtype), COL_ALIGN=col_align, USE_PDL=pdl, PREFETCH_OUT=prefetch_out,
+        CHUNK_TABLES=tables[0] is not meta.chunk_slots,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return out

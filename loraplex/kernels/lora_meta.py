@@ -11,6 +11,8 @@ Shape:
     chunk_starts      [max_chunks] int32   first position of the chunk in ``sorted_token_ids``
     chunk_lens        [max_chunks] int32   tokens in the chunk (0 for unused chunks)
     num_chunks        [1] int32            chunks in use; they are the first ``num_chunks`` entries
+    chunk_tokens      [max_chunks, block_m] int32   the chunk's token indices, -1 past its length (one load
+                                           gives a program its tokens, instead of start -> sorted ids)
 
 ``max_chunks = cdiv(T, block_m) + min(T, num_slots)`` depends only on T and the pool size (every slot's
 run adds at most one partial chunk), so a CUDA graph captured for T replays correctly for any mix of
@@ -46,6 +48,7 @@ class LoRAKernelMeta:
     num_slots: int
     block_m: int
     num_chunks: torch.Tensor | None = None  # [1] int32: chunks in use (the first ones); None = all may be
+    chunk_tokens: torch.Tensor | None = None  # [max_chunks, block_m] int32, -1 = no token
 
     @property
     def num_tokens(self) -> int:
@@ -70,7 +73,8 @@ def build_lora_meta(token_slots: torch.Tensor, num_slots: int, block_m: int,
     assert token_slots.dim() == 1, "token_slots must be [T]"
     assert block_m >= 1 and num_slots >= 1
     num_tokens = token_slots.shape[0]
-    fits = 0 < num_tokens <= META_KERNEL_MAX_TOKENS and num_slots <= META_KERNEL_MAX_SLOTS
+    fits = (0 < num_tokens <= META_KERNEL_MAX_TOKENS and num_slots <= META_KERNEL_MAX_SLOTS
+            and block_m & (block_m - 1) == 0 and block_m <= 128)
     if use_kernel is None:
         use_kernel = token_slots.is_cuda and fits
     if use_kernel and fits:
@@ -102,21 +106,29 @@ def build_lora_meta_torch(token_slots: torch.Tensor, num_slots: int, block_m: in
     starts = seg_starts[slot_c] + local * block_m
     lens = torch.clamp(counts[slot_c] - local * block_m, max=block_m)
     zero = torch.zeros_like(starts)
+    lens = torch.where(valid, lens, zero)
+    starts = torch.where(valid, starts, zero)
+    offs = torch.arange(block_m, dtype=torch.int64, device=device)
+    pos = (starts[:, None] + offs[None, :]).clamp(max=max(num_tokens - 1, 0))
+    tokens = torch.where(offs[None, :] < lens[:, None], sorted_ids[pos] if num_tokens else pos,
+                         torch.full_like(pos, -1))
     return LoRAKernelMeta(
         token_slots=slots.to(torch.int32),
         sorted_token_ids=sorted_ids.to(torch.int32),
         chunk_slots=torch.where(valid, slot_c, torch.full_like(slot_c, -1)).to(torch.int32),
-        chunk_starts=torch.where(valid, starts, zero).to(torch.int32),
-        chunk_lens=torch.where(valid, lens, zero).to(torch.int32),
+        chunk_starts=starts.to(torch.int32),
+        chunk_lens=lens.to(torch.int32),
         num_slots=num_slots,
         block_m=block_m,
         num_chunks=chunk_end[-1:].to(torch.int32),
+        chunk_tokens=tokens.to(torch.int32),
     )
 
 
 @triton.jit
 def _lora_meta_kernel(
     slots_ptr, sorted_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr, seg_ptr,
+    chunk_tokens_ptr,
     T, NUM_SLOTS, MAX_CHUNKS,
     BLOCK_M: tl.constexpr, TB: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, UB: tl.constexpr,
 ):
@@ -162,6 +174,7 @@ def _lora_meta_kernel(
     tl.debug_barrier()
 
     offs_c = tl.arange(0, CB)
+    offs_j = tl.arange(0, BLOCK_M)
     begin_s = tl.load(seg_ptr + offs_s)
     end_s = tl.load(seg_ptr + SB + offs_s)
     start_s = tl.load(seg_ptr + 2 * SB + offs_s)
@@ -178,7 +191,12 @@ def _lora_meta_kernel(
         c_mask = c < MAX_CHUNKS
         tl.store(chunk_slots_ptr + c, tl.where(valid, slot, -1), mask=c_mask)
         tl.store(chunk_starts_ptr + c, tl.where(valid, seg + local, 0), mask=c_mask)
-        tl.store(chunk_lens_ptr + c, tl.where(valid, tl.minimum(cnt - local, BLOCK_M), 0), mask=c_mask)
+        length = tl.where(valid, tl.minimum(cnt - local, BLOCK_M), 0)
+        tl.store(chunk_lens_ptr + c, length, mask=c_mask)
+        # the chunk's tokens (sorted ids stored above, before the barrier), -1 past its length
+        in_chunk = (offs_j[None, :] < length[:, None]) & c_mask[:, None]
+        toks = tl.load(sorted_ptr + (seg + local)[:, None] + offs_j[None, :], mask=in_chunk, other=-1)
+        tl.store(chunk_tokens_ptr + c[:, None] * BLOCK_M + offs_j[None, :], toks, mask=c_mask[:, None])
 
 
 def _build_lora_meta_kernel(token_slots: torch.Tensor, num_slots: int, block_m: int) -> LoRAKernelMeta:
@@ -188,23 +206,27 @@ def _build_lora_meta_kernel(token_slots: torch.Tensor, num_slots: int, block_m: 
         token_slots.to(torch.int32).contiguous()
     max_chunks = max_chunks_for(num_tokens, num_slots, block_m)
     sb = max(16, triton.next_power_of_2(num_slots))
-    # one allocation for every output (a single caching-allocator call; the kernel writes every entry)
-    buf = torch.empty(num_tokens + 3 * max_chunks + 1 + 4 * sb, dtype=torch.int32, device=device)
-    sorted_ids = buf[:num_tokens]
-    chunk_slots = buf[num_tokens:num_tokens + max_chunks]
-    chunk_starts = buf[num_tokens + max_chunks:num_tokens + 2 * max_chunks]
-    chunk_lens = buf[num_tokens + 2 * max_chunks:num_tokens + 3 * max_chunks]
-    num_chunks = buf[num_tokens + 3 * max_chunks:num_tokens + 3 * max_chunks + 1]
-    seg = buf[num_tokens + 3 * max_chunks + 1:]
+    # one allocation for every output (a single caching-allocator call; the kernel writes every entry); the
+    # token table first, so its rows keep the allocation's alignment
+    nt = max_chunks * block_m
+    buf = torch.empty(nt + num_tokens + 3 * max_chunks + 1 + 4 * sb, dtype=torch.int32, device=device)
+    chunk_tokens = buf[:nt].view(max_chunks, block_m)
+    sorted_ids = buf[nt:nt + num_tokens]
+    o = nt + num_tokens
+    chunk_slots = buf[o:o + max_chunks]
+    chunk_starts = buf[o + max_chunks:o + 2 * max_chunks]
+    chunk_lens = buf[o + 2 * max_chunks:o + 3 * max_chunks]
+    num_chunks = buf[o + 3 * max_chunks:o + 3 * max_chunks + 1]
+    seg = buf[o + 3 * max_chunks + 1:]
     tb = max(16, triton.next_power_of_2(num_tokens))
     ub = max(1, min(tb, 4096 // tb, 8192 // sb))  # [TB, UB] and [SB, UB] compare tiles stay small
     ub = max(16, ub)
-    cb = max(16, min(triton.next_power_of_2(max_chunks), 8192 // sb))
+    cb = max(16, min(triton.next_power_of_2(max_chunks), 8192 // max(sb, block_m)))
     _lora_meta_kernel[(1,)](
-        slots, sorted_ids, chunk_slots, chunk_starts, chunk_lens, num_chunks, seg,
+        slots, sorted_ids, chunk_slots, chunk_starts, chunk_lens, num_chunks, seg, chunk_tokens,
         num_tokens, num_slots, max_chunks,
         BLOCK_M=block_m, TB=tb, SB=sb, CB=cb, UB=ub, num_warps=4 if tb <= 256 else 8,
     )
     return LoRAKernelMeta(token_slots=slots, sorted_token_ids=sorted_ids, chunk_slots=chunk_slots,
                           chunk_starts=chunk_starts, chunk_lens=chunk_lens, num_slots=num_slots, block_m=block_m,
-                          num_chunks=num_chunks)
+                          num_chunks=num_chunks, chunk_tokens=chunk_tokens)

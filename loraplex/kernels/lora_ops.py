@@ -46,6 +46,7 @@ class LoRAKernelConfig:
     split_k_max: int | None = None  # most K parts per chunk (fewer chunks in use: more parts); None = split_k
     pdl: bool = False  # programmatic dependent launch (sm_90+): shrink and expand overlap their neighbours
     prefetch_out: bool = True  # expand loads the next out tile one trip ahead
+    chunk_tables: bool = True  # read slot, rank and tokens by chunk (one round trip) when the caller has the tables
     # decode: one fused launch (lora_fused) instead of shrink + expand; fused_split_k > 1 uses the
     # last-arriver counter, else fused_n_splits programs per (chunk, slice) split the columns
     fused: bool = False
@@ -62,8 +63,9 @@ class LoRAKernelConfig:
         return max(self.split_k, self.split_k_max or 1, self.fused_split_k)
 
 
-# decode: up to this many K parts per chunk when few chunks are in use (one adapter's 64 tokens: 4 chunks)
-DECODE_SPLIT_K_MAX = 16
+# decode: up to this many K parts per chunk when few chunks are in use (one adapter's 64 tokens: 4 chunks), and
+# parts of at least two K tiles
+DECODE_SPLIT_K_MAX = 32
 
 
 def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_rank: int,
@@ -90,9 +92,15 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
         split_k *= 2
     split_k_max = split_k
     if decode:
-        # fewer chunks in use than planned (few adapters): each gets more K parts, down to one K tile each
-        split_k_max = max(split_k, min(DECODE_SPLIT_K_MAX, triton.next_power_of_2(triton.cdiv(k_dim, block_k))))
+        # fewer chunks in use than planned (few adapters): each gets more K parts, of two K tiles or more (H200,
+        # NOTES-lora.md: 16 parts for K = 4096; at 8, one adapter's o / gate|up / down steps were slower)
+        k_tiles = triton.cdiv(k_dim, block_k)
+        split_k_max = max(split_k, min(DECODE_SPLIT_K_MAX, max(1, triton.next_power_of_2(k_tiles) // 2)))
     block_n = 128
+    if decode and max_rank <= 16 and (max_slice_width or 0) >= 8192:
+        # very wide slices (gate|up: 14336): half the loop trips per expand program; H200 sweep, rank 16:
+        # 29.3 against 31.9 us per layer for 64 distinct adapters, about equal for 8 or 1 (NOTES-lora.md)
+        block_n = 256
     expand_splits = None
     if max_slice_width is not None:
         tiles = triton.cdiv(max_slice_width, block_n)
@@ -165,6 +173,7 @@ def lora_apply(
     scratch: torch.Tensor | None = None,  # [>=cfg.parts_max, >=S, T, R] float32
     counters: torch.Tensor | None = None,  # [>= max_chunks * S] int32 zeros (fused split-K only)
     col_align: int = 1,  # slice_col_align(slice offsets), known on the host: vectorized expand when > 1
+    chunk_ranks: torch.Tensor | None = None,  # [S, max_chunks] int32: ranks[:, chunk_slots] (LoRAStep builds it)
 ) -> torch.Tensor:
     """Semantics: ``lora_ref.lora_apply_ref`` (shrink, then expand with the split-K reduce fused in)."""
     assert meta.block_m == cfg.block_m, "metadata was built for another chunk size"
@@ -177,8 +186,9 @@ def lora_apply(
     shrink_progs = cfg.split_k * meta.max_chunks
     y = lora_shrink(x, lora_a, ranks, meta, split_k=parts, progs=shrink_progs, block_r=cfg.block_r,
                     block_k=cfg.block_k, y=scratch, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages,
-                    pdl=cfg.pdl)
+                    pdl=cfg.pdl, chunk_ranks=chunk_ranks if cfg.chunk_tables else None)
     return lora_expand(y, lora_b, ranks, scaling, slice_loc, max_slice_width, meta, out, block_n=cfg.block_n,
                        n_splits=cfg.expand_splits, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages,
                        col_align=col_align, shrink_progs=shrink_progs, k_tiles=triton.cdiv(x.shape[1], cfg.block_k),
-                       pdl=cfg.pdl, prefetch_out=cfg.prefetch_out)
+                       pdl=cfg.pdl, prefetch_out=cfg.prefetch_out,
+                       chunk_ranks=chunk_ranks if cfg.chunk_tables else None)

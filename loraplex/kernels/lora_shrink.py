@@ -22,6 +22,10 @@ the same function in the expand, which sums exactly those P partials (two-pass, 
 TRITON_INTERPRET=1 and needs no zeroing). A program exits at once when its chunk is beyond C, or its
 rank tile lies beyond the slot's real rank (so padding up to R is never read).
 
+Per-chunk tables (``chunk_ranks`` [S, max_chunks] = ranks[:, chunk_slots], built once per step, and
+``meta.chunk_tokens``): a program reads its slot, rank and tokens in one round trip instead of the chain
+slot -> rank and start -> sorted ids; at decode sizes each kernel is mostly such latency (NOTES-lora.md).
+
 Programmatic dependent launch (``pdl``, sm_90+, CUDA only): the launch may start while the previous kernel
 (the base projection) finishes; every program that reads x waits for it first (griddepcontrol.wait), and
 program 0 always waits, so this launch never completes before its predecessor. Each program also lets the
@@ -57,13 +61,14 @@ def split_parts(progs, num_chunks, SPLIT_K: tl.constexpr, k_tiles):
 def _lora_shrink_kernel(
     x_ptr, a_ptr, y_ptr, ranks_ptr,
     sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr,
+    chunk_tokens_ptr, chunk_ranks_ptr,
     K, progs,
     stride_xt, stride_xk,
     stride_al, stride_as, stride_ar, stride_ak,
     stride_yp, stride_ys, stride_yt, stride_yr,
-    stride_rs,
+    stride_rs, stride_crs,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False, CHUNK_TABLES: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     r_tile = tl.program_id(1)
@@ -79,18 +84,30 @@ def _lora_shrink_kernel(
     part = pid % parts
     if chunk >= num_chunks:
         return
-    slot = tl.load(chunk_slots_ptr + chunk)
-    if slot < 0:
-        return
-    rank = tl.load(ranks_ptr + sl * stride_rs + slot)
-    r0 = r_tile * BLOCK_R
-    if r0 >= rank:
-        return
-    start = tl.load(chunk_starts_ptr + chunk)
-    length = tl.load(chunk_lens_ptr + chunk)
     offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < length
-    tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    r0 = r_tile * BLOCK_R
+    if CHUNK_TABLES:
+        # slot, rank and tokens all indexed by the chunk: one round trip, not three in a row
+        slot = tl.load(chunk_slots_ptr + chunk)
+        rank = tl.load(chunk_ranks_ptr + sl * stride_crs + chunk)
+        tok = tl.load(chunk_tokens_ptr + chunk * BLOCK_M + offs_m)
+        if slot < 0:
+            return
+        if r0 >= rank:
+            return
+        m_mask = tok >= 0
+        tok = tl.maximum(tok, 0).to(tl.int64)
+    else:
+        slot = tl.load(chunk_slots_ptr + chunk)
+        if slot < 0:
+            return
+        rank = tl.load(ranks_ptr + sl * stride_rs + slot)
+        if r0 >= rank:
+            return
+        start = tl.load(chunk_starts_ptr + chunk)
+        length = tl.load(chunk_lens_ptr + chunk)
+        m_mask = offs_m < length
+        tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     offs_k = tl.arange(0, BLOCK_K)
@@ -142,6 +159,8 @@ def lora_shrink(
     num_warps: int = 4,
     num_stages: int = 3,
     pdl: bool = False,
+    chunk_ranks: torch.Tensor | None = None,  # [S, max_chunks] int32: rank of each chunk's slot (with
+    # meta.chunk_tokens: the per-chunk tables, one metadata round trip per program)
 ) -> torch.Tensor:  # [split_k, S, T, R] float32 partial sums; the expand needs the same split_k and progs
     num_tokens, k_dim = x.shape
     num_slots, num_slices, max_rank, a_k = lora_a.shape
@@ -159,16 +178,19 @@ def lora_shrink(
         return y
     progs = split_k * meta.max_chunks if progs is None else progs
     grid = (progs, triton.cdiv(max_rank, block_r), num_slices)
+    tables = chunk_tables(meta, chunk_ranks, num_slices)
     _lora_shrink_kernel[grid](
         x, lora_a, y, ranks,
         meta.sorted_token_ids, meta.chunk_slots, meta.chunk_starts, meta.chunk_lens, num_chunks_of(meta),
+        *tables,
         k_dim, progs,
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
         y.stride(0), y.stride(1), y.stride(2), y.stride(3),
-        ranks.stride(0),
+        ranks.stride(0), tables[1].stride(0),
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, CHUNK_TABLES=tables[0] is not meta.chunk_slots,
+        num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return y
@@ -178,6 +200,15 @@ def shrink_split(k_dim: int, meta: LoRAKernelMeta, split_k: int, block_k: int, p
     """What ``lora_expand`` needs to know of a ``lora_shrink`` call (which partials of y are valid)."""
     return {"shrink_progs": split_k * meta.max_chunks if progs is None else progs,
             "k_tiles": triton.cdiv(k_dim, block_k)}
+
+
+def chunk_tables(meta: LoRAKernelMeta, chunk_ranks: torch.Tensor | None, num_slices: int):
+    """(chunk_tokens, chunk_ranks) for the kernels, or two stand-ins (never read) when either is missing."""
+    if chunk_ranks is None or meta.chunk_tokens is None:
+        return meta.chunk_slots, meta.chunk_slots.view(1, -1)
+    assert chunk_ranks.shape == (num_slices, meta.max_chunks) and chunk_ranks.dtype == torch.int32
+    assert chunk_ranks.stride(1) == 1 and meta.chunk_tokens.shape == (meta.max_chunks, meta.block_m)
+    return meta.chunk_tokens, chunk_ranks
 
 
 def num_chunks_of(meta: LoRAKernelMeta) -> torch.Tensor:

@@ -45,16 +45,18 @@ def _reference(batch):
 
 
 def _apply(batch, num_active):
-    """As LoRAStep launches: programmatic dependent launch where the GPU has it (sm_90+)."""
+    """As LoRAStep launches: programmatic dependent launch where the GPU has it (sm_90+), per-chunk rank and token
+    tables (one metadata round trip per program)."""
     from loraplex.kernels.lora_shrink import pdl_supported
 
     k_dim = batch.x.shape[1]
     cfg = choose_config(batch.x.shape[0], num_active, batch.lora_a.shape[0], batch.lora_a.shape[2], k_dim,
                         len(batch.slice_loc) - 1, batch.max_slice_width, pdl=pdl_supported(batch.x.device))
     meta = build_lora_meta(batch.token_slots, batch.lora_a.shape[0], cfg.block_m)
+    chunk_ranks = batch.ranks.index_select(1, meta.chunk_slots.clamp(min=0))
     out = batch.out.clone()
     lora_apply(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
-               batch.max_slice_width, meta, cfg)
+               batch.max_slice_width, meta, cfg, chunk_ranks=chunk_ranks)
     return out
 
 
@@ -260,7 +262,8 @@ def test_single_launch_metadata_equals_torch_ops(num_tokens, num_slots):
         for block_m in (16, 64):
             got = build_lora_meta(slots, num_slots, block_m)
             want = build_lora_meta_torch(slots, num_slots, block_m)
-            for field in ("sorted_token_ids", "chunk_slots", "chunk_starts", "chunk_lens", "num_chunks"):
+            for field in ("sorted_token_ids", "chunk_slots", "chunk_starts", "chunk_lens", "num_chunks",
+                          "chunk_tokens"):
                 assert torch.equal(getattr(got, field).long(), getattr(want, field).long()), (mix, block_m, field)
 
 

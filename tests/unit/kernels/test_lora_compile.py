@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - very old triton
     GPUTarget = ASTSource = None
 
 INT_PTRS = ("cnt_ptr", "ranks_ptr", "sorted_ids_ptr", "chunk_slots_ptr", "chunk_starts_ptr", "chunk_lens_ptr", "slice_loc_ptr",
-            "num_chunks_ptr", "slots_ptr", "sorted_ptr", "seg_ptr")
+            "num_chunks_ptr", "slots_ptr", "sorted_ptr", "seg_ptr", "chunk_tokens_ptr", "chunk_ranks_ptr")
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -67,11 +67,11 @@ def test_kernels_compile_for_sm90_in_bf16(regime):
     block_m, block_r, block_k, split_k = (16, 16, 128, 4) if regime == "decode" else (64, 64, 64, 1)
     shrink = _compile("lora_shrink._lora_shrink_kernel", {"x_ptr": "*bf16", "a_ptr": "*bf16", "y_ptr": "*fp32"},
                       dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-                           DOT_PRECISION="tf32", USE_PDL=False), num_warps=4, num_stages=3)
+                           DOT_PRECISION="tf32", USE_PDL=False, CHUNK_TABLES=False), num_warps=4, num_stages=3)
     expand = _compile("lora_expand._lora_expand_kernel",
                       {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"},
                       dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=128, BLOCK_R=64, DOT_PRECISION="tf32", COL_ALIGN=8,
-                           USE_PDL=False, PREFETCH_OUT=True), num_warps=4)
+                           USE_PDL=False, PREFETCH_OUT=True, CHUNK_TABLES=False), num_warps=4)
     for compiled in (shrink, expand):
         assert compiled["cubin"] and "mma" in compiled["ptx"]  # tensor-core dots, not scalar loops
         assert compiled["shared"] <= 100 * 1024
@@ -103,7 +103,8 @@ def test_expand_column_hint_gives_pipelined_16_byte_accesses():
         compiled = _compile("lora_expand._lora_expand_kernel",
                             {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"},
                             dict(SPLIT_K=8, BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="tf32",
-                                 COL_ALIGN=align, USE_PDL=False, PREFETCH_OUT=False), runtime_hints=True, num_warps=4,
+                                 COL_ALIGN=align, USE_PDL=False, PREFETCH_OUT=False, CHUNK_TABLES=False),
+                            runtime_hints=True, num_warps=4,
                             num_stages=3)
         ptx[align] = compiled["ptx"]
     assert "cp.async" not in ptx[1] and "st.global.b16" in ptx[1]
@@ -113,18 +114,21 @@ def test_expand_column_hint_gives_pipelined_16_byte_accesses():
 @pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, tests/gpu compiles and runs the kernels for real")
 def test_programmatic_dependent_launch_only_where_asked():
-    """USE_PDL puts griddepcontrol.wait in both kernels (before what earlier launches wrote) and
-    launch_dependents in the shrink (the expand may start while it runs); off, neither appears. The shrink's x
-    and A loads stay cp.async-pipelined either way (with the run-time hints: K divisible by 16)."""
+    """The engine's decode path (per-chunk tables, PDL): griddepcontrol.wait in both kernels (before what earlier
+    launches wrote) and launch_dependents in the shrink (the expand may start while it runs); off, neither appears
+    (test_kernels_compile_for_sm90_in_bf16). The shrink's x and A loads are cp.async-pipelined (with the run-time
+    hints: K divisible by 16), the expand's B too, its out accesses 16 bytes wide."""
     shrink_types = {"x_ptr": "*bf16", "a_ptr": "*bf16", "y_ptr": "*fp32"}
     expand_types = {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"}
     for pdl in (True,):  # (off: test_kernels_compile_for_sm90_in_bf16)
         shrink = _compile("lora_shrink._lora_shrink_kernel", shrink_types,
-                          dict(SPLIT_K=16, BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, DOT_PRECISION="tf32", USE_PDL=pdl),
+                          dict(SPLIT_K=16, BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, DOT_PRECISION="tf32", USE_PDL=pdl,
+                               CHUNK_TABLES=True),
                           runtime_hints=True, num_warps=2, num_stages=3)["ptx"]
         expand = _compile("lora_expand._lora_expand_kernel", expand_types,
                           dict(SPLIT_K=16, BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="tf32", COL_ALIGN=16,
-                               USE_PDL=pdl, PREFETCH_OUT=True), runtime_hints=True, num_warps=4, num_stages=3)["ptx"]
+                               USE_PDL=pdl, PREFETCH_OUT=True, CHUNK_TABLES=True), runtime_hints=True, num_warps=4,
+                          num_stages=3)["ptx"]
         assert ("griddepcontrol.wait" in shrink) == pdl and ("griddepcontrol.launch_dependents" in shrink) == pdl
         assert ("griddepcontrol.wait" in expand) == pdl and "griddepcontrol.launch_dependents" not in expand
         assert "cp.async" in shrink and "ld.global.b16" not in shrink

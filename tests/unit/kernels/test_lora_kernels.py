@@ -146,11 +146,13 @@ def test_slice_col_align_edges():
     assert lora_expand.slice_col_align([0, 12, 24]) == 4
 
 
+@pytest.mark.parametrize("tables", [True, False])
 @pytest.mark.parametrize("mix", ["identical", "skewed", "distinct"])
-def test_grid_planned_for_every_chunk_serves_any_mix(mix):
+def test_grid_planned_for_every_chunk_serves_any_mix(mix, tables):
     """As in a decode CUDA graph: the grid is planned on the host for every token on its own adapter; the
     kernels read how many chunks are in use and give each more K parts (up to split_k_max) and finer column
-    shares. One adapter's tokens (2 chunks) then run 7 K parts of 2 tiles each; the result is the twin's."""
+    shares. One adapter's tokens (2 chunks) then run 7 K parts of 2 tiles each; the result is the twin's, with
+    the per-chunk tables (slot, rank, tokens read by chunk) or without."""
     from loraplex.kernels.lora_ops import LoRAKernelConfig
     from loraplex.kernels.lora_shrink import lora_shrink as shrink
 
@@ -159,15 +161,17 @@ def test_grid_planned_for_every_chunk_serves_any_mix(mix):
     batch.token_slots[:3] = num_tokens // 2  # some adapter tokens in every mix (identical: its own slot)
     cfg = LoRAKernelConfig(block_m=16, block_r=16, block_k=16, split_k=2, split_k_max=8, block_n=16, expand_splits=2)
     meta = build_lora_meta(batch.token_slots, num_tokens, cfg.block_m)
+    chunk_ranks = batch.ranks.index_select(1, meta.chunk_slots.clamp(min=0)) if tables else None
     out = batch.out.clone()
     lora_apply(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
-               batch.max_slice_width, meta, cfg)
+               batch.max_slice_width, meta, cfg, chunk_ranks=chunk_ranks)
     ref = lora_apply_ref(batch.x, batch.out.clone(), batch.lora_a, batch.lora_b, batch.token_slots,
                          batch.ranks, batch.scaling, batch.slice_loc)
     _check(batch, out, ref)
     # the shrink alone: the parts it writes for the chunks in use sum to the twin's y
     y = torch.full((8, 3, num_tokens, 16), float("nan"))
-    shrink(batch.x, batch.lora_a, batch.ranks, meta, split_k=8, progs=2 * meta.max_chunks, block_k=16, y=y)
+    shrink(batch.x, batch.lora_a, batch.ranks, meta, split_k=8, progs=2 * meta.max_chunks, block_k=16, y=y,
+           chunk_ranks=chunk_ranks)
     chunks = int(meta.num_chunks)
     parts = min(2 * meta.max_chunks // chunks, 8, 13)
     parts = -(-13 // -(-13 // parts))

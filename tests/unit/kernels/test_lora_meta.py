@@ -37,6 +37,9 @@ def test_chunks_cover_each_slot_run_in_order():
     for c in range(int(used.sum())):
         s, n, slot = int(meta.chunk_starts[c]), int(meta.chunk_lens[c]), int(meta.chunk_slots[c])
         assert (slots[meta.sorted_token_ids[s:s + n].long()] == slot).all()
+        # the token table row: the same tokens, then -1
+        assert meta.chunk_tokens[c].tolist() == meta.sorted_token_ids[s:s + n].tolist() + [-1] * (2 - n)
+    assert (meta.chunk_tokens[~used] == -1).all()
 
 
 def test_all_base_and_empty_batches():
@@ -66,6 +69,6 @@ def test_single_launch_builder_equals_torch_builder(num_tokens, num_slots, block
     for slots in cases:
         got = build_lora_meta(slots, num_slots, block_m, use_kernel=True)
         want = build_lora_meta_torch(slots, num_slots, block_m)
-        for field in ("sorted_token_ids", "chunk_slots", "chunk_starts", "chunk_lens", "num_chunks"):
+        for field in ("sorted_token_ids", "chunk_slots", "chunk_starts", "chunk_lens", "num_chunks", "chunk_tokens"):
             assert torch.equal(getattr(got, field).long(), getattr(want, field).long()), field
         assert got.max_chunks == max_chunks_for(num_tokens, num_slots, block_m)
