@@ -82,6 +82,8 @@ def _timed_pair(b, cfg, device, reps: int, kernels=("shrink", "expand")) -> tupl
     parts, progs = cfg.split_k_max or cfg.split_k, cfg.split_k * meta.max_chunks  # as lora_ops.lora_apply
     shrink_kw = dict(split_k=parts, progs=progs, block_r=cfg.block_r, block_k=cfg.block_k,
                      num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages, pdl=cfg.pdl)
+    chunk_ranks = b.ranks.index_select(1, meta.chunk_slots.clamp(min=0)) if cfg.chunk_tables else None
+    shrink_kw["chunk_ranks"] = chunk_ranks
     y = lora_shrink(b.x, b.lora_a, b.ranks, meta, **shrink_kw)
     width = b.max_slice_width
     split = shrink_split(b.x.shape[1], meta, parts, cfg.block_k, progs)
@@ -94,7 +96,7 @@ def _timed_pair(b, cfg, device, reps: int, kernels=("shrink", "expand")) -> tupl
     def expand():
         lora_expand(y, b.lora_b, b.ranks, b.scaling, b.slice_loc, width, meta, b.out, block_n=cfg.block_n,
                     n_splits=cfg.expand_splits, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages,
-                    col_align=align, pdl=cfg.pdl, prefetch_out=cfg.prefetch_out, **split)
+                    col_align=align, pdl=cfg.pdl, prefetch_out=cfg.prefetch_out, chunk_ranks=chunk_ranks, **split)
 
     return tuple(_median_seconds(fn, device, reps) if name in kernels else None
                  for name, fn in (("shrink", shrink), ("expand", expand)))
@@ -184,11 +186,13 @@ def _bench_case(shapes, regime: str, num_tokens: int, num_adapters: int, rank: i
                 copy_bw: float, reps: int, sweep: bool, sweep_two_launch: bool = False,
                 best_fused: dict | None = None) -> list[dict]:
     from loraplex.kernels.lora_ops import choose_config
+    from loraplex.kernels.lora_shrink import pdl_supported
 
     elem = torch.finfo(dtype).bits // 8
     b = _pool_case(shapes, proj, num_tokens, num_adapters, rank, device, dtype, seed=rank)
     k_dim, n_total, num_slices = b.x.shape[1], b.out.shape[1], len(b.slice_loc) - 1
-    cfg = choose_config(num_tokens, num_adapters, num_adapters, rank, k_dim, num_slices, b.max_slice_width)
+    cfg = choose_config(num_tokens, num_adapters, num_adapters, rank, k_dim, num_slices, b.max_slice_width,
+                        pdl=pdl_supported(device))
     shrink_s, expand_s = _timed_pair(b, cfg, device, reps)
     best = _sweep(b, cfg, device, max(20, reps // 4)) if sweep and sweep_two_launch else {}
     y_bytes = cfg.split_k * num_slices * num_tokens * rank * 4
@@ -475,6 +479,13 @@ def bench_decode_steps(shapes, num_tokens: int, rank: int, device, dtype, copy_b
     return {"tokens": num_tokens, "rank": rank, "layers": shapes.num_layers, "steps": rows, "kernels": kernel_rows}
 
 
+# whole-step policies of the default run: the previous kernels, the current defaults, and the current kernels with
+# one change each (attribution); "run-A" = the defaults of the first H200 run of these kernels (NOTES-lora.md)
+STEP_POLICIES = {"before": None, "default": {}, "no-pdl": {"*": {"pdl": False}},
+                 "no-chunk-tables": {"*": {"chunk_tables": False}},
+                 "run-A": {"*": {"chunk_tables": False}, "gate_up": {"block_n": 128}, "down": {"split_k_max": 16}}}
+
+
 # configuration changes tried per projection by --step-variants (relative to the default configuration);
 # "shrink" ones change only the shrink launch, "expand" ones only the expand
 STEP_VARIANTS = (
@@ -562,10 +573,14 @@ def step_variants(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: fl
     return {"groups": groups, "chosen": chosen, **steps}
 
 
+PREFILL_POLICIES = (("before", None), ("default", {}), ("no-prefetch", {"*": {"prefetch_out": False}}),
+                    ("no-pdl", {"*": {"pdl": False}}))
+
+
 def prefill_check(shapes, device, dtype, copy_bw: float, reps: int, before_dir: str | None,
                   num_tokens: int = 8192, adapters: int = 8, rank: int = 16) -> list[dict]:
     """Prefill regime (8,192 tokens on 8 adapters, equal runs): per projection, all layers in one CUDA graph, the
-    previous kernels against the current ones (metadata outside the graph)."""
+    previous kernels against the current ones and two variants of them (metadata outside the graph)."""
     from loraplex.adapters.mapping import LoRAStep
 
     bench = _DecodeStepBench(shapes, num_tokens, rank, device, dtype, num_slots=adapters)
@@ -574,10 +589,11 @@ def prefill_check(shapes, device, dtype, copy_bw: float, reps: int, before_dir: 
     rows = []
     for p in bench.projs:
         weights, acts = bench.bytes_needed(adapters, (p,))
-        for name, cls in (("before", before_cls), ("default", LoRAStep)):
+        for name, ov in PREFILL_POLICIES:
+            cls = before_cls if name == "before" else LoRAStep
             if cls is None:
                 continue
-            step = bench.make_step(cls, num_active=adapters)
+            step = bench.make_step(cls, ov, num_active=adapters)
             graph = _capture(lambda step=step, p=p: bench.run(step, (p,)), device)
             us = _replay_seconds(graph, reps) / shapes.num_layers * 1e6
             del graph
@@ -807,6 +823,7 @@ def _markdown(payload: dict) -> str:
         lines += ["## All LoRA work of one decode step", "",
                   f"{steps['tokens']} tokens, rank {steps['rank']} on all 7 modules, {steps['layers']} layers, one "
                   f"CUDA graph. {STEPS_NOTE}", ""] + _steps_markdown(steps) + [""]
+    lines += _prefill_markdown(payload.get("prefill"))
     lines += ["## Per kernel (do_bench: L2 flushed, host launch time partly inside the events)", "",
               "| regime | tokens | adapters | rank | proj | kernel | split-K | time (us) | MB | GB/s | % copy BW |"
               " sweep best (us) | best % copy BW | best config |",
@@ -835,14 +852,19 @@ def _variants_markdown(payload: dict) -> str:
     for r in sv["groups"]:
         lines.append(f"| {r['proj']} | {r['variant']} | {json.dumps(r['overrides'])} | {r['us_distinct']:.2f} | "
                      f"{r['us_8 adapters']:.2f} | {r['us_identical']:.2f} | {r['pct_copy_bw_distinct']:.1f} |")
-    if payload.get("prefill"):
-        lines += ["", "## Prefill (8,192 tokens on 8 adapters, rank 16; all layers of one projection in one graph)", "",
-                  "| proj | policy | us / layer | MB / layer | % copy BW |", "|---|---|---|---|---|"]
-        for r in payload["prefill"]:
-            lines.append(f"| {r['proj']} | {r['policy']} | {r['us_per_layer']:.1f} | {r['bytes_per_layer'] / 1e6:.1f} | "
-                         f"{r['pct_copy_bw']:.1f} |")
-    lines.append("")
+    lines += [""] + _prefill_markdown(payload.get("prefill"))
     return "\n".join(lines)
+
+
+def _prefill_markdown(rows) -> list[str]:
+    if not rows:
+        return []
+    lines = ["## Prefill (8,192 tokens on 8 adapters, rank 16; all layers of one projection in one CUDA graph)", "",
+             "| proj | policy | us / layer | MB / layer | % copy BW |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['proj']} | {r['policy']} | {r['us_per_layer']:.1f} | {r['bytes_per_layer'] / 1e6:.1f} | "
+                     f"{r['pct_copy_bw']:.1f} |")
+    return lines + [""]
 
 
 def _use_interpreter() -> None:
@@ -933,22 +955,29 @@ def main(argv: list[str] | None = None) -> int:
         out.with_suffix(".md").write_text(_variants_markdown(payload))
         log.info("wrote %s", out)
         return 0
-    policies = {"before": None, "default": {}, "no-pdl": {"*": {"pdl": False}}}
-    steps = bench_decode_steps(shapes, step_tokens, 16, device, dtype, copy_bw, reps, policies, args.before_dir,
+    steps = bench_decode_steps(shapes, step_tokens, 16, device, dtype, copy_bw, reps, STEP_POLICIES, args.before_dir,
                                profile=not args.no_profile and device.type == "cuda",
                                mixes=STEP_MIXES if not args.smoke else (("distinct", 8), ("identical", 1)))
     default_distinct = next(r for r in steps["steps"] if r["policy"] == "default")
+    payload = {"command": command, "environment": env, "smoke": args.smoke, "shapes": dataclasses.asdict(shapes),
+               "copy_bandwidth_gb_s": copy_bw / 1e9, "kernels": [], "decode_steps": steps,
+               # the distinct-adapter step of the default policy (the issue-9 target row)
+               "decode_step": {**default_distinct, "cuda_graph": device.type == "cuda"}}
+
+    def write() -> None:  # after each part: a run cut short still leaves what it measured
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+        out.with_suffix(".md").write_text(_markdown(payload))
+
+    write()
+    if not args.skip_prefill and not args.smoke:
+        payload["prefill"] = prefill_check(shapes, device, dtype, copy_bw, max(5, reps // 5), args.before_dir)
+        write()
     if args.skip_prefill:
         regimes = [r for r in regimes if r[0] == "decode"]
     best_fused: dict = {}
-    kernels = bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw, reps, args.sweep, args.sweep_two_launch,
-                            best_fused)
-    payload = {"command": command, "environment": env, "smoke": args.smoke, "shapes": dataclasses.asdict(shapes),
-               "copy_bandwidth_gb_s": copy_bw / 1e9, "kernels": kernels, "decode_steps": steps,
-               # the distinct-adapter step of the default policy (the issue-9 target row)
-               "decode_step": {**default_distinct, "cuda_graph": device.type == "cuda"}}
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    out.with_suffix(".md").write_text(_markdown(payload))
+    payload["kernels"] = bench_kernels(shapes, regimes, ranks, device, dtype, copy_bw, reps, args.sweep,
+                                       args.sweep_two_launch, best_fused)
+    write()
     log.info("wrote %s and %s", out, out.with_suffix(".md"))
     return 0
 
