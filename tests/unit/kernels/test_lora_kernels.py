@@ -182,3 +182,18 @@ def test_grid_planned_for_every_chunk_serves_any_mix(mix, tables):
     valid = (torch.arange(16)[None, None, :] < rank_of[:, :, None]) & (batch.token_slots >= 0)[None, :, None]
     torch.testing.assert_close(y[:parts].sum(0)[valid], y_ref[valid], **TOL[torch.float32])
     assert y[parts:].isnan().all(), "no part beyond the chunk's count is written"
+
+
+def test_launch_policy_by_regime():
+    """Decode plans for distinct adapters (more K parts and finer column shares come from the device at run time,
+    up to split_k_max); the measured per-regime choices: gate|up's wide expand tile and the out prefetch in decode
+    only; programmatic dependent launch only where the caller's device has it."""
+    qkv = choose_config(64, 64, 64, 16, 4096, 3, 4096, pdl=True)
+    gate_up = choose_config(64, 64, 64, 16, 4096, 2, 14336)
+    down = choose_config(64, 64, 64, 16, 14336, 1, 4096)
+    prefill = choose_config(8192, 8, 8, 16, 4096, 3, 4096, pdl=True)
+    assert qkv.block_m == 16 and qkv.split_k < qkv.split_k_max == 16 and qkv.pdl and qkv.prefetch_out
+    assert gate_up.block_n == 256 and qkv.block_n == 128 and not gate_up.pdl
+    assert down.split_k_max == 32 and down.parts_max == 32  # 112 K tiles: parts of >= 2 tiles, at most 32
+    assert prefill.block_m == 64 and prefill.split_k_max == prefill.split_k and not prefill.prefetch_out
+    assert choose_config(64, 64, 64, 64, 4096, 2, 14336).block_n == 128  # the wide tile was measured at rank 16
