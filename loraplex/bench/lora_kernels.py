@@ -480,7 +480,8 @@ def bench_decode_steps(shapes, num_tokens: int, rank: int, device, dtype, copy_b
 
 
 # whole-step policies of the default run: the previous kernels, the current defaults, and the current kernels with
-# one change each (attribution); "run-A" = the defaults of the first H200 run of these kernels (NOTES-lora.md)
+# one change each (attribution); "run-A" = the defaults of the first H200 run of these kernels (run D in
+# NOTES-lora.md: no per-chunk tables, gate|up expand tile 128, down at most 16 K parts)
 STEP_POLICIES = {"before": None, "default": {}, "no-pdl": {"*": {"pdl": False}},
                  "no-chunk-tables": {"*": {"chunk_tables": False}},
                  "run-A": {"*": {"chunk_tables": False}, "gate_up": {"block_n": 128}, "down": {"split_k_max": 16}}}
