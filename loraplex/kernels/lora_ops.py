@@ -125,8 +125,8 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
 
 
 # Slice offsets as a COL_ALIGN hint for the expand (16-byte, cp.async-pipelined B / out accesses instead of
-# 2-byte scalars in the sm_90 PTX). Added after the last H200 run of 2026-11-30: compile- and
-# interpreter-tested, not yet measured nor run on a GPU; False restores the previous (measured) expand.
+# 2-byte scalars in the sm_90 PTX); on in every H200 run since run 3 of issue 9 (NOTES-lora.md). False restores
+# the scalar expand.
 VECTORIZE_EXPAND = True
 
 # Programmatic dependent launch for the shrink and the expand where the device supports it (sm_90+): the
