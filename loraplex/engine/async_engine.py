@@ -36,6 +36,7 @@ class AsyncEngine:
         self.engine = engine
         self.model_id = model_id or engine.config.model_id or "model"
         self.max_model_len = engine.config.max_model_len
+        self.vocab_size = engine.runner.model_config.vocab_size  # token ids the model has an embedding for
         # the loop thread owns the engine's tokenizer; callers get their own instance
         self.tokenizer = load_tokenizer(engine.config.tokenizer or engine.config.model)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

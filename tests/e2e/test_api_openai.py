@@ -79,7 +79,7 @@ def test_models_completion_chat_and_streaming_usage(server, tenants):
     assert parts[-1].usage.completion_tokens == 4 or parts[-1].usage.completion_tokens >= 1
 
 
-def test_errors_the_client_parses(server, tenants):
+def test_errors_the_client_parses(server, tenants, tiny_model):
     model = base_model(server)
     with pytest.raises(openai.AuthenticationError) as err:
         oai(server, "lpx-notakey").models.list()
@@ -105,6 +105,13 @@ def test_errors_the_client_parses(server, tenants):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=model, prompt="word " * 5000, max_tokens=4)
     assert err.value.body["param"] == "prompt" and err.value.body["code"] == "context_length_exceeded"
+    # token-id prompts: any id with an embedding row is accepted, anything else is refused, naming the limit
+    vocab = tiny_model["vocab_size"]  # the served model
+    ok = client.completions.create(model=model, prompt=[1, 5, vocab - 1], max_tokens=2)
+    assert ok.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt=[1, vocab], max_tokens=2)
+    assert err.value.body["param"] == "prompt" and f"[0, {vocab})" in err.value.body["message"]
 
 
 def test_rate_limit_429_with_retry_headers(server):

@@ -42,11 +42,14 @@ async def _tokenize(services, fn, *args) -> list[int]:
 
 
 def _check_ids(ids: list[int], engine, param: str) -> list[int]:
-    tokenizer = getattr(engine, "tokenizer", None)
-    vocab = len(tokenizer) if tokenizer is not None else None
+    # the model's embedding rows decide (a checkpoint may have more rows than its tokenizer has tokens)
+    vocab = getattr(engine, "vocab_size", None)
+    if vocab is None:
+        tokenizer = getattr(engine, "tokenizer", None)
+        vocab = len(tokenizer) if tokenizer is not None else None
     for t in ids:
         if t < 0 or (vocab is not None and t >= vocab):
-            raise bad_request(f"Token id {t} is outside the vocabulary (0..{vocab}).", param=param)
+            raise bad_request(f"Token id {t} is outside the model's vocabulary [0, {vocab}).", param=param)
     return ids
 
 
