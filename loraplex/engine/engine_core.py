@@ -308,6 +308,10 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions, active_adapters=active,
             tokens_per_second=self._tokens_per_second,
             num_lora_loads=getattr(manager, "num_loads", 0), num_lora_evictions=getattr(manager, "num_evictions", 0),
+            lora_load_queue_depth=getattr(manager, "num_pending_loads", 0),
+            lora_host_load_seconds=getattr(manager, "host_load_seconds", 0.0),
+            num_lora_load_failures=getattr(manager, "num_load_failures", 0),
+            num_lora_host_loads=getattr(manager, "num_host_loads", 0),
         )
 
     @property

@@ -76,6 +76,10 @@ class EngineStats:
     tokens_per_second: float = 0.0
     num_lora_loads: int = 0
     num_lora_evictions: int = 0
+    lora_load_queue_depth: int = 0  # adapter reads queued or running in the background
+    lora_host_load_seconds: float = 0.0  # total time spent reading and validating adapter files
+    num_lora_load_failures: int = 0
+    num_lora_host_loads: int = 0  # adapter files read into host memory
 
 
 class EngineDeadError(RuntimeError):

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from loraplex.engine.protocol import EngineStats
@@ -42,6 +42,23 @@ class _EngineCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(model, float(value))
             yield g
+        for name, doc, value in (
+            ("vllm:num_preemptions", "Sequences preempted (recomputed later) since start.", stats.num_preemptions),
+            ("loraplex:lora_slot_loads", "Adapter copies into a GPU slot since start.", stats.num_lora_loads),
+            ("loraplex:lora_slot_evictions", "Adapters displaced from a GPU slot since start.", stats.num_lora_evictions),
+            ("loraplex:lora_host_loads", "Adapter files read and validated into host memory since start.",
+             stats.num_lora_host_loads),
+            ("loraplex:lora_load_failures", "Adapter reads that failed validation or I/O since start.",
+             stats.num_lora_load_failures),
+            ("loraplex:lora_host_load_seconds", "Seconds spent reading and validating adapter files.",
+             stats.lora_host_load_seconds),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(model, float(value))
+            yield c
+        depth = GaugeMetricFamily("loraplex:lora_load_queue_depth", "Adapter reads queued or running.", labels=labels)
+        depth.add_metric(model, float(stats.lora_load_queue_depth))
+        yield depth
         info = GaugeMetricFamily(
             "vllm:lora_requests_info", "Running LoRA adapters (value: scrape time).",
             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
