@@ -107,9 +107,12 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
                        max_num_seqs=args.max_num_seqs, max_cpu_loras=args.max_cpu_loras,
                        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
     with clock("engine warm-up"):
-        # compiles kernels, fills allocator pools; with adapters so their path warms too
-        run_popularities(llm, ["uniform"], min(8, args.num_requests), min(args.input_len, 64), 4, "fixed",
-                         shape.vocab_size, adapter_dirs, seed=args.seed + 99)
+        # compiles kernels and fills allocator pools before anything is timed: the LoRA kernels are compiled per
+        # launch configuration and per integer-argument specialization (token counts divisible by 16 or not),
+        # so the warm-up runs the timed runs' step shapes (full-length prompts: full prefill steps, mixed
+        # prefill + decode steps) with one adapter, with many, and without
+        run_popularities(llm, ["identical", "distinct", "base"], min(64, args.num_requests), args.input_len, 8,
+                         args.len_dist, shape.vocab_size, adapter_dirs, seed=args.seed + 99)
 
     if args.step_batch > 0:
         steps = result["decode_step"] = []
