@@ -58,6 +58,7 @@ class LLMEngine:
         num_blocks = self.runner.plan_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_cuda_graphs()  # CUDA only (and not with enforce_eager)
+        self._warmup()
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, adapters=self.runner.lora_manager)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
@@ -79,6 +80,18 @@ class LLMEngine:
         self.num_overlapped_steps = 0
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d, max_model_len %d", config.model,
                  config.device, self.runner.dtype, num_blocks, config.block_size, config.max_model_len)
+
+    def _warmup(self) -> None:
+        """Compile the eager path's kernels at start-up (CUDA): an optimization, so a failure is logged and
+        serving starts anyway (the first requests then pay the compiles)."""
+        started = time.perf_counter()
+        try:
+            runs = self.runner.warmup_eager()
+        except Exception as exc:  # noqa: BLE001
+            log.warning("start-up warm-up of the eager path failed (%s); kernels compile on first use", exc)
+            return
+        if runs:
+            log.info("warmed up the eager path (%d forward passes) in %.1f s", runs, time.perf_counter() - started)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,

@@ -115,6 +115,47 @@ class ModelRunner:
         log.info("captured %d decode CUDA graphs (batch buckets %s) in %.1f s", self.graphs.num_graphs,
                  ",".join(map(str, self.graphs.buckets)), time.perf_counter() - started)
 
+    @torch.inference_mode()
+    def warmup_eager(self, force: bool = False) -> int:
+        """Run the eager (prefill and mixed-step) forward at start-up on dummy inputs, so that Triton compiles
+        its kernels now and not inside the first requests: a full token budget and one token less (Triton
+        specializes integer arguments divisible by 16), base only and with one and with ``max_loras``
+        adapters (the LoRA launch plan depends on the adapter count). Every row has slot -1 (no KV write,
+        no adapter), so the cache and the slot pool are untouched. CUDA only unless ``force``; returns the
+        number of forward passes run."""
+        if self.device.type != "cuda" and not force:
+            return 0
+        cfg, dev = self.config, self.device
+        total = max(2, min(cfg.max_num_batched_tokens, cfg.max_model_len))
+        adapter_counts = [0]
+        if cfg.enable_lora:
+            adapter_counts += sorted({1, cfg.max_loras})
+        width = self.inputs.max_blocks_per_seq
+        runs = 0
+        for num_tokens in (total, total - 1):
+            attn = AttentionMetadata(
+                backend=self.backend, slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+                block_tables=torch.zeros(1, width, dtype=torch.int32, device=dev),
+                query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+                max_query_len=num_tokens, max_seq_len=num_tokens)
+            ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+            positions = torch.arange(num_tokens, device=dev)
+            for num_adapters in adapter_counts:
+                lora = None
+                if num_adapters:
+                    from loraplex.adapters.mapping import LoRAStep
+
+                    manager = self.get_lora_manager()
+                    slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=dev)
+                    lora = LoRAStep(manager.pool, slots, num_adapters, manager.use_triton)
+                hidden = self.model(ids, positions, self.kv_caches, attn, lora)
+                self.model.compute_logits(hidden[-1:])
+                runs += 1
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return runs
+
     # ---- LoRA ----------------------------------------------------------------------------------
     def get_lora_manager(self):
         if self.lora_manager is None:
