@@ -38,6 +38,7 @@ class Settings:
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_loras: int = 64
+    lora_load_workers: int | None = None  # threads reading and validating adapter files; None: min(4, CPUs)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

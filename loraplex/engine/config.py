@@ -31,6 +31,7 @@ class EngineConfig:
     max_loras: int = 8  # distinct adapters in one step (GPU slots)
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # host cache size; default managed by the LoRA manager
+    lora_load_workers: int | None = None  # background adapter read threads; None: min(4, CPUs)
     model_id: str | None = None  # served name; default the model directory's name
 
     def __post_init__(self) -> None:

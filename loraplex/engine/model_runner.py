@@ -167,7 +167,8 @@ class ModelRunner:
                 raise RuntimeError("LoRA support (loraplex.adapters.manager) is not available") from exc
             self.lora_manager = LoRAManager(
                 self.hf_config, max_loras=self.config.max_loras, max_lora_rank=self.config.max_lora_rank,
-                max_cpu_loras=self.config.max_cpu_loras, device=self.device, dtype=self.dtype)
+                max_cpu_loras=self.config.max_cpu_loras, device=self.device, dtype=self.dtype,
+                num_load_workers=self.config.lora_load_workers)
         return self.lora_manager
 
     # ---- one step ------------------------------------------------------------------------------
