@@ -609,25 +609,7 @@ def _graph_seconds(fn, device, reps: int) -> float:
     """Median seconds of one replay of a CUDA graph of ``fn`` (no host launch cost in the figure)."""
     if device.type != "cuda":
         return _median_seconds(fn, device, reps)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return _replay_seconds(_capture(fn, device), reps)
 
 
 def _two_launch_summary(cfg) -> dict:
