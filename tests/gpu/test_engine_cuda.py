@@ -46,3 +46,25 @@ def test_cuda_bfloat16_features_under_pressure(tiny_model):
             # bf16 rounding differs with batch shape, so later tokens may drift; the first comes from the
             # same prompt and the same seeded noise
             assert cx.token_ids[:1] == cy.token_ids[:1]
+
+
+def test_cuda_overlapped_steps_equal_synchronous_steps(tiny_model):
+    """Overlapped steps on CUDA (real concurrency: placeholders filled on the device, results a call late)
+    give the synchronous engine's float32 outputs: stop tokens and strings mid-run, preemption in flight,
+    forks, logprobs, seeds and adapters; and the base-model decode steps really overlapped."""
+    from tests.unit.engine.test_async_scheduling import PROMPTS, _workload
+
+    def run(async_on: bool, params, loras, **kw):
+        llm = LLM(tiny_model["model_dir"], device="cuda", dtype="float32", enable_lora=True, max_loras=2,
+                  max_num_seqs=8, async_scheduling=async_on, **kw)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, lora_request=loras)
+        return llm, [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
+
+    plain = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)] * len(PROMPTS)
+    _, probe = run(False, plain, _workload(tiny_model, 0, "x")[1])
+    params, loras = _workload(tiny_model, probe[1][0][0][6], probe[3][0][1][3:6] or "a")
+    for kw in ({}, {"num_kv_blocks": 12, "block_size": 4}):
+        _, want = run(False, params, loras, **kw)
+        llm, got = run(True, params, loras, **kw)
+        assert got == want, kw
+        assert llm.engine.num_overlapped_steps > 10
