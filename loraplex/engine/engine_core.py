@@ -187,12 +187,16 @@ class LLMEngine:
         its tokens count as computed and each sampling sequence has a placeholder for its new token, so
         the next step can be scheduled at once."""
         running = RequestStatus.RUNNING
+        max_model_len = self.config.max_model_len
         for s in out.scheduled:
             req = s.request
             if req.status is running:  # not finished by the step completed meanwhile
                 req.num_computed_tokens += s.num_new_tokens
                 if s.num_samples:
                     req.token_ids.append(PLACEHOLDER_TOKEN)
+                    max_tokens = req.sampling_params.max_tokens
+                    req.finishing = (len(req.token_ids) >= max_model_len or
+                                     (max_tokens is not None and req.num_output_tokens >= max_tokens))
 
     def _undo_provisional(self, out: SchedulerOutput, result) -> list:
         """Take a completed step's provisional state back before ``update_from_output`` applies the real
@@ -203,6 +207,7 @@ class LLMEngine:
         reported = []
         for s in out.scheduled:
             req = s.request
+            req.finishing = False
             has_placeholder = bool(s.num_samples) and req.token_ids[-1] == PLACEHOLDER_TOKEN
             if req.status is running:
                 req.num_computed_tokens -= s.num_new_tokens

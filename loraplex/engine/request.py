@@ -86,6 +86,9 @@ class Request:
         self.num_sent_tokens = 0
         self.num_sent_chars = 0
         self.wait_steps = 0  # steps spent kept out by the adapter limit
+        # overlapped steps: the token still in flight certainly ends this sequence (max_tokens or the context
+        # limit), so the scheduler does not run it again
+        self.finishing = False
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None

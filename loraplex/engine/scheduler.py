@@ -108,6 +108,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             req = running[i]
+            if req.finishing:  # its in-flight token ends it (overlapped steps): nothing left to compute
+                i += 1
+                continue
             num_tokens = len(req.token_ids)
             num_new = num_tokens - req.num_computed_tokens
             if num_new > budget:
