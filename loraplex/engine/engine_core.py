@@ -224,6 +224,9 @@ class LLMEngine:
                 lps = result.sampled_logprobs.get(req.seq_id)
                 if lps:
                     req.cumulative_logprob += lps[0]
+                entries = result.logprobs.get(req.seq_id) if result.logprobs else None
+                if entries:
+                    req.logprobs.append(entries[0])
                 if req.first_token_time is None:
                     req.first_token_time = time.monotonic()
                 if req.detokenizer is not None:

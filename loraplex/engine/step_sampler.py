@@ -15,7 +15,7 @@ import torch
 
 from loraplex.engine.request import TokenLogprobs
 from loraplex.engine.sampler import Sampler, SampleRow
-from loraplex.engine.sampling_params import SAMPLE_LOGPROBS, SAMPLE_PENALTIES
+from loraplex.engine.sampling_params import SAMPLE_PENALTIES
 from loraplex.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from loraplex.engine.step_inputs import StepBatch
 
@@ -29,11 +29,15 @@ class PendingSample:
 
     def __init__(self, result: ModelRunnerOutput | None = None, tokens: torch.Tensor | None = None,
                  row_of: dict[int, int] | None = None, host: torch.Tensor | None = None,
-                 event: torch.cuda.Event | None = None, seq_ids: list[int] | None = None):
+                 event: torch.cuda.Event | None = None, seq_ids: list[int] | None = None,
+                 num_top: list[int | None] | None = None):
         self._result = result
         self.tokens = tokens
         self.row_of = row_of or {}
         self._host, self._event, self._seq_ids = host, event, seq_ids
+        # with logprobs: each row's top-N (None: the request asked for none); rows 2.. of the host buffer
+        # hold the ranks, then the top ids and top logprobs (width N each)
+        self._num_top = num_top
 
     @property
     def is_async(self) -> bool:
@@ -50,6 +54,15 @@ class PendingSample:
             self._result = ModelRunnerOutput(
                 sampled_token_ids={q: [t] for q, t in zip(self._seq_ids, token_ids)},
                 sampled_logprobs={q: [lp] for q, lp in zip(self._seq_ids, lps)})
+            if self._num_top is not None:
+                width = (packed.shape[0] - 3) // 2
+                ranks = packed[2].astype(np.int64).tolist()
+                top_ids = packed[3:3 + width].T.astype(np.int64).tolist()
+                top_lps = packed[3 + width:].T.tolist()
+                for k, (q, num_top) in enumerate(zip(self._seq_ids, self._num_top)):
+                    if num_top is not None:
+                        self._result.logprobs[q] = [TokenLogprobs(token_ids[k], lps[k], ranks[k], top_ids[k][:num_top],
+                                                                  top_lps[k][:num_top])]
             self._host = None  # its ring slot may be reused
         return self._result
 
@@ -70,12 +83,12 @@ class StepSampler:
 
     def launch(self, out: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor) -> PendingSample:
         """Sample the step without waiting for the tokens when the step allows it: one sample per
-        sequence (no fork), no penalties (they read the output tokens on the host), no logprobs or prompt
-        logprobs. Otherwise the synchronous path, already finished."""
+        sequence (no fork), no penalties (they read the output tokens on the host), no prompt logprobs.
+        Otherwise the synchronous path, already finished."""
         counts = batch.sample_counts
         flags = batch.sampler_flags
         simple = (self.max_rows and not batch.any_prompt_logprobs
-                  and not flags & (SAMPLE_PENALTIES | SAMPLE_LOGPROBS) and max(counts, default=0) <= 1)
+                  and not flags & SAMPLE_PENALTIES and max(counts, default=0) <= 1)
         row_idx = batch.last_token_rows[np.asarray(counts, dtype=bool)] if simple else None
         if not simple or not 0 < row_idx.size <= self.max_rows:
             return PendingSample(self(out, batch, hidden))
@@ -85,20 +98,30 @@ class StepSampler:
                                       lambda: [SampleRow(r.sampling_params, r.index, r.num_output_tokens,
                                                          self._prompt_array(r), r.output_token_ids) for r in reqs],
                                       flags)
-        host = self._next_host_buffer()
         n = row_idx.size
+        num_top = None
+        if sampled.ranks is None:
+            host = self._next_host_buffer()
+            parts = [sampled.token_ids, sampled.logprobs]
+        else:  # logprobs asked for: ranks and the top-N go to the host in the same copy
+            num_top = [r.sampling_params.logprobs for r in reqs]
+            top_ids, top_lps = sampled.top_ids, sampled.top_logprobs
+            if top_ids is None:
+                top_ids = top_lps = sampled.logprobs.new_empty(n, 0)
+            parts = [sampled.token_ids, sampled.logprobs, sampled.ranks, *top_ids.T, *top_lps.T]
+            pin = self.device.type == "cuda" and torch.cuda.is_available()
+            host = torch.empty(len(parts), n, dtype=torch.float64, pin_memory=pin)  # cached pinned block
+        packed = torch.stack([p.double() for p in parts])  # float64 holds any token id and rank exactly
         event = None
         if self.device.type == "cuda":
-            host[0, :n].copy_(sampled.token_ids.double(), non_blocking=True)  # float64 holds any token id exactly
-            host[1, :n].copy_(sampled.logprobs.double(), non_blocking=True)
+            host[:, :n].copy_(packed, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         else:
-            host[0, :n] = sampled.token_ids
-            host[1, :n] = sampled.logprobs
+            host[:, :n] = packed
         seq_ids = [r.seq_id for r in reqs]
         return PendingSample(tokens=sampled.token_ids, row_of={q: i for i, q in enumerate(seq_ids)}, host=host,
-                             event=event, seq_ids=seq_ids)
+                             event=event, seq_ids=seq_ids, num_top=num_top)
 
     def _next_host_buffer(self) -> torch.Tensor:
         if not self._ring:

@@ -25,7 +25,24 @@ def _run(tiny_model, async_on: bool, params, loras, **engine_kw):
     llm = LLM(tiny_model["model_dir"], dtype="float32", enable_lora=True, max_loras=2, max_num_seqs=8,
               async_scheduling=async_on, **engine_kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, lora_request=loras)
+    _run.logprobs = [[c.logprobs for c in o.outputs] for o in outs]  # the last run's, for the caller
     return llm, [[(c.token_ids, c.text, c.finish_reason) for c in o.outputs] for o in outs]
+
+
+def _assert_logprobs_close(got, want):
+    """Per token: the same top tokens with the same ranks, logprobs within float32 reassociation (a batch
+    that still holds a sequence stopped mid-step changes GEMM blocking on the CPU)."""
+    for g_out, w_out in zip(got, want):
+        for g, w in zip(g_out, w_out):
+            assert (g is None) == (w is None)
+            if w is None:
+                continue
+            assert len(g) == len(w)
+            for g_tok, w_tok in zip(g, w):
+                assert g_tok.keys() == w_tok.keys()
+                for t, lp in w_tok.items():
+                    assert g_tok[t].rank == lp.rank
+                    assert g_tok[t].logprob == pytest.approx(lp.logprob, abs=1e-5)
 
 
 def _workload(tiny_model, stop_token: int, stop_text: str):
@@ -54,8 +71,11 @@ def test_async_outputs_equal_sync_outputs(tiny_model, kv_blocks):
     params, loras = _workload(tiny_model, stop_token, stop_text)
     kw = {"num_kv_blocks": kv_blocks, "block_size": 4} if kv_blocks else {}
     sync_llm, want = _run(tiny_model, False, params, loras, **kw)
+    want_logprobs = _run.logprobs
     async_llm, got = _run(tiny_model, True, params, loras, **kw)
     assert got == want
+    assert want_logprobs[5][0] and len(want_logprobs[5][0]) == len(want[5][0][0])  # logprobs=2 was honoured
+    _assert_logprobs_close(_run.logprobs, want_logprobs)
     assert want[1][0][2] == "stop" and len(want[1][0][0]) < 25  # the stop token ended it early
     assert async_llm.engine.num_overlapped_steps > 10 and sync_llm.engine.num_overlapped_steps == 0
     if kv_blocks:
@@ -93,3 +113,14 @@ def test_abort_with_a_step_in_flight_reports_only_real_tokens(tiny_model):
     while sync.has_unfinished_requests():
         ref += [t for d in sync.step() for t in d.token_ids]
     assert keep_tokens == ref
+
+
+def test_steps_with_logprobs_overlap_too(tiny_model):
+    params = [SamplingParams(max_tokens=10, temperature=0.7, seed=i, ignore_eos=True, logprobs=i % 3)
+              for i in range(len(PROMPTS))]
+    _, want = _run(tiny_model, False, params, None)
+    want_logprobs = _run.logprobs
+    llm, got = _run(tiny_model, True, params, None)
+    assert got == want
+    _assert_logprobs_close(_run.logprobs, want_logprobs)
+    assert llm.engine.num_overlapped_steps >= 8  # every decode step, although each row asks for logprobs

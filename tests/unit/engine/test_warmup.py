@@ -28,6 +28,10 @@ def _generate(engine: LLMEngine, tiny_model) -> list[list[int]]:
     return [got[f"r{i}"] for i in range(3)]
 
 
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
 def _pool_tensors(pool) -> list[torch.Tensor]:
     """Every tensor of the slot pool (weights A and B|T per module, ranks, scalings), cloned."""
     out = [pool.ranks.clone(), pool.scaling.clone()]
@@ -48,6 +52,7 @@ def test_warmup_leaves_cache_and_outputs_untouched(tiny_model):
     # budget and budget - 1 tokens, base / one adapter / max_loras adapters
     assert engine.runner.warmup_eager(force=True) == 6
     for (k, v), (k0, v0) in zip(engine.runner.kv_caches, caches):
-        assert torch.equal(k, k0) and torch.equal(v, v0)
-    assert all(torch.equal(a, b) for a, b in zip(_pool_tensors(pool), pool_before))
+        # bitwise: the CPU cache is allocated uninitialized, and garbage may hold NaN patterns
+        assert _same_bits(k, k0) and _same_bits(v, v0)
+    assert all(_same_bits(a, b) for a, b in zip(_pool_tensors(pool), pool_before))
     assert _generate(engine, tiny_model) == _generate(_engine(tiny_model), tiny_model)
