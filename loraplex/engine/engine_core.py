@@ -146,8 +146,8 @@ class LLMEngine:
         so the host's scheduling, detokenization and bookkeeping overlap the device's work. Deltas of a
         step therefore arrive one call later; a sequence that stops at step n on a token nobody could
         predict (EOS, stop token or string) has also been run in step n + 1, whose token for it is dropped
-        (one that reaches max_tokens is not scheduled again). Steps with prompt logprobs, penalties or forks
-        run synchronously."""
+        (one that reaches max_tokens is not scheduled again). Steps with prompt logprobs or forks run
+        synchronously."""
         deltas, self._pending = self._pending, []
         started = time.monotonic()
         prev, self._inflight = self._inflight, None

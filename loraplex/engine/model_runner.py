@@ -191,27 +191,29 @@ class ModelRunner:
             return PendingSample(ModelRunnerOutput())
         graphs = self.graphs
         batch = self.inputs.prepare(out, graphs.bucket_for if graphs is not None else None)
-        fixup = self._placeholder_fixup(out, batch, prev)
+        fixup, inflight = self._placeholder_fixup(out, batch, prev)
         if batch.graph_bucket is not None:
             slot_of = self.get_lora_manager().assign_slots(out.lora_ids) if out.lora_ids else None
             hidden = graphs.run(batch, self.lora_manager, slot_of, fixup=fixup)
             self.inputs.mark_copied()
         else:
             hidden = self._run_eager(out, batch, fixup)
-        return self.step_sampler.launch(out, batch, hidden)
+        return self.step_sampler.launch(out, batch, hidden, inflight)
 
     def _placeholder_fixup(self, out: SchedulerOutput, batch: StepBatch, prev: PendingSample | None):
-        """None, or a function that writes the previous step's device tokens into this step's input ids
-        at the rows that hold a placeholder (a sequence's single new token, sampled by ``prev``)."""
+        """(None, None), or a function that writes the previous step's device tokens into this step's input
+        ids at the rows that hold a placeholder (a sequence's single new token, sampled by ``prev``) and the
+        sampler's in-flight map (seq_id -> index into ``prev.tokens``, with that tensor)."""
         ids = batch.input_ids.numpy()[:batch.num_tokens]
         rows = np.flatnonzero(ids < 0)
         if not rows.size:
-            return None
+            return None, None
         assert prev is not None and prev.is_async, "placeholder input without the step that samples it"
         # a placeholder is its sequence's only new token, so its row is that sequence's last row
         seq_of_row = np.searchsorted(batch.last_token_rows, rows)
         scheduled = out.scheduled
-        src = [prev.row_of[scheduled[i].request.seq_id] for i in seq_of_row.tolist()]
+        seq_ids = [scheduled[i].request.seq_id for i in seq_of_row.tolist()]
+        src = [prev.row_of[q] for q in seq_ids]
         n = rows.size
         staging = self._fixup_host[:, :n]  # reused each step: prepare() waited for the last step's copies
         staging[0] = torch.from_numpy(rows)
@@ -222,7 +224,7 @@ class ModelRunner:
         def apply(input_ids: torch.Tensor) -> None:
             input_ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
 
-        return apply
+        return apply, (dict(zip(seq_ids, src)), tokens)
 
     def _run_eager(self, out: SchedulerOutput, batch: StepBatch, fixup=None) -> torch.Tensor:
         dev = self.device

@@ -33,6 +33,9 @@ class SampleRow:
     num_output_tokens: int  # before this token
     prompt_token_ids: Sequence[int]  # a list, or an int64 numpy array
     output_token_ids: Sequence[int]
+    # overlapped steps: the last output token is still a placeholder; the real one is this index of the
+    # ``inflight_tokens`` device tensor passed to ``sample``
+    inflight_src: int | None = None
 
 
 @dataclass
@@ -57,7 +60,8 @@ class Sampler:
         return self.sample(logits, [r.params for r in rows], lambda: rows)
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               get_rows: Callable[[], list[SampleRow]], flags: int | None = None) -> SamplerOutput:
+               get_rows: Callable[[], list[SampleRow]], flags: int | None = None,
+               inflight_tokens: torch.Tensor | None = None) -> SamplerOutput:
         """Sample one token per logits row (``params[i]`` for row i). ``get_rows`` builds the per-row
         details (sample index, position, token lists) and is only called when a row uses penalties or a
         seed, so a batch without them costs no per-row Python beyond reading its flags. ``flags`` (the OR
@@ -74,7 +78,7 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1)
         rows = get_rows() if flags & (SAMPLE_PENALTIES | SAMPLE_SEEDED) else None
         if flags & SAMPLE_PENALTIES:
-            logits = self._apply_penalties(logits, rows)
+            logits = self._apply_penalties(logits, rows, inflight_tokens)
         token_ids = logits.argmax(dim=-1)
         if flags & SAMPLE_RANDOM:
             greedy = torch.tensor([p.greedy for p in params]).to(self.device, non_blocking=True)
@@ -88,15 +92,31 @@ class Sampler:
                 top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1)
         return SamplerOutput(token_ids, sampled_logprobs, ranks, top_ids, top_logprobs)
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """vLLM's order: repetition (prompt and output tokens), then frequency and presence (output)."""
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow],
+                         inflight_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """vLLM's order: repetition (prompt and output tokens), then frequency and presence (output).
+        A row whose newest output token is still in flight counts it from ``inflight_tokens`` on the device."""
         idx = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0 or r.params.presence_penalty
                or r.params.frequency_penalty]
         if not idx:
             return logits
         dev, vocab = self.device, logits.shape[1]
         params = [rows[i].params for i in idx]
-        counts = _token_counts([rows[i].output_token_ids for i in idx], vocab, dev)  # [R', V]
+        outputs, late_rows, late_src = [], [], []
+        for j, i in enumerate(idx):
+            r = rows[i]
+            if r.inflight_src is None:
+                outputs.append(r.output_token_ids)
+            else:
+                outputs.append(r.output_token_ids[:-1])  # the placeholder
+                late_rows.append(j)
+                late_src.append(r.inflight_src)
+        counts = _token_counts(outputs, vocab, dev)  # [R', V]
+        if late_rows:
+            assert inflight_tokens is not None, "a row's token is in flight but the step has no in-flight tokens"
+            index = torch.tensor([late_rows, late_src], dtype=torch.int64).to(dev, non_blocking=True)
+            counts.index_put_((index[0], inflight_tokens.index_select(0, index[1])),
+                              torch.ones(len(late_rows), device=dev), accumulate=True)
         prompt_seen = _token_counts([rows[i].prompt_token_ids for i in idx], vocab, dev) > 0
         rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
         freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]

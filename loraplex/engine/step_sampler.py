@@ -15,7 +15,6 @@ import torch
 
 from loraplex.engine.request import TokenLogprobs
 from loraplex.engine.sampler import Sampler, SampleRow
-from loraplex.engine.sampling_params import SAMPLE_PENALTIES
 from loraplex.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from loraplex.engine.step_inputs import StepBatch
 
@@ -81,23 +80,27 @@ class StepSampler:
         self._ring: list[torch.Tensor] = []
         self._ring_next = 0
 
-    def launch(self, out: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor) -> PendingSample:
+    def launch(self, out: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor,
+               inflight: tuple[dict[int, int], torch.Tensor] | None = None) -> PendingSample:
         """Sample the step without waiting for the tokens when the step allows it: one sample per
-        sequence (no fork), no penalties (they read the output tokens on the host), no prompt logprobs.
-        Otherwise the synchronous path, already finished."""
+        sequence (no fork), no prompt logprobs. Otherwise the synchronous path, already finished.
+
+        ``inflight`` (overlapped steps): seq_id -> index into the previous step's device tokens, for the
+        sequences whose newest token is still a placeholder (penalties count it on the device)."""
         counts = batch.sample_counts
         flags = batch.sampler_flags
-        simple = (self.max_rows and not batch.any_prompt_logprobs
-                  and not flags & SAMPLE_PENALTIES and max(counts, default=0) <= 1)
+        simple = self.max_rows and not batch.any_prompt_logprobs and max(counts, default=0) <= 1
         row_idx = batch.last_token_rows[np.asarray(counts, dtype=bool)] if simple else None
         if not simple or not 0 < row_idx.size <= self.max_rows:
-            return PendingSample(self(out, batch, hidden))
+            return PendingSample(self(out, batch, hidden, inflight))
         reqs = [s.request for s, c in zip(out.scheduled, counts) if c]
         logits = self.compute_logits(hidden[torch.from_numpy(row_idx).to(self.device, non_blocking=True)])
+        src_of, inflight_tokens = inflight if inflight is not None else ({}, None)
         sampled = self.sampler.sample(logits, [r.sampling_params for r in reqs],
                                       lambda: [SampleRow(r.sampling_params, r.index, r.num_output_tokens,
-                                                         self._prompt_array(r), r.output_token_ids) for r in reqs],
-                                      flags)
+                                                         self._prompt_array(r), r.output_token_ids,
+                                                         src_of.get(r.seq_id)) for r in reqs],
+                                      flags, inflight_tokens)
         n = row_idx.size
         num_top = None
         if sampled.ranks is None:
@@ -132,7 +135,8 @@ class StepSampler:
         self._ring_next = (self._ring_next + 1) % self.RING
         return buf
 
-    def __call__(self, out: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor) -> ModelRunnerOutput:
+    def __call__(self, out: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor,
+                 inflight: tuple[dict[int, int], torch.Tensor] | None = None) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
         counts = batch.sample_counts
         sampled = [s for s, c in zip(out.scheduled, counts) if c]  # requests sampling this step
@@ -143,7 +147,7 @@ class StepSampler:
         all_rows = np.concatenate([row_idx] + [np.asarray(rr, dtype=np.int64) for _, rr, _ in prompt_rows])
         logits = self.compute_logits(hidden[torch.from_numpy(all_rows).to(self.device, non_blocking=True)])
         if row_idx.size:
-            self._collect_samples(sampled, logits[:row_idx.size], result, batch.sampler_flags)
+            self._collect_samples(sampled, logits[:row_idx.size], result, batch.sampler_flags, inflight)
         if prompt_rows:
             self._collect_prompt_logprobs(out, logits[row_idx.size:], prompt_rows, result)
         return result
@@ -174,7 +178,9 @@ class StepSampler:
             arr = self._prompt_arrays[req.seq_id] = np.asarray(req.prompt_token_ids, dtype=np.int64)
         return arr
 
-    def _collect_samples(self, sampled: list, logits: torch.Tensor, result: ModelRunnerOutput, flags: int) -> None:
+    def _collect_samples(self, sampled: list, logits: torch.Tensor, result: ModelRunnerOutput, flags: int,
+                         inflight: tuple[dict[int, int], torch.Tensor] | None = None) -> None:
+        src_of, inflight_tokens = inflight if inflight is not None else ({}, None)
         reqs = [s.request for s in sampled]
         counts = [s.num_samples for s in sampled]
         if len(reqs) == logits.shape[0]:  # one sample per request (no fork this step)
@@ -185,10 +191,10 @@ class StepSampler:
 
         def rows() -> list[SampleRow]:
             index = sample_index or [r.index for r in sample_reqs]
-            return [SampleRow(r.sampling_params, i, r.num_output_tokens, self._prompt_array(r), r.output_token_ids)
-                    for r, i in zip(sample_reqs, index)]
+            return [SampleRow(r.sampling_params, i, r.num_output_tokens, self._prompt_array(r), r.output_token_ids,
+                              src_of.get(r.seq_id)) for r, i in zip(sample_reqs, index)]
 
-        out = self.sampler.sample(logits, [r.sampling_params for r in sample_reqs], rows, flags)
+        out = self.sampler.sample(logits, [r.sampling_params for r in sample_reqs], rows, flags, inflight_tokens)
         # one device->host copy for the tokens and their logprobs (float64 holds any token id exactly)
         packed = torch.stack((out.token_ids.double(), out.logprobs.double())).cpu().numpy()
         token_ids = packed[0].astype(np.int64).tolist()

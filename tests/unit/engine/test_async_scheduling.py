@@ -124,3 +124,33 @@ def test_steps_with_logprobs_overlap_too(tiny_model):
     assert got == want
     _assert_logprobs_close(_run.logprobs, want_logprobs)
     assert llm.engine.num_overlapped_steps >= 8  # every decode step, although each row asks for logprobs
+
+
+def test_penalized_steps_overlap_and_count_the_token_in_flight(tiny_model):
+    """Penalties read every output token, the newest one still in flight on the device (added there); a
+    prompt-logprobs request joining mid-run makes some steps synchronous while penalized sequences have a
+    token in flight (that path counts it the same way)."""
+    params = []
+    for i in range(len(PROMPTS)):
+        kw = dict(max_tokens=14, ignore_eos=True)
+        if i % 3 == 0:
+            kw.update(temperature=0, frequency_penalty=-2.0, presence_penalty=0.5)  # < 0: repeats pay
+        elif i % 3 == 1:
+            kw.update(temperature=0.9, seed=i, repetition_penalty=1.8)
+        else:
+            kw.update(temperature=0, prompt_logprobs=1 if i == 5 else None)
+        params.append(SamplingParams(**kw))
+
+    def run(async_on: bool):
+        llm = LLM(tiny_model["model_dir"], dtype="float32", max_num_seqs=4, async_scheduling=async_on)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        return llm, [o.outputs[0].token_ids for o in outs]
+
+    _, want = run(False)
+    llm, got = run(True)
+    assert got == want
+    assert llm.engine.num_overlapped_steps >= 10
+    # the penalties had an effect: greedy with frequency penalty differs from plain greedy
+    plain = LLM(tiny_model["model_dir"], dtype="float32").generate(
+        [{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))
+    assert plain[0].outputs[0].token_ids != want[0]
