@@ -219,21 +219,11 @@ class LLMEngine:
             elif has_placeholder and req.status.finished:
                 req.token_ids.pop()  # aborted or failed while the step ran: its token is dropped
             elif has_placeholder:  # preempted by the scheduling of the step after this one
-                token = result.sampled_token_ids[req.seq_id][0]
-                req.token_ids[-1] = token
+                req.token_ids.pop()
                 lps = result.sampled_logprobs.get(req.seq_id)
-                if lps:
-                    req.cumulative_logprob += lps[0]
-                entries = result.logprobs.get(req.seq_id) if result.logprobs else None
-                if entries:
-                    req.logprobs.append(entries[0])
-                if req.first_token_time is None:
-                    req.first_token_time = time.monotonic()
-                if req.detokenizer is not None:
-                    req.detokenizer.append(token)
-                status = req.check_stop(self.config.max_model_len)
-                if status is not None:
-                    self.scheduler.finish_request(req, status)
+                entries = result.logprobs.get(req.seq_id)
+                self.scheduler.apply_token(req, result.sampled_token_ids[req.seq_id][0], lps[0] if lps else None,
+                                           entries[0] if entries else None, time.monotonic())
                 reported.append(req)
         return reported
 

@@ -335,16 +335,8 @@ class Scheduler:
             samples = [req] + [self._fork(req, i) for i in range(1, s.num_samples)]
             req.num_pending_forks = 0
             for k, (sample, token_id) in enumerate(zip(samples, token_ids)):
-                sample.append_token(token_id)
-                if sampled_logprobs is not None:
-                    sample.cumulative_logprob += sampled_logprobs[k]
-                if logprobs is not None:
-                    sample.logprobs.append(logprobs[k])
-                if sample.first_token_time is None:
-                    sample.first_token_time = now
-                status = sample.check_stop(max_model_len)
-                if status is not None:
-                    self._finish(sample, status)
+                self.apply_token(sample, token_id, sampled_logprobs[k] if sampled_logprobs is not None else None,
+                                 logprobs[k] if logprobs is not None else None, now)
                 touched.append(sample)
         # the common case's text, all requests in one tokenizer call, then its stop checks (stop strings
         # read that text)
@@ -355,6 +347,21 @@ class Scheduler:
             if status is not None:
                 self._finish(req, status)
         return touched
+
+    def apply_token(self, sample: Request, token_id: int, sampled_logprob: float | None, logprobs_entry,
+                    now: float) -> None:
+        """One sampled token for one sequence: append it (and its text), its logprobs, the first-token time,
+        then the stop checks (finishing the sequence when one holds)."""
+        sample.append_token(token_id)
+        if sampled_logprob is not None:
+            sample.cumulative_logprob += sampled_logprob
+        if logprobs_entry is not None:
+            sample.logprobs.append(logprobs_entry)
+        if sample.first_token_time is None:
+            sample.first_token_time = now
+        status = sample.check_stop(self.config.max_model_len)
+        if status is not None:
+            self._finish(sample, status)
 
     def _fork(self, parent: Request, index: int) -> Request:
         child = parent.fork(index)
