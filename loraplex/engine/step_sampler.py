@@ -19,6 +19,22 @@ from loraplex.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from loraplex.engine.step_inputs import StepBatch
 
 
+def _add_logprobs(result: ModelRunnerOutput, seq_ids: list[int], counts: list[int], num_tops: list[int | None],
+                  token_ids: list[int], lps: list[float], ranks: list[int], top_ids: list | None,
+                  top_lps: list | None) -> None:
+    """``result.logprobs`` of the sequences that asked for them (``num_tops[i]`` not None): sequence i owns
+    the next ``counts[i]`` sampled rows (n rows for a fork); ``top_ids``/``top_lps`` are None when no
+    row asked for a top-N."""
+    i = 0
+    for q, c, num_top in zip(seq_ids, counts, num_tops):
+        if num_top is not None:
+            result.logprobs[q] = [
+                TokenLogprobs(token_ids[k], lps[k], ranks[k], top_ids[k][:num_top] if num_top else [],
+                              top_lps[k][:num_top] if num_top else [])
+                for k in range(i, i + c)]
+        i += c
+
+
 class PendingSample:
     """A step's sampling, launched: ``result()`` waits for its tokens on the host.
 
@@ -55,13 +71,9 @@ class PendingSample:
                 sampled_logprobs={q: [lp] for q, lp in zip(self._seq_ids, lps)})
             if self._num_top is not None:
                 width = (packed.shape[0] - 3) // 2
-                ranks = packed[2].astype(np.int64).tolist()
-                top_ids = packed[3:3 + width].T.astype(np.int64).tolist()
-                top_lps = packed[3 + width:].T.tolist()
-                for k, (q, num_top) in enumerate(zip(self._seq_ids, self._num_top)):
-                    if num_top is not None:
-                        self._result.logprobs[q] = [TokenLogprobs(token_ids[k], lps[k], ranks[k], top_ids[k][:num_top],
-                                                                  top_lps[k][:num_top])]
+                _add_logprobs(self._result, self._seq_ids, [1] * n, self._num_top, token_ids, lps,
+                              packed[2].astype(np.int64).tolist(), packed[3:3 + width].T.astype(np.int64).tolist(),
+                              packed[3 + width:].T.tolist())
             self._host = None  # its ring slot may be reused
         return self._result
 
@@ -209,18 +221,10 @@ class StepSampler:
             result.sampled_logprobs = {q: lps[e - c:e] for q, c, e in zip(seq_ids, counts, ends)}
         if out.ranks is None:
             return
-        ranks = out.ranks.tolist()
         top_ids = out.top_ids.tolist() if out.top_ids is not None else None
         top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-        i = 0
-        for r, c in zip(reqs, counts):
-            num_top = r.sampling_params.logprobs
-            if num_top is not None:
-                result.logprobs[r.seq_id] = [
-                    TokenLogprobs(token_ids[k], lps[k], ranks[k], top_ids[k][:num_top] if num_top else [],
-                                  top_lps[k][:num_top] if num_top else [])
-                    for k in range(i, i + c)]
-            i += c
+        _add_logprobs(result, seq_ids, counts, [r.sampling_params.logprobs for r in reqs], token_ids, lps,
+                      out.ranks.tolist(), top_ids, top_lps)
 
     def _collect_prompt_logprobs(self, out, logits, prompt_rows, result: ModelRunnerOutput) -> None:
         logprobs = torch.log_softmax(logits, dim=-1)
