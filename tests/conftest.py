@@ -113,3 +113,18 @@ def tiny_qwen2(tmp_path_factory) -> dict:
 
 def adapter_dir(manifest: dict, index: int) -> str:
     return str(Path(manifest["model_dir"]) / "adapters" / manifest["adapters"][index]["name"])
+
+
+def nan_adapter(manifest: dict, index: int, dest: Path, weight: str = "lora_B") -> Path:
+    """A copy of adapter ``index`` at ``dest`` with one NaN in its first ``<weight>.weight`` tensor: a file
+    that reads fine and that validation must refuse."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(adapter_dir(manifest, index), dest)
+    weights = dest / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    tensors[next(n for n in tensors if n.endswith(f"{weight}.weight"))][0, 0] = float("nan")
+    save_file(tensors, str(weights))
+    return dest

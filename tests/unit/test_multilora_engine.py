@@ -15,7 +15,7 @@ from loraplex import LLM, SamplingParams
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine_core import LLMEngine
 from loraplex.engine.lora_request import LoRARequest
-from tests.conftest import adapter_dir
+from tests.conftest import adapter_dir, nan_adapter
 
 MAX_NEW = 8
 NUM_ADAPTERS = 6  # ranks 8, 16, 4, 32, 12, 64 over four different target-module sets
@@ -131,15 +131,7 @@ def test_more_adapters_than_slots_all_complete_with_loads_and_evictions(tiny_mod
 
 
 def test_malformed_adapter_fails_only_its_request(tiny_model, hf_reference, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    bad = Path(tmp_path) / "bad"
-    shutil.copytree(adapter_dir(tiny_model, 1), bad)
-    weights = bad / "adapter_model.safetensors"
-    tensors = load_file(str(weights))
-    name = next(n for n in tensors if n.endswith("lora_B.weight"))
-    tensors[name][0, 0] = float("nan")
-    save_file(tensors, str(weights))
+    bad = nan_adapter(tiny_model, 1, Path(tmp_path) / "bad")
     pickled = tmp_path / "pickled"
     shutil.copytree(adapter_dir(tiny_model, 2), pickled)
     (pickled / "adapter_model.bin").write_bytes(b"\x80\x04")

@@ -5,12 +5,10 @@ packed host layout, and a host cache counted in distinct copies."""
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from loraplex.adapters import AdapterError
 from loraplex.adapters.host_cache import HostLRUCache
@@ -20,7 +18,7 @@ from loraplex.adapters.modules import BaseShapes
 from loraplex.adapters.packed import pack_adapter
 from loraplex.adapters.slot_pool import SlotPool
 from loraplex.engine.lora_request import LoRARequest
-from tests.conftest import adapter_dir
+from tests.conftest import adapter_dir, nan_adapter
 from tests.unit.adapters.held_reads import hold
 
 
@@ -89,12 +87,7 @@ def test_many_ids_over_few_files_read_each_file_once(tiny_model, hf_config):
 
 
 def test_failed_read_fails_once_and_is_not_remembered(tiny_model, hf_config, tmp_path):
-    bad = tmp_path / "nan"
-    shutil.copytree(adapter_dir(tiny_model, 1), bad)
-    weights = bad / "adapter_model.safetensors"
-    tensors = load_file(str(weights))
-    tensors[next(n for n in tensors if n.endswith("lora_A.weight"))][0, 0] = float("nan")
-    save_file(tensors, str(weights))
+    bad = nan_adapter(tiny_model, 1, tmp_path / "nan", weight="lora_A")
     mgr = _manager(hf_config)
     req, good = LoRARequest("bad", 9, str(bad)), LoRARequest("good", 2, adapter_dir(tiny_model, 1))
     mgr.submit(req)

@@ -8,7 +8,6 @@ injection) until the test releases them."""
 
 from __future__ import annotations
 
-import shutil
 import time
 
 import pytest
@@ -20,7 +19,7 @@ from loraplex.engine.engine_core import LLMEngine
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.request import RequestStatus
 from loraplex.engine.sampling_params import SamplingParams
-from tests.conftest import adapter_dir
+from tests.conftest import adapter_dir, nan_adapter
 from tests.unit.adapters.held_reads import hold
 from tests.unit.engine.conftest import hf_greedy
 from tests.unit.engine.fakes import expected_output, fake_run, make_request, make_scheduler, run_to_completion
@@ -104,14 +103,7 @@ def test_slow_adapter_read_delays_only_its_own_request(tiny_model, peft_greedy):
 
 
 def test_failed_read_fails_only_its_request_and_every_sample(tiny_model, peft_greedy, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    bad = tmp_path / "bad"
-    shutil.copytree(adapter_dir(tiny_model, 1), bad)
-    weights = bad / "adapter_model.safetensors"
-    tensors = load_file(str(weights))
-    tensors[next(n for n in tensors if n.endswith("lora_B.weight"))][0, 0] = float("nan")
-    save_file(tensors, str(weights))
+    bad = nan_adapter(tiny_model, 1, tmp_path / "bad")
     engine = _engine(tiny_model)
     held = hold(engine.runner.get_lora_manager(), str(bad))
     engine.add_request("good", PROMPTS[0], PARAMS, lora_request=_lora(tiny_model, 1, 0))
