@@ -40,6 +40,7 @@ class StepRecord:
     context_tokens: int  # sum over the sequences of their context after this step (KV read by attention)
     lora_ids: frozenset[int]  # distinct adapters in the step
     num_sampled: int = 0  # sequences that sample a token this step (rows through the LM head)
+    scheduled_at: float = 0.0  # time.perf_counter() when the step was scheduled
 
     @property
     def is_decode(self) -> bool:
@@ -67,7 +68,8 @@ class ScheduleRecorder:
                     computed += s.request.num_computed_tokens
                     new += s.num_new_tokens
                     sampled += s.num_samples > 0
-                steps.append(StepRecord(len(out.scheduled), new, computed + new, frozenset(out.lora_ids), sampled))
+                steps.append(StepRecord(len(out.scheduled), new, computed + new, frozenset(out.lora_ids), sampled,
+                                        time.perf_counter()))
             return out
 
         return recorded_schedule
@@ -79,6 +81,42 @@ class ScheduleRecorder:
 
     def __exit__(self, *exc) -> None:
         self._patch.__exit__(*exc)
+
+
+def step_time_split(steps: list[StepRecord], end: float) -> dict:
+    """Wall time between one step's scheduling and the next's (the last step: until ``end``), summed by step kind:
+    pure decode steps and steps that compute prompt tokens. With overlapped steps an interval is the host's
+    pace, which the device sets once the queue is full, so it is the step's time to within one step."""
+    split = {"decode_steps": 0, "decode_s": 0.0, "prefill_steps": 0, "prefill_s": 0.0}
+    for step, nxt in zip(steps, [s.scheduled_at for s in steps[1:]] + [end]):
+        kind = "decode" if step.is_decode else "prefill"
+        split[f"{kind}_steps"] += 1
+        split[f"{kind}_s"] += max(0.0, nxt - step.scheduled_at)
+    return split
+
+
+def triton_compiled_kernels() -> int:
+    """Compiled variants held by the Triton kernels of ``loraplex.kernels`` (every device); -1 when this Triton
+    keeps them where we do not look. A rise across a timed window means kernels were compiled inside it."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return -1
+    total, seen = 0, False
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("loraplex.kernels.") or module is None:
+            continue
+        for obj in vars(module).values():
+            fn = getattr(obj, "fn", obj)  # an autotuner or heuristics wrapper holds the JITFunction
+            if not isinstance(fn, JITFunction):
+                continue
+            caches = getattr(fn, "device_caches", None)
+            if caches is None:
+                return -1
+            seen = True
+            for entry in caches.values():
+                total += len(entry[0] if isinstance(entry, tuple) else entry)
+    return total if seen else 0
 
 
 class _CallTimer:

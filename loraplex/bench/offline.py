@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from loraplex.bench.instrument import ScheduleRecorder, StepRecord
+from loraplex.bench.instrument import ScheduleRecorder, StepRecord, step_time_split, triton_compiled_kernels
 from loraplex.bench.workload import BenchRequest, make_requests, num_distinct_adapters
 
 log = logging.getLogger(__name__)
@@ -63,12 +63,20 @@ def run_generate(llm, requests: list[BenchRequest], adapter_dirs: list[Path],
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0) for r in requests]
     loras = lora_requests(requests, adapter_dirs)
     recorder = ScheduleRecorder(llm.engine) if steps is not None else contextlib.nullcontext()
+    compiled_before = triton_compiled_kernels()
     with recorder:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, lora_request=loras)
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter()
+        elapsed = end - start
+    diagnostics = {}
     if steps is not None:
         steps.extend(recorder.steps)
+        # where the time went, and whether Triton compiled anything inside the timed window
+        diagnostics = step_time_split(recorder.steps, end)
+        compiled_after = triton_compiled_kernels()
+        diagnostics["triton_compiles"] = (compiled_after - compiled_before
+                                          if min(compiled_before, compiled_after) >= 0 else None)
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     errors = [o.outputs[0].error for o in outputs if o.outputs[0].error]
     expected = sum(r.output_len for r in requests)
@@ -79,7 +87,7 @@ def run_generate(llm, requests: list[BenchRequest], adapter_dirs: list[Path],
         "num_requests": len(requests), "num_adapters": num_distinct_adapters(requests),
         "prompt_tokens": prompt_tokens, "output_tokens": generated, "elapsed_s": elapsed,
         "output_tok_per_s": generated / elapsed, "total_tok_per_s": (generated + prompt_tokens) / elapsed,
-        "req_per_s": len(requests) / elapsed,
+        "req_per_s": len(requests) / elapsed, **({"diagnostics": diagnostics} if diagnostics else {}),
     }
 
 
@@ -106,6 +114,11 @@ def run_popularities(
                  f" (HBM floor {row['roofline']['floor_s']:.3g} s, {row['roofline']['mean_decode_adapters']:.1f} "
                  f"adapters and {row['roofline']['mean_decode_batch']:.0f} sequences per decode step)"
                  if floor and row["roofline"]["num_decode_steps"] else "")
+        if "diagnostics" in row:
+            d = row["diagnostics"]
+            log.info("offline %s: %d decode steps in %.2f s, %d steps with prompt tokens in %.2f s, "
+                     "Triton compiles in the timed window: %s", pop, d["decode_steps"], d["decode_s"],
+                     d["prefill_steps"], d["prefill_s"], d["triton_compiles"])
         rows.append(row)
     add_over_base(rows)
     return rows

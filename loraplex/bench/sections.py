@@ -68,7 +68,27 @@ def throughput_section(rows: list[dict]) -> tuple[str, str]:
         ("batch", "mean decode batch"), ("adapters_per_step", "adapters / decode step"),
     ])
     note = roofline_note(rows)
-    return "Offline throughput by adapter popularity", body + ("\n\n" + note if note else "")
+    split = time_split_table(rows)
+    return "Offline throughput by adapter popularity", body + ("\n\n" + note if note else "") + split
+
+
+def time_split_table(rows: list[dict]) -> str:
+    """Each run's wall time by step kind and the Triton compiles inside it (runs recorded with diagnostics)."""
+    out = []
+    for r in rows:
+        d = r.get("diagnostics")
+        if not d:
+            continue
+        out.append({"popularity": r["popularity"], **d,
+                    "decode_ms": 1e3 * d["decode_s"] / d["decode_steps"] if d["decode_steps"] else None,
+                    "prefill_ms": 1e3 * d["prefill_s"] / d["prefill_steps"] if d["prefill_steps"] else None})
+    if not out:
+        return ""
+    return ("\n\nWhere each run's wall time went (time from one step's scheduling to the next's, by step kind; "
+            "\"compiles\": Triton kernel variants compiled inside the timed window):\n\n" + table(out, [
+                ("popularity", "popularity"), ("decode_steps", "decode steps"), ("decode_s", "decode s"),
+                ("decode_ms", "ms / decode step"), ("prefill_steps", "steps with prompt tokens"),
+                ("prefill_s", "their s"), ("prefill_ms", "ms / such step"), ("triton_compiles", "compiles")]))
 
 
 def roofline_note(rows: list[dict]) -> str:

@@ -61,6 +61,14 @@ def test_schedule_recorder_sees_each_step_of_a_run(setup):
     assert floor["lora_bytes"] == sum(len(s.lora_ids) for s in steps) * 8 * shape.lora_params_per_rank() * 4
     assert floor["mean_decode_adapters"] == pytest.approx(sum(len(s.lora_ids) for s in decode) / len(decode))
 
+    # the run's wall time split by step kind: every step counted once, the parts add up to the run (less the
+    # time before the first step was scheduled)
+    d = row["diagnostics"]
+    assert d["decode_steps"] == len(decode) and d["prefill_steps"] == len(steps) - len(decode)
+    assert 0 < d["decode_s"] + d["prefill_s"] <= row["elapsed_s"]
+    assert all(a.scheduled_at <= b.scheduled_at for a, b in zip(steps, steps[1:]))
+    assert d["triton_compiles"] == 0  # the CPU path runs the torch twins: nothing compiled (GPU: tests/gpu)
+
 
 def test_phase_timers_account_for_the_whole_step(setup):
     llm, adapters, shape = setup
