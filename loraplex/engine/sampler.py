@@ -47,6 +47,13 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [R, N]
 
 
+def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small host list as a device tensor without a stream sync: ``torch.tensor(values, device=cuda)`` copies
+    with ``non_blocking=False``, which waits for every kernel queued before it (with overlapped steps, the whole
+    previous step), so a batch with top-p or penalties would stall the queue every step."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def row_seed(seed: int, index: int, position: int) -> int:
     return (seed * 0x9E3779B1 + index * 0x85EBCA77 + position * 0xC2B2AE3D) % (1 << 63)
 
@@ -81,7 +88,7 @@ class Sampler:
             logits = self._apply_penalties(logits, rows, inflight_tokens)
         token_ids = logits.argmax(dim=-1)
         if flags & SAMPLE_RANDOM:
-            greedy = torch.tensor([p.greedy for p in params]).to(self.device, non_blocking=True)
+            greedy = to_device([p.greedy for p in params], torch.bool, self.device)
             token_ids = torch.where(greedy, token_ids, self._sample(logits, params, rows, flags))
         sampled_logprobs = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1)
         ranks = top_ids = top_logprobs = None
@@ -114,30 +121,28 @@ class Sampler:
         counts = _token_counts(outputs, vocab, dev)  # [R', V]
         if late_rows:
             assert inflight_tokens is not None, "a row's token is in flight but the step has no in-flight tokens"
-            index = torch.tensor([late_rows, late_src], dtype=torch.int64).to(dev, non_blocking=True)
+            index = to_device([late_rows, late_src], torch.int64, dev)
             counts.index_put_((index[0], inflight_tokens.index_select(0, index[1])),
                               torch.ones(len(late_rows), device=dev), accumulate=True)
         prompt_seen = _token_counts([rows[i].prompt_token_ids for i in idx], vocab, dev) > 0
-        rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
-        freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
-        pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
-        sub = logits[idx]
+        rep, freq, pres = to_device([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                                     [p.presence_penalty for p in params]], torch.float32, dev)[:, :, None]
+        rows_t = to_device(idx, torch.int64, dev)
+        sub = logits.index_select(0, rows_t)
         sub = torch.where((counts > 0) | prompt_seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - freq * counts - pres * (counts > 0).float()
-        logits = logits.clone()
-        logits[idx] = sub
-        return logits
+        return logits.index_copy(0, rows_t, sub)
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], rows: list[SampleRow] | None,
                 flags: int) -> torch.Tensor:
         dev = self.device
-        temps = torch.tensor([max(p.temperature, 1e-5) for p in params]).to(dev, non_blocking=True)
+        temps = to_device([max(p.temperature, 1e-5) for p in params], torch.float32, dev)
         logits = logits / temps[:, None]
         if flags & SAMPLE_TOP_K_P:
             logits = _top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
         probs = torch.softmax(logits, dim=-1)
         if flags & SAMPLE_MIN_P:
-            min_p = torch.tensor([p.min_p for p in params], device=dev)
+            min_p = to_device([p.min_p for p in params], torch.float32, dev)
             probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         if not flags & SAMPLE_SEEDED:
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
@@ -145,8 +150,8 @@ class Sampler:
             noise = torch.empty_like(probs)
             unseeded = [i for i, p in enumerate(params) if p.seed is None]
             if unseeded:
-                noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=dev).exponential_(
-                    generator=self.generator)
+                noise.index_copy_(0, to_device(unseeded, torch.int64, dev), torch.empty(
+                    len(unseeded), probs.shape[1], device=dev).exponential_(generator=self.generator))
             for i, r in enumerate(rows):
                 if r.params.seed is not None:
                     gen = torch.Generator(device=dev).manual_seed(
@@ -173,10 +178,10 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device) -> t
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
     vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=False)
-    k = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device).clamp(max=vocab)
+    k = to_device([k if k > 0 else vocab for k in top_ks], torch.int64, logits.device).clamp(max=vocab)
     kth = sorted_logits.gather(1, (vocab - k)[:, None])
     sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _MASK)
-    p = torch.tensor(top_ps, device=logits.device)
+    p = to_device(top_ps, torch.float32, logits.device)
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     drop = cum <= (1 - p)[:, None]
     drop[:, -1] = False  # always keep the most likely token
