@@ -241,10 +241,10 @@ class ModelRunner:
             if not nb:
                 input_ids = input_ids.clone()  # .to() on the CPU returned the host buffer itself
             fixup(input_ids)
-        self.inputs.mark_copied()
         lora = None
         if out.lora_ids:
             # the step's adapter set is known on the host: no device sync to find it
             lora = self.get_lora_manager().prepare_step(batch.token_lora_ids().to(dev, non_blocking=nb),
                                                         adapter_ids=sorted(out.lora_ids))
+        self.inputs.mark_copied()  # after the last copy out of the builder's buffers
         return self.model(input_ids, positions, self.kv_caches, attn, lora)

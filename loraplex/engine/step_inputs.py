@@ -110,15 +110,23 @@ class StepBatch:
     sample_counts: list[int]  # [B] tokens to sample from each sequence's last position
     last_token_rows: np.ndarray  # [B] int64: row of each sequence's last new token
     sampler_flags: int  # OR of the scheduled requests' ``SamplingParams.sampler_flags``
+    lora_staging: torch.Tensor | None = None  # the builder's pinned [>= T] int64 buffer for token_lora_ids
+
 
     @property
     def any_prompt_logprobs(self) -> bool:
         return bool(self.sampler_flags & SAMPLE_PROMPT_LOGPROBS)
 
     def token_lora_ids(self) -> torch.Tensor:
-        """[T] int64 adapter id of each new token (0 = base)."""
+        """[T] int64 adapter id of each new token (0 = base); in the builder's pinned buffer where it has one
+        (an asynchronous copy to the device from pageable memory may wait for the stream)."""
         assert self.lora_ids is not None, "the step has no adapter"
-        return torch.from_numpy(np.repeat(np.asarray(self.lora_ids, dtype=np.int64), self.query_lens))
+        ids = np.repeat(np.asarray(self.lora_ids, dtype=np.int64), self.query_lens)
+        if self.lora_staging is None:
+            return torch.from_numpy(ids)
+        out = self.lora_staging[:ids.size]
+        out.numpy()[:] = ids
+        return out
 
 
 class StepInputBuilder:
@@ -129,7 +137,7 @@ class StepInputBuilder:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         # rows freed lazily (when the free list runs dry), so twice the live maximum keeps sweeps rare
         self.rows = BlockTableRows(2 * max_num_seqs + 1, self.max_blocks_per_seq)
-        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        pin = self._pinned = self.device.type == "cuda" and torch.cuda.is_available()
         num_tokens = max(max_num_tokens, max_num_seqs)
 
         def buf(n, dtype):
@@ -138,6 +146,7 @@ class StepInputBuilder:
         self._ids_t, self._pos_t, self._slots_t = (buf(num_tokens, torch.int64) for _ in range(3))
         self._qsl_t = buf(max_num_seqs + 1, torch.int32)
         self._lens_t = buf(max_num_seqs, torch.int32)
+        self._lora_t = buf(num_tokens, torch.int64)  # StepBatch.token_lora_ids
         self._bt_t = buf(max_num_seqs * self.max_blocks_per_seq, torch.int32)
         self._ids, self._pos, self._slots = self._ids_t.numpy(), self._pos_t.numpy(), self._slots_t.numpy()
         self._qsl, self._lens, self._bt = self._qsl_t.numpy(), self._lens_t.numpy(), self._bt_t.numpy()
@@ -212,5 +221,5 @@ class StepInputBuilder:
             max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
             lora_ids=[r.lora_id for r in reqs] if out.lora_ids else None, query_lens=query_lens,
             sample_counts=[s.num_samples for s in sched], last_token_rows=last_rows,
-            sampler_flags=flags,
+            sampler_flags=flags, lora_staging=self._lora_t if self._pinned else None,
         )

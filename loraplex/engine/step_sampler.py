@@ -91,6 +91,8 @@ class StepSampler:
         self.max_rows = max_rows
         self._ring: list[torch.Tensor] = []
         self._ring_next = 0
+        self._index_ring: list[torch.Tensor] = []  # pinned sampled-row indices (``_gather_rows``)
+        self._index_next = 0
 
     def launch(self, out: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor,
                inflight: tuple[dict[int, int], torch.Tensor] | None = None) -> PendingSample:
@@ -106,7 +108,7 @@ class StepSampler:
         if not simple or not 0 < row_idx.size <= self.max_rows:
             return PendingSample(self(out, batch, hidden, inflight))
         reqs = [s.request for s, c in zip(out.scheduled, counts) if c]
-        logits = self.compute_logits(hidden[torch.from_numpy(row_idx).to(self.device, non_blocking=True)])
+        logits = self.compute_logits(self._gather_rows(hidden, row_idx))
         src_of, inflight_tokens = inflight if inflight is not None else ({}, None)
         sampled = self.sampler.sample(logits, [r.sampling_params for r in reqs],
                                       lambda: [SampleRow(r.sampling_params, r.index, r.num_output_tokens,
@@ -138,6 +140,24 @@ class StepSampler:
         return PendingSample(tokens=sampled.token_ids, row_of={q: i for i, q in enumerate(seq_ids)}, host=host,
                              event=event, seq_ids=seq_ids, num_top=num_top)
 
+    def _gather_rows(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+        """``hidden[rows]``. A pure-decode step samples rows 0..n-1: a view, no index copy and no gather
+        kernel. Otherwise the index reaches the device from a ring of pinned buffers (a
+        copy from pageable memory may wait for the stream; a ring slot is reused only after the steps that
+        could still be reading it have finished)."""
+        n = rows.size
+        if n and rows[0] == 0 and rows[-1] == n - 1 and (n == 1 or bool((np.diff(rows) == 1).all())):
+            return hidden[:n]
+        if self.device.type != "cuda" or not torch.cuda.is_available() or n > self.max_rows:
+            return hidden[torch.from_numpy(rows).to(self.device, non_blocking=True)]
+        if not self._index_ring:
+            self._index_ring = [torch.zeros(self.max_rows, dtype=torch.int64, pin_memory=True)
+                                for _ in range(self.RING)]
+        staging = self._index_ring[self._index_next][:n]
+        self._index_next = (self._index_next + 1) % self.RING
+        staging.numpy()[:] = rows
+        return hidden[staging.to(self.device, non_blocking=True)]
+
     def _next_host_buffer(self) -> torch.Tensor:
         if not self._ring:
             pin = self.device.type == "cuda" and torch.cuda.is_available()
@@ -157,7 +177,7 @@ class StepSampler:
         if not row_idx.size and not prompt_rows:
             return result
         all_rows = np.concatenate([row_idx] + [np.asarray(rr, dtype=np.int64) for _, rr, _ in prompt_rows])
-        logits = self.compute_logits(hidden[torch.from_numpy(all_rows).to(self.device, non_blocking=True)])
+        logits = self.compute_logits(self._gather_rows(hidden, all_rows))
         if row_idx.size:
             self._collect_samples(sampled, logits[:row_idx.size], result, batch.sampler_flags, inflight)
         if prompt_rows:

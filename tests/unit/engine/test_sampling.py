@@ -136,3 +136,18 @@ def test_repetition_penalty_through_the_engine_matches_hf(llm, hf_llama):
     assert len(want) == 12
     assert outs[1].outputs[0].token_ids == want
     assert outs[0].outputs[0].token_ids != want  # the penalty changed something
+
+
+def test_step_sampler_gathers_rows_as_a_view_only_when_they_are_the_first_n():
+    import numpy as np
+
+    from loraplex.engine.step_sampler import StepSampler
+
+    ss = StepSampler(lambda h: h, Sampler(torch.device("cpu")), torch.device("cpu"), max_rows=8)
+    hidden = torch.arange(40.0).view(5, 8)
+    view = ss._gather_rows(hidden, np.arange(3))
+    assert view.data_ptr() == hidden.data_ptr() and torch.equal(view, hidden[:3])
+    # first row 0 and last row n-1, but not 0..n-1: sampled rows then a prompt-logprob row
+    for rows in ([0, 3, 2], [0, 0, 2], [1, 2], [4], [0, 2, 1, 3]):
+        got = ss._gather_rows(hidden, np.asarray(rows, dtype=np.int64))
+        assert torch.equal(got, hidden[rows]), rows
