@@ -58,13 +58,16 @@ def test_overlapped_decode_steps_make_no_sync_but_the_result_wait(tiny_model, pa
     mode reports no synchronizing call once every prompt is in (the one intended wait is an event's)."""
     import warnings
 
-    from loraplex import LLM
+    from loraplex import LLM, LoRARequest
+    from tests.conftest import adapter_dir
 
-    llm = LLM(tiny_model["model_dir"], device="cuda", dtype="bfloat16")
+    llm = LLM(tiny_model["model_dir"], device="cuda", dtype="bfloat16", enable_lora=True, max_loras=4,
+              max_lora_rank=64)
     engine = llm.engine
     assert engine.config.async_scheduling
-    for i in range(6):
-        engine.add_request(f"r{i}", [1] + list(range(20 + i, 60 + 3 * i)), params)
+    loras = [None] + [LoRARequest(f"a{k}", k + 1, adapter_dir(tiny_model, k)) for k in range(3)]
+    for i in range(6):  # base rows and three adapters in every step (prefill steps run the eager LoRA path)
+        engine.add_request(f"r{i}", [1] + list(range(20 + i, 60 + 3 * i)), params, lora_request=loras[i % 4])
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
             engine.scheduler.waiting:
         engine.step()
