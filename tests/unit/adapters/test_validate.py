@@ -174,3 +174,14 @@ def test_missing_files(adapter, base_config, tmp_path):
         validate_adapter_dir(adapter, base_config, 64)
     with pytest.raises(AdapterError, match="not a directory"):
         validate_adapter_dir(tmp_path / "nope", base_config, 64)
+
+
+@pytest.mark.parametrize("dtype", [["F32"], {"F32": 1}])
+def test_a_dtype_that_is_not_a_string_is_an_adapter_error(adapter, base_config, dtype):
+    """A JSON list or object as dtype used to escape as a TypeError (a 500 on upload)."""
+    header = json.dumps({"a": {"dtype": dtype, "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (adapter / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    with pytest.raises(AdapterError, match="unknown dtype") as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert err.value.tensor == "a"
+
