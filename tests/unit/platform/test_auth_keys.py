@@ -225,3 +225,49 @@ async def test_every_refused_well_formed_key_costs_one_hash_and_one_compare(db, 
             assert err.value.status_code == 401 and err.value.message == "Invalid API key"
             assert calls == {"hash": 1, "compare": 1}, (label, attempt, calls)
     await auth.stop()
+
+
+async def test_a_revocation_landing_during_a_key_lookup_is_not_cached_away(db):
+    """The key is read, then revoked (and the invalidation delivered) before the read is cached: the stale
+    read must not sit in the cache for the TTL (60 s here) while every other replica already refuses it."""
+    import contextlib
+
+    sessions, _ = db
+    kv = LocalKV()
+    async with sessions() as s:
+        await tenants.create_tenant(s, "acme")
+        row, new = await tenants.create_key(s, "acme")
+    hooks = []
+
+    class RevokeAfterRead:
+        """The real session; the first query's result comes back only after a revocation went through."""
+
+        def __init__(self, session):
+            self._session = session
+
+        def __getattr__(self, name):
+            return getattr(self._session, name)
+
+        async def execute(self, *args, **kwargs):
+            result = await self._session.execute(*args, **kwargs)
+            while hooks:
+                await hooks.pop()()
+            return result
+
+    @contextlib.asynccontextmanager
+    async def racing_sessions():
+        async with sessions() as s:
+            yield RevokeAfterRead(s)
+
+    async def revoke():
+        async with sessions() as s:
+            await tenants.revoke_key(s, kv, row.id)
+
+    auth = Authenticator(racing_sessions, kv, cache_ttl_s=60)
+    await auth.start()
+    hooks.append(revoke)
+    await auth.authenticate(new.key)  # read before the revocation: this one request may still pass
+    with pytest.raises(ApiError) as err:
+        await auth.authenticate(new.key)
+    assert err.value.status_code == 401
+    await auth.stop()
