@@ -57,6 +57,11 @@ def parse_adapter_config(path: Path, *, max_rank: int, max_bytes: int) -> LoraCo
         raise AdapterError("config must be a JSON object", file=CONFIG_NAME)
     if _find_key(cfg, "auto_map"):
         raise _fail("code references are refused", "auto_map")
+    # module names PEFT may import (AutoPeftModel: auto_mapping.parent_library; megatron_config: megatron_core)
+    if cfg.get("auto_mapping"):
+        raise _fail("code references are refused (must be null)", "auto_mapping")
+    if cfg.get("megatron_core") not in (None, "megatron.core"):
+        raise _fail("code references are refused (must be null or the default)", "megatron_core")
     peft_type = cfg.get("peft_type")
     if peft_type != "LORA":
         raise _fail(f"only LORA adapters are supported, got {peft_type!r}", "peft_type")

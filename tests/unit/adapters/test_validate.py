@@ -191,6 +191,9 @@ def test_a_dtype_that_is_not_a_string_is_an_adapter_error(adapter, base_config, 
     ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
     ({"arrow_config": {"top_k": 2}}, "arrow_config"),
     ({"exclude_modules": ".*q_proj"}, "exclude_modules"),
+    # PEFT's AutoPeftModel imports auto_mapping's parent_library: a module name is a code reference
+    ({"auto_mapping": {"base_model_class": "Model", "parent_library": "evil"}}, "auto_mapping"),
+    ({"megatron_core": "evil.core"}, "megatron_core"),
 ])
 def test_config_options_that_change_the_math_are_refused(adapter, base_config, changes, field):
     """PEFT would compute something else than plain LoRA for these; the engine must not pretend."""
