@@ -13,8 +13,8 @@ from loraplex.adapters.modules import MODULES
 CONFIG_NAME = "adapter_config.json"
 # options that change the math (or run code); each must be absent or at its neutral value
 _MUST_BE_EMPTY = ("modules_to_save", "rank_pattern", "alpha_pattern", "layer_replication", "megatron_config",
-                  "trainable_token_indices", "target_parameters")
-_MUST_BE_FALSE = ("use_dora", "fan_in_fan_out", "lora_bias")
+                  "trainable_token_indices", "target_parameters", "alora_invocation_tokens", "arrow_config")
+_MUST_BE_FALSE = ("use_dora", "fan_in_fan_out", "lora_bias", "use_qalora")
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,9 @@ class LoraConfig:
     use_rslora: bool
     target_modules: frozenset[str] | None  # None: all supported modules may carry weights
     base_model_name_or_path: str
+    # PEFT adapts only these layers and never the excluded modules; weights elsewhere would be dropped by PEFT
+    layers: frozenset[int] | None = None  # None: every layer
+    exclude_modules: frozenset[str] = frozenset()
 
 
 def _fail(message: str, field: str, limit: object = None) -> AdapterError:
@@ -54,6 +57,11 @@ def parse_adapter_config(path: Path, *, max_rank: int, max_bytes: int) -> LoraCo
         raise AdapterError("config must be a JSON object", file=CONFIG_NAME)
     if _find_key(cfg, "auto_map"):
         raise _fail("code references are refused", "auto_map")
+    # module names PEFT may import (AutoPeftModel: auto_mapping.parent_library; megatron_config: megatron_core)
+    if cfg.get("auto_mapping"):
+        raise _fail("code references are refused (must be null)", "auto_mapping")
+    if cfg.get("megatron_core") not in (None, "megatron.core"):
+        raise _fail("code references are refused (must be null or the default)", "megatron_core")
     peft_type = cfg.get("peft_type")
     if peft_type != "LORA":
         raise _fail(f"only LORA adapters are supported, got {peft_type!r}", "peft_type")
@@ -77,13 +85,28 @@ def parse_adapter_config(path: Path, *, max_rank: int, max_bytes: int) -> LoraCo
     for key in _MUST_BE_EMPTY:
         if cfg.get(key):
             raise _fail("is not supported (must be empty)", key)
-    layers = cfg.get("layers_to_transform")
-    if layers is not None and not (isinstance(layers, int) or (isinstance(layers, list)
-                                                               and all(isinstance(x, int) for x in layers))):
-        raise _fail("must be an integer or a list of integers", "layers_to_transform")
     base = cfg.get("base_model_name_or_path") or ""
     return LoraConfig(rank=rank, lora_alpha=float(alpha), use_rslora=use_rslora,
-                      target_modules=_targets(cfg.get("target_modules")), base_model_name_or_path=str(base)[:512])
+                      target_modules=_targets(cfg.get("target_modules")), base_model_name_or_path=str(base)[:512],
+                      layers=_layers(cfg.get("layers_to_transform")), exclude_modules=_excluded(cfg.get("exclude_modules")))
+
+
+def _layers(value: object) -> frozenset[int] | None:
+    if value is None:
+        return None
+    layers = [value] if isinstance(value, int) else value
+    if (isinstance(value, bool) or not isinstance(layers, list)
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)):
+        raise _fail("must be a non-negative integer or a list of them", "layers_to_transform")
+    return frozenset(layers)
+
+
+def _excluded(value: object) -> frozenset[str]:
+    if not value:
+        return frozenset()
+    if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+        raise _fail("must be a list of module names (regular expressions are not accepted)", "exclude_modules")
+    return frozenset(n.rsplit(".", 1)[-1] for n in value)
 
 
 def _targets(value: object) -> frozenset[str] | None:

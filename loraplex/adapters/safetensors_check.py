@@ -96,7 +96,7 @@ def _entries(header: dict, name: str, data_len: int) -> dict[str, TensorEntry]:
             raise AdapterError("tensor entry must have exactly dtype, shape and data_offsets", file=name,
                                tensor=tensor)
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in DTYPE_SIZES:
+        if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
             raise AdapterError(f"unknown dtype {dtype!r}", file=name, tensor=tensor)
         if (not isinstance(shape, list) or len(shape) > 8
                 or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):

@@ -107,6 +107,9 @@ def _check_entries(entries: dict[str, TensorEntry], cfg: LoraConfig,
     """Names, dtypes and shapes; returns {(layer, module): (A name, B name)}."""
     if not entries:
         raise AdapterError("adapter has no tensors", file=WEIGHTS_NAME)
+    if cfg.layers is not None and max(cfg.layers, default=-1) >= shapes.num_layers:
+        raise AdapterError(f"layers_to_transform: layer {max(cfg.layers)} does not exist in the base model",
+                           file=CONFIG_NAME, field="layers_to_transform", limit=f"{shapes.num_layers} layers")
     found: dict[tuple[int, str], dict[str, str]] = {}
     for name, entry in entries.items():
         match = _NAME.match(name)
@@ -120,6 +123,12 @@ def _check_entries(entries: dict[str, TensorEntry], cfg: LoraConfig,
                                file=WEIGHTS_NAME, tensor=name)
         if cfg.target_modules is not None and module not in cfg.target_modules:
             raise AdapterError(f"module {module} carries weights but is not in target_modules",
+                               file=WEIGHTS_NAME, tensor=name)
+        if module in cfg.exclude_modules:
+            raise AdapterError(f"module {module} carries weights but is listed in exclude_modules",
+                               file=WEIGHTS_NAME, tensor=name)
+        if cfg.layers is not None and layer not in cfg.layers:
+            raise AdapterError(f"layer {layer} carries weights but is not in layers_to_transform",
                                file=WEIGHTS_NAME, tensor=name)
         if layer >= shapes.num_layers:
             raise AdapterError(f"layer {layer} does not exist in the base model", file=WEIGHTS_NAME, tensor=name,

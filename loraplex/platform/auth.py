@@ -118,6 +118,7 @@ class Authenticator:
         self._kv = kv
         self._ttl = cache_ttl_s
         self._cache: dict[str, _Cached] = {}
+        self._invalidations = 0  # bumped by every invalidation message: a read that overlaps one is not cached
         self._last_used_written: dict[str, float] = {}
         self._sub: Subscription | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -134,6 +135,7 @@ class Authenticator:
             task.cancel()
 
     def _on_invalidate(self, message: str) -> None:
+        self._invalidations += 1
         kind, _, ident = message.partition(":")
         if kind == "key":
             self._cache.pop(ident, None)
@@ -161,6 +163,7 @@ class Authenticator:
         return entry.principal
 
     async def _load(self, key_id: str) -> _Cached:
+        invalidations = self._invalidations
         async with self._sessions() as session:
             row = (
                 await session.execute(select(ApiKey, Tenant).join(Tenant).where(ApiKey.id == key_id))
@@ -177,6 +180,10 @@ class Authenticator:
             entry = _Cached(key_hash=key.key_hash, principal=principal, expires_at=as_utc(key.expires_at),
                             tenant_id=tenant.id)
         self._cache.pop(key_id, None)
+        if self._invalidations != invalidations:
+            # a revocation or suspension may have landed after the read: serve this request from it (it began
+            # before), but do not keep it for the TTL
+            return entry
         if len(self._cache) >= MAX_CACHED_KEYS:  # bounded even under a flood of random key ids
             self._cache.pop(next(iter(self._cache)))
         self._cache[key_id] = entry

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,11 +45,14 @@ from loraplex.platform.registry.models import (
 from loraplex.platform.registry.names import validate_adapter_name
 from loraplex.platform.registry.store import AdapterStore, adapter_digest
 from loraplex.platform.registry.upload import UploadForm, UploadSlots, receive_upload
+from loraplex.platform.tenants import TENANT_NAME_RE
 
 log = logging.getLogger(__name__)
 
 MAX_DESCRIPTION = 1024
 MAX_SHARES = 100
+# C0 controls (NUL, escapes) but tab and newlines, and DEL: PostgreSQL refuses NUL, terminals obey escapes
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 VERSION_RETRIES = 8
 
 
@@ -92,6 +96,9 @@ class Registry:
                              shared_with: list[str] | None) -> Metadata:
         if description is not None and len(description) > MAX_DESCRIPTION:
             raise bad_request(f"description is longer than {MAX_DESCRIPTION} characters", param="description")
+        if description is not None and _CONTROL.search(description):
+            raise bad_request("description must not contain control characters (tab and newline are fine)",
+                              param="description")
         if visibility is None and shared_with:
             visibility = VISIBILITY_SHARED
         if visibility is not None and visibility not in VISIBILITIES:
@@ -103,6 +110,10 @@ class Registry:
             names = sorted(set(shared_with))
             if len(names) > MAX_SHARES:
                 raise bad_request(f"shared_with lists more than {MAX_SHARES} tenants", param="shared_with")
+            malformed = [n for n in names if not TENANT_NAME_RE.match(n)]
+            if malformed:
+                raise bad_request(f"shared_with names unknown tenant(s): {', '.join(map(repr, malformed))[:300]}",
+                                  param="shared_with")
             async with self.sessions() as session:
                 rows = (await session.execute(select(Tenant.id, Tenant.name).where(Tenant.name.in_(names)))).all()
             unknown = sorted(set(names) - {n for _, n in rows})

@@ -174,3 +174,52 @@ def test_missing_files(adapter, base_config, tmp_path):
         validate_adapter_dir(adapter, base_config, 64)
     with pytest.raises(AdapterError, match="not a directory"):
         validate_adapter_dir(tmp_path / "nope", base_config, 64)
+
+
+@pytest.mark.parametrize("dtype", [["F32"], {"F32": 1}])
+def test_a_dtype_that_is_not_a_string_is_an_adapter_error(adapter, base_config, dtype):
+    """A JSON list or object as dtype used to escape as a TypeError (a 500 on upload)."""
+    header = json.dumps({"a": {"dtype": dtype, "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (adapter / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    with pytest.raises(AdapterError, match="unknown dtype") as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert err.value.tensor == "a"
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"use_qalora": True}, "use_qalora"),
+    ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens"),
+    ({"arrow_config": {"top_k": 2}}, "arrow_config"),
+    ({"exclude_modules": ".*q_proj"}, "exclude_modules"),
+    # PEFT's AutoPeftModel imports auto_mapping's parent_library: a module name is a code reference
+    ({"auto_mapping": {"base_model_class": "Model", "parent_library": "evil"}}, "auto_mapping"),
+    ({"megatron_core": "evil.core"}, "megatron_core"),
+])
+def test_config_options_that_change_the_math_are_refused(adapter, base_config, changes, field):
+    """PEFT would compute something else than plain LoRA for these; the engine must not pretend."""
+    _edit_config(adapter, **changes)
+    with pytest.raises(AdapterError) as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert err.value.field == field and field in str(err.value)
+
+
+def test_weights_outside_layers_to_transform_or_of_excluded_modules_are_refused(adapter, base_config):
+    """PEFT gives LoRA only to the listed layers and never to excluded modules (other weights are dropped on
+    load), so such weights would make the engine compute something PEFT does not."""
+    layers = base_config["num_hidden_layers"]
+    _edit_config(adapter, layers_to_transform=[0])
+    with pytest.raises(AdapterError, match="not in layers_to_transform") as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert ".layers.1." in err.value.tensor
+    _edit_config(adapter, layers_to_transform=[layers])
+    with pytest.raises(AdapterError, match="does not exist") as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert err.value.field == "layers_to_transform" and err.value.limit == f"{layers} layers"
+    _edit_config(adapter, layers_to_transform=list(range(layers)))
+    assert validate_adapter_dir(adapter, base_config, 64).rank == 8
+    _edit_config(adapter, layers_to_transform=None, exclude_modules=["lm_head", "model.layers.0.mlp.up_proj"])
+    with pytest.raises(AdapterError, match="exclude_modules") as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert ".up_proj." in err.value.tensor
+    _edit_config(adapter, exclude_modules=["lm_head"])  # excludes nothing that carries weights
+    assert validate_adapter_dir(adapter, base_config, 64).rank == 8

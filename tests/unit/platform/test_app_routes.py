@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from litestar.testing import TestClient
 
@@ -59,3 +61,47 @@ def test_admin_tenant_and_key_lifecycle_ignores_body_smuggling(client):
     assert client.post("/admin/tenants/acme/suspend").json()["status"] == "suspended"
     assert client.post("/admin/tenants/admin/suspend").status_code == 400
     assert client.delete(f"/admin/keys/{key['id']}").json()["revoked_at"]
+
+
+def _expected_scope(method: str, path: str) -> str | None:
+    """The scope an operation needs; None: any valid key. (Public probes are handled by the caller.)"""
+    if path.startswith("/admin/"):
+        return "admin"
+    if path.startswith(("/v1/models", "/v1/completions", "/v1/chat/completions")):
+        return "inference"
+    if path.startswith("/v1/adapters") and method != "GET":
+        return "adapters:write"
+    return None
+
+
+def test_every_operation_in_the_schema_checks_key_and_scope(client):
+    """Walks /schema/openapi.json, so a route added later without a guard fails here (SECURITY.md 4)."""
+    public = {"/health", "/ready", "/metrics"}
+    r = client.post("/admin/tenants", json={"name": "acme"})
+    assert r.status_code == 201
+    keys = {}
+    for scope in ("inference", "adapters:write"):
+        r = client.post("/admin/keys", json={"tenant": "acme", "scopes": [scope]})
+        keys[scope] = r.json()["key"]
+    spec = client.get("/schema/openapi.json").json()
+    checked = 0
+    for template, operations in spec["paths"].items():
+        path = re.sub(r"\{[^}]+\}", "acme", template)
+        for method in operations:
+            method = method.upper()
+            if template in public:
+                r = client.request(method, path, headers={"Authorization": ""})
+                assert r.status_code in (200, 503) and "error" not in r.text, template  # /ready: no engine
+                continue
+            for auth in ("", "Bearer ", "Bearer lpx-notakey"):
+                r = client.request(method, path, headers={"Authorization": auth}, json={})
+                assert r.status_code == 401, (method, template, auth, r.status_code)
+            needed = _expected_scope(method, template)
+            for scope, key in keys.items():
+                r = client.request(method, path, headers={"Authorization": f"Bearer {key}"}, json={})
+                if needed is not None and needed != scope:
+                    assert r.status_code == 403, (method, template, scope, r.status_code)
+                else:
+                    assert r.status_code not in (401, 403), (method, template, scope, r.status_code, r.text)
+            checked += 1
+    assert checked >= 25  # the schema really lists the platform's routes

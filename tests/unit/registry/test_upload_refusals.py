@@ -290,3 +290,20 @@ def test_upload_slots_refuse_a_flood():
 
 async def _record(seen, form):
     seen.append(dict(form.fields))
+
+
+async def test_control_characters_in_text_fields_are_400s_naming_the_field(rapp, tiny_model):
+    """A NUL used to pass on SQLite and fail on PostgreSQL only at the final commit (after the content was
+    stored), as a 400 that named no field; now both refuse it before the weights are read."""
+    config, weights = adapter_files(tiny_model, 0)
+    for fields, param in (({"description": "a\x00b"}, "description"), ({"description": "\x1b[31mred"}, "description"),
+                          ({"shared_with": "bob\x00"}, "shared_with")):
+        r = await rapp.upload(None, "ctl", config=config, weights=weights, **fields)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
+    assert rapp.store_digests() == set() and rapp.tmp_entries() == []
+    r = await rapp.upload(None, "ctl", config=config, weights=weights, description="two\nlines\tand tabs")
+    assert r.status_code == 201 and r.json()["description"] == "two\nlines\tand tabs"
+    r = await rapp.client.patch("/v1/adapters/ctl", json={"description": "x\x00"}, headers=rapp.headers())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "description"
+    r = await rapp.client.patch("/v1/adapters/ctl", json={"shared_with": ["\x00"]}, headers=rapp.headers())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "shared_with"
