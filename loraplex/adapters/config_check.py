@@ -12,6 +12,9 @@ from loraplex.adapters.modules import MODULES
 
 CONFIG_NAME = "adapter_config.json"
 # options that change the math (or run code); each must be absent or at its neutral value
+# lora_alpha / r (sqrt(r) with rsLoRA): trained adapters use about 0.5 to 4; far above, the delta overflows the
+# activations and the adapter's outputs are NaN
+MAX_SCALING = 1000.0
 _MUST_BE_EMPTY = ("modules_to_save", "rank_pattern", "alpha_pattern", "layer_replication", "megatron_config",
                   "trainable_token_indices", "target_parameters", "alora_invocation_tokens", "arrow_config")
 _MUST_BE_FALSE = ("use_dora", "fan_in_fan_out", "lora_bias", "use_qalora")
@@ -76,6 +79,10 @@ def parse_adapter_config(path: Path, *, max_rank: int, max_bytes: int) -> LoraCo
     use_rslora = cfg.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise _fail(f"must be true or false, got {use_rslora!r}", "use_rslora")
+    scaling = alpha / (math.sqrt(rank) if use_rslora else rank)
+    if scaling > MAX_SCALING:
+        raise _fail(f"scaling lora_alpha / {'sqrt(r)' if use_rslora else 'r'} = {scaling:.4g} is over the cap",
+                    "lora_alpha", limit=MAX_SCALING)
     bias = cfg.get("bias", "none")
     if bias != "none":
         raise _fail(f"only 'none' is supported, got {bias!r}", "bias")

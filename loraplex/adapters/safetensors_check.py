@@ -82,6 +82,9 @@ def read_safetensors_header(
     if not isinstance(header, dict):
         raise AdapterError("safetensors header must be a JSON object", file=name)
     metadata = header.pop("__metadata__", None)
+    if len(header) > max_tensors:  # the count before parsing misses keys spelled with JSON escapes
+        raise AdapterError(f"safetensors header has {len(header)} entries, over the cap", file=name,
+                           limit=max_tensors)
     if metadata is not None and (not isinstance(metadata, dict) or len(json.dumps(metadata)) > MAX_METADATA_BYTES
                                  or not all(isinstance(v, str) for v in metadata.values())):
         raise AdapterError("safetensors __metadata__ must be a small map of strings", file=name,

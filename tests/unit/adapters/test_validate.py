@@ -155,6 +155,28 @@ def test_too_many_entries_refused_before_parsing(adapter, base_config):
     assert err.value.limit == 2 * 7 * base_config["num_hidden_layers"] + 64
 
 
+def test_too_many_entries_refused_even_with_escaped_key_names(adapter, base_config):
+    # "data\u005foffsets" is "data_offsets" once parsed: the byte count before parsing misses it
+    entry = '"t{}": {{"dtype": "F32", "shape": [0], "data\\u005foffsets": [0, 0]}}'
+    header = ("{" + ", ".join(entry.format(i) for i in range(300)) + "}").encode()
+    _raw_safetensors(adapter, header)
+    with pytest.raises(AdapterError, match="300 entries") as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert err.value.limit == 2 * 7 * base_config["num_hidden_layers"] + 64
+
+
+@pytest.mark.parametrize("changes", [{"lora_alpha": 1e30}, {"lora_alpha": 1e6, "r": 8},
+                                     {"lora_alpha": 40_000, "r": 16, "use_rslora": True}])
+def test_scaling_over_the_cap_is_refused(adapter, base_config, changes):
+    """alpha / r (or / sqrt(r)) that overflows the activations: the tenant's own outputs would be NaN."""
+    from loraplex.adapters.config_check import MAX_SCALING
+
+    _edit_config(adapter, **changes)
+    with pytest.raises(AdapterError, match="scaling") as err:
+        validate_adapter_dir(adapter, base_config, 64)
+    assert err.value.field == "lora_alpha" and err.value.limit == MAX_SCALING
+
+
 @pytest.mark.parametrize("header", [
     b"[1, 2]",
     b'{"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 999]}}',
