@@ -146,3 +146,33 @@ def test_validation_errors_name_the_field_and_carry_a_code(server, client, model
         r = c.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user",
                                                                                 "content": [{"type": "text"}]}]})
         assert "text" in r.json()["error"]["message"] and "got 'text'" not in r.json()["error"]["message"]
+
+
+def test_vllm_stop_extensions_stop_token_ids_and_include_stop_str(client, model, tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model["model_dir"])
+    prompt = [1, 33, 71, 5, 140]
+    greedy = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                       extra_body={"ignore_eos": True})
+    tokens = greedy.choices[0].logprobs.tokens
+    # a generated token whose text names exactly one vocabulary id (byte pieces like "\ufffd" do not)
+    k, stop_id = next((k, ids[0]) for k, t in enumerate(tokens) if k > 0
+                      for ids in [[i for i in range(len(tok)) if tok.decode([i]) == t]] if len(ids) == 1)
+    k = tokens.index(tokens[k])  # its first occurrence
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == k + 1
+
+    text = greedy.choices[0].text
+    stop = next(text[i:i + 2] for i in range(1, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+    cut = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stop=stop,
+                                    extra_body={"ignore_eos": True})
+    kept = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stop=stop,
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == cut.choices[0].text + stop and kept.choices[0].finish_reason == "stop"
+
+    for extra, param in (({"stop_token_ids": [len(tok) + 10**6]}, "stop_token_ids"),
+                         ({"stop_token_ids": list(range(65))}, "stop_token_ids")):
+        body = _refused(client.completions.create, model=model, prompt=prompt, max_tokens=2, extra_body=extra)
+        assert body["param"] == param, body

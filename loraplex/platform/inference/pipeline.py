@@ -16,6 +16,7 @@ from loraplex.platform.inference import schemas as s
 from loraplex.platform.inference.runner import Generation, engine_unavailable, new_response_id
 from loraplex.platform.inference.validation import (
     MAX_PROMPTS,
+    MAX_STOP_TOKEN_IDS,
     Limits,
     check_max_tokens,
     check_n,
@@ -137,6 +138,11 @@ async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]]
     limits = Limits.from_settings(services.settings, engine.max_model_len)
     n = check_n(req.n, len(prompts), limits)
     stop = normalize_stop(req.stop, limits)
+    if req.stop_token_ids:
+        if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad_request(f"At most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
+                              f"{len(req.stop_token_ids)}.", param="stop_token_ids")
+        _check_ids(req.stop_token_ids, engine, "stop_token_ids")
     budget = min(check_max_tokens(max_tokens, len(ids), limits, max_tokens_param, prompt_param) for ids in prompts)
     params = sampling_params(req, n=n, max_tokens=budget, stop=stop, logprobs=logprobs,
                              prompt_logprobs=prompt_logprobs)

@@ -34,6 +34,8 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):

@@ -15,6 +15,7 @@ from loraplex.settings import Settings
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
 MAX_PROMPTS = 64
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,8 @@ def sampling_params(req, *, n: int, max_tokens: int, stop: list[str], logprobs: 
             max_tokens=max_tokens,
             min_tokens=req.min_tokens or 0,
             stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
