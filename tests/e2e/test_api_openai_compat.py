@@ -176,3 +176,11 @@ def test_vllm_stop_extensions_stop_token_ids_and_include_stop_str(client, model,
                          ({"stop_token_ids": list(range(65))}, "stop_token_ids")):
         body = _refused(client.completions.create, model=model, prompt=prompt, max_tokens=2, extra_body=extra)
         assert body["param"] == param, body
+
+
+def test_models_have_a_real_created_time(client):
+    import time
+
+    models = client.models.list().data
+    assert models and all(0 < m.created <= time.time() + 1 for m in models), [(m.id, m.created) for m in models]
+    assert client.models.retrieve(models[0].id).created == models[0].created
