@@ -7,6 +7,7 @@ every framework exception (404, 405, 422 validation, 500) to the same shape.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import msgspec
@@ -110,10 +111,17 @@ _TYPES = {
 _CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large"}
 
 
+_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+
+
 def _validation_param(exc: ValidationException) -> str | None:
     extra = exc.extra
     if isinstance(extra, list) and extra and isinstance(extra[0], dict):
         key = extra[0].get("key")
+        # a missing field is reported at its parent ("data" for the body itself): name the field
+        missing = _MISSING_FIELD.search(str(extra[0].get("message", "")))
+        if missing:
+            return missing.group(1) if key in (None, "", "data") else f"{key}.{missing.group(1)}"
         return str(key) if key else None
     return None
 

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Protocol
@@ -45,7 +46,9 @@ class ModelResolver(Protocol):
 class BaseModelResolver:
     """Knows the base model only (used until the registry installs its resolver)."""
 
-    def __init__(self, base_model_id: str, created: int = 0):
+    def __init__(self, base_model_id: str, created: int | None = None):
+        # OpenAI's ``created`` is a unix time; the base model is "created" when this server starts serving it
+        created = int(time.time()) if created is None else created
         self.base = ResolvedModel(name=base_model_id, owned_by="loraplex", created=created)
 
     async def resolve(self, principal: Principal, model_name: str) -> ResolvedModel | None:

@@ -7,6 +7,7 @@ import functools
 import logging
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
 from litestar import Request
 
 from loraplex.platform.auth import principal_of
@@ -15,6 +16,7 @@ from loraplex.platform.inference import schemas as s
 from loraplex.platform.inference.runner import Generation, engine_unavailable, new_response_id
 from loraplex.platform.inference.validation import (
     MAX_PROMPTS,
+    MAX_STOP_TOKEN_IDS,
     Limits,
     check_max_tokens,
     check_n,
@@ -76,6 +78,27 @@ async def completion_prompts(req: s.CompletionRequest, services) -> tuple[list[l
                       "token-id lists.", param="prompt")
 
 
+async def echo_texts(services, prompts: list[list[int]], texts: list[str | None]) -> list[str]:
+    """The text ``echo`` repeats: a string prompt as sent, a token-id prompt decoded (special tokens
+    skipped, so that echoing ``encode(text)`` gives back ``text``)."""
+    decode = services.engine.tokenizer.decode
+    out = []
+    for ids, text in zip(prompts, texts):
+        if text is None:
+            loop = asyncio.get_running_loop()
+            text = await loop.run_in_executor(services.tokenizer_executor,
+                                              functools.partial(decode, ids, skip_special_tokens=True))
+        out.append(text)
+    return out
+
+
+async def first_token_texts(services, prompts: list[list[int]]) -> list[str]:
+    """The text of each prompt's first token (``echo`` + ``logprobs``; the engine gives the others')."""
+    decode = services.engine.tokenizer.decode
+    loop = asyncio.get_running_loop()
+    return [await loop.run_in_executor(services.tokenizer_executor, decode, ids[:1]) for ids in prompts]
+
+
 async def chat_prompt(req: s.ChatCompletionRequest, services) -> list[int]:
     if not req.messages:
         raise bad_request("messages must contain at least one message.", param="messages")
@@ -88,27 +111,41 @@ async def chat_prompt(req: s.ChatCompletionRequest, services) -> list[int]:
         if isinstance(m.content, list):
             parts = []
             for part in m.content:
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise bad_request(f"messages[{i}].content: only text parts are supported (got {part.type!r}).",
+                                      param=f"messages[{i}].content")
+                if part.text is None:
+                    raise bad_request(f"messages[{i}].content: a part of type 'text' needs a 'text' string.",
                                       param=f"messages[{i}].content")
                 parts.append(part.text)
             content = "".join(parts)
         else:
             content = m.content or ""
         messages.append({"role": role, "content": content})
-    return await _tokenize(services, services.engine.apply_chat_template, messages, True)
+    try:
+        return await _tokenize(services, services.engine.apply_chat_template, messages, True)
+    except TemplateError as exc:
+        # the model's chat template refused the conversation (raise_exception: roles must alternate, ...)
+        raise bad_request(f"The model's chat template cannot render these messages: {exc}",
+                          param="messages") from exc
 
 
 async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]], texts: list[str | None],
                   resolved, principal, *, max_tokens: int | None, max_tokens_param: str, prompt_param: str,
-                  logprobs: int | None) -> Prepared:
+                  logprobs: int | None, prompt_logprobs: int | None = None) -> Prepared:
     services = request.app.state.services
     engine = services.engine
     limits = Limits.from_settings(services.settings, engine.max_model_len)
     n = check_n(req.n, len(prompts), limits)
     stop = normalize_stop(req.stop, limits)
+    if req.stop_token_ids:
+        if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad_request(f"At most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
+                              f"{len(req.stop_token_ids)}.", param="stop_token_ids")
+        _check_ids(req.stop_token_ids, engine, "stop_token_ids")
     budget = min(check_max_tokens(max_tokens, len(ids), limits, max_tokens_param, prompt_param) for ids in prompts)
-    params = sampling_params(req, n=n, max_tokens=budget, stop=stop, logprobs=logprobs)
+    params = sampling_params(req, n=n, max_tokens=budget, stop=stop, logprobs=logprobs,
+                             prompt_logprobs=prompt_logprobs)
     try:
         services.admission.acquire()
     except ApiError:

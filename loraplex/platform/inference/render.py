@@ -42,6 +42,36 @@ def completion_logprobs(engine, delta: TokenDelta, offset: int) -> s.CompletionL
     return out
 
 
+def prompt_logprobs(first_token: str, prompt_ids: list[int],
+                    entries: list[tuple[float, list[TopLogprob]] | None]) -> s.CompletionLogprobs:
+    """Echoed prompt tokens with their logprobs (OpenAI ``echo`` + ``logprobs``): None for the first token,
+    which nothing predicts; ``first_token`` is its text (the other tokens' texts come with their entries)."""
+    out = s.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    offset = 0
+    for token_id, entry in zip(prompt_ids, entries):
+        lp, tops = (None, None) if entry is None else entry
+        text = first_token if tops is None else next(t.token for t in tops if t.token_id == token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp)
+        out.top_logprobs.append(None if tops is None else {t.token: t.logprob for t in tops})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out
+
+
+def concat_logprobs(parts: list[s.CompletionLogprobs | None]) -> s.CompletionLogprobs | None:
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    out = s.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    for part in parts:
+        out.tokens += part.tokens
+        out.token_logprobs += part.token_logprobs
+        out.top_logprobs += part.top_logprobs
+        out.text_offset += part.text_offset
+    return out
+
+
 def chat_logprobs(engine, delta: TokenDelta, top_n: int) -> s.ChatLogprobs | None:
     if delta.logprobs is None:
         return None
@@ -70,12 +100,4 @@ class ChoiceAccumulator:
         self.offset += len(text)
 
     def completion_logprobs(self) -> s.CompletionLogprobs | None:
-        if not self.logprobs:
-            return None
-        out = s.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        for part in self.logprobs:
-            out.tokens += part.tokens
-            out.token_logprobs += part.token_logprobs
-            out.top_logprobs += part.top_logprobs
-            out.text_offset += part.text_offset
-        return out
+        return concat_logprobs(self.logprobs)

@@ -12,7 +12,14 @@ from litestar.params import Parameter
 
 from loraplex.platform import idempotency
 from loraplex.platform.auth import principal_of, require_scope
-from loraplex.platform.errors import ApiError, ErrorBody, ErrorResponse, error_responses, model_not_found
+from loraplex.platform.errors import (
+    ApiError,
+    ErrorBody,
+    ErrorResponse,
+    bad_request,
+    error_responses,
+    model_not_found,
+)
 from loraplex.platform.hooks import ResolvedModel
 from loraplex.platform.inference import render
 from loraplex.platform.inference import schemas as s
@@ -21,11 +28,14 @@ from loraplex.platform.inference.pipeline import (
     authorize_and_resolve,
     chat_prompt,
     completion_prompts,
+    echo_texts,
+    first_token_texts,
     prepare,
     wait_for_disconnect,
 )
 from loraplex.platform.inference.runner import EngineFailure
 from loraplex.platform.inference.sse import DONE, SSEStream, StreamingOperation, sse_event
+from loraplex.platform.inference.validation import refuse_unsupported
 from loraplex.platform.models import SCOPE_INFERENCE
 
 _ERRORS = error_responses(400, 401, 403, 404, 409, 422, 429, 503)
@@ -111,32 +121,42 @@ async def create_completion(request: Request, data: s.CompletionRequest,
 
 async def _create_completion(request: Request, data: s.CompletionRequest) -> Response[s.CompletionResponse]:
     principal, resolved = await authorize_and_resolve(request, data.model)
-    engine = request.app.state.services.engine
+    services = request.app.state.services
+    engine = services.engine
+    refuse_unsupported(data)
     if data.best_of is not None and data.best_of != (data.n or 1):
         raise ApiError(400, "best_of is not supported (use n).", param="best_of", code="unsupported")
     if data.suffix:
         raise ApiError(400, "suffix is not supported.", param="suffix", code="unsupported")
-    prompts, texts = await completion_prompts(data, request.app.state.services)
-    if data.echo and any(t is None for t in texts):
-        raise ApiError(400, "echo needs string prompts.", param="echo", code="unsupported")
+    prompts, texts = await completion_prompts(data, services)
+    # echo + logprobs also scores the prompt (OpenAI; lm-eval-harness's loglikelihood requests rely on it)
+    score_prompt = bool(data.echo) and data.logprobs is not None
     prep = await prepare(request, data, "completions", prompts, texts, resolved, principal,
                          max_tokens=16 if data.max_tokens is None else data.max_tokens,
-                         max_tokens_param="max_tokens", prompt_param="prompt", logprobs=data.logprobs)
+                         max_tokens_param="max_tokens", prompt_param="prompt", logprobs=data.logprobs,
+                         prompt_logprobs=data.logprobs if score_prompt else None)
     gen = prep.generation
     n = gen.params.n
     created = int(time.time())
-    echo = [texts[i // n] if data.echo else None for i in range(n * len(prompts))]
+    echo = None
+    if data.echo:
+        prompt_texts = await echo_texts(services, prompts, texts)
+        first_tokens = await first_token_texts(services, prompts) if score_prompt else None
+        echo = _Echo(prompts, prompt_texts, first_tokens, n)
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         return SSEStream(_completion_events(prep, resolved, created, echo, include_usage, engine),
                          on_close=gen.close, headers=prep.headers)
     choices = [render.ChoiceAccumulator() for _ in range(n * len(prompts))]
-    for i, text in enumerate(echo):
-        if text:
-            choices[i].add_text(text)
 
     def on_delta(cd) -> None:
         acc = choices[cd.index]
+        if echo is not None and not acc.text:  # the choice's first delta
+            text, lp, offset = echo.head(cd.index, cd.delta)
+            acc.add_text(text)
+            acc.offset = offset
+            if lp is not None:
+                acc.logprobs.append(lp)
         lp = render.completion_logprobs(engine, cd.delta, acc.offset)
         if lp is not None:
             acc.logprobs.append(lp)
@@ -154,25 +174,47 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
     return Response(body, headers=prep.headers)
 
 
-async def _completion_events(prep: Prepared, resolved, created: int, echo: list[str | None], include_usage: bool,
+class _Echo:
+    """What ``echo`` puts before a choice's first generated text: the prompt, and with ``logprobs`` its
+    tokens' logprobs (from the engine's first delta of that choice)."""
+
+    def __init__(self, prompts: list[list[int]], texts: list[str], first_tokens: list[str] | None, n: int):
+        self.prompts, self.texts, self.first_tokens, self.n = prompts, texts, first_tokens, n
+
+    def head(self, index: int, delta) -> tuple[str, s.CompletionLogprobs | None, int]:
+        """(text, logprobs, text offset of the first generated token). With logprobs, offsets run on over
+        the prompt's token texts, as vLLM's do (they include special tokens the echoed text skips)."""
+        p = index // self.n
+        text = self.texts[p]
+        if self.first_tokens is None or delta.prompt_logprobs is None:
+            return text, None, len(text)
+        lp = render.prompt_logprobs(self.first_tokens[p], self.prompts[p], delta.prompt_logprobs)
+        return text, lp, lp.text_offset[-1] + len(lp.tokens[-1])
+
+
+async def _completion_events(prep: Prepared, resolved, created: int, echo: _Echo | None, include_usage: bool,
                              engine) -> AsyncIterator[bytes]:
     gen = prep.generation
-    offsets = [len(e or "") for e in echo]
+    num_choices = gen.params.n * len(gen.prompts)
+    offsets = [0] * num_choices
+    echoed = [echo is None] * num_choices
 
     def chunk(choices, usage=None) -> bytes:
         return sse_event(s.CompletionChunk(id=gen.response_id, created=created, model=resolved.name,
                                            choices=choices, usage=usage))
 
-    for i, text in enumerate(echo):
-        if text:
-            yield chunk([s.CompletionChoice(index=i, text=text, logprobs=None, finish_reason=None)])
     try:
         async for cd in gen.stream():
-            d = cd.delta
-            lp = render.completion_logprobs(engine, d, offsets[cd.index])
-            offsets[cd.index] += len(d.text)
-            if d.text or d.finished or lp is not None:
-                yield chunk([s.CompletionChoice(index=cd.index, text=d.text, logprobs=lp,
+            d, i = cd.delta, cd.index
+            text, head_lp = "", None
+            if not echoed[i]:  # the prompt goes out with the choice's first delta (its logprobs come with it)
+                echoed[i] = True
+                text, head_lp, offsets[i] = echo.head(i, d)
+            lp = render.concat_logprobs([head_lp, render.completion_logprobs(engine, d, offsets[i])])
+            offsets[i] += len(d.text)
+            text += d.text
+            if text or d.finished or lp is not None:
+                yield chunk([s.CompletionChoice(index=i, text=text, logprobs=lp,
                                                 finish_reason=render.finish_reason(d.finish_reason))])
     except EngineFailure as exc:
         yield _error_event(exc)
@@ -201,12 +243,14 @@ async def _create_chat_completion(request: Request, data: s.ChatCompletionReques
                                   ) -> Response[s.ChatCompletionResponse]:
     principal, resolved = await authorize_and_resolve(request, data.model)
     engine = request.app.state.services.engine
+    refuse_unsupported(data)
     top_n = 0
     if data.top_logprobs is not None:
         if not data.logprobs:
-            raise ApiError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
+            raise bad_request("top_logprobs needs logprobs=true.", param="top_logprobs")
         if not 0 <= data.top_logprobs <= 20:
-            raise ApiError(400, "top_logprobs must be between 0 and 20.", param="top_logprobs")
+            raise bad_request(f"top_logprobs must be between 0 and 20, got {data.top_logprobs}.",
+                              param="top_logprobs")
         top_n = data.top_logprobs
     prompt = await chat_prompt(data, request.app.state.services)
     max_tokens, param = data.max_tokens, "max_tokens"

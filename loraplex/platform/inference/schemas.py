@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -26,12 +26,16 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     user: str | None = None
+    # accepted only in their no-op form (empty / "none" / type "text"); see unsupported.py
+    logit_bias: dict[str, float] | None = None
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -59,6 +63,11 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
 
 # ---- responses ------------------------------------------------------------------------------------

@@ -9,12 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loraplex.engine.sampling_params import SamplingParams, SamplingParamsError
-from loraplex.platform.errors import bad_request
+from loraplex.platform.errors import ApiError, bad_request
 from loraplex.settings import Settings
 
 MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
 MAX_PROMPTS = 64
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ def _check_range(value: float | int | None, lo: float, hi: float, param: str) ->
         raise bad_request(f"{param} must be between {lo} and {hi}, got {value}.", param=param)
 
 
-def sampling_params(req, *, n: int, max_tokens: int, stop: list[str], logprobs: int | None) -> SamplingParams:
+def sampling_params(req, *, n: int, max_tokens: int, stop: list[str], logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """Build engine sampling params; every bad value becomes a 400 naming its field."""
     _check_range(req.temperature, 0.0, 2.0, "temperature")
     _check_range(req.top_p, 0.0, 1.0, "top_p")
@@ -105,8 +107,44 @@ def sampling_params(req, *, n: int, max_tokens: int, stop: list[str], logprobs: 
             max_tokens=max_tokens,
             min_tokens=req.min_tokens or 0,
             stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []),
+            include_stop_str_in_output=bool(req.include_stop_str_in_output),
             ignore_eos=bool(req.ignore_eos),
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except SamplingParamsError as exc:
         raise bad_request(str(exc), param=exc.param) from exc
+
+
+def _unsupported(message: str, param: str) -> ApiError:
+    return ApiError(400, message, param=param, code="unsupported")
+
+
+def refuse_unsupported(req) -> None:
+    """OpenAI parameters this server cannot honour are refused naming them, never silently ignored (a
+    client asking for JSON output or tool calls would otherwise get plain text back as if it had worked).
+    Their no-op forms are accepted: ``logit_bias: {}``, ``response_format: {"type": "text"}``,
+    ``tool_choice: "none"`` (tools are then not shown to the model, as in vLLM)."""
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
+    if req.logit_bias:
+        raise _unsupported("logit_bias is not supported by this server (only an empty object is accepted).",
+                           "logit_bias")
+    response_format = getattr(req, "response_format", None)
+    if response_format is not None and response_format.get("type") != "text":
+        raise _unsupported(f"response_format type {response_format.get('type')!r} is not supported "
+                           "(no structured output); only 'text' is accepted.", "response_format")
+    tool_choice = getattr(req, "tool_choice", None)
+    if tool_choice is not None and tool_choice != "none":
+        shown = tool_choice if isinstance(tool_choice, str) else "a named function"
+        raise _unsupported(f"tool_choice {shown!r} is not supported: this server does not generate tool "
+                           "calls; only 'none' is accepted.", "tool_choice")
+    if getattr(req, "tools", None) and tool_choice is None:
+        raise _unsupported("tools need tool calling, which this server does not support (tool_choice defaults "
+                           "to 'auto' when tools are given); send tool_choice 'none' to pass them anyway.", "tools")
+    if getattr(req, "functions", None):
+        raise _unsupported("functions (deprecated tool calling) is not supported.", "functions")
+    function_call = getattr(req, "function_call", None)
+    if function_call is not None and function_call != "none":
+        raise _unsupported("function_call is not supported; only 'none' is accepted.", "function_call")

@@ -1,0 +1,186 @@
+"""OpenAI/vLLM compatibility details a client developer runs into, against one live embedded server,
+with the official ``openai`` client: parameters the server cannot honour are refused naming them
+(never silently ignored), ``echo`` + ``logprobs`` scores the prompt (what lm-eval-harness sends), a
+chat template that refuses a conversation is a 400, and validation errors name the field."""
+
+from __future__ import annotations
+
+import shutil
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.server import start_server
+
+# the demo template, plus the check real templates (Llama 2, Mistral, Gemma) make: they raise
+STRICT_TEMPLATE_CHECK = (
+    "{% for message in messages %}{% if message['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('System message must come first') }}{% endif %}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, tiny_model):
+    model = tmp_path_factory.mktemp("strict-model") / "demo-model"
+    shutil.copytree(tiny_model["model_dir"], model)
+    template = model / "chat_template.jinja"
+    template.write_text(STRICT_TEMPLATE_CHECK + template.read_text())
+    srv = start_server(tmp_path_factory.mktemp("compat"), demo_model_from=model,
+                       env={"LORAPLEX_NUM_KV_BLOCKS": "256"})
+    try:
+        yield srv
+    finally:
+        assert srv.stop() == 0, srv.log_text()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    key = server.create_tenant("compat")["key"]
+    return openai.OpenAI(api_key=key, base_url=server.base_url + "/v1", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def _refused(call, **kw) -> dict:
+    with pytest.raises(openai.BadRequestError) as err:
+        call(**kw)
+    return err.value.body
+
+
+USER = [{"role": "user", "content": "Hello"}]
+TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_parameters_the_server_cannot_honour_are_refused_naming_them(client, model):
+    chat = client.chat.completions.create
+    cases = [
+        (dict(logit_bias={"5": 100}), "logit_bias"),
+        (dict(response_format={"type": "json_object"}), "response_format"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format"),
+        (dict(tools=[TOOL]), "tools"),  # tool_choice defaults to "auto" when tools are given
+        (dict(tools=[TOOL], tool_choice="auto"), "tool_choice"),
+        (dict(tools=[TOOL], tool_choice="required"), "tool_choice"),
+        (dict(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "lookup"}}), "tool_choice"),
+        (dict(functions=[TOOL["function"]]), "functions"),
+        (dict(stream_options={"include_usage": True}), "stream_options"),  # only with stream=true
+    ]
+    for kw, param in cases:
+        body = _refused(chat, model=model, messages=USER, max_tokens=2, **kw)
+        assert body["param"] == param and body["type"] == "invalid_request_error", (kw, body)
+        assert body["code"] in ("unsupported", "invalid_value"), body
+    body = _refused(client.completions.create, model=model, prompt="x", max_tokens=2, logit_bias={"5": 100})
+    assert body["param"] == "logit_bias"
+
+    # the no-op forms are accepted, as OpenAI and vLLM accept them
+    r = chat(model=model, messages=USER, max_tokens=2, logit_bias={}, response_format={"type": "text"},
+             tools=[TOOL], tool_choice="none", user="end-user-7")
+    assert r.choices[0].message.tool_calls is None and r.usage.completion_tokens >= 1
+
+
+def test_echo_with_logprobs_scores_the_prompt_like_lm_eval(client, model, tiny_model):
+    # greedy next token after P, then score P + [that token] with echo: the last prompt position must
+    # carry the same logprob (what lm-eval-harness's loglikelihood requests rely on)
+    prompt = [1, 17, 42, 99, 7, 250]
+    first = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=1)
+    lp = first.choices[0].logprobs
+    token_text, token_lp = lp.tokens[0], lp.token_logprobs[0]
+
+    scored = client.completions.create(model=model, prompt=[prompt, prompt[:3]], max_tokens=1, temperature=0,
+                                       logprobs=1, echo=True)
+    assert len(scored.choices) == 2
+    for choice, ids in zip(scored.choices, (prompt, prompt[:3])):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ids) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+        assert all(v <= 0 for v in lp.token_logprobs[1:])
+        assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    full = scored.choices[0]
+    assert full.logprobs.token_logprobs[len(prompt)] == pytest.approx(token_lp, abs=1e-4)
+    assert full.logprobs.tokens[len(prompt)] == token_text  # the greedy continuation is the same token
+
+    # an echoed token-id prompt is the decoded prompt text (special tokens skipped), as for a string prompt
+    from transformers import AutoTokenizer
+
+    text_prompt = "Once upon a time"
+    ids = AutoTokenizer.from_pretrained(tiny_model["model_dir"]).encode(text_prompt)
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0, echo=True)
+    assert by_ids.choices[0].text.startswith(text_prompt)
+
+    # streamed: the same tokens and logprobs, prompt first
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=1,
+                                            echo=True, stream=True))
+    streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(full.logprobs.token_logprobs[1:], abs=1e-4)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.text
+
+
+def test_a_chat_template_that_refuses_the_conversation_is_a_400(client, model):
+    body = _refused(client.chat.completions.create, model=model, max_tokens=2,
+                    messages=[{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}])
+    assert body["param"] == "messages" and "System message must come first" in body["message"]
+    ok = client.chat.completions.create(model=model, max_tokens=2, messages=[{"role": "system", "content": "x"},
+                                                                             *USER])
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_validation_errors_name_the_field_and_carry_a_code(server, client, model):
+    key = client.api_key
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {key}"}) as c:
+        cases = [
+            ({"messages": USER}, "model"),
+            ({"model": model, "messages": [{"content": "x"}]}, "messages[0].role"),
+            ({"model": model, "messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content[0].type"),
+            ({"model": model, "messages": USER, "max_tokens": "many"}, "max_tokens"),
+            ({"model": model, "messages": USER, "top_logprobs": 2}, "top_logprobs"),
+            ({"model": model, "messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+            ({"model": model, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content"),
+        ]
+        for body, param in cases:
+            r = c.post("/v1/chat/completions", json=body)
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param and err["code"] == "invalid_value", (body, err)
+        r = c.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user",
+                                                                                "content": [{"type": "text"}]}]})
+        assert "text" in r.json()["error"]["message"] and "got 'text'" not in r.json()["error"]["message"]
+
+
+def test_vllm_stop_extensions_stop_token_ids_and_include_stop_str(client, model, tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model["model_dir"])
+    prompt = [1, 33, 71, 5, 140]
+    greedy = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                       extra_body={"ignore_eos": True})
+    tokens = greedy.choices[0].logprobs.tokens
+    # a generated token whose text names exactly one vocabulary id (byte pieces like "\ufffd" do not)
+    k, stop_id = next((k, ids[0]) for k, t in enumerate(tokens) if k > 0
+                      for ids in [[i for i in range(len(tok)) if tok.decode([i]) == t]] if len(ids) == 1)
+    k = tokens.index(tokens[k])  # its first occurrence
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == k + 1
+
+    text = greedy.choices[0].text
+    stop = next(text[i:i + 2] for i in range(1, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+    cut = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stop=stop,
+                                    extra_body={"ignore_eos": True})
+    kept = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=0, stop=stop,
+                                     extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == cut.choices[0].text + stop and kept.choices[0].finish_reason == "stop"
+
+    for extra, param in (({"stop_token_ids": [len(tok) + 10**6]}, "stop_token_ids"),
+                         ({"stop_token_ids": list(range(65))}, "stop_token_ids")):
+        body = _refused(client.completions.create, model=model, prompt=prompt, max_tokens=2, extra_body=extra)
+        assert body["param"] == param, body
+
+
+def test_models_have_a_real_created_time(client):
+    import time
+
+    models = client.models.list().data
+    assert models and all(0 < m.created <= time.time() + 1 for m in models), [(m.id, m.created) for m in models]
+    assert client.models.retrieve(models[0].id).created == models[0].created
