@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import os
 import time
 from pathlib import Path
@@ -100,12 +101,17 @@ class LLMEngine:
         """Queue a request. Bad input raises ValueError; an adapter that fails to load fails only this
         request (its deltas say finish_reason "error"). Returns at once: the adapter is read in the
         background and the scheduler admits the request once it is in host memory."""
-        if not prompt_token_ids:
+        if len(prompt_token_ids) == 0:
             raise ValueError("prompt must contain at least one token")
         vocab = self.runner.model_config.vocab_size
+        # plain ints: a float or string id would pass the range check and fail later inside a shared step
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt_token_ids):
+            bad = next(t for t in prompt_token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool))
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad!r}")
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+        req = Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
                       sampling_params=sampling_params, eos_token_ids=self.eos_token_ids,
                       lora_request=lora_request, cache_salt=cache_salt, priority=priority, prompt=prompt,
                       **({"arrival_time": arrival_time} if arrival_time is not None else {}))
