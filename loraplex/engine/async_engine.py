@@ -168,8 +168,7 @@ class AsyncEngine:
             elif kind == "remove_adapter":
                 _, adapter_id, done = command
                 try:
-                    if self.engine.runner.lora_manager is not None:
-                        self.engine.runner.lora_manager.remove_adapter(adapter_id)
+                    self.engine.remove_adapter(adapter_id)
                     done.set_result(None)
                 except Exception as exc:  # noqa: BLE001
                     done.set_exception(exc)

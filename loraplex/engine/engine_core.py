@@ -138,6 +138,15 @@ class LLMEngine:
         if aborted or request_id in self._num_samples:
             self._pending.extend(self._final_deltas(request_id, aborted))
 
+    def remove_adapter(self, adapter_id: int) -> None:
+        """Forget an adapter (host copy, slot, prefix-cache blocks computed with it) once no running request
+        uses it; a later request may register other weights under the same id."""
+        manager = self.runner.lora_manager
+        if manager is None:
+            return
+        self._sync_adapter_pins()  # requests that finished since the last step no longer hold the adapter
+        manager.remove_adapter(adapter_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending) or self._inflight is not None
 
@@ -242,6 +251,11 @@ class LLMEngine:
         for request_id, samples in self.scheduler.take_failed():
             log.warning("request %s: adapter failed: %s", request_id, samples[0].error if samples else "")
             self._pending.extend(self._final_deltas(request_id, samples))
+        self._sync_adapter_pins()
+        self.runner.lora_manager.prefetch_slots()
+
+    def _sync_adapter_pins(self) -> None:
+        """Pin the adapters of running requests in the LoRA manager, and only those."""
         manager = self.runner.lora_manager
         running = {r.lora_id for r in self.scheduler.running if r.lora_id}
         for lora_id in running - self._pinned_loras:
@@ -249,7 +263,6 @@ class LLMEngine:
         for lora_id in self._pinned_loras - running:
             manager.release(lora_id)
         self._pinned_loras = running
-        manager.prefetch_slots()
 
     def _mark_finished(self, request_id: str, index: int) -> None:
         done = self._finished_indices.get(request_id)
