@@ -84,6 +84,9 @@ class LoRAManager:
         self._free_slots = list(range(max_loras - 1, -1, -1))  # popped from the end: lowest slot first
         self._pins: dict[int, int] = {}
         self._pending_removal: set[int] = set()
+        # ids whose weights were forgotten (removed, or replaced by a new version): KV computed with the old
+        # weights must not be served from the prefix cache (``take_dropped``)
+        self._dropped: list[int] = []
         # removed ids keep their path: a request queued before the removal can still re-read the files
         self._removed: set[int] = set()
         self.num_loads = 0  # host -> GPU slot copies
@@ -276,7 +279,13 @@ class LoRAManager:
             self._removed.add(adapter_id)
         self._forget_weights(adapter_id)
 
+    def take_dropped(self) -> list[int]:
+        """Adapter ids whose weights were forgotten since the last call (the scheduler drops their cached KV)."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
     def _forget_weights(self, adapter_id: int) -> None:
+        self._dropped.append(adapter_id)
         self._loading.pop(adapter_id, None)  # a read still in flight is ignored for this id
         self.host_cache.pop(adapter_id)
         slot = self._slot_of.pop(adapter_id, None)

@@ -152,24 +152,25 @@ class AsyncEngine:
             kind = command[0]
             if kind == "add":
                 _, request, stream, added = command
+                if request.request_id in self._streams:  # open (or its final deltas not yet delivered)
+                    added.set_exception(ValueError(f"request_id {request.request_id!r} is already in use"))
+                    continue
                 try:
-                    self._streams[request.request_id] = stream
                     self.engine.add_request(
                         request.request_id, request.prompt_token_ids, request.sampling_params,
                         lora_request=request.lora_request, cache_salt=request.cache_salt,
                         priority=request.priority, arrival_time=request.arrival_time)
                 except Exception as exc:  # noqa: BLE001 (a bad request is the caller's error)
-                    self._streams.pop(request.request_id, None)
-                    added.set_exception(exc)
+                    added.set_exception(exc)  # the stream of another request with this id stays
                 else:
+                    self._streams[request.request_id] = stream  # before any step: no delta can be missed
                     added.set_result(None)
             elif kind == "abort":
                 self.engine.abort_request(command[1])
             elif kind == "remove_adapter":
                 _, adapter_id, done = command
                 try:
-                    if self.engine.runner.lora_manager is not None:
-                        self.engine.runner.lora_manager.remove_adapter(adapter_id)
+                    self.engine.remove_adapter(adapter_id)
                     done.set_result(None)
                 except Exception as exc:  # noqa: BLE001
                     done.set_exception(exc)

@@ -70,12 +70,19 @@ def run(args) -> int:
               max_model_len=args.max_model_len, enable_lora=args.enable_lora, max_loras=args.max_loras,
               max_lora_rank=args.max_lora_rank)
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    src = sys.stdin if args.input == "-" else open(args.input, encoding="utf-8")  # noqa: SIM115
+    # bytes in: a line that is not UTF-8 is that line's error, not the end of the command
+    stdin = getattr(sys.stdin, "buffer", sys.stdin)
+    src = stdin if args.input == "-" else open(args.input, "rb")  # noqa: SIM115
     dst = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
     num_ok = num_failed = 0
     try:
         pending: list[tuple] = []
-        for line_no, line in enumerate(src):
+        for line_no, raw in enumerate(src):
+            try:
+                line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+            except UnicodeDecodeError as exc:
+                pending.append((str(line_no), None, None, f"line {line_no} is not UTF-8: {exc}"))
+                continue
             if not line.strip():
                 continue
             try:
@@ -89,7 +96,7 @@ def run(args) -> int:
         ok, failed = _flush(llm, pending, dst)
         num_ok, num_failed = num_ok + ok, num_failed + failed
     finally:
-        if src is not sys.stdin:
+        if src is not stdin:
             src.close()
         if dst is not sys.stdout:
             dst.close()
@@ -98,17 +105,27 @@ def run(args) -> int:
 
 
 def _flush(llm, pending: list[tuple], dst) -> tuple[int, int]:
-    runnable = [p for p in pending if p[1] is not None]
-    results = {}
-    if runnable:
-        outs = llm.generate([p[1] for p in runnable], [p[2] for p in runnable], lora_request=[p[3] for p in runnable])
-        results = {id(p): o for p, o in zip(runnable, outs)}
+    # each line is queued on its own, so a prompt the engine refuses (too long, ids outside the vocabulary)
+    # is that line's error and the rest of the chunk still runs
+    results, outputs, errors = {}, {}, {}
+    for i, p in enumerate(pending):
+        if p[1] is None:
+            continue
+        try:
+            request_id, out = llm._add_request(p[1], p[2], p[3], 0)
+        except ValueError as exc:
+            errors[i] = str(exc)
+            continue
+        outputs[request_id] = out
+        results[i] = out
+    if outputs:
+        llm._run(outputs)
     num_failed = 0
-    for p in pending:
+    for i, p in enumerate(pending):
         rid = p[0]
-        out = results.get(id(p))
+        out = results.get(i)
         if out is None:
-            record = {"id": rid, "error": p[3]}
+            record = {"id": rid, "error": errors.get(i, p[3])}
             num_failed += 1
         else:
             record = {"id": rid, "num_prompt_tokens": len(out.prompt_token_ids),

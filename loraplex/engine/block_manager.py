@@ -17,12 +17,13 @@ from loraplex.engine.request import Request
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_count", "block_hash")
+    __slots__ = ("block_id", "ref_count", "block_hash", "lora_id")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.block_hash: bytes | None = None
+        self.lora_id = 0  # adapter whose weights computed the cached contents (with block_hash)
 
 
 class BlockManager:
@@ -91,6 +92,7 @@ class BlockManager:
             block = self.blocks[req.block_ids[i]]
             if block.block_hash is None and hashes[i] not in self.hash_to_block:
                 block.block_hash = hashes[i]
+                block.lora_id = req.lora_id
                 self.hash_to_block[hashes[i]] = block.block_id
         req.num_registered_blocks = num_full
 
@@ -170,6 +172,17 @@ class BlockManager:
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies
+
+    def forget_adapter(self, lora_id: int) -> None:
+        """Drop the cached keys of blocks computed with adapter ``lora_id`` (its weights were removed or
+        replaced: the keys name the id, not the weights). Blocks in use keep their contents."""
+        for block in self.blocks:
+            if block.block_hash is not None and block.lora_id == lora_id:
+                if self.hash_to_block.get(block.block_hash) == block.block_id:
+                    del self.hash_to_block[block.block_hash]
+                block.block_hash = None
+                if block.ref_count == 0:
+                    self.free.move_to_end(block.block_id, last=False)  # reused before cached blocks
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached key (blocks in use keep their contents)."""

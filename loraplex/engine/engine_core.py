@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import numbers
 import os
 import time
 from pathlib import Path
@@ -100,12 +101,17 @@ class LLMEngine:
         """Queue a request. Bad input raises ValueError; an adapter that fails to load fails only this
         request (its deltas say finish_reason "error"). Returns at once: the adapter is read in the
         background and the scheduler admits the request once it is in host memory."""
-        if not prompt_token_ids:
+        if len(prompt_token_ids) == 0:
             raise ValueError("prompt must contain at least one token")
         vocab = self.runner.model_config.vocab_size
+        # plain ints: a float or string id would pass the range check and fail later inside a shared step
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt_token_ids):
+            bad = next(t for t in prompt_token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool))
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad!r}")
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        req = Request(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+        req = Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
                       sampling_params=sampling_params, eos_token_ids=self.eos_token_ids,
                       lora_request=lora_request, cache_salt=cache_salt, priority=priority, prompt=prompt,
                       **({"arrival_time": arrival_time} if arrival_time is not None else {}))
@@ -131,6 +137,15 @@ class LLMEngine:
         aborted = self.scheduler.abort_request(request_id)
         if aborted or request_id in self._num_samples:
             self._pending.extend(self._final_deltas(request_id, aborted))
+
+    def remove_adapter(self, adapter_id: int) -> None:
+        """Forget an adapter (host copy, slot, prefix-cache blocks computed with it) once no running request
+        uses it; a later request may register other weights under the same id."""
+        manager = self.runner.lora_manager
+        if manager is None:
+            return
+        self._sync_adapter_pins()  # requests that finished since the last step no longer hold the adapter
+        manager.remove_adapter(adapter_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending) or self._inflight is not None
@@ -236,6 +251,11 @@ class LLMEngine:
         for request_id, samples in self.scheduler.take_failed():
             log.warning("request %s: adapter failed: %s", request_id, samples[0].error if samples else "")
             self._pending.extend(self._final_deltas(request_id, samples))
+        self._sync_adapter_pins()
+        self.runner.lora_manager.prefetch_slots()
+
+    def _sync_adapter_pins(self) -> None:
+        """Pin the adapters of running requests in the LoRA manager, and only those."""
         manager = self.runner.lora_manager
         running = {r.lora_id for r in self.scheduler.running if r.lora_id}
         for lora_id in running - self._pinned_loras:
@@ -243,7 +263,6 @@ class LLMEngine:
         for lora_id in self._pinned_loras - running:
             manager.release(lora_id)
         self._pinned_loras = running
-        manager.prefetch_slots()
 
     def _mark_finished(self, request_id: str, index: int) -> None:
         done = self._finished_indices.get(request_id)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import logging
+import numbers
 from collections.abc import Sequence
 
 from loraplex.engine.config import EngineConfig
@@ -12,6 +14,7 @@ from loraplex.engine.outputs import CompletionOutput, RequestOutput, apply_delta
 from loraplex.engine.sampling_params import SamplingParams
 
 Prompt = str | dict
+log = logging.getLogger(__name__)
 
 
 class LLM:
@@ -41,33 +44,54 @@ class LLM:
         params = _per_prompt(sampling_params or SamplingParams(), num, "sampling_params")
         loras = _per_prompt(lora_request, num, "lora_request")
         priorities = _per_prompt(list(priority) if priority is not None else 0, num, "priority")
-        outputs: dict[str, RequestOutput] = {}
-        order = []
+        outputs: dict[str, RequestOutput] = {}  # in the order of prompts
         try:
             for prompt, p, lora, prio in zip(prompts, params, loras, priorities):
-                text, token_ids = self._tokenize(prompt)
-                request_id = str(next(self._ids))
-                self.engine.add_request(request_id, token_ids, p, lora_request=lora, priority=prio, prompt=text)
-                outputs[request_id] = RequestOutput(request_id, text, token_ids,
-                                                    [CompletionOutput(index=i) for i in range(p.n)])
-                order.append(request_id)
-        except Exception:
-            for request_id in order:  # all or nothing: a bad prompt leaves no work behind
-                self.engine.abort_request(request_id)
-            self.engine.step()
+                request_id, out = self._add_request(prompt, p, lora, prio)
+                outputs[request_id] = out
+        except BaseException:
+            self._abandon(outputs)  # all or nothing: a bad prompt leaves no work behind
             raise
-        while self.engine.has_unfinished_requests():
-            for delta in self.engine.step():
-                out = outputs.get(delta.request_id)
-                if out is not None:
-                    apply_delta(out, delta)
-        return [outputs[r] for r in order]
+        return self._run(outputs)
+
+    def _add_request(self, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None,
+                     priority: int) -> tuple[str, RequestOutput]:
+        """Queue one prompt (ValueError for a bad one, nothing queued); its output fills in as it runs."""
+        text, token_ids = self._tokenize(prompt)
+        request_id = str(next(self._ids))
+        self.engine.add_request(request_id, token_ids, params, lora_request=lora, priority=priority, prompt=text)
+        samples = [CompletionOutput(index=i) for i in range(params.n)]
+        return request_id, RequestOutput(request_id, text, token_ids, samples)
+
+    def _run(self, outputs: dict[str, RequestOutput]) -> list[RequestOutput]:
+        """Step until the engine is idle; an exception (a failed step, Ctrl-C) aborts these requests first, so
+        the engine is left empty and usable."""
+        try:
+            while self.engine.has_unfinished_requests():
+                for delta in self.engine.step():
+                    out = outputs.get(delta.request_id)
+                    if out is not None:
+                        apply_delta(out, delta)
+        except BaseException:
+            self._abandon(outputs)
+            raise
+        return list(outputs.values())
+
+    def _abandon(self, request_ids) -> None:
+        for request_id in request_ids:
+            self.engine.abort_request(request_id)
+        try:
+            while self.engine.has_unfinished_requests():  # the abort deltas, and a step left in flight
+                self.engine.step()
+        except Exception:  # noqa: BLE001 (the caller re-raises the first error)
+            log.exception("engine step failed while aborting the requests of a failed generate()")
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             return prompt, self.engine.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return prompt.get("prompt"), [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
+                                          for t in prompt["prompt_token_ids"]]
         raise ValueError("each prompt must be a string or a dict with 'prompt_token_ids'")
 
 

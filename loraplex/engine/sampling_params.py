@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -21,6 +22,16 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
         self.param = param
+
+
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
+_OPTIONAL = frozenset({"seed", "max_tokens", "logprobs", "prompt_logprobs"})
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass
@@ -47,8 +58,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name) or []
+            if not isinstance(value, (list, tuple)):
+                raise SamplingParamsError(name, f"must be a list, got {value!r}")
+            setattr(self, name, list(value))
         if self.top_k == 0:
             self.top_k = -1
         self.validate()
@@ -82,7 +96,22 @@ class SamplingParams:
         def bad(param: str, msg: str) -> None:
             raise SamplingParamsError(param, msg)
 
-        if not isinstance(self.n, int) or self.n < 1:
+        # types first: a float where an index is expected (top_k, logprobs) or a string seed would
+        # otherwise pass the range checks and fail inside the engine's step
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if not (value is None and name in _OPTIONAL) and not _is_int(value):
+                bad(name, f"must be an integer{' or None' if name in _OPTIONAL else ''}, got {value!r}")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                bad(name, f"must be a number, got {value!r}")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                bad(name, f"must be true or false, got {getattr(self, name)!r}")
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be a list of integers, got {self.stop_token_ids!r}")
+        if self.n < 1:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")

@@ -45,6 +45,8 @@ class AdapterGate(Protocol):
 
     def wait_for_load(self, timeout: float) -> bool: ...
 
+    def take_dropped(self) -> list[int]: ...  # ids whose weights were forgotten (removed or replaced)
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, adapters: AdapterGate | None = None):
@@ -150,6 +152,9 @@ class Scheduler:
         return out
 
     def _poll_adapters(self) -> None:
+        for adapter_id in self.adapters.take_dropped():
+            # removed or replaced: its cached blocks hold KV of weights no request will run with again
+            self.block_manager.forget_adapter(adapter_id)
         failures = self.adapters.poll(r.lora_request for r in self.waiting if r.lora_id)
         if not failures:
             return

@@ -100,3 +100,14 @@ async def test_dead_loop_fails_open_streams_and_new_requests(engine):
     assert not engine.is_healthy()
     with pytest.raises(EngineDeadError):
         await _collect(engine, EngineRequest("after", [1, 2], SamplingParams()))
+
+
+async def test_request_id_in_use_is_refused_without_touching_the_first_stream(engine):
+    first = asyncio.create_task(_collect(engine, EngineRequest(
+        "dup", [1, 40, 41], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))))
+    while "dup" not in engine._streams:
+        await asyncio.sleep(0.01)
+    with pytest.raises(ValueError, match="already in use"):
+        await _collect(engine, EngineRequest("dup", [1, 50], SamplingParams(max_tokens=2)))
+    deltas = await asyncio.wait_for(first, 10)  # hung forever: the refused request dropped its stream
+    assert deltas[-1].finished and sum(len(d.token_ids) for d in deltas) == 30

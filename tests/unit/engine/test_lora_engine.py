@@ -54,3 +54,22 @@ def test_prefix_cache_is_per_adapter(llm, tiny_model):
     assert base.num_cached_tokens == 0 and with_lora.num_cached_tokens == 0
     assert again.num_cached_tokens == 64
     assert again.outputs[0].token_ids == with_lora.outputs[0].token_ids != base.outputs[0].token_ids
+
+
+def test_new_version_under_a_removed_id_never_reuses_the_old_versions_kv(llm, tiny_model):
+    """Removing an adapter right after its requests finished, then registering other weights under the same
+    id: the new request runs (the finished requests' pins do not defer the removal) and does not take the
+    prefix-cache blocks computed with the old weights (same id, same prompt, same salt)."""
+    prompt = {"prompt_token_ids": PROMPT[:1] + list(range(300, 370))}
+    fresh = LLM(tiny_model["model_dir"], dtype="float32", enable_lora=True, max_loras=2, enable_prefix_caching=False)
+    want = fresh.generate([prompt], PARAMS, lora_request=LoRARequest("v2", 5, adapter_dir(tiny_model, 1)))[0]
+    old = llm.generate([prompt], PARAMS, lora_request=LoRARequest("v1", 5, adapter_dir(tiny_model, 0)))[0]
+    assert old.outputs[0].token_ids != want.outputs[0].token_ids
+    llm.engine.remove_adapter(5)
+    new = llm.generate([prompt], PARAMS, lora_request=LoRARequest("v2", 5, adapter_dir(tiny_model, 1)))[0]
+    assert new.outputs[0].finish_reason == "length", new.outputs[0].error
+    assert new.num_cached_tokens == 0
+    assert new.outputs[0].token_ids == want.outputs[0].token_ids
+    again = llm.generate([prompt], PARAMS, lora_request=LoRARequest("v2", 5, adapter_dir(tiny_model, 1)))[0]
+    assert again.num_cached_tokens == 64 and again.outputs[0].token_ids == want.outputs[0].token_ids
+    llm.engine.block_manager.check_invariants([])

@@ -68,3 +68,48 @@ def test_half_precision_runs_on_the_cpu(tiny_model, dtype):
         comp = out.outputs[0]
         assert len(comp.token_ids) == 8
         assert all(-1e4 < lp.logprob <= 0 for entry in comp.logprobs for lp in entry.values())
+
+
+@pytest.mark.parametrize("field, value", [
+    ("top_k", 2.5), ("logprobs", 1.5), ("prompt_logprobs", 2.5), ("seed", "x"), ("max_tokens", 2.5),
+    ("min_tokens", 1.5), ("stop_token_ids", ["a"]), ("temperature", "1"), ("top_p", None), ("ignore_eos", "no"),
+    ("n", True),
+])
+def test_mistyped_sampling_param_names_the_field(field, value):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        SamplingParams(**{field: value})
+
+
+def test_bad_prompt_token_ids_are_refused_and_leave_the_engine_usable(llm):
+    want = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    for bad in ([5, 1.5], [5, "7"], [5, None], [5, True]):
+        with pytest.raises(ValueError, match="prompt token ids"):
+            llm.generate(["Hello", {"prompt_token_ids": bad}], SamplingParams(max_tokens=4, temperature=0))
+        assert not llm.engine.has_unfinished_requests()
+    assert llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids == want
+    # numpy integers are integers
+    np = pytest.importorskip("numpy")
+    ids = llm.get_tokenizer().encode("Hello")
+    got = llm.generate({"prompt_token_ids": np.array(ids)}, SamplingParams(max_tokens=4, temperature=0))[0]
+    assert got.outputs[0].token_ids == want and got.prompt_token_ids == ids
+
+
+def test_a_failing_step_ends_the_calls_requests_and_not_the_engine(llm, monkeypatch):
+    want = llm.generate(["Hello", "A"], SamplingParams(max_tokens=4, temperature=0))
+    calls = {"n": 0}
+    launch = llm.engine.runner.launch
+
+    def failing_launch(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected step failure")
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "launch", failing_launch)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate(["Hello", "A"], SamplingParams(max_tokens=4, temperature=0))
+    assert not llm.engine.has_unfinished_requests()
+    monkeypatch.undo()
+    again = llm.generate(["Hello", "A"], SamplingParams(max_tokens=4, temperature=0))
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]
+    llm.engine.block_manager.check_invariants([])
