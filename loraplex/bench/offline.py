@@ -54,6 +54,12 @@ def adapter_rank_of(adapter_dirs: list[Path]) -> Callable[[int], int]:
     return lambda adapter_id: ranks[(adapter_id - 1) % len(ranks)]
 
 
+# engine counters whose change over a timed run the report keeps (where the time of an adapter workload went)
+DIAGNOSTIC_COUNTERS = ("num_steps", "num_overlapped_steps", "num_preemptions", "num_adapter_wait_steps",
+                       "adapter_wait_seconds", "lora_slot_loads", "lora_prefetched_slot_loads", "lora_slot_evictions",
+                       "lora_host_loads", "lora_host_reuses", "lora_host_load_seconds", "prefix_cache_hit_tokens")
+
+
 def run_generate(llm, requests: list[BenchRequest], adapter_dirs: list[Path],
                  steps: list[StepRecord] | None = None) -> dict:
     """One ``llm.generate`` over all requests; with ``steps`` (a list), every engine step is recorded into it."""
@@ -64,6 +70,7 @@ def run_generate(llm, requests: list[BenchRequest], adapter_dirs: list[Path],
     loras = lora_requests(requests, adapter_dirs)
     recorder = ScheduleRecorder(llm.engine) if steps is not None else contextlib.nullcontext()
     compiled_before = triton_compiled_kernels()
+    counters_before = llm.engine.counters
     with recorder:
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, lora_request=loras)
@@ -77,6 +84,9 @@ def run_generate(llm, requests: list[BenchRequest], adapter_dirs: list[Path],
         compiled_after = triton_compiled_kernels()
         diagnostics["triton_compiles"] = (compiled_after - compiled_before
                                           if min(compiled_before, compiled_after) >= 0 else None)
+        counters_after = llm.engine.counters
+        diagnostics["engine"] = {k: counters_after[k] - counters_before[k] for k in DIAGNOSTIC_COUNTERS
+                                 if k in counters_after}
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     errors = [o.outputs[0].error for o in outputs if o.outputs[0].error]
     expected = sum(r.output_len for r in requests)

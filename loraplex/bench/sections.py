@@ -79,7 +79,8 @@ def time_split_table(rows: list[dict]) -> str:
         d = r.get("diagnostics")
         if not d:
             continue
-        out.append({"popularity": r["popularity"], **d,
+        eng = d.get("engine", {})
+        out.append({"popularity": r["popularity"], **d, **{f"engine_{k}": v for k, v in eng.items()},
                     "decode_ms": 1e3 * d["decode_s"] / d["decode_steps"] if d["decode_steps"] else None,
                     "prefill_ms": 1e3 * d["prefill_s"] / d["prefill_steps"] if d["prefill_steps"] else None})
     if not out:
@@ -88,7 +89,11 @@ def time_split_table(rows: list[dict]) -> str:
             "\"compiles\": Triton kernel variants compiled inside the timed window):\n\n" + table(out, [
                 ("popularity", "popularity"), ("decode_steps", "decode steps"), ("decode_s", "decode s"),
                 ("decode_ms", "ms / decode step"), ("prefill_steps", "steps with prompt tokens"),
-                ("prefill_s", "their s"), ("prefill_ms", "ms / such step"), ("triton_compiles", "compiles")]))
+                ("prefill_s", "their s"), ("prefill_ms", "ms / such step"), ("triton_compiles", "compiles"),
+                ("engine_num_overlapped_steps", "overlapped steps"), ("engine_num_preemptions", "preemptions"),
+                ("engine_num_adapter_wait_steps", "steps idle for adapter reads"),
+                ("engine_adapter_wait_seconds", "their s"), ("engine_lora_host_loads", "adapter file reads"),
+                ("engine_lora_host_load_seconds", "read s"), ("engine_lora_slot_loads", "slot loads")]))
 
 
 def roofline_note(rows: list[dict]) -> str:

@@ -357,6 +357,7 @@ class LLMEngine:
             "num_computed_prompt_tokens": sched.num_computed_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens, "num_steps": sched.num_steps,
             "num_overlapped_steps": self.num_overlapped_steps,
+            "num_adapter_wait_steps": sched.num_adapter_wait_steps, "adapter_wait_seconds": sched.adapter_wait_seconds,
             "kv_waste_last": sched.last_kv_waste,
             "kv_waste_mean": self._kv_waste_sum / sched.num_steps if sched.num_steps else 0.0,
         }

@@ -58,6 +58,8 @@ class Scheduler:
         self.samples: dict[str, list[Request]] = {}  # request_id -> its live samples
         self.num_preemptions = 0
         self.num_steps = 0
+        self.num_adapter_wait_steps = 0  # steps with nothing to run while requests waited for adapter reads
+        self.adapter_wait_seconds = 0.0  # host time those steps spent waiting for a read
         self.num_computed_prompt_tokens = 0  # prompt tokens actually run through the model
         self.last_kv_waste = 0.0
         self.adapters = adapters
@@ -148,7 +150,10 @@ class Scheduler:
         self.last_kv_waste = self._kv_waste(scheduled)
         self.num_steps += 1
         if not scheduled and self.waiting and self.adapters is not None:
+            waited = time.monotonic()
             self.adapters.wait_for_load(IDLE_LOAD_WAIT_S)  # nothing to run: only adapter reads can change that
+            self.num_adapter_wait_steps += 1
+            self.adapter_wait_seconds += time.monotonic() - waited
         return out
 
     def _poll_adapters(self) -> None:

@@ -68,6 +68,10 @@ def test_schedule_recorder_sees_each_step_of_a_run(setup):
     assert 0 < d["decode_s"] + d["prefill_s"] <= row["elapsed_s"]
     assert all(a.scheduled_at <= b.scheduled_at for a, b in zip(steps, steps[1:]))
     assert d["triton_compiles"] == 0  # the CPU path runs the torch twins: nothing compiled (GPU: tests/gpu)
+    # engine counters over the run: 6 distinct adapters, 4 slots, each adapter file read once or reused
+    eng = d["engine"]
+    assert eng["num_steps"] >= len(steps) and eng["lora_slot_loads"] >= 6
+    assert eng["lora_host_loads"] + eng["lora_host_reuses"] >= 6 and eng["num_preemptions"] >= 0
 
 
 def test_phase_timers_account_for_the_whole_step(setup):

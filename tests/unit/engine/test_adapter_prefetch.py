@@ -134,8 +134,11 @@ def test_removal_and_replacement_while_a_read_is_in_flight(tiny_model, peft_gree
     manager.remove_adapter(7)  # a new version of id 7 follows; its old read is still held
     manager.remove_adapter(9)  # removed with no new version: the request queued before still runs
     engine.add_request("v2", PROMPTS[2], PARAMS, lora_request=_lora(tiny_model, 7, 2))
+    idle = engine.counters["num_adapter_wait_steps"]
     for _ in range(3):
         assert engine.step() == []  # both loader workers hold a read: nothing is ready yet
+    assert engine.counters["num_adapter_wait_steps"] == idle + 3  # each of those steps waited for a read
+    assert engine.counters["adapter_wait_seconds"] > 0
     held.release()
     _step_until(engine, got, lambda: not engine.has_unfinished_requests())
     # id 7 serves its new version to both requests (weights follow the id), never the old read
