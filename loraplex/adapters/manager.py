@@ -27,10 +27,10 @@ import torch
 from loraplex.adapters.errors import AdapterError
 from loraplex.adapters.file_cache import ValidatedFiles, file_key
 from loraplex.adapters.host_cache import HostLRUCache
-from loraplex.adapters.loader import HostAdapter, load_adapter
+from loraplex.adapters.loader import HostAdapter
 from loraplex.adapters.mapping import LoRAStep, token_slots_from_ids
 from loraplex.adapters.modules import BaseShapes
-from loraplex.adapters.packed import pack_adapter
+from loraplex.adapters.packed import load_packed_adapter
 from loraplex.adapters.prefetch import BackgroundLoader
 from loraplex.adapters.slot_pool import SlotPool
 
@@ -245,8 +245,8 @@ class LoRAManager:
 
     def _load_files(self, path: str, adapter_id: int = 0) -> HostAdapter:
         """Read, validate and pack one adapter directory (any thread; touches no shared state)."""
-        adapter = load_adapter(adapter_id, path, self.shapes, self.max_lora_rank, dtype=self.dtype)
-        return pack_adapter(adapter, pin_memory=self.device.type == "cuda")
+        return load_packed_adapter(adapter_id, path, self.shapes, self.max_lora_rank, dtype=self.dtype,
+                                   pin_memory=self.device.type == "cuda")
 
     # ---- pins --------------------------------------------------------------------------------------
     def acquire(self, adapter_id: int) -> None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.adapters.loader import HostAdapter
+from loraplex.adapters.modules import MODULE_INDEX, PROJ_MODULES, BaseShapes
+from loraplex.adapters.validate import read_adapter
 
 _ALIGN = 64  # bytes: every segment starts aligned for any dtype and for vectorized device copies
 
@@ -46,6 +48,55 @@ class PackedAdapter(HostAdapter):
         return {name: seg.view(staged) for name, seg in self.layout.items()}
 
 
+def _layout(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[dict[str, Segment], int]:
+    layout: dict[str, Segment] = {}
+    offset = 0
+    for name, (shape, dtype) in shapes.items():
+        layout[name] = Segment(offset, shape, dtype)
+        offset += -(-layout[name].num_bytes // _ALIGN) * _ALIGN
+    return layout, offset
+
+
+def load_packed_adapter(adapter_id: int, path, shapes: BaseShapes, max_rank: int, *, dtype: torch.dtype,
+                        pin_memory: bool, **limits) -> PackedAdapter:
+    """``pack_adapter(load_adapter(...))`` in one pass: the validated tensors are copied (and cast) straight into
+    their place in the one buffer, and only the parts the adapter leaves empty are zeroed. Reading an adapter
+    then costs one copy of its weights instead of three."""
+    spec, tensors = read_adapter(path, shapes, max_rank, keep_tensors=True, **limits)
+    r, num_layers = spec.rank, shapes.num_layers
+    wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+    projs = [p for p, mods in PROJ_MODULES.items() if any(m in spec.module_layers for m in mods)]
+    for proj in projs:
+        wanted[f"a.{proj}"] = ((num_layers, len(PROJ_MODULES[proj]), r, shapes.proj_in(proj)), dtype)
+        wanted[f"bt.{proj}"] = ((num_layers, r, sum(shapes.slice_widths(proj))), dtype)
+    wanted["ranks"] = ((num_layers, len(MODULE_INDEX)), torch.int32)
+    wanted["scaling"] = ((1,), torch.float32)
+    layout, size = _layout(wanted)
+    buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
+    views = {name: seg.view(buffer) for name, seg in layout.items()}
+    ranks = views["ranks"]
+    ranks.zero_()
+    views["scaling"].fill_(spec.scaling)
+    for proj in projs:
+        modules = PROJ_MODULES[proj]
+        a, bt = views[f"a.{proj}"], views[f"bt.{proj}"]
+        if any(len(spec.module_layers.get(m, ())) < num_layers for m in modules):
+            a.zero_()  # some (layer, slice) carries no weights: it must read as zeros
+            bt.zero_()
+        col = 0
+        for s, (module, width) in enumerate(zip(modules, shapes.slice_widths(proj))):
+            for layer in spec.module_layers.get(module, ()):
+                lora_a, lora_b = tensors[(layer, module)]
+                a[layer, s].copy_(lora_a)
+                bt[layer, :, col:col + width].copy_(lora_b.t())
+                ranks[layer, MODULE_INDEX[module]] = r
+            col += width
+    return PackedAdapter(
+        adapter_id=adapter_id, spec=spec,
+        a={p: views.get(f"a.{p}") for p in PROJ_MODULES}, bt={p: views.get(f"bt.{p}") for p in PROJ_MODULES},
+        ranks=ranks, buffer=buffer, layout=layout)
+
+
 def pack_adapter(adapter: HostAdapter, pin_memory: bool) -> PackedAdapter:
     """Copy an adapter into one (pinned) buffer; the result shares nothing with ``adapter``."""
     tensors: dict[str, torch.Tensor] = {}
@@ -55,12 +106,8 @@ def pack_adapter(adapter: HostAdapter, pin_memory: bool) -> PackedAdapter:
             tensors[f"bt.{proj}"] = adapter.bt[proj]
     tensors["ranks"] = adapter.ranks
     tensors["scaling"] = torch.tensor([adapter.spec.scaling], dtype=torch.float32)
-    layout: dict[str, Segment] = {}
-    offset = 0
-    for name, t in tensors.items():
-        layout[name] = Segment(offset, tuple(t.shape), t.dtype)
-        offset += -(-layout[name].num_bytes // _ALIGN) * _ALIGN
-    buffer = torch.empty(offset, dtype=torch.uint8, pin_memory=pin_memory)
+    layout, size = _layout({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
+    buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
     for name, t in tensors.items():
         layout[name].view(buffer).copy_(t)
     views = {name: seg.view(buffer) for name, seg in layout.items()}

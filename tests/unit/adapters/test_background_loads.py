@@ -153,6 +153,38 @@ def test_prefetch_takes_free_or_unneeded_slots_only(tiny_model, hf_config):
     assert mgr.num_loads == loads  # no second fill
 
 
+@pytest.mark.parametrize("index", [0, 1, 2, 3])  # mixed ranks and target sets (some layers/slices empty)
+def test_one_pass_packed_load_equals_load_then_pack(tiny_model, hf_config, index, tmp_path):
+    from loraplex.adapters.packed import load_packed_adapter
+
+    shapes = BaseShapes.from_config(hf_config)
+    path = adapter_dir(tiny_model, index)
+    for dtype in (torch.float32, torch.bfloat16):
+        ref = pack_adapter(load_adapter(1, path, hf_config, 64, dtype=dtype), pin_memory=False)
+        got = load_packed_adapter(1, path, shapes, 64, dtype=dtype, pin_memory=False)
+        assert got.layout == ref.layout and got.spec == ref.spec
+        for name, seg in ref.layout.items():  # byte for byte (the alignment padding between segments aside)
+            assert torch.equal(seg.view(got.buffer).view(torch.uint8), seg.view(ref.buffer).view(torch.uint8)), name
+        for proj in ref.a:
+            assert (got.a[proj] is None) == (ref.a[proj] is None)
+    # the buffer is reused memory: stale bytes where the adapter has no weights must be zeroed
+    garbage = torch.full((got.buffer.numel(),), 0x7F, dtype=torch.uint8)
+    real_empty = torch.empty
+    def dirty_empty(*a, **kw):
+        t = real_empty(*a, **kw)
+        if t.dtype == torch.uint8:
+            t.copy_(garbage[:t.numel()])
+        return t
+    import loraplex.adapters.packed as packed_mod
+    packed_mod.torch.empty = dirty_empty
+    try:
+        dirty = load_packed_adapter(1, path, shapes, 64, dtype=torch.bfloat16, pin_memory=False)
+    finally:
+        packed_mod.torch.empty = real_empty
+    for name, seg in ref.layout.items():
+        assert torch.equal(seg.view(dirty.buffer).view(torch.uint8), seg.view(ref.buffer).view(torch.uint8)), name
+
+
 def test_packed_adapter_is_one_buffer_and_fills_like_the_plain_layout(tiny_model, hf_config):
     plain = load_adapter(1, adapter_dir(tiny_model, 0), hf_config, 64, dtype=torch.float32)
     packed = pack_adapter(plain, pin_memory=False)

@@ -245,3 +245,20 @@ def test_weights_outside_layers_to_transform_or_of_excluded_modules_are_refused(
     assert ".up_proj." in err.value.tensor
     _edit_config(adapter, exclude_modules=["lm_head"])  # excludes nothing that carries weights
     assert validate_adapter_dir(adapter, base_config, 64).rank == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_all_finite_reads_nan_and_inf_from_the_bits(dtype):
+    from loraplex.adapters.validate import all_finite
+
+    info = torch.finfo(dtype)
+    edge = torch.tensor([info.max, -info.max, info.tiny, -info.tiny, info.tiny / 4, 0.0, -0.0, 1.0], dtype=dtype)
+    assert all_finite(edge)  # the largest, smallest normal and subnormal values are finite
+    for bad in (float("nan"), float("inf"), float("-inf"), -float("nan")):
+        t = torch.randn(64, 33).to(dtype)
+        t[17, 5] = bad
+        assert not all_finite(t), bad
+        assert not all_finite(t.t())  # a non-contiguous view too
+    wide = torch.randn(2, 300).to(dtype)
+    assert all_finite(wide) == bool(torch.isfinite(wide).all())
+    assert all_finite(torch.empty(0, 4, dtype=dtype))
