@@ -6,6 +6,7 @@ chat template that refuses a conversation is a 400, and validation errors name t
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import httpx
 import openai
@@ -20,14 +21,31 @@ STRICT_TEMPLATE_CHECK = (
 )
 
 
+# and, as templates that show speaker names do, a message's `name` before its content
+NAMED_CONTENT = "(message['name'] ~ ': ' if message['name'] is defined else '') ~ message['content']"
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model):
+def model_dir(tmp_path_factory, tiny_model) -> Path:
     model = tmp_path_factory.mktemp("strict-model") / "demo-model"
     shutil.copytree(tiny_model["model_dir"], model)
     template = model / "chat_template.jinja"
-    template.write_text(STRICT_TEMPLATE_CHECK + template.read_text())
-    srv = start_server(tmp_path_factory.mktemp("compat"), demo_model_from=model,
-                       env={"LORAPLEX_NUM_KV_BLOCKS": "256"})
+    template.write_text(STRICT_TEMPLATE_CHECK + template.read_text().replace("message['content']", NAMED_CONTENT))
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
+    # 128 blocks of 16 hold 2048 tokens, less than the model's 4096: the engine refuses longer sequences
+    srv = start_server(tmp_path_factory.mktemp("compat"), demo_model_from=model_dir,
+                       env={"LORAPLEX_NUM_KV_BLOCKS": "128"})
     try:
         yield srv
     finally:
@@ -184,3 +202,22 @@ def test_models_have_a_real_created_time(client):
     models = client.models.list().data
     assert models and all(0 < m.created <= time.time() + 1 for m in models), [(m.id, m.created) for m in models]
     assert client.models.retrieve(models[0].id).created == models[0].created
+
+
+def test_a_model_without_a_chat_template_refuses_chat_naming_messages(tmp_path_factory, tiny_model):
+    # the demo and test models ship one; a base model often does not (transformers raises ValueError)
+    assert (Path(tiny_model["model_dir"]) / "chat_template.jinja").is_file()
+    model = tmp_path_factory.mktemp("plain-model") / "demo-model"
+    shutil.copytree(tiny_model["model_dir"], model)
+    (model / "chat_template.jinja").unlink()
+    srv = start_server(tmp_path_factory.mktemp("plain"), demo_model_from=model, env={"LORAPLEX_NUM_KV_BLOCKS": "64"})
+    try:
+        plain = openai.OpenAI(api_key=srv.create_tenant("plain")["key"], base_url=srv.base_url + "/v1",
+                              max_retries=0)
+        name = plain.models.list().data[0].id
+        body = _refused(plain.chat.completions.create, model=name, messages=USER, max_tokens=2)
+        assert body["param"] == "messages" and body["code"] == "unsupported", body
+        assert "chat template" in body["message"] and "/v1/completions" in body["message"]
+        assert plain.completions.create(model=name, prompt="Hello", max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        assert srv.stop() == 0, srv.log_text()[-3000:]

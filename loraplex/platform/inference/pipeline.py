@@ -100,6 +100,10 @@ async def first_token_texts(services, prompts: list[list[int]]) -> list[str]:
 
 
 async def chat_prompt(req: s.ChatCompletionRequest, services) -> list[int]:
+    if getattr(services.engine.tokenizer, "chat_template", None) is None:
+        # a base model often ships none; vLLM refuses chat then too (transformers has no default any more)
+        raise bad_request(f"The base model {services.base_model_id!r} has no chat template, so it cannot render messages; "
+                          "send a prompt to /v1/completions instead.", param="messages", code="unsupported")
     if not req.messages:
         raise bad_request("messages must contain at least one message.", param="messages")
     messages = []
