@@ -221,3 +221,31 @@ def test_a_model_without_a_chat_template_refuses_chat_naming_messages(tmp_path_f
         assert plain.completions.create(model=name, prompt="Hello", max_tokens=2).usage.completion_tokens >= 1
     finally:
         assert srv.stop() == 0, srv.log_text()[-3000:]
+
+
+def test_unknown_model_404_is_short_and_identical_for_another_tenants_adapter(server, client, tiny_model):
+    def answers(name: str) -> list[tuple[int, bytes]]:
+        with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {client.api_key}"}) as c:
+            rs = [c.post("/v1/chat/completions", json={"model": name, "messages": USER, "max_tokens": 2}),
+                  c.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2}),
+                  c.get(f"/v1/models/{name}")]
+        return [(r.status_code, r.content) for r in rs]
+
+    for status, content in answers("m" * 5000):
+        err = httpx.Response(status, content=content).json()["error"]
+        assert status == 404 and err["param"] == "model" and err["code"] == "model_not_found", err
+        assert len(err["message"]) < 300 and "(5000 characters)" in err["message"], err["message"][:400]
+
+    # SECURITY.md 1: another tenant's private adapter answers byte for byte what a missing one does
+    name = "owner-co/hidden-tune"
+    missing = answers(name)
+    assert [s for s, _ in missing] == [404, 404, 404] and name.encode() in missing[0][1]
+    owner = server.create_tenant("owner-co", scopes=["inference", "adapters:write"])
+    src = Path(tiny_model["model_dir"]) / "adapters" / tiny_model["adapters"][0]["name"]
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {owner['key']}"}) as c:
+        r = c.post("/v1/adapters", data={"name": "hidden-tune"},
+                   files={"config": ("adapter_config.json", (src / "adapter_config.json").read_bytes()),
+                          "weights": ("adapter_model.safetensors", (src / "adapter_model.safetensors").read_bytes())})
+        assert r.status_code == 201, r.text
+        assert c.get("/v1/models/hidden-tune").status_code == 200
+    assert answers(name) == missing

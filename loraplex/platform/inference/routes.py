@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 
 from litestar import Request, Response, get, post
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.params import Parameter
 
 from loraplex.platform import idempotency
 from loraplex.platform.auth import principal_of, require_scope
@@ -56,7 +55,7 @@ async def list_models(request: Request) -> s.ModelList:
 
 @get("/v1/models/{model:path}", guards=_INFER, responses=error_responses(401, 403, 404), tags=["openai"],
      summary="Retrieve a model")
-async def get_model(request: Request, model: str = Parameter(max_length=257)) -> s.Model:
+async def get_model(request: Request, model: str) -> s.Model:
     model = model.lstrip("/")  # a path parameter, so ids like "<tenant>/<adapter>" work
     principal = await principal_of(request)
     resolved = await request.app.state.services.models.resolve(principal, model)
