@@ -249,3 +249,18 @@ def test_unknown_model_404_is_short_and_identical_for_another_tenants_adapter(se
         assert r.status_code == 201, r.text
         assert c.get("/v1/models/hidden-tune").status_code == 200
     assert answers(name) == missing
+
+
+def test_an_engine_refusal_is_a_documented_400(server, client, model):
+    # 128 KV blocks of 16 cannot hold 3000 tokens, though the model's context could
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {client.api_key}"}) as c:
+        r = c.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 3000})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["type"] == "invalid_request_error", err
+    assert err["code"] == "invalid_value" and "KV blocks" in err["message"], err
+    assert f"| {err['code']}" in _documented_error_rows(400)
+
+
+def _documented_error_rows(status: int) -> str:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    return "\n".join(line for line in doc.splitlines() if line.startswith(f"| {status} |"))

@@ -65,15 +65,15 @@ async def get_model(request: Request, model: str) -> s.Model:
 
 
 def _engine_failure_error(exc: EngineFailure) -> ApiError:
-    if exc.invalid:
-        return ApiError(400, f"The request was refused: {exc}", code="invalid_request")
+    if exc.invalid:  # e.g. prompt + max_tokens need more KV blocks than the replica's cache has
+        return ApiError(400, f"The request was refused: {exc}", param=exc.param, code="invalid_value")
     return ApiError(503, f"The inference engine failed: {exc}", type="server_error", code="engine_error",
                     headers={"Retry-After": "5"})
 
 
 def _error_event(exc: EngineFailure) -> bytes:
     err = _engine_failure_error(exc)
-    return sse_event(ErrorResponse(ErrorBody(message=err.message, type=err.type, code=err.code)))
+    return sse_event(ErrorResponse(ErrorBody(message=err.message, type=err.type, param=err.param, code=err.code)))
 
 
 async def _collect(request: Request, prep: Prepared, on_delta) -> None:
