@@ -264,3 +264,93 @@ def test_an_engine_refusal_is_a_documented_400(server, client, model):
 def _documented_error_rows(status: int) -> str:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
     return "\n".join(line for line in doc.splitlines() if line.startswith(f"| {status} |"))
+
+
+def test_vllm_sampling_extensions_are_honoured(client, model, tokenizer):
+    prompt = [1, 33, 71, 5, 140]
+
+    def complete(**kw):
+        extra = {"ignore_eos": True, **kw.pop("extra", {})}
+        return client.completions.create(model=model, prompt=prompt, max_tokens=12, logprobs=0, extra_body=extra,
+                                         **kw)
+
+    greedy = complete(temperature=0).choices[0]
+    # top_k=1 and min_p=1 keep only the most likely token: greedy at any temperature
+    assert complete(temperature=1.5, seed=5, extra={"top_k": 1}).choices[0].text == greedy.text
+    assert complete(temperature=1.5, seed=5, extra={"min_p": 1.0}).choices[0].text == greedy.text
+    assert complete(temperature=0, extra={"repetition_penalty": 5.0}).choices[0].text != greedy.text
+    # min_tokens: a stop token before it does not stop the choice
+    k, stop_id = _unique_token(tokenizer, greedy.logprobs.tokens)
+    stopped = complete(temperature=0, extra={"stop_token_ids": [stop_id]}).choices[0]
+    assert stopped.finish_reason == "stop" and len(stopped.logprobs.tokens) == k + 1
+    held = complete(temperature=0, extra={"stop_token_ids": [stop_id], "min_tokens": k + 3}).choices[0]
+    assert len(held.logprobs.tokens) >= k + 3
+
+
+def _unique_token(tokenizer, tokens: list[str]) -> tuple[int, int]:
+    """(first position, id) of a generated token whose text names exactly one vocabulary id."""
+    for k, text in enumerate(tokens):
+        ids = [i for i in range(len(tokenizer)) if tokenizer.decode([i]) == text]
+        if len(ids) == 1 and tokens.index(text) == k:
+            return k, ids[0]
+    raise AssertionError(f"no token with a unique text in {tokens}")
+
+
+def test_skip_special_tokens_and_stop_reason(client, model, tokenizer):
+    specials = set(tokenizer.all_special_tokens)
+
+    def sample(**extra):
+        return client.completions.create(model=model, prompt="Once", max_tokens=48, temperature=1.5, n=16, seed=1,
+                                         logprobs=0, extra_body={"ignore_eos": True, **extra}).choices
+
+    skipped, kept = sample(), sample(skip_special_tokens=False)
+    assert any(specials & set(c.logprobs.tokens) for c in skipped)  # the random model does emit some
+    assert not any(sp in c.text for c in skipped for sp in specials)
+    with_specials = [c for c in kept if specials & set(c.logprobs.tokens)]
+    assert with_specials and all(sp in c.text for c in with_specials for sp in specials & set(c.logprobs.tokens))
+
+    # stop_reason (vLLM): the stop string or token id that ended the choice, else null
+    prompt = [1, 33, 71, 5, 140]
+    base = dict(model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=0)
+    greedy = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0]
+    assert greedy.finish_reason == "length" and greedy.model_extra.get("stop_reason", "absent") is None
+    _, token_id = _unique_token(tokenizer, greedy.logprobs.tokens)
+    by_id = client.completions.create(**base, extra_body={"ignore_eos": True, "stop_token_ids": [token_id]})
+    assert by_id.choices[0].model_extra["stop_reason"] == token_id
+    by_str = client.chat.completions.create(model=model, messages=USER, max_tokens=8, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    text = by_str.choices[0].message.content
+    stop = next(text[i:i + 2] for i in range(1, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+    cut = client.chat.completions.create(model=model, messages=USER, max_tokens=8, temperature=0, stop=stop,
+                                         extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(client.chat.completions.create(model=model, messages=USER, max_tokens=8, temperature=0, stop=stop,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    last = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    assert last.model_extra["stop_reason"] == stop
+
+
+def _rendered(tokenizer, messages, **kw) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, **kw)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _prompt_tokens(client, model, messages, **extra) -> int:
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0, extra_body=extra)
+    return r.usage.prompt_tokens
+
+
+def test_assistant_prefill_with_continue_final_message(client, model, tokenizer):
+    # continue_final_message renders the last message open-ended, and the model continues it
+    prefill = [*USER, {"role": "assistant", "content": "Once upon"}]
+    ids = _rendered(tokenizer, prefill, continue_final_message=True)
+    r = client.chat.completions.create(model=model, messages=prefill, max_tokens=4, temperature=0,
+                                       extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    plain = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == plain.choices[0].text
+    closed = _rendered(tokenizer, prefill)
+    assert _prompt_tokens(client, model, prefill, add_generation_prompt=False) == len(closed) == len(ids) + 1
+    assert _prompt_tokens(client, model, prefill) == len(_rendered(tokenizer, prefill, add_generation_prompt=True))
+    body = _refused(client.chat.completions.create, model=model, messages=prefill, max_tokens=2,
+                    extra_body={"continue_final_message": True})  # add_generation_prompt defaults to true
+    assert body["param"] == "continue_final_message" and "add_generation_prompt" in body["message"], body

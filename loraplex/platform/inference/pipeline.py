@@ -126,10 +126,18 @@ async def chat_prompt(req: s.ChatCompletionRequest, services) -> list[int]:
         else:
             content = m.content or ""
         messages.append({"role": role, "content": content})
+    add_generation_prompt = req.add_generation_prompt is not False  # vLLM's default: true
+    continue_final_message = bool(req.continue_final_message)
+    if add_generation_prompt and continue_final_message:
+        raise bad_request("continue_final_message (continue the last message) cannot be combined with "
+                          "add_generation_prompt (start a new assistant message), which defaults to true: "
+                          "send add_generation_prompt=false.", param="continue_final_message")
     try:
-        return await _tokenize(services, services.engine.apply_chat_template, messages, True)
-    except TemplateError as exc:
-        # the model's chat template refused the conversation (raise_exception: roles must alternate, ...)
+        return await _tokenize(services, services.engine.apply_chat_template, messages, add_generation_prompt,
+                               continue_final_message)
+    except (TemplateError, ValueError) as exc:
+        # the model's chat template refused the conversation (raise_exception: roles must alternate, ...), or
+        # transformers did (continue_final_message: the last message is not in the rendered text, ...)
         raise bad_request(f"The model's chat template cannot render these messages: {exc}",
                           param="messages") from exc
 

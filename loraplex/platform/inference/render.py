@@ -91,9 +91,14 @@ class ChoiceAccumulator:
 
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     logprobs: list[s.CompletionLogprobs] = field(default_factory=list)
     chat_logprobs: list[s.ChatLogprobEntry] = field(default_factory=list)
     offset: int = 0
+
+    def finish(self, delta: TokenDelta) -> None:
+        self.finish_reason = finish_reason(delta.finish_reason)
+        self.stop_reason = delta.stop_reason
 
     def add_text(self, text: str) -> None:
         self.text.append(text)

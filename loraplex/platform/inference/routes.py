@@ -161,14 +161,15 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
             acc.logprobs.append(lp)
         acc.add_text(cd.delta.text)
         if cd.delta.finished:
-            acc.finish_reason = render.finish_reason(cd.delta.finish_reason)
+            acc.finish(cd.delta)
 
     await _collect(request, prep, on_delta)
     await gen.wait_recorded()
     body = s.CompletionResponse(
         id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
         choices=[s.CompletionChoice(index=i, text="".join(c.text), logprobs=c.completion_logprobs(),
-                                    finish_reason=c.finish_reason or "stop") for i, c in enumerate(choices)],
+                                    finish_reason=c.finish_reason or "stop", stop_reason=c.stop_reason)
+                 for i, c in enumerate(choices)],
     )
     return Response(body, headers=prep.headers)
 
@@ -214,7 +215,8 @@ async def _completion_events(prep: Prepared, resolved, created: int, echo: _Echo
             text += d.text
             if text or d.finished or lp is not None:
                 yield chunk([s.CompletionChoice(index=i, text=text, logprobs=lp,
-                                                finish_reason=render.finish_reason(d.finish_reason))])
+                                                finish_reason=render.finish_reason(d.finish_reason),
+                                                stop_reason=d.stop_reason)])
     except EngineFailure as exc:
         yield _error_event(exc)
         return
@@ -273,7 +275,7 @@ async def _create_chat_completion(request: Request, data: s.ChatCompletionReques
             acc.chat_logprobs.extend(lp.content or [])
         acc.add_text(cd.delta.text)
         if cd.delta.finished:
-            acc.finish_reason = render.finish_reason(cd.delta.finish_reason)
+            acc.finish(cd.delta)
 
     await _collect(request, prep, on_delta)
     await gen.wait_recorded()
@@ -281,7 +283,8 @@ async def _create_chat_completion(request: Request, data: s.ChatCompletionReques
         id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
         choices=[s.ChatChoice(index=i, message=s.AssistantMessage(content="".join(c.text)),
                               logprobs=s.ChatLogprobs(content=c.chat_logprobs) if data.logprobs else None,
-                              finish_reason=c.finish_reason or "stop") for i, c in enumerate(choices)],
+                              finish_reason=c.finish_reason or "stop", stop_reason=c.stop_reason)
+                 for i, c in enumerate(choices)],
     )
     return Response(body, headers=prep.headers)
 
@@ -302,7 +305,8 @@ async def _chat_events(prep: Prepared, resolved, created: int, include_usage: bo
             lp = render.chat_logprobs(engine, d, top_n)
             if d.text or d.finished or lp is not None:
                 yield chunk([s.ChatChunkChoice(index=cd.index, delta=s.ChatDelta(content=d.text or None),
-                                               logprobs=lp, finish_reason=render.finish_reason(d.finish_reason))])
+                                               logprobs=lp, finish_reason=render.finish_reason(d.finish_reason),
+                                               stop_reason=d.stop_reason)])
     except EngineFailure as exc:
         yield _error_event(exc)
         return

@@ -110,6 +110,7 @@ def sampling_params(req, *, n: int, max_tokens: int, stop: list[str], logprobs: 
             stop_token_ids=list(req.stop_token_ids or []),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             ignore_eos=bool(req.ignore_eos),
+            skip_special_tokens=req.skip_special_tokens is not False,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
