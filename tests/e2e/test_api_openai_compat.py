@@ -354,3 +354,17 @@ def test_assistant_prefill_with_continue_final_message(client, model, tokenizer)
     body = _refused(client.chat.completions.create, model=model, messages=prefill, max_tokens=2,
                     extra_body={"continue_final_message": True})  # add_generation_prompt defaults to true
     assert body["param"] == "continue_final_message" and "add_generation_prompt" in body["message"], body
+
+
+def test_text_parts_are_joined_by_newlines_and_names_reach_the_template(client, model, tokenizer):
+    # text parts are joined with a newline, as vLLM does
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    joined = _rendered(tokenizer, [{"role": "user", "content": "Hello\nthere"}], add_generation_prompt=True)
+    glued = _rendered(tokenizer, [{"role": "user", "content": "Hellothere"}], add_generation_prompt=True)
+    assert len(joined) != len(glued)
+    assert _prompt_tokens(client, model, parts) == len(joined)
+    # a message's name is the template's to show (the fixture's template writes "name: " before the content)
+    named = [{"role": "user", "name": "zed", "content": "Hello"}]
+    expected = _rendered(tokenizer, named, add_generation_prompt=True)
+    assert len(expected) > len(_rendered(tokenizer, USER, add_generation_prompt=True))
+    assert _prompt_tokens(client, model, named) == len(expected)

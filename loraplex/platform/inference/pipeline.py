@@ -122,10 +122,13 @@ async def chat_prompt(req: s.ChatCompletionRequest, services) -> list[int]:
                     raise bad_request(f"messages[{i}].content: a part of type 'text' needs a 'text' string.",
                                       param=f"messages[{i}].content")
                 parts.append(part.text)
-            content = "".join(parts)
+            content = "\n".join(parts)  # as vLLM joins text parts for a template that expects a string
         else:
             content = m.content or ""
-        messages.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        if m.name is not None:  # the template's to show (speaker names in some templates)
+            message["name"] = m.name
+        messages.append(message)
     add_generation_prompt = req.add_generation_prompt is not False  # vLLM's default: true
     continue_final_message = bool(req.continue_final_message)
     if add_generation_prompt and continue_final_message:
