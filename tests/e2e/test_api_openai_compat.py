@@ -368,3 +368,24 @@ def test_text_parts_are_joined_by_newlines_and_names_reach_the_template(client, 
     expected = _rendered(tokenizer, named, add_generation_prompt=True)
     assert len(expected) > len(_rendered(tokenizer, USER, add_generation_prompt=True))
     assert _prompt_tokens(client, model, named) == len(expected)
+
+
+def test_text_offset_is_the_running_sum_of_token_lengths(client, model):
+    # a random model emits byte pieces ("\ufffd") whose text the detokenizer holds back: offsets must not stall
+    def check(lp, start: int) -> None:
+        assert lp.text_offset[0] == start
+        for k in range(1, len(lp.tokens)):
+            assert lp.text_offset[k] == lp.text_offset[k - 1] + len(lp.tokens[k - 1]), (k, lp.tokens, lp.text_offset)
+
+    kw = dict(model=model, prompt="Once", max_tokens=32, temperature=1.5, seed=3, logprobs=1,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert any("\ufffd" in t for t in r.choices[0].logprobs.tokens)
+    check(r.choices[0].logprobs, 0)
+    chunks = list(client.completions.create(**kw, stream=True))
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == r.choices[0].logprobs.text_offset
+
+    echoed = client.completions.create(**{**kw, "echo": True}).choices[0].logprobs
+    check(echoed, 0)
+    assert echoed.tokens[-32:] == r.choices[0].logprobs.tokens

@@ -159,6 +159,7 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
         lp = render.completion_logprobs(engine, cd.delta, acc.offset)
         if lp is not None:
             acc.logprobs.append(lp)
+            acc.offset = render.end_offset(lp, acc.offset)
         acc.add_text(cd.delta.text)
         if cd.delta.finished:
             acc.finish(cd.delta)
@@ -189,7 +190,7 @@ class _Echo:
         if self.first_tokens is None or delta.prompt_logprobs is None:
             return text, None, len(text)
         lp = render.prompt_logprobs(self.first_tokens[p], self.prompts[p], delta.prompt_logprobs)
-        return text, lp, lp.text_offset[-1] + len(lp.tokens[-1])
+        return text, lp, render.end_offset(lp, 0)
 
 
 async def _completion_events(prep: Prepared, resolved, created: int, echo: _Echo | None, include_usage: bool,
@@ -210,8 +211,9 @@ async def _completion_events(prep: Prepared, resolved, created: int, echo: _Echo
             if not echoed[i]:  # the prompt goes out with the choice's first delta (its logprobs come with it)
                 echoed[i] = True
                 text, head_lp, offsets[i] = echo.head(i, d)
-            lp = render.concat_logprobs([head_lp, render.completion_logprobs(engine, d, offsets[i])])
-            offsets[i] += len(d.text)
+            generated_lp = render.completion_logprobs(engine, d, offsets[i])
+            offsets[i] = render.end_offset(generated_lp, offsets[i])
+            lp = render.concat_logprobs([head_lp, generated_lp])
             text += d.text
             if text or d.finished or lp is not None:
                 yield chunk([s.CompletionChoice(index=i, text=text, logprobs=lp,
