@@ -92,10 +92,16 @@ def test_parameters_the_server_cannot_honour_are_refused_naming_them(client, mod
         assert body["code"] in ("unsupported", "invalid_value"), body
     body = _refused(client.completions.create, model=model, prompt="x", max_tokens=2, logit_bias={"5": 100})
     assert body["param"] == "logit_bias"
+    # vLLM's structured-output and beam-search extensions would otherwise come back as plain sampled text
+    for extra in ({"guided_json": {"type": "object"}}, {"guided_regex": "[0-9]+"}, {"guided_choice": ["a", "b"]},
+                  {"guided_grammar": "root ::= 'a'"}, {"structured_outputs": {"json": {}}}, {"use_beam_search": True}):
+        for call, kw in ((chat, dict(messages=USER)), (client.completions.create, dict(prompt="x"))):
+            body = _refused(call, model=model, max_tokens=2, extra_body=extra, **kw)
+            assert body["param"] == next(iter(extra)) and body["code"] == "unsupported", (extra, body)
 
     # the no-op forms are accepted, as OpenAI and vLLM accept them
     r = chat(model=model, messages=USER, max_tokens=2, logit_bias={}, response_format={"type": "text"},
-             tools=[TOOL], tool_choice="none", user="end-user-7")
+             tools=[TOOL], tool_choice="none", user="end-user-7", extra_body={"use_beam_search": False})
     assert r.choices[0].message.tool_calls is None and r.usage.completion_tokens >= 1
 
 

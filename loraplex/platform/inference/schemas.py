@@ -37,6 +37,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # vLLM extensions this server does not implement: declared only to be refused (validation.py)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: bool | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
