@@ -1,7 +1,9 @@
 """OpenAI/vLLM compatibility details a client developer runs into, against one live embedded server,
 with the official ``openai`` client: parameters the server cannot honour are refused naming them
 (never silently ignored), ``echo`` + ``logprobs`` scores the prompt (what lm-eval-harness sends), a
-chat template that refuses a conversation is a 400, and validation errors name the field."""
+chat template that refuses a conversation (or a model without one) is a 400, validation errors name the
+field, the vLLM extensions the server accepts are honoured, and 404s/engine refusals answer documented
+codes."""
 
 from __future__ import annotations
 
