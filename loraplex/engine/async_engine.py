@@ -87,9 +87,10 @@ class AsyncEngine:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=True)
+                                                 continue_final_message=continue_final_message, tokenize=True)
         if hasattr(ids, "keys"):  # a BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return list(ids)

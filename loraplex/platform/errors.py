@@ -66,10 +66,17 @@ def not_found(message: str, param: str | None = None, code: str | None = "not_fo
     return ApiError(404, message, param=param, code=code)
 
 
+# longer than any model id can be (``<tenant>/<adapter>@<version>`` is at most 160 characters)
+MAX_SHOWN_MODEL_CHARS = 160
+
+
 def model_not_found(model: str) -> ApiError:
-    # identical for "does not exist" and "belongs to another tenant"
+    # identical for "does not exist" and "belongs to another tenant": it depends on the name alone
+    shown = model
+    if len(model) > MAX_SHOWN_MODEL_CHARS:  # never echo a huge name back (the client has it)
+        shown = f"{model[:MAX_SHOWN_MODEL_CHARS]}... ({len(model)} characters)"
     return ApiError(
-        404, f"The model '{model}' does not exist or you do not have access to it.",
+        404, f"The model '{shown}' does not exist or you do not have access to it.",
         param="model", code="model_not_found",
     )
 

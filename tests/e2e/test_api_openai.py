@@ -166,10 +166,13 @@ def test_prefix_cache_is_per_tenant(server, tenants):
         assert r.usage.prompt_tokens > 200
         return r.usage.prompt_tokens_details.cached_tokens
 
-    assert cached(a) == 0
-    # another tenant, even claiming a salt or a tenant id in the body, never hits A's cached prefix
-    assert cached(b, cache_salt="", tenant_id=tenants["acme"]["tenant"]["id"]) == 0
-    assert cached(a) > 0  # the same tenant's repeat does hit
+    # both send the same cache_salt (vLLM's field): a server that used it would let B hit A's prefix
+    salt = "shared-salt-7"
+    assert cached(a, cache_salt=salt) == 0
+    # another tenant, with the same salt and even claiming A's tenant id, never hits A's cached prefix
+    assert cached(b, cache_salt=salt, tenant_id=tenants["acme"]["tenant"]["id"]) == 0
+    assert cached(a, cache_salt=salt) > 0  # the same tenant's repeat does hit
+    assert cached(a, cache_salt="another") > 0  # and its own salt, whatever the body says
 
 
 def test_tenant_keys_and_admin_routes_are_unreachable_for_tenants(server, tenants):

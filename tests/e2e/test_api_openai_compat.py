@@ -1,11 +1,14 @@
 """OpenAI/vLLM compatibility details a client developer runs into, against one live embedded server,
 with the official ``openai`` client: parameters the server cannot honour are refused naming them
 (never silently ignored), ``echo`` + ``logprobs`` scores the prompt (what lm-eval-harness sends), a
-chat template that refuses a conversation is a 400, and validation errors name the field."""
+chat template that refuses a conversation (or a model without one) is a 400, validation errors name the
+field, the vLLM extensions the server accepts are honoured, and 404s/engine refusals answer documented
+codes."""
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import httpx
 import openai
@@ -20,14 +23,31 @@ STRICT_TEMPLATE_CHECK = (
 )
 
 
+# and, as templates that show speaker names do, a message's `name` before its content
+NAMED_CONTENT = "(message['name'] ~ ': ' if message['name'] is defined else '') ~ message['content']"
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, tiny_model):
+def model_dir(tmp_path_factory, tiny_model) -> Path:
     model = tmp_path_factory.mktemp("strict-model") / "demo-model"
     shutil.copytree(tiny_model["model_dir"], model)
     template = model / "chat_template.jinja"
-    template.write_text(STRICT_TEMPLATE_CHECK + template.read_text())
-    srv = start_server(tmp_path_factory.mktemp("compat"), demo_model_from=model,
-                       env={"LORAPLEX_NUM_KV_BLOCKS": "256"})
+    template.write_text(STRICT_TEMPLATE_CHECK + template.read_text().replace("message['content']", NAMED_CONTENT))
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, model_dir):
+    # 128 blocks of 16 hold 2048 tokens, less than the model's 4096: the engine refuses longer sequences
+    srv = start_server(tmp_path_factory.mktemp("compat"), demo_model_from=model_dir,
+                       env={"LORAPLEX_NUM_KV_BLOCKS": "128"})
     try:
         yield srv
     finally:
@@ -74,10 +94,16 @@ def test_parameters_the_server_cannot_honour_are_refused_naming_them(client, mod
         assert body["code"] in ("unsupported", "invalid_value"), body
     body = _refused(client.completions.create, model=model, prompt="x", max_tokens=2, logit_bias={"5": 100})
     assert body["param"] == "logit_bias"
+    # vLLM's structured-output and beam-search extensions would otherwise come back as plain sampled text
+    for extra in ({"guided_json": {"type": "object"}}, {"guided_regex": "[0-9]+"}, {"guided_choice": ["a", "b"]},
+                  {"guided_grammar": "root ::= 'a'"}, {"structured_outputs": {"json": {}}}, {"use_beam_search": True}):
+        for call, kw in ((chat, dict(messages=USER)), (client.completions.create, dict(prompt="x"))):
+            body = _refused(call, model=model, max_tokens=2, extra_body=extra, **kw)
+            assert body["param"] == next(iter(extra)) and body["code"] == "unsupported", (extra, body)
 
     # the no-op forms are accepted, as OpenAI and vLLM accept them
     r = chat(model=model, messages=USER, max_tokens=2, logit_bias={}, response_format={"type": "text"},
-             tools=[TOOL], tool_choice="none", user="end-user-7")
+             tools=[TOOL], tool_choice="none", user="end-user-7", extra_body={"use_beam_search": False})
     assert r.choices[0].message.tool_calls is None and r.usage.completion_tokens >= 1
 
 
@@ -184,3 +210,190 @@ def test_models_have_a_real_created_time(client):
     models = client.models.list().data
     assert models and all(0 < m.created <= time.time() + 1 for m in models), [(m.id, m.created) for m in models]
     assert client.models.retrieve(models[0].id).created == models[0].created
+
+
+def test_a_model_without_a_chat_template_refuses_chat_naming_messages(tmp_path_factory, tiny_model):
+    # the demo and test models ship one; a base model often does not (transformers raises ValueError)
+    assert (Path(tiny_model["model_dir"]) / "chat_template.jinja").is_file()
+    model = tmp_path_factory.mktemp("plain-model") / "demo-model"
+    shutil.copytree(tiny_model["model_dir"], model)
+    (model / "chat_template.jinja").unlink()
+    srv = start_server(tmp_path_factory.mktemp("plain"), demo_model_from=model, env={"LORAPLEX_NUM_KV_BLOCKS": "64"})
+    try:
+        plain = openai.OpenAI(api_key=srv.create_tenant("plain")["key"], base_url=srv.base_url + "/v1",
+                              max_retries=0)
+        name = plain.models.list().data[0].id
+        body = _refused(plain.chat.completions.create, model=name, messages=USER, max_tokens=2)
+        assert body["param"] == "messages" and body["code"] == "unsupported", body
+        assert "chat template" in body["message"] and "/v1/completions" in body["message"]
+        assert plain.completions.create(model=name, prompt="Hello", max_tokens=2).usage.completion_tokens >= 1
+    finally:
+        assert srv.stop() == 0, srv.log_text()[-3000:]
+
+
+def test_unknown_model_404_is_short_and_identical_for_another_tenants_adapter(server, client, tiny_model):
+    def answers(name: str) -> list[tuple[int, bytes]]:
+        with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {client.api_key}"}) as c:
+            rs = [c.post("/v1/chat/completions", json={"model": name, "messages": USER, "max_tokens": 2}),
+                  c.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 2}),
+                  c.get(f"/v1/models/{name}")]
+        return [(r.status_code, r.content) for r in rs]
+
+    for status, content in answers("m" * 5000):
+        err = httpx.Response(status, content=content).json()["error"]
+        assert status == 404 and err["param"] == "model" and err["code"] == "model_not_found", err
+        assert len(err["message"]) < 300 and "(5000 characters)" in err["message"], err["message"][:400]
+
+    # SECURITY.md 1: another tenant's private adapter answers byte for byte what a missing one does
+    name = "owner-co/hidden-tune"
+    missing = answers(name)
+    assert [s for s, _ in missing] == [404, 404, 404] and name.encode() in missing[0][1]
+    owner = server.create_tenant("owner-co", scopes=["inference", "adapters:write"])
+    src = Path(tiny_model["model_dir"]) / "adapters" / tiny_model["adapters"][0]["name"]
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {owner['key']}"}) as c:
+        r = c.post("/v1/adapters", data={"name": "hidden-tune"},
+                   files={"config": ("adapter_config.json", (src / "adapter_config.json").read_bytes()),
+                          "weights": ("adapter_model.safetensors", (src / "adapter_model.safetensors").read_bytes())})
+        assert r.status_code == 201, r.text
+        assert c.get("/v1/models/hidden-tune").status_code == 200
+    assert answers(name) == missing
+
+
+def test_an_engine_refusal_is_a_documented_400(server, client, model):
+    # 128 KV blocks of 16 cannot hold 3000 tokens, though the model's context could
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {client.api_key}"}) as c:
+        r = c.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 3000})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["type"] == "invalid_request_error", err
+    assert err["code"] == "invalid_value" and "KV blocks" in err["message"], err
+    assert f"| {err['code']}" in _documented_error_rows(400)
+
+
+def _documented_error_rows(status: int) -> str:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
+    return "\n".join(line for line in doc.splitlines() if line.startswith(f"| {status} |"))
+
+
+def test_vllm_sampling_extensions_are_honoured(client, model, tokenizer):
+    prompt = [1, 33, 71, 5, 140]
+
+    def complete(**kw):
+        extra = {"ignore_eos": True, **kw.pop("extra", {})}
+        return client.completions.create(model=model, prompt=prompt, max_tokens=12, logprobs=0, extra_body=extra,
+                                         **kw)
+
+    greedy = complete(temperature=0).choices[0]
+    # top_k=1 and min_p=1 keep only the most likely token: greedy at any temperature
+    assert complete(temperature=1.5, seed=5, extra={"top_k": 1}).choices[0].text == greedy.text
+    assert complete(temperature=1.5, seed=5, extra={"min_p": 1.0}).choices[0].text == greedy.text
+    assert complete(temperature=0, extra={"repetition_penalty": 5.0}).choices[0].text != greedy.text
+    # min_tokens: a stop token before it does not stop the choice
+    k, stop_id = _unique_token(tokenizer, greedy.logprobs.tokens)
+    stopped = complete(temperature=0, extra={"stop_token_ids": [stop_id]}).choices[0]
+    assert stopped.finish_reason == "stop" and len(stopped.logprobs.tokens) == k + 1
+    held = complete(temperature=0, extra={"stop_token_ids": [stop_id], "min_tokens": k + 3}).choices[0]
+    assert len(held.logprobs.tokens) >= k + 3
+
+
+def _unique_token(tokenizer, tokens: list[str]) -> tuple[int, int]:
+    """(first position, id) of a generated token whose text names exactly one vocabulary id."""
+    for k, text in enumerate(tokens):
+        ids = [i for i in range(len(tokenizer)) if tokenizer.decode([i]) == text]
+        if len(ids) == 1 and tokens.index(text) == k:
+            return k, ids[0]
+    raise AssertionError(f"no token with a unique text in {tokens}")
+
+
+def test_skip_special_tokens_and_stop_reason(client, model, tokenizer):
+    specials = set(tokenizer.all_special_tokens)
+
+    def sample(**extra):
+        return client.completions.create(model=model, prompt="Once", max_tokens=48, temperature=1.5, n=16, seed=1,
+                                         logprobs=0, extra_body={"ignore_eos": True, **extra}).choices
+
+    skipped, kept = sample(), sample(skip_special_tokens=False)
+    assert any(specials & set(c.logprobs.tokens) for c in skipped)  # the random model does emit some
+    assert not any(sp in c.text for c in skipped for sp in specials)
+    with_specials = [c for c in kept if specials & set(c.logprobs.tokens)]
+    assert with_specials and all(sp in c.text for c in with_specials for sp in specials & set(c.logprobs.tokens))
+
+    # stop_reason (vLLM): the stop string or token id that ended the choice, else null
+    prompt = [1, 33, 71, 5, 140]
+    base = dict(model=model, prompt=prompt, max_tokens=8, temperature=0, logprobs=0)
+    greedy = client.completions.create(**base, extra_body={"ignore_eos": True}).choices[0]
+    assert greedy.finish_reason == "length" and greedy.model_extra.get("stop_reason", "absent") is None
+    _, token_id = _unique_token(tokenizer, greedy.logprobs.tokens)
+    by_id = client.completions.create(**base, extra_body={"ignore_eos": True, "stop_token_ids": [token_id]})
+    assert by_id.choices[0].model_extra["stop_reason"] == token_id
+    by_str = client.chat.completions.create(model=model, messages=USER, max_tokens=8, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    text = by_str.choices[0].message.content
+    stop = next(text[i:i + 2] for i in range(1, len(text) - 1) if "\ufffd" not in text[i:i + 2])
+    cut = client.chat.completions.create(model=model, messages=USER, max_tokens=8, temperature=0, stop=stop,
+                                         extra_body={"ignore_eos": True})
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].model_extra["stop_reason"] == stop
+    chunks = list(client.chat.completions.create(model=model, messages=USER, max_tokens=8, temperature=0, stop=stop,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    last = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason][-1]
+    assert last.model_extra["stop_reason"] == stop
+
+
+def _rendered(tokenizer, messages, **kw) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, **kw)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _prompt_tokens(client, model, messages, **extra) -> int:
+    r = client.chat.completions.create(model=model, messages=messages, max_tokens=1, temperature=0, extra_body=extra)
+    return r.usage.prompt_tokens
+
+
+def test_assistant_prefill_with_continue_final_message(client, model, tokenizer):
+    # continue_final_message renders the last message open-ended, and the model continues it
+    prefill = [*USER, {"role": "assistant", "content": "Once upon"}]
+    ids = _rendered(tokenizer, prefill, continue_final_message=True)
+    r = client.chat.completions.create(model=model, messages=prefill, max_tokens=4, temperature=0,
+                                       extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    plain = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0)
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].message.content == plain.choices[0].text
+    closed = _rendered(tokenizer, prefill)
+    assert _prompt_tokens(client, model, prefill, add_generation_prompt=False) == len(closed) == len(ids) + 1
+    assert _prompt_tokens(client, model, prefill) == len(_rendered(tokenizer, prefill, add_generation_prompt=True))
+    body = _refused(client.chat.completions.create, model=model, messages=prefill, max_tokens=2,
+                    extra_body={"continue_final_message": True})  # add_generation_prompt defaults to true
+    assert body["param"] == "continue_final_message" and "add_generation_prompt" in body["message"], body
+
+
+def test_text_parts_are_joined_by_newlines_and_names_reach_the_template(client, model, tokenizer):
+    # text parts are joined with a newline, as vLLM does
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
+    joined = _rendered(tokenizer, [{"role": "user", "content": "Hello\nthere"}], add_generation_prompt=True)
+    glued = _rendered(tokenizer, [{"role": "user", "content": "Hellothere"}], add_generation_prompt=True)
+    assert len(joined) != len(glued)
+    assert _prompt_tokens(client, model, parts) == len(joined)
+    # a message's name is the template's to show (the fixture's template writes "name: " before the content)
+    named = [{"role": "user", "name": "zed", "content": "Hello"}]
+    expected = _rendered(tokenizer, named, add_generation_prompt=True)
+    assert len(expected) > len(_rendered(tokenizer, USER, add_generation_prompt=True))
+    assert _prompt_tokens(client, model, named) == len(expected)
+
+
+def test_text_offset_is_the_running_sum_of_token_lengths(client, model):
+    # a random model emits byte pieces ("\ufffd") whose text the detokenizer holds back: offsets must not stall
+    def check(lp, start: int) -> None:
+        assert lp.text_offset[0] == start
+        for k in range(1, len(lp.tokens)):
+            assert lp.text_offset[k] == lp.text_offset[k - 1] + len(lp.tokens[k - 1]), (k, lp.tokens, lp.text_offset)
+
+    kw = dict(model=model, prompt="Once", max_tokens=32, temperature=1.5, seed=3, logprobs=1,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw)
+    assert any("\ufffd" in t for t in r.choices[0].logprobs.tokens)
+    check(r.choices[0].logprobs, 0)
+    chunks = list(client.completions.create(**kw, stream=True))
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == r.choices[0].logprobs.text_offset
+
+    echoed = client.completions.create(**{**kw, "echo": True}).choices[0].logprobs
+    check(echoed, 0)
+    assert echoed.tokens[-32:] == r.choices[0].logprobs.tokens

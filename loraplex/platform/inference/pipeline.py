@@ -100,6 +100,10 @@ async def first_token_texts(services, prompts: list[list[int]]) -> list[str]:
 
 
 async def chat_prompt(req: s.ChatCompletionRequest, services) -> list[int]:
+    if getattr(services.engine.tokenizer, "chat_template", None) is None:
+        # a base model often ships none; vLLM refuses chat then too (transformers has no default any more)
+        raise bad_request(f"The base model {services.base_model_id!r} has no chat template, so it cannot render messages; "
+                          "send a prompt to /v1/completions instead.", param="messages", code="unsupported")
     if not req.messages:
         raise bad_request("messages must contain at least one message.", param="messages")
     messages = []
@@ -118,14 +122,25 @@ async def chat_prompt(req: s.ChatCompletionRequest, services) -> list[int]:
                     raise bad_request(f"messages[{i}].content: a part of type 'text' needs a 'text' string.",
                                       param=f"messages[{i}].content")
                 parts.append(part.text)
-            content = "".join(parts)
+            content = "\n".join(parts)  # as vLLM joins text parts for a template that expects a string
         else:
             content = m.content or ""
-        messages.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        if m.name is not None:  # the template's to show (speaker names in some templates)
+            message["name"] = m.name
+        messages.append(message)
+    add_generation_prompt = req.add_generation_prompt is not False  # vLLM's default: true
+    continue_final_message = bool(req.continue_final_message)
+    if add_generation_prompt and continue_final_message:
+        raise bad_request("continue_final_message (continue the last message) cannot be combined with "
+                          "add_generation_prompt (start a new assistant message), which defaults to true: "
+                          "send add_generation_prompt=false.", param="continue_final_message")
     try:
-        return await _tokenize(services, services.engine.apply_chat_template, messages, True)
-    except TemplateError as exc:
-        # the model's chat template refused the conversation (raise_exception: roles must alternate, ...)
+        return await _tokenize(services, services.engine.apply_chat_template, messages, add_generation_prompt,
+                               continue_final_message)
+    except (TemplateError, ValueError) as exc:
+        # the model's chat template refused the conversation (raise_exception: roles must alternate, ...), or
+        # transformers did (continue_final_message: the last message is not in the rendered text, ...)
         raise bad_request(f"The model's chat template cannot render these messages: {exc}",
                           param="messages") from exc
 

@@ -29,6 +29,8 @@ def _token_text(engine, token_id: int, tops: list[TopLogprob]) -> str:
 
 
 def completion_logprobs(engine, delta: TokenDelta, offset: int) -> s.CompletionLogprobs | None:
+    """The delta's tokens, their ``text_offset`` running on from ``offset`` by each token's own text (as
+    vLLM's do), not by the text sent: held-back bytes or a cut stop string never give two tokens one offset."""
     if delta.logprobs is None:
         return None
     out = s.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
@@ -40,6 +42,13 @@ def completion_logprobs(engine, delta: TokenDelta, offset: int) -> s.CompletionL
         out.text_offset.append(offset)
         offset += len(text)
     return out
+
+
+def end_offset(lp: s.CompletionLogprobs | None, offset: int) -> int:
+    """Where the token after ``lp``'s last one starts (``offset`` when there is none)."""
+    if lp is None or not lp.tokens:
+        return offset
+    return lp.text_offset[-1] + len(lp.tokens[-1])
 
 
 def prompt_logprobs(first_token: str, prompt_ids: list[int],
@@ -91,13 +100,17 @@ class ChoiceAccumulator:
 
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     logprobs: list[s.CompletionLogprobs] = field(default_factory=list)
     chat_logprobs: list[s.ChatLogprobEntry] = field(default_factory=list)
-    offset: int = 0
+    offset: int = 0  # text_offset of the choice's next token
+
+    def finish(self, delta: TokenDelta) -> None:
+        self.finish_reason = finish_reason(delta.finish_reason)
+        self.stop_reason = delta.stop_reason
 
     def add_text(self, text: str) -> None:
         self.text.append(text)
-        self.offset += len(text)
 
     def completion_logprobs(self) -> s.CompletionLogprobs | None:
         return concat_logprobs(self.logprobs)

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 
 from litestar import Request, Response, get, post
 from litestar.openapi.datastructures import ResponseSpec
-from litestar.params import Parameter
 
 from loraplex.platform import idempotency
 from loraplex.platform.auth import principal_of, require_scope
@@ -56,7 +55,7 @@ async def list_models(request: Request) -> s.ModelList:
 
 @get("/v1/models/{model:path}", guards=_INFER, responses=error_responses(401, 403, 404), tags=["openai"],
      summary="Retrieve a model")
-async def get_model(request: Request, model: str = Parameter(max_length=257)) -> s.Model:
+async def get_model(request: Request, model: str) -> s.Model:
     model = model.lstrip("/")  # a path parameter, so ids like "<tenant>/<adapter>" work
     principal = await principal_of(request)
     resolved = await request.app.state.services.models.resolve(principal, model)
@@ -66,15 +65,15 @@ async def get_model(request: Request, model: str = Parameter(max_length=257)) ->
 
 
 def _engine_failure_error(exc: EngineFailure) -> ApiError:
-    if exc.invalid:
-        return ApiError(400, f"The request was refused: {exc}", code="invalid_request")
+    if exc.invalid:  # e.g. prompt + max_tokens need more KV blocks than the replica's cache has
+        return ApiError(400, f"The request was refused: {exc}", param=exc.param, code="invalid_value")
     return ApiError(503, f"The inference engine failed: {exc}", type="server_error", code="engine_error",
                     headers={"Retry-After": "5"})
 
 
 def _error_event(exc: EngineFailure) -> bytes:
     err = _engine_failure_error(exc)
-    return sse_event(ErrorResponse(ErrorBody(message=err.message, type=err.type, code=err.code)))
+    return sse_event(ErrorResponse(ErrorBody(message=err.message, type=err.type, param=err.param, code=err.code)))
 
 
 async def _collect(request: Request, prep: Prepared, on_delta) -> None:
@@ -160,16 +159,18 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
         lp = render.completion_logprobs(engine, cd.delta, acc.offset)
         if lp is not None:
             acc.logprobs.append(lp)
+            acc.offset = render.end_offset(lp, acc.offset)
         acc.add_text(cd.delta.text)
         if cd.delta.finished:
-            acc.finish_reason = render.finish_reason(cd.delta.finish_reason)
+            acc.finish(cd.delta)
 
     await _collect(request, prep, on_delta)
     await gen.wait_recorded()
     body = s.CompletionResponse(
         id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
         choices=[s.CompletionChoice(index=i, text="".join(c.text), logprobs=c.completion_logprobs(),
-                                    finish_reason=c.finish_reason or "stop") for i, c in enumerate(choices)],
+                                    finish_reason=c.finish_reason or "stop", stop_reason=c.stop_reason)
+                 for i, c in enumerate(choices)],
     )
     return Response(body, headers=prep.headers)
 
@@ -189,7 +190,7 @@ class _Echo:
         if self.first_tokens is None or delta.prompt_logprobs is None:
             return text, None, len(text)
         lp = render.prompt_logprobs(self.first_tokens[p], self.prompts[p], delta.prompt_logprobs)
-        return text, lp, lp.text_offset[-1] + len(lp.tokens[-1])
+        return text, lp, render.end_offset(lp, 0)
 
 
 async def _completion_events(prep: Prepared, resolved, created: int, echo: _Echo | None, include_usage: bool,
@@ -210,12 +211,14 @@ async def _completion_events(prep: Prepared, resolved, created: int, echo: _Echo
             if not echoed[i]:  # the prompt goes out with the choice's first delta (its logprobs come with it)
                 echoed[i] = True
                 text, head_lp, offsets[i] = echo.head(i, d)
-            lp = render.concat_logprobs([head_lp, render.completion_logprobs(engine, d, offsets[i])])
-            offsets[i] += len(d.text)
+            generated_lp = render.completion_logprobs(engine, d, offsets[i])
+            offsets[i] = render.end_offset(generated_lp, offsets[i])
+            lp = render.concat_logprobs([head_lp, generated_lp])
             text += d.text
             if text or d.finished or lp is not None:
                 yield chunk([s.CompletionChoice(index=i, text=text, logprobs=lp,
-                                                finish_reason=render.finish_reason(d.finish_reason))])
+                                                finish_reason=render.finish_reason(d.finish_reason),
+                                                stop_reason=d.stop_reason)])
     except EngineFailure as exc:
         yield _error_event(exc)
         return
@@ -274,7 +277,7 @@ async def _create_chat_completion(request: Request, data: s.ChatCompletionReques
             acc.chat_logprobs.extend(lp.content or [])
         acc.add_text(cd.delta.text)
         if cd.delta.finished:
-            acc.finish_reason = render.finish_reason(cd.delta.finish_reason)
+            acc.finish(cd.delta)
 
     await _collect(request, prep, on_delta)
     await gen.wait_recorded()
@@ -282,7 +285,8 @@ async def _create_chat_completion(request: Request, data: s.ChatCompletionReques
         id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
         choices=[s.ChatChoice(index=i, message=s.AssistantMessage(content="".join(c.text)),
                               logprobs=s.ChatLogprobs(content=c.chat_logprobs) if data.logprobs else None,
-                              finish_reason=c.finish_reason or "stop") for i, c in enumerate(choices)],
+                              finish_reason=c.finish_reason or "stop", stop_reason=c.stop_reason)
+                 for i, c in enumerate(choices)],
     )
     return Response(body, headers=prep.headers)
 
@@ -303,7 +307,8 @@ async def _chat_events(prep: Prepared, resolved, created: int, include_usage: bo
             lp = render.chat_logprobs(engine, d, top_n)
             if d.text or d.finished or lp is not None:
                 yield chunk([s.ChatChunkChoice(index=cd.index, delta=s.ChatDelta(content=d.text or None),
-                                               logprobs=lp, finish_reason=render.finish_reason(d.finish_reason))])
+                                               logprobs=lp, finish_reason=render.finish_reason(d.finish_reason),
+                                               stop_reason=d.stop_reason)])
     except EngineFailure as exc:
         yield _error_event(exc)
         return

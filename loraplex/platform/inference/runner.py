@@ -31,11 +31,13 @@ ENGINE_HEALTH_POLL_S = 0.5
 class EngineFailure(Exception):
     """The engine failed or refused the request (a stream ends with an error event).
 
-    ``invalid``: the engine refused the request itself (a ValueError from ``add_request``), a 400."""
+    ``invalid``: the engine refused the request itself (a ValueError from ``add_request``), a 400;
+    ``param``: the field it names, when the engine's error says (``SamplingParamsError.param``)."""
 
-    def __init__(self, message: str, invalid: bool = False):
+    def __init__(self, message: str, invalid: bool = False, param: str | None = None):
         super().__init__(message)
         self.invalid = invalid
+        self.param = param
 
 
 def new_response_id(prefix: str) -> str:
@@ -131,7 +133,7 @@ class Generation:
                     continue
                 if isinstance(item, Exception):
                     if isinstance(item, ValueError):
-                        raise EngineFailure(str(item), invalid=True)
+                        raise EngineFailure(str(item), invalid=True, param=getattr(item, "param", None))
                     if not isinstance(item, EngineDeadError):
                         log.error("engine stream failed for %s", reqs[i].request_id, exc_info=item)
                     raise EngineFailure(str(item) or type(item).__name__)

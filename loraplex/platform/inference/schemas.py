@@ -36,6 +36,14 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    # vLLM extensions this server does not implement: declared only to be refused (validation.py)
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    use_beam_search: bool | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -68,6 +76,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    # vLLM extensions: chat template switches (continue_final_message: assistant prefill)
+    add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -96,6 +107,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM: the stop token id or stop string that ended the choice
 
 
 class CompletionResponse(msgspec.Struct):
@@ -136,6 +148,7 @@ class ChatChoice(msgspec.Struct):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct):
@@ -158,6 +171,7 @@ class ChatChunkChoice(msgspec.Struct):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct):

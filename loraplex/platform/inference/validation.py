@@ -110,11 +110,20 @@ def sampling_params(req, *, n: int, max_tokens: int, stop: list[str], logprobs: 
             stop_token_ids=list(req.stop_token_ids or []),
             include_stop_str_in_output=bool(req.include_stop_str_in_output),
             ignore_eos=bool(req.ignore_eos),
+            skip_special_tokens=req.skip_special_tokens is not False,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
     except SamplingParamsError as exc:
         raise bad_request(str(exc), param=exc.param) from exc
+
+
+# vLLM extensions whose output a client relies on (structured output, beam search): refused when set
+_VLLM_UNSUPPORTED = {
+    "guided_json": "structured output", "guided_regex": "structured output", "guided_choice": "structured output",
+    "guided_grammar": "structured output", "structured_outputs": "structured output",
+    "use_beam_search": "beam search",
+}
 
 
 def _unsupported(message: str, param: str) -> ApiError:
@@ -128,6 +137,9 @@ def refuse_unsupported(req) -> None:
     ``tool_choice: "none"`` (tools are then not shown to the model, as in vLLM)."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
+    for param, feature in _VLLM_UNSUPPORTED.items():
+        if getattr(req, param) not in (None, False):
+            raise _unsupported(f"{param} is not supported: this server has no {feature}.", param)
     if req.logit_bias:
         raise _unsupported("logit_bias is not supported by this server (only an empty object is accepted).",
                            "logit_bias")
