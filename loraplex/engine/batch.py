@@ -95,9 +95,10 @@ def _run(args) -> int:
     src, total_lines = _open_input(args)
     try:
         scanned = _scan(src)
-        dst, num_kept = _open_output(args, scanned)
+        dst, num_kept, num_kept_failed = _open_output(args, scanned)
         try:
-            return _generate(args, src, scanned, dst, num_kept, total_lines, max_in_flight, reorder, started)
+            return _generate(args, scanned, dst, (num_kept, num_kept_failed), total_lines, max_in_flight, reorder,
+                             started)
         finally:
             if dst is not _stdout():
                 dst.close()
@@ -106,7 +107,7 @@ def _run(args) -> int:
             src.close()
 
 
-def _generate(args, src, scanned, dst, num_kept: int, total_lines: int | None, max_in_flight: int,
+def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None, max_in_flight: int,
               reorder: int, started: float) -> int:
     from loraplex.engine.llm import LLM
 
@@ -114,6 +115,7 @@ def _generate(args, src, scanned, dst, num_kept: int, total_lines: int | None, m
               max_model_len=args.max_model_len, enable_lora=args.enable_lora, max_loras=args.max_loras,
               max_lora_rank=args.max_lora_rank)
     loaded = time.monotonic()
+    num_kept, num_kept_failed = kept
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     lines = (_parse(seq, line_no, raw, defaults) for seq, (line_no, raw) in enumerate(scanned))
 
@@ -134,7 +136,8 @@ def _generate(args, src, scanned, dst, num_kept: int, total_lines: int | None, m
     wall = time.monotonic() - loaded
     log.info("batch %s: %d lines ok, %d failed%s; %d prompt tokens, %d output tokens in %.1f s (%.1f output "
              "tok/s; model load %.1f s)", "done" if finished else "stopped", stats.num_ok, stats.num_failed,
-             f" (after {num_kept} lines kept from the earlier run)" if num_kept else "",
+             f" (after {num_kept} lines kept from the earlier run, {num_kept_failed} of them failed)" if num_kept
+             else "",
              stats.num_prompt_tokens, stats.num_output_tokens, wall, stats.num_output_tokens / max(wall, 1e-9),
              loaded - started)
     if not finished:
@@ -144,7 +147,7 @@ def _generate(args, src, scanned, dst, num_kept: int, total_lines: int | None, m
                     signal.Signals(signum).name, args.output, num_kept + stats.num_written,
                     stats.last_line_no, stats.num_dropped)
         return 128 + signum
-    return 0 if stats.num_failed == 0 else 1
+    return 0 if stats.num_failed + num_kept_failed == 0 else 1
 
 
 # ---- input -------------------------------------------------------------------------------------------------
@@ -225,32 +228,33 @@ def _parse(seq: int, line_no: int, raw: bytes, defaults: dict) -> Line:
 # ---- output ------------------------------------------------------------------------------------------------
 
 def _open_output(args, scanned: Iterator[tuple[int, bytes]]):
-    """The output to append to, and how many of its lines an earlier run left (their input lines are taken
-    from ``scanned``)."""
+    """The output to append to, how many of its lines an earlier run left (their input lines are taken from
+    ``scanned``), and how many of those failed."""
     path = args.output
     if path == "-":
         if args.resume:
             raise BatchError("--resume needs OUTPUT to be a file, not -")
-        return _stdout(), 0
+        return _stdout(), 0, 0
     if args.input != "-" and os.path.exists(path) and os.path.samefile(args.input, path):
         raise BatchError(f"OUTPUT {path} is the INPUT file")
     size = os.path.getsize(path) if os.path.isfile(path) else 0
-    num_kept = 0
+    num_kept = num_kept_failed = 0
     if size and args.resume:
-        num_kept = _check_resume(path, scanned)
+        num_kept, num_kept_failed = _check_resume(path, scanned)
     elif size and not args.overwrite:
         raise BatchError(f"OUTPUT {path} exists and is not empty ({size} bytes): pass --resume to continue "
                          "that run or --overwrite to replace it")
     try:
-        return open(path, "ab" if args.resume else "wb"), num_kept  # noqa: SIM115
+        return open(path, "ab" if args.resume else "wb"), num_kept, num_kept_failed  # noqa: SIM115
     except OSError as exc:
         raise BatchError(f"cannot write OUTPUT {path}: {exc.strerror}") from None
 
 
-def _check_resume(path: str, scanned: Iterator[tuple[int, bytes]]) -> int:
+def _check_resume(path: str, scanned: Iterator[tuple[int, bytes]]) -> tuple[int, int]:
     """Match the output's complete lines with the input's first lines (by position, and their ids must
-    agree), cut off a last line without a newline, and return how many lines are kept."""
-    num_kept = end = last_line_no = 0
+    agree), cut off a last line without a newline, and return how many lines are kept and how many of those
+    failed."""
+    num_kept = num_failed = end = last_line_no = 0
     with open(path, "rb") as f:
         for raw in f:
             if not raw.endswith(b"\n"):
@@ -259,7 +263,9 @@ def _check_resume(path: str, scanned: Iterator[tuple[int, bytes]]) -> int:
                 break
             num_kept += 1
             try:
-                out_id = json.loads(raw)["id"]
+                record = json.loads(raw)
+                out_id = record["id"]
+                num_failed += "error" in record or any(o["finish_reason"] == "error" for o in record["outputs"])
             except (ValueError, TypeError, KeyError):
                 raise BatchError(f"--resume: line {num_kept} of {path} is not a loraplex batch output line; "
                                  "pass --overwrite to start over") from None
@@ -278,7 +284,7 @@ def _check_resume(path: str, scanned: Iterator[tuple[int, bytes]]) -> int:
         os.truncate(path, end)
     log.info("batch --resume: %d lines of %s kept; running the input after line %d", num_kept, path,
              last_line_no)
-    return num_kept
+    return num_kept, num_failed
 
 
 # ---- progress and signals ----------------------------------------------------------------------------------

@@ -182,18 +182,21 @@ def test_resume_refuses_an_output_that_is_not_this_inputs(tiny_model, tmp_path, 
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, [{"id": "a", "prompt": "x"}, {"prompt": "y"}, {"id": 3, "prompt": "z"}])
     cases = [
-        ([{"id": "a"}, {"id": "b"}], 'line 2 of {} has id "b" but input line 2 has id 2'),
-        ([{"id": "a"}, {"id": 2}, {"id": "3"}], 'line 3 of {} has id "3" but input line 3 has id 3'),
-        ([{"id": "a"}, {"id": 2}, {"id": 3}, {"id": 4}], "has more lines than the input has lines to run (3)"),
-        (["not json"], "line 1 of {} is not a loraplex batch output line"),
+        (["a", "b"], 'line 2 of {} has id "b" but input line 2 has id 2'),
+        (["a", 2, "3"], 'line 3 of {} has id "3" but input line 3 has id 3'),
+        (["a", 2, 3, 4], "has more lines than the input has lines to run (3)"),
     ]
-    for records, message in cases:
-        _write_jsonl(dst, records)
+    for ids, message in cases:
+        _write_jsonl(dst, [{"id": i, "outputs": [{"index": 0, "finish_reason": "length"}]} for i in ids])
         before = dst.read_bytes()
         assert _run(tiny_model, src, dst, "--resume") == 2
         err = capsys.readouterr().err
         assert message.format(dst) in err and err.count("\n") == 1
         assert dst.read_bytes() == before
+    for line in ("not json", json.dumps({"id": "a"})):
+        dst.write_text(line + "\n")
+        assert _run(tiny_model, src, dst, "--resume") == 2
+        assert f"line 1 of {dst} is not a loraplex batch output line" in capsys.readouterr().err
 
 
 def test_an_output_that_is_not_empty_is_kept_unless_resume_or_overwrite(tiny_model, tmp_path, capsys):
@@ -267,3 +270,11 @@ def test_sigterm_writes_complete_lines_in_order_and_resume_continues(tiny_model,
     _write_jsonl(src, items[: len(done) + 3])  # the rest of a shorter job, to keep the test fast
     assert _run(tiny_model, src, dst, "--max-tokens", "8", "--resume") == 0
     assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == [x["id"] for x in items[: len(done) + 3]]
+
+
+def test_resume_counts_the_failed_lines_it_keeps_in_the_exit_code(tiny_model, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, ["{bad", {"id": "b", "prompt": "Hello"}])
+    dst.write_text(json.dumps({"id": 1, "error": "line 1 is not JSON"}) + "\n")
+    assert _run(tiny_model, src, dst, "--max-tokens", "1", "--resume") == 1
+    assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == [1, "b"]
