@@ -142,10 +142,10 @@ def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None
              loaded - started)
     if not finished:
         signum = received[0]
-        log.warning("batch: stopped by %s: %s holds %d complete lines (through input line %d); %d unfinished "
-                    "lines were dropped; run the same command with --resume to continue",
-                    signal.Signals(signum).name, args.output, num_kept + stats.num_written,
-                    stats.last_line_no, stats.num_dropped)
+        reached = f" (through input line {stats.last_line_no})" if stats.last_line_no else ""
+        log.warning("batch: stopped by %s: %s holds %d complete lines%s; %d unfinished lines were dropped; run "
+                    "the same command with --resume to continue", signal.Signals(signum).name, args.output,
+                    num_kept + stats.num_written, reached, stats.num_dropped)
         return 128 + signum
     return 0 if stats.num_failed + num_kept_failed == 0 else 1
 
@@ -303,7 +303,7 @@ class _Progress:
         if now - self._last < self.interval:
             return
         tokens = self.engine.num_generated_tokens
-        rate = (tokens - self._last_tokens) / (now - self._last)
+        rate = (tokens - self._last_tokens) / max(now - self._last, 1e-9)
         self._last, self._last_tokens = now, tokens
         s = self.stats
         where = f"through input line {s.last_line_no}"
