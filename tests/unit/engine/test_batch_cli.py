@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
+
+import pytest
 
 from loraplex import LLM, SamplingParams
 from loraplex.cli import main
@@ -232,9 +235,9 @@ def test_progress_lines_and_a_final_summary_on_stderr(tiny_model, tmp_path, capl
     assert not [m for m in messages if "lines written" in m] and messages[-1].startswith("batch done: ")
 
 
-def test_sigterm_writes_complete_lines_in_order_and_resume_continues(tiny_model, tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_writes_complete_lines_in_order_and_resume_continues(tiny_model, tmp_path, signum):
     import os
-    import signal
     import subprocess
     import sys
     import time
@@ -256,13 +259,13 @@ def test_sigterm_writes_complete_lines_in_order_and_resume_continues(tiny_model,
                 break
             time.sleep(0.05)
         assert proc.poll() is None, "the job ended before it could be stopped"
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
-    assert "stopped by SIGTERM" in err and "--resume to continue" in err
+    assert proc.returncode == 128 + signum, err[-2000:]
+    assert f"stopped by {signal.Signals(signum).name}" in err and "--resume to continue" in err
     data = dst.read_bytes()
     assert data.endswith(b"\n")
     done = [json.loads(x)["id"] for x in data.splitlines()]
