@@ -1,23 +1,51 @@
 """``loraplex batch INPUT.jsonl OUTPUT.jsonl --model DIR``: offline generation over a JSONL file.
 
-Each input line is an object with ``prompt`` (text) or ``prompt_token_ids``, and optionally ``id``,
-``params`` (SamplingParams fields, over the command's defaults) and ``lora`` (``{"name", "id", "path"}``).
-Each output line, in input order: ``{"id", "outputs": [{"index", "text", "token_ids", "finish_reason"}],
-"num_prompt_tokens", "num_cached_tokens"}``, or ``{"id", "error"}`` for a line that could not run.
+Input: one JSON object a line, with ``prompt`` (text) or ``prompt_token_ids``, and optionally ``id``, ``params``
+(SamplingParams fields, over the command's defaults) and ``lora`` (``{"name", "id", "path"}``). Blank lines are
+skipped. ``id`` comes back exactly as given (``5`` stays the number 5); a line without one (or one that is not
+a JSON object) gets its 1-based line number in the input, an integer, counting every physical line, blank
+ones included.
+
+Output: one line per non-blank input line, in input order: ``{"id", "outputs": [{"index", "text", "token_ids",
+"finish_reason", "stop_reason", "error"}], "num_prompt_tokens", "num_cached_tokens"}``, or ``{"id", "error"}``
+for a line that could not run. Each line is written whole and flushed at once, so an interrupted run leaves
+only complete lines, except perhaps a cut-short last one after a hard kill.
+
+Lines run through a rolling window (batch_window.py): up to ``--max-in-flight`` requests in the engine at once
+(default 2 x max_num_seqs, so the scheduler always has the next request waiting), the next line added as soon
+as one finishes; at most ``--reorder-buffer`` lines may be admitted but not yet written, which bounds memory
+when an early line runs long.
+
+An OUTPUT that exists and is not empty is refused unless ``--resume`` (keep its complete lines, drop a cut-short
+last line, check that its ids are those of the input's first lines, and run only the lines after them) or
+``--overwrite`` (start over). SIGINT/SIGTERM: no new lines are added, the lines in flight are aborted, the
+finished lines before the oldest unfinished one are written, and the command exits with 128 + the signal
+number; ``--resume`` continues from there. Exit codes: 0 every line ran, 1 some line failed, 2 bad arguments
+or an OUTPUT that cannot be used.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import signal
 import sys
-from dataclasses import asdict
+import threading
+import time
+from collections.abc import Iterator
 
+from loraplex.engine.batch_window import Line, RollingWindow
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-CHUNK = 512  # lines in flight at once
+_NOT_AN_OBJECT = object()
+
+
+class BatchError(Exception):
+    """A problem with the command's arguments or files: one line on stderr, exit code 2."""
 
 
 def register(subparsers) -> None:
@@ -35,103 +63,269 @@ def register(subparsers) -> None:
     p.add_argument("--enable-lora", action="store_true")
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--max-lora-rank", type=int, default=64)
+    p.add_argument("--max-in-flight", type=int, default=None,
+                   help="lines in the engine at once (default 2 x --max-num-seqs)")
+    p.add_argument("--reorder-buffer", type=int, default=None,
+                   help="most lines admitted but not yet written, while an earlier line still runs "
+                        "(default 4 x --max-in-flight)")
+    p.add_argument("--progress-interval", type=float, default=5.0, help="seconds between progress lines")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--resume", action="store_true",
+                      help="continue an interrupted run: keep OUTPUT's complete lines, run the rest")
+    mode.add_argument("--overwrite", action="store_true", help="replace an OUTPUT that is not empty")
     p.set_defaults(func=run)
 
 
-def _line_id(line: str, line_no: int) -> str:
-    try:
-        item = json.loads(line)
-    except ValueError:
-        return str(line_no)
-    return str(item.get("id", line_no)) if isinstance(item, dict) else str(line_no)
-
-
-def _parse(line: str, defaults: dict, line_no: int):
-    item = json.loads(line)
-    if not isinstance(item, dict):
-        raise ValueError("each line must be a JSON object")
-    rid = _line_id(line, line_no)
-    if "prompt_token_ids" in item:
-        prompt = {"prompt_token_ids": [int(t) for t in item["prompt_token_ids"]]}
-    elif isinstance(item.get("prompt"), str):
-        prompt = item["prompt"]
-    else:
-        raise ValueError("a line needs 'prompt' (string) or 'prompt_token_ids'")
-    params = SamplingParams(**{**defaults, **item.get("params", {})})
-    lora = item.get("lora")
-    lora_request = LoRARequest(lora["name"], int(lora["id"]), lora["path"]) if lora else None
-    return rid, prompt, params, lora_request
-
-
 def run(args) -> int:
+    try:
+        return _run(args)
+    except BatchError as exc:
+        sys.stderr.write(f"loraplex batch: error: {exc}\n")
+        return 2
+
+
+def _run(args) -> int:
+    started = time.monotonic()
+    max_in_flight = args.max_in_flight if args.max_in_flight is not None else 2 * args.max_num_seqs
+    if max_in_flight < 1:
+        raise BatchError(f"--max-in-flight must be at least 1, got {max_in_flight}")
+    reorder = args.reorder_buffer if args.reorder_buffer is not None else 4 * max_in_flight
+    if reorder < max_in_flight:
+        raise BatchError(f"--reorder-buffer must be at least --max-in-flight ({max_in_flight}), got {reorder}")
+    src, total_lines = _open_input(args)
+    try:
+        scanned = _scan(src)
+        dst, num_kept, num_kept_failed = _open_output(args, scanned)
+        try:
+            return _generate(args, scanned, dst, (num_kept, num_kept_failed), total_lines, max_in_flight, reorder,
+                             started)
+        finally:
+            if dst is not _stdout():
+                dst.close()
+    finally:
+        if src is not _stdin():
+            src.close()
+
+
+def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None, max_in_flight: int,
+              reorder: int, started: float) -> int:
     from loraplex.engine.llm import LLM
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, enable_lora=args.enable_lora, max_loras=args.max_loras,
               max_lora_rank=args.max_lora_rank)
+    loaded = time.monotonic()
+    num_kept, num_kept_failed = kept
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    # bytes in: a line that is not UTF-8 is that line's error, not the end of the command
-    stdin = getattr(sys.stdin, "buffer", sys.stdin)
-    src = stdin if args.input == "-" else open(args.input, "rb")  # noqa: SIM115
-    dst = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")  # noqa: SIM115
-    num_ok = num_failed = 0
-    try:
-        pending: list[tuple] = []
-        for line_no, raw in enumerate(src):
-            try:
-                line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
-            except UnicodeDecodeError as exc:
-                pending.append((str(line_no), None, None, f"line {line_no} is not UTF-8: {exc}"))
-                continue
-            if not line.strip():
-                continue
-            try:
-                pending.append(_parse(line, defaults, line_no))
-            except (ValueError, TypeError, KeyError) as exc:
-                pending.append((_line_id(line, line_no), None, None, str(exc)))
-            if len(pending) >= CHUNK:
-                ok, failed = _flush(llm, pending, dst)
-                num_ok, num_failed = num_ok + ok, num_failed + failed
-                pending = []
-        ok, failed = _flush(llm, pending, dst)
-        num_ok, num_failed = num_ok + ok, num_failed + failed
-    finally:
-        if src is not stdin:
-            src.close()
-        if dst is not sys.stdout:
-            dst.close()
-    log.info("batch done: %d ok, %d failed", num_ok, num_failed)
-    return 0 if num_failed == 0 else 1
+    lines = (_parse(seq, line_no, raw, defaults) for seq, (line_no, raw) in enumerate(scanned))
 
+    def write(data: bytes) -> None:
+        dst.write(data)
+        dst.flush()
 
-def _flush(llm, pending: list[tuple], dst) -> tuple[int, int]:
-    # each line is queued on its own, so a prompt the engine refuses (too long, ids outside the vocabulary)
-    # is that line's error and the rest of the chunk still runs
-    results, outputs, errors = {}, {}, {}
-    for i, p in enumerate(pending):
-        if p[1] is None:
-            continue
+    window = RollingWindow(llm, write, max_in_flight, reorder)
+    progress = _Progress(llm.engine, window.stats, args.progress_interval, total_lines, num_kept)
+    with _stop_on_signals() as received:
         try:
-            request_id, out = llm._add_request(p[1], p[2], p[3], 0)
-        except ValueError as exc:
-            errors[i] = str(exc)
-            continue
-        outputs[request_id] = out
-        results[i] = out
-    if outputs:
-        llm._run(outputs)
-    num_failed = 0
-    for i, p in enumerate(pending):
-        rid = p[0]
-        out = results.get(i)
-        if out is None:
-            record = {"id": rid, "error": errors.get(i, p[3])}
-            num_failed += 1
+            finished = window.run(lines, stop=lambda: bool(received), tick=progress.tick)
+        except Exception:
+            log.error("batch: failed after writing %d lines (%d in all); the same command with --resume "
+                      "continues after them", window.stats.num_written, num_kept + window.stats.num_written)
+            raise
+    stats = window.stats
+    wall = time.monotonic() - loaded
+    log.info("batch %s: %d lines ok, %d failed%s; %d prompt tokens, %d output tokens in %.1f s (%.1f output "
+             "tok/s; model load %.1f s)", "done" if finished else "stopped", stats.num_ok, stats.num_failed,
+             f" (after {num_kept} lines kept from the earlier run, {num_kept_failed} of them failed)" if num_kept
+             else "",
+             stats.num_prompt_tokens, stats.num_output_tokens, wall, stats.num_output_tokens / max(wall, 1e-9),
+             loaded - started)
+    if not finished:
+        signum = received[0]
+        reached = f" (through input line {stats.last_line_no})" if stats.last_line_no else ""
+        log.warning("batch: stopped by %s: %s holds %d complete lines%s; %d unfinished lines were dropped; run "
+                    "the same command with --resume to continue", signal.Signals(signum).name, args.output,
+                    num_kept + stats.num_written, reached, stats.num_dropped)
+        return 128 + signum
+    return 0 if stats.num_failed + num_kept_failed == 0 else 1
+
+
+# ---- input -------------------------------------------------------------------------------------------------
+
+def _stdin():
+    return getattr(sys.stdin, "buffer", sys.stdin)
+
+
+def _stdout():
+    return getattr(sys.stdout, "buffer", sys.stdout)
+
+
+def _open_input(args):
+    """The input as bytes (a line that is not UTF-8 is that line's error), and its number of lines when it is
+    a file (for progress)."""
+    if args.input == "-":
+        return _stdin(), None
+    try:
+        src = open(args.input, "rb")  # noqa: SIM115
+    except OSError as exc:
+        raise BatchError(f"cannot read INPUT {args.input}: {exc.strerror}") from None
+    total = None
+    if os.path.isfile(args.input):
+        total, last = 0, b"\n"
+        for chunk in iter(lambda: src.read(1 << 20), b""):
+            total += chunk.count(b"\n")
+            last = chunk[-1:]
+        total += last != b"\n"  # a last line without a newline
+        src.seek(0)
+    return src, total
+
+
+def _scan(src) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, bytes) of each non-blank line."""
+    for line_no, raw in enumerate(src, start=1):
+        if isinstance(raw, str):  # a text stdin without a binary buffer
+            raw = raw.encode("utf-8", "surrogateescape")
+        if raw.strip():
+            yield line_no, raw
+
+
+def _decode(line_no: int, raw: bytes):
+    """(the line's object, or _NOT_AN_OBJECT; its id; why it is not an object, or None)."""
+    try:
+        item = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        return _NOT_AN_OBJECT, line_no, f"line {line_no} is not UTF-8: {exc}"
+    except ValueError as exc:
+        return _NOT_AN_OBJECT, line_no, f"line {line_no} is not JSON: {exc}"
+    if not isinstance(item, dict):
+        return _NOT_AN_OBJECT, line_no, f"line {line_no} is not a JSON object"
+    return item, item.get("id", line_no), None
+
+
+def _parse(seq: int, line_no: int, raw: bytes, defaults: dict) -> Line:
+    item, rid, error = _decode(line_no, raw)
+    if error is not None:
+        return Line(seq, line_no, rid, error=error)
+    try:
+        if "prompt_token_ids" in item:
+            prompt = {"prompt_token_ids": [int(t) for t in item["prompt_token_ids"]]}
+        elif isinstance(item.get("prompt"), str):
+            prompt = item["prompt"]
         else:
-            record = {"id": rid, "num_prompt_tokens": len(out.prompt_token_ids),
-                      "num_cached_tokens": out.num_cached_tokens,
-                      "outputs": [{k: v for k, v in asdict(c).items() if k in ("index", "text", "token_ids",
-                                   "finish_reason", "stop_reason", "error")} for c in out.outputs]}
-            num_failed += any(c.finish_reason == "error" for c in out.outputs)
-        dst.write(json.dumps(record) + "\n")
-    return len(pending) - num_failed, num_failed
+            raise ValueError("a line needs 'prompt' (string) or 'prompt_token_ids'")
+        params = item.get("params", {})
+        if not isinstance(params, dict):
+            raise ValueError("'params' must be an object of SamplingParams fields")
+        lora = item.get("lora")
+        if lora is not None and not (isinstance(lora, dict) and {"name", "id", "path"} <= lora.keys()):
+            raise ValueError("'lora' must be an object with 'name', 'id' and 'path'")
+        lora_request = LoRARequest(lora["name"], int(lora["id"]), lora["path"]) if lora else None
+        return Line(seq, line_no, rid, prompt, SamplingParams(**{**defaults, **params}), lora_request)
+    except (ValueError, TypeError) as exc:
+        return Line(seq, line_no, rid, error=str(exc))
+
+
+# ---- output ------------------------------------------------------------------------------------------------
+
+def _open_output(args, scanned: Iterator[tuple[int, bytes]]):
+    """The output to append to, how many of its lines an earlier run left (their input lines are taken from
+    ``scanned``), and how many of those failed."""
+    path = args.output
+    if path == "-":
+        if args.resume:
+            raise BatchError("--resume needs OUTPUT to be a file, not -")
+        return _stdout(), 0, 0
+    if args.input != "-" and os.path.exists(path) and os.path.samefile(args.input, path):
+        raise BatchError(f"OUTPUT {path} is the INPUT file")
+    size = os.path.getsize(path) if os.path.isfile(path) else 0
+    num_kept = num_kept_failed = 0
+    if size and args.resume:
+        num_kept, num_kept_failed = _check_resume(path, scanned)
+    elif size and not args.overwrite:
+        raise BatchError(f"OUTPUT {path} exists and is not empty ({size} bytes): pass --resume to continue "
+                         "that run or --overwrite to replace it")
+    try:
+        return open(path, "ab" if args.resume else "wb"), num_kept, num_kept_failed  # noqa: SIM115
+    except OSError as exc:
+        raise BatchError(f"cannot write OUTPUT {path}: {exc.strerror}") from None
+
+
+def _check_resume(path: str, scanned: Iterator[tuple[int, bytes]]) -> tuple[int, int]:
+    """Match the output's complete lines with the input's first lines (by position, and their ids must
+    agree), cut off a last line without a newline, and return how many lines are kept and how many of those
+    failed."""
+    num_kept = num_failed = end = last_line_no = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            if not raw.endswith(b"\n"):
+                log.warning("batch --resume: dropping the last line of %s (%d bytes without a newline: cut "
+                            "short when the earlier run was killed)", path, len(raw))
+                break
+            num_kept += 1
+            try:
+                record = json.loads(raw)
+                out_id = record["id"]
+                num_failed += "error" in record or any(o["finish_reason"] == "error" for o in record["outputs"])
+            except (ValueError, TypeError, KeyError):
+                raise BatchError(f"--resume: line {num_kept} of {path} is not a loraplex batch output line; "
+                                 "pass --overwrite to start over") from None
+            line = next(scanned, None)
+            if line is None:
+                raise BatchError(f"--resume: {path} has more lines than the input has lines to run "
+                                 f"({num_kept - 1}): it is not the output of this input")
+            last_line_no = line[0]
+            in_id = _decode(*line)[1]
+            if type(out_id) is not type(in_id) or out_id != in_id:
+                raise BatchError(f"--resume: line {num_kept} of {path} has id {json.dumps(out_id)} but input "
+                                 f"line {line[0]} has id {json.dumps(in_id)}: {path} is not the output of "
+                                 "this input; pass --overwrite to start over")
+            end += len(raw)
+    if end < os.path.getsize(path):
+        os.truncate(path, end)
+    log.info("batch --resume: %d lines of %s kept; running the input after line %d", num_kept, path,
+             last_line_no)
+    return num_kept, num_failed
+
+
+# ---- progress and signals ----------------------------------------------------------------------------------
+
+class _Progress:
+    """A progress line every ``interval`` seconds (checked after each engine step), never more often."""
+
+    def __init__(self, engine, stats, interval: float, total_lines: int | None, num_kept: int):
+        self.engine, self.stats, self.interval = engine, stats, interval
+        self.total_lines, self.num_kept = total_lines, num_kept
+        self._last = time.monotonic()
+        self._last_tokens = engine.num_generated_tokens
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            return
+        tokens = self.engine.num_generated_tokens
+        rate = (tokens - self._last_tokens) / max(now - self._last, 1e-9)
+        self._last, self._last_tokens = now, tokens
+        s = self.stats
+        where = f"through input line {s.last_line_no}"
+        if self.total_lines:
+            where += f" of {self.total_lines} ({100 * s.last_line_no / self.total_lines:.1f}%)"
+        kept = f" (+{self.num_kept} kept)" if self.num_kept else ""
+        log.info("batch: %d lines written%s, %s; %d failed, %d in flight, %.1f output tok/s", s.num_written,
+                 kept, where, s.num_failed, s.num_in_flight, rate)
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """SIGINT and SIGTERM append their number to the yielded list instead of ending the process (main thread
+    only: elsewhere signal handlers cannot be set, and Ctrl-C stays a KeyboardInterrupt)."""
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {s: signal.signal(s, lambda signum, frame: received.append(signum))
+                for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import signal
+
+import pytest
 
 from loraplex import LLM, SamplingParams
 from loraplex.cli import main
@@ -47,9 +50,234 @@ def test_lines_the_engine_refuses_fail_alone(tiny_model, tmp_path):
                "--max-tokens", "3", "--max-model-len", "64"])
     out = [json.loads(x) for x in dst.read_text().splitlines()]
     assert rc == 1
-    assert [o["id"] for o in out] == ["ok", "long", "vocab", "3", "ok2"]
+    assert [o["id"] for o in out] == ["ok", "long", "vocab", 4, "ok2"]  # no readable id: its line number
     assert "max_model_len 64" in out[1]["error"] and "[0, 512)" in out[2]["error"]
     assert "UTF-8" in out[3]["error"]
     want = LLM(tiny_model["model_dir"], dtype="float32").generate(
         {"prompt_token_ids": [1, 40, 41, 42]}, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert out[0]["outputs"][0]["token_ids"] == out[4]["outputs"][0]["token_ids"] == want[0].outputs[0].token_ids
+
+
+# ---- the rolling window, resume, refusals, ids, progress, signals ------------------------------------------
+
+MODEL_ARGS = ("--dtype", "float32")
+
+
+def _run(tiny_model, src, dst, *extra) -> int:
+    return main(["batch", str(src), str(dst), "--model", tiny_model["model_dir"], *MODEL_ARGS, *extra])
+
+
+def _write_jsonl(path, items) -> None:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in items))
+
+
+def _greedy(tiny_model, prompts_and_max_tokens) -> list[list[int]]:
+    llm = LLM(tiny_model["model_dir"], dtype="float32")
+    outs = llm.generate([{"prompt_token_ids": p} for p, _ in prompts_and_max_tokens],
+                        [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in prompts_and_max_tokens])
+    return [o.outputs[0].token_ids for o in outs]
+
+
+class _RecordingLLM(LLM):
+    """The real LLM, recording when each request is added to its engine and when it finishes."""
+
+    events: list = []
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        engine, events = self.engine, []
+        type(self).events = events
+        add, step = engine.add_request, engine.step
+
+        def add_request(request_id, *a, **kw):
+            add(request_id, *a, **kw)
+            events.append(("add", int(request_id)))
+
+        def recording_step():
+            deltas = step()
+            events.extend(("done", int(d.request_id)) for d in deltas if d.finished)
+            return deltas
+
+        engine.add_request, engine.step = add_request, recording_step
+
+
+def test_rolling_window_adds_lines_while_a_long_one_runs_and_writes_in_input_order(tiny_model, tmp_path,
+                                                                                   monkeypatch):
+    """Line 0 runs 24 tokens, the others 2: with 2 lines in flight, lines 2 and 3 start while line 0 still runs
+    (a chunked loop would wait for the whole first chunk); with a reorder buffer of 4, line 4 waits until line 0
+    is written; the output is in input order and equals a plain greedy generate."""
+    import loraplex.engine.llm as llm_module
+
+    monkeypatch.setattr(llm_module, "LLM", _RecordingLLM)
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    jobs = [([1, 40, 41, 42], 24)] + [([1, 50 + i, 7], 2) for i in range(7)]
+    _write_jsonl(src, [{"id": f"r{i}", "prompt_token_ids": p, "params": {"max_tokens": m, "ignore_eos": True}}
+                       for i, (p, m) in enumerate(jobs)])
+    rc = _run(tiny_model, src, dst, "--max-num-seqs", "2", "--max-in-flight", "2", "--reorder-buffer", "4")
+    assert rc == 0
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert [o["id"] for o in out] == [f"r{i}" for i in range(len(jobs))]
+    assert [o["outputs"][0]["token_ids"] for o in out] == _greedy(tiny_model, jobs)
+    events = _RecordingLLM.events
+    long_done = events.index(("done", 0))
+    assert events.index(("add", 2)) < long_done and events.index(("add", 3)) < long_done
+    assert events.index(("add", 4)) > long_done  # the reorder buffer is full behind line 0
+    in_flight = peak = 0
+    for kind, _ in events:
+        in_flight += 1 if kind == "add" else -1
+        peak = max(peak, in_flight)
+    assert peak == 2
+
+
+def test_ids_keep_their_json_type_and_default_to_the_physical_line_number(tiny_model, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join([
+        "",  # line 1: blank, skipped, but counted
+        json.dumps({"id": 5, "prompt": "Hello"}),
+        json.dumps({"prompt": "Hello"}),  # line 3, no id
+        json.dumps({"id": "5", "prompt": "Hello"}),
+        "   ",
+        "{not json",  # line 6
+        json.dumps({"id": None, "prompt": "Hello"}),
+        json.dumps(["a list"]),  # line 8
+    ]) + "\n")
+    rc = _run(tiny_model, src, dst, "--max-tokens", "1")
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert rc == 1
+    assert [o["id"] for o in out] == [5, 3, "5", 6, None, 8]
+    assert type(out[0]["id"]) is int and "outputs" in out[0] and "outputs" in out[1]
+    assert "line 6 is not JSON" in out[3]["error"] and "line 8 is not a JSON object" in out[5]["error"]
+
+
+def _jobs_file(path, num: int) -> list:
+    """Mixed lengths, some lines without an id, blank lines between (ids then follow physical lines)."""
+    items, jobs = [], []
+    for i in range(num):
+        prompt, max_tokens = [1, 30 + i, 31 + 2 * i], (9 if i % 4 == 0 else 2 + i % 3)
+        item = {"prompt_token_ids": prompt, "params": {"max_tokens": max_tokens, "ignore_eos": True}}
+        if i % 3:
+            item["id"] = f"q{i}"
+        items.append(item)
+        jobs.append((prompt, max_tokens))
+        if i % 5 == 2:
+            items.append("")
+    _write_jsonl(path, items)
+    return jobs
+
+
+def test_resume_after_a_cut_short_last_line_gives_the_uninterrupted_file(tiny_model, tmp_path, monkeypatch):
+    import loraplex.engine.llm as llm_module
+
+    src, full, cut = tmp_path / "in.jsonl", tmp_path / "full.jsonl", tmp_path / "cut.jsonl"
+    jobs = _jobs_file(src, 10)
+    assert _run(tiny_model, src, full, "--max-num-seqs", "3") == 0
+    lines = full.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 10
+    cut.write_bytes(b"".join(lines[:4]) + lines[4][: len(lines[4]) // 2])  # as a SIGKILL mid-write leaves it
+    monkeypatch.setattr(llm_module, "LLM", _RecordingLLM)
+    assert _run(tiny_model, src, cut, "--max-num-seqs", "3", "--resume") == 0
+    assert cut.read_bytes() == full.read_bytes()
+    assert sum(kind == "add" for kind, _ in _RecordingLLM.events) == 6  # only the lines not yet written ran
+    assert [json.loads(x)["outputs"][0]["token_ids"] for x in lines] == _greedy(tiny_model, jobs)
+
+
+def test_resume_refuses_an_output_that_is_not_this_inputs(tiny_model, tmp_path, capsys):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [{"id": "a", "prompt": "x"}, {"prompt": "y"}, {"id": 3, "prompt": "z"}])
+    cases = [
+        (["a", "b"], 'line 2 of {} has id "b" but input line 2 has id 2'),
+        (["a", 2, "3"], 'line 3 of {} has id "3" but input line 3 has id 3'),
+        (["a", 2, 3, 4], "has more lines than the input has lines to run (3)"),
+    ]
+    for ids, message in cases:
+        _write_jsonl(dst, [{"id": i, "outputs": [{"index": 0, "finish_reason": "length"}]} for i in ids])
+        before = dst.read_bytes()
+        assert _run(tiny_model, src, dst, "--resume") == 2
+        err = capsys.readouterr().err
+        assert message.format(dst) in err and err.count("\n") == 1
+        assert dst.read_bytes() == before
+    for line in ("not json", json.dumps({"id": "a"})):
+        dst.write_text(line + "\n")
+        assert _run(tiny_model, src, dst, "--resume") == 2
+        assert f"line 1 of {dst} is not a loraplex batch output line" in capsys.readouterr().err
+
+
+def test_an_output_that_is_not_empty_is_kept_unless_resume_or_overwrite(tiny_model, tmp_path, capsys):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [{"id": "a", "prompt": "Hello"}])
+    dst.write_text("precious results\n")
+    assert _run(tiny_model, src, dst) == 2
+    err = capsys.readouterr().err
+    assert "exists and is not empty" in err and "--resume" in err and "--overwrite" in err
+    assert dst.read_text() == "precious results\n"
+    assert _run(tiny_model, src, src, "--overwrite") == 2
+    assert "is the INPUT file" in capsys.readouterr().err and json.loads(src.read_text())["id"] == "a"
+    assert _run(tiny_model, src, dst, "--overwrite", "--max-tokens", "1") == 0
+    assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == ["a"]
+
+
+def test_progress_lines_and_a_final_summary_on_stderr(tiny_model, tmp_path, caplog):
+    import logging
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [{"id": i, "prompt_token_ids": [1, 40 + i], "params": {"ignore_eos": True}} for i in range(3)]
+                 + ["{bad"])
+    caplog.set_level(logging.INFO, logger="loraplex.engine.batch")
+    assert _run(tiny_model, src, dst, "--max-tokens", "3", "--progress-interval", "0") == 1
+    messages = [r.getMessage() for r in caplog.records if r.name == "loraplex.engine.batch"]
+    progress = [m for m in messages if m.startswith("batch: ") and "lines written" in m]
+    assert progress and all(" of 4 (" in m and "output tok/s" in m for m in progress)
+    assert messages[-1].startswith("batch done: 3 lines ok, 1 failed; 6 prompt tokens, 9 output tokens in ")
+    assert "output tok/s" in messages[-1]
+    caplog.clear()
+    assert _run(tiny_model, src, dst, "--max-tokens", "3", "--overwrite") == 1  # default: every 5 s
+    messages = [r.getMessage() for r in caplog.records if r.name == "loraplex.engine.batch"]
+    assert not [m for m in messages if "lines written" in m] and messages[-1].startswith("batch done: ")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_writes_complete_lines_in_order_and_resume_continues(tiny_model, tmp_path, signum):
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    items = [{"id": f"s{i}", "prompt_token_ids": [1, 20 + i % 300], "params": {"ignore_eos": True}}
+             for i in range(400)]
+    _write_jsonl(src, items)
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "batch", str(src), str(dst), "--model",
+                             tiny_model["model_dir"], *MODEL_ARGS, "--max-tokens", "8", "--max-num-seqs", "2"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < deadline:
+            if dst.exists() and dst.read_bytes().count(b"\n") >= 2:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the job ended before it could be stopped"
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signum, err[-2000:]
+    assert f"stopped by {signal.Signals(signum).name}" in err and "--resume to continue" in err
+    data = dst.read_bytes()
+    assert data.endswith(b"\n")
+    done = [json.loads(x)["id"] for x in data.splitlines()]
+    assert 2 <= len(done) < len(items) and done == [x["id"] for x in items[: len(done)]]
+    _write_jsonl(src, items[: len(done) + 3])  # the rest of a shorter job, to keep the test fast
+    assert _run(tiny_model, src, dst, "--max-tokens", "8", "--resume") == 0
+    assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == [x["id"] for x in items[: len(done) + 3]]
+
+
+def test_resume_counts_the_failed_lines_it_keeps_in_the_exit_code(tiny_model, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, ["{bad", {"id": "b", "prompt": "Hello"}])
+    dst.write_text(json.dumps({"id": 1, "error": "line 1 is not JSON"}) + "\n")
+    assert _run(tiny_model, src, dst, "--max-tokens", "1", "--resume") == 1
+    assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == [1, "b"]
