@@ -89,13 +89,13 @@ class Scheduler:
         capacity = bm.num_blocks * bm.block_size  # tokens of one sequence that alone holds every KV block
         longest = min(max_len, num_prompt + (max_tokens or max_len))
         if bm.blocks_for(longest) > bm.num_blocks:
-            cache = f"the KV cache has {bm.num_blocks} blocks of {bm.block_size} ({capacity} tokens)"
+            cache = f"the {bm.num_blocks} KV blocks of {bm.block_size} ({capacity} tokens) the cache has"
             if num_prompt >= capacity:
-                raise RequestLimitError("prompt", f"the prompt has {num_prompt} tokens and needs more KV blocks "
-                                        f"than {cache}; the limit is {capacity - 1}", limit=capacity - 1)
+                raise RequestLimitError("prompt", f"the prompt has {num_prompt} tokens and needs more than "
+                                        f"{cache}; the limit is {capacity - 1}", limit=capacity - 1)
             asked = "the rest of the context" if max_tokens is None else str(max_tokens)
             raise RequestLimitError("max_tokens", f"a sequence of {longest} tokens (a {num_prompt}-token prompt + "
-                                    f"max_tokens {asked}) needs more KV blocks than {cache}; the limit for this "
+                                    f"max_tokens {asked}) needs more than {cache}; the limit for this "
                                     f"prompt is {capacity - num_prompt}", limit=capacity - num_prompt)
 
     def abort_request(self, request_id: str) -> list[Request]:

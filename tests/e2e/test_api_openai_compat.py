@@ -8,6 +8,7 @@ codes."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -45,9 +46,10 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir):
-    # 128 blocks of 16 hold 2048 tokens, less than the model's 4096: the engine refuses longer sequences
+    # 128 blocks of 16 hold 2048 tokens, less than the model's 4096: the engine refuses longer sequences;
+    # and it runs at most 16 sequences, while the API lets n reach 24: the engine refuses n over 16
     srv = start_server(tmp_path_factory.mktemp("compat"), demo_model_from=model_dir,
-                       env={"LORAPLEX_NUM_KV_BLOCKS": "128"})
+                       env={"LORAPLEX_NUM_KV_BLOCKS": "128", "LORAPLEX_MAX_NUM_SEQS": "16", "LORAPLEX_MAX_N": "24"})
     try:
         yield srv
     finally:
@@ -205,8 +207,6 @@ def test_vllm_stop_extensions_stop_token_ids_and_include_stop_str(client, model,
 
 
 def test_models_have_a_real_created_time(client):
-    import time
-
     models = client.models.list().data
     assert models and all(0 < m.created <= time.time() + 1 for m in models), [(m.id, m.created) for m in models]
     assert client.models.retrieve(models[0].id).created == models[0].created
@@ -259,13 +259,35 @@ def test_unknown_model_404_is_short_and_identical_for_another_tenants_adapter(se
     assert answers(name) == missing
 
 
-def test_an_engine_refusal_is_a_documented_400(server, client, model):
-    # 128 KV blocks of 16 cannot hold 3000 tokens, though the model's context could
-    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {client.api_key}"}) as c:
-        r = c.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 3000})
-    err = r.json()["error"]
-    assert r.status_code == 400 and err["type"] == "invalid_request_error", err
-    assert err["code"] == "invalid_value" and "KV blocks" in err["message"], err
+def test_an_engine_refusal_is_a_documented_400_naming_the_field_streamed_or_not(server, client, model):
+    # 128 KV blocks of 16 cannot hold 3000 tokens, though the model's context could; n=20 is over the
+    # engine's max_num_seqs (16), though within the API's max_n (24). A streamed request is refused before
+    # its response starts (it was a 200 whose stream ended in an error event, with param null)
+    x_tokens = 1500 * [5]
+    cases = [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 3000}, "max_tokens", "is 2046"),  # "x": 2 tokens
+        ("/v1/completions", {"prompt": [x_tokens, [5]], "max_tokens": 600}, "max_tokens", "is 548"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 20}, "n", "max_num_seqs (16)"),
+        ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 3000}, "max_completion_tokens", "KV"),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "n": 20}, "n", "max_num_seqs"),
+    ]
+    key = server.create_tenant("refused-co")["key"]
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {key}"}) as c:
+        for path, body, param, limit in cases:
+            for stream in (False, True):
+                r = c.post(path, json={"model": model, **body, "stream": stream})
+                assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+                err = r.json()["error"]
+                assert err["type"] == "invalid_request_error" and err["code"] == "invalid_value", err
+                assert err["param"] == param and limit in err["message"], (path, body, err)
+        # refused as a whole (also the list of prompts whose first one fits): nothing ran, nothing is metered
+        assert c.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 1}).status_code == 200
+        for _ in range(50):
+            totals = c.get("/v1/usage").json()["totals"]
+            if totals["requests"]:
+                break
+            time.sleep(0.1)
+    assert (totals["requests"], totals["errors"]) == (1, 0), totals
     assert f"| {err['code']}" in _documented_error_rows(400)
 
 

@@ -191,7 +191,7 @@ async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]]
     gen = Generation(
         services=services, principal=principal, model=resolved, endpoint=endpoint,
         response_id=response_id, prompts=prompts, params=params, grant=grant,
-        quota_reservation=reservation,
+        quota_reservation=reservation, param_names={"prompt": prompt_param, "max_tokens": max_tokens_param},
     )
     return Prepared(gen, grant.headers, texts)
 

@@ -71,6 +71,14 @@ def _engine_failure_error(exc: EngineFailure) -> ApiError:
                     headers={"Retry-After": "5"})
 
 
+async def _start(prep: Prepared) -> None:
+    """The engine admits the request before the response starts: a refusal is the same 400 for a stream."""
+    try:
+        await prep.generation.start()
+    except EngineFailure as exc:
+        raise _engine_failure_error(exc) from exc
+
+
 def _error_event(exc: EngineFailure) -> bytes:
     err = _engine_failure_error(exc)
     return sse_event(ErrorResponse(ErrorBody(message=err.message, type=err.type, param=err.param, code=err.code)))
@@ -142,6 +150,7 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
         prompt_texts = await echo_texts(services, prompts, texts)
         first_tokens = await first_token_texts(services, prompts) if score_prompt else None
         echo = _Echo(prompts, prompt_texts, first_tokens, n)
+    await _start(prep)
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         return SSEStream(_completion_events(prep, resolved, created, echo, include_usage, engine),
@@ -264,6 +273,7 @@ async def _create_chat_completion(request: Request, data: s.ChatCompletionReques
                          logprobs=top_n if data.logprobs else None)
     gen = prep.generation
     created = int(time.time())
+    await _start(prep)
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         return SSEStream(_chat_events(prep, resolved, created, include_usage, engine, top_n),
