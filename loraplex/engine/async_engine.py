@@ -95,9 +95,12 @@ class AsyncEngine:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False,
+                            template_kwargs: dict | None = None) -> list[int]:
+        """``template_kwargs``: extra template variables (the caller keeps out the tokenizer's own parameters)."""
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message, tokenize=True)
+                                                 continue_final_message=continue_final_message, tokenize=True,
+                                                 **(template_kwargs or {}))
         if hasattr(ids, "keys"):  # a BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return list(ids)

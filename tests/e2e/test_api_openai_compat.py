@@ -24,6 +24,9 @@ STRICT_TEMPLATE_CHECK = (
 )
 
 
+# a variable a client may set through chat_template_kwargs (as Qwen3's enable_thinking)
+GREETING = "{% if greeting is defined %}{{ greeting }}{% endif %}"
+
 # and, as templates that show speaker names do, a message's `name` before its content
 NAMED_CONTENT = "(message['name'] ~ ': ' if message['name'] is defined else '') ~ message['content']"
 
@@ -33,7 +36,8 @@ def model_dir(tmp_path_factory, tiny_model) -> Path:
     model = tmp_path_factory.mktemp("strict-model") / "demo-model"
     shutil.copytree(tiny_model["model_dir"], model)
     template = model / "chat_template.jinja"
-    template.write_text(STRICT_TEMPLATE_CHECK + template.read_text().replace("message['content']", NAMED_CONTENT))
+    template.write_text(STRICT_TEMPLATE_CHECK + GREETING +
+                        template.read_text().replace("message['content']", NAMED_CONTENT))
     return model
 
 
@@ -102,10 +106,21 @@ def test_parameters_the_server_cannot_honour_are_refused_naming_them(client, mod
         for call, kw in ((chat, dict(messages=USER)), (client.completions.create, dict(prompt="x"))):
             body = _refused(call, model=model, max_tokens=2, extra_body=extra, **kw)
             assert body["param"] == next(iter(extra)) and body["code"] == "unsupported", (extra, body)
+    # vLLM extensions the sampler or detokenizer cannot honour, a client's own template, echo on chat
+    for extra in ({"allowed_token_ids": [5, 6]}, {"bad_words": ["Once"]}, {"spaces_between_special_tokens": False},
+                  {"return_tokens_as_token_ids": True}):
+        for call, kw in ((chat, dict(messages=USER)), (client.completions.create, dict(prompt="x"))):
+            body = _refused(call, model=model, max_tokens=2, extra_body=extra, **kw)
+            assert body["param"] == next(iter(extra)) and body["code"] == "unsupported", (extra, body)
+    for extra in ({"chat_template": "{{ 'x' }}"}, {"echo": True}):
+        body = _refused(chat, model=model, messages=USER, max_tokens=2, extra_body=extra)
+        assert body["param"] == next(iter(extra)) and body["code"] == "unsupported", (extra, body)
 
     # the no-op forms are accepted, as OpenAI and vLLM accept them
     r = chat(model=model, messages=USER, max_tokens=2, logit_bias={}, response_format={"type": "text"},
-             tools=[TOOL], tool_choice="none", user="end-user-7", extra_body={"use_beam_search": False})
+             tools=[TOOL], tool_choice="none", user="end-user-7",
+             extra_body={"use_beam_search": False, "bad_words": [], "spaces_between_special_tokens": True,
+                         "return_tokens_as_token_ids": False, "echo": False})
     assert r.choices[0].message.tool_calls is None and r.usage.completion_tokens >= 1
 
 
@@ -419,3 +434,80 @@ def test_text_offset_is_the_running_sum_of_token_lengths(client, model):
     echoed = client.completions.create(**{**kw, "echo": True}).choices[0].logprobs
     check(echoed, 0)
     assert echoed.tokens[-32:] == r.choices[0].logprobs.tokens
+
+
+def test_response_role_is_the_last_messages_without_a_generation_prompt(client, model):
+    # vLLM: no assistant header opened, so the text continues the last message, in its role
+    chat = client.chat.completions.create
+    prefill = [*USER, {"role": "assistant", "content": "Once upon"}]
+    for messages, extra, role in ((USER, {}, "assistant"), (USER, {"add_generation_prompt": False}, "user"),
+                                  (prefill, {"add_generation_prompt": False, "continue_final_message": True},
+                                   "assistant")):
+        r = chat(model=model, messages=messages, max_tokens=2, extra_body=extra)
+        assert r.choices[0].message.role == role, (messages, extra)
+        first = next(iter(chat(model=model, messages=messages, max_tokens=2, extra_body=extra, stream=True)))
+        assert first.choices[0].delta.role == role
+
+
+def test_prompt_logprobs_in_vllms_shape(client, model):
+    prompt = [1, 17, 42, 99, 7, 250]
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    # the same numbers as echo + logprobs scoring (an OpenAI field, checked above against generation)
+    scored = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=2,
+                                       echo=True).choices[0].logprobs
+    assert len(plp) == len(prompt) and plp[0] is None
+    for k in range(1, len(prompt)):
+        entry = plp[k]
+        assert str(prompt[k]) in entry and 2 <= len(entry) <= 3, entry  # the token itself + the top 2
+        assert entry[str(prompt[k])]["logprob"] == pytest.approx(scored.token_logprobs[k], abs=1e-4)
+        assert {v["rank"] for v in entry.values()} >= {1, 2} and all(v["decoded_token"] is not None
+                                                                     for v in entry.values())
+    assert r.choices[0].logprobs is None and client.completions.create(
+        model=model, prompt=prompt, max_tokens=1).choices[0].model_extra["prompt_logprobs"] is None
+
+    c = client.chat.completions.create(model=model, messages=USER, max_tokens=1, n=2,
+                                       extra_body={"prompt_logprobs": 0})
+    plp = c.model_extra["prompt_logprobs"]
+    assert len(plp) == c.usage.prompt_tokens and plp[0] is None and all(len(e) in (1, 2) for e in plp[1:])
+    for call, kw in ((client.completions.create, dict(prompt=prompt)), (client.chat.completions.create,
+                                                                         dict(messages=USER))):
+        body = _refused(call, model=model, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1}, **kw)
+        assert body["param"] == "prompt_logprobs", body  # vLLM refuses it streamed too
+        body = _refused(call, model=model, max_tokens=1, extra_body={"prompt_logprobs": 21}, **kw)
+        assert body["param"] == "prompt_logprobs", body
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, model):
+    prompt = [1, 33, 71, 5, 140, 17, 42, 99, 7, 250]
+    cut = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 4, "ignore_eos": True})
+    tail = client.completions.create(model=model, prompt=prompt[-4:], max_tokens=4, temperature=0, echo=True,
+                                     extra_body={"ignore_eos": True})
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].text == tail.choices[0].text
+    assert client.completions.create(model=model, prompt=prompt, max_tokens=1,
+                                     extra_body={"truncate_prompt_tokens": -1}).usage.prompt_tokens == len(prompt)
+    r = client.chat.completions.create(model=model, messages=USER, max_tokens=1,
+                                       extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3
+    for bad in (0, -2, 4097):
+        body = _refused(client.completions.create, model=model, prompt=prompt, max_tokens=1,
+                        extra_body={"truncate_prompt_tokens": bad})
+        assert body["param"] == "truncate_prompt_tokens" and "4096" in body["message"], body
+
+
+def test_chat_template_kwargs_reach_the_template_but_never_the_servers_switches(client, model, tokenizer):
+    greeting = "Ahoy there, matey"
+    expected = _rendered(tokenizer, USER, add_generation_prompt=True, greeting=greeting)
+    assert len(expected) > len(_rendered(tokenizer, USER, add_generation_prompt=True))
+    assert _prompt_tokens(client, model, USER, chat_template_kwargs={"greeting": greeting}) == len(expected)
+    # a variable the template never reads changes nothing (dropped, as vLLM drops it)
+    plain = _prompt_tokens(client, model, USER)
+    assert _prompt_tokens(client, model, USER, chat_template_kwargs={"unused_switch": True}) == plain
+    for key, value in (("tokenize", False), ("chat_template", "{{ 'x' }}"), ("messages", []),
+                       ("add_generation_prompt", False), ("continue_final_message", True), ("bos_token", "x"),
+                       ("tools", [TOOL])):
+        body = _refused(client.chat.completions.create, model=model, messages=USER, max_tokens=1,
+                        extra_body={"chat_template_kwargs": {key: value}})
+        assert body["param"] == f"chat_template_kwargs.{key}" and body["code"] == "invalid_value", (key, body)
