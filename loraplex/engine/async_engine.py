@@ -2,6 +2,9 @@
 HTTP event loop never waits on a model step; requests and aborts reach it through a command queue and
 token deltas come back to each caller's event loop.
 
+A request is admitted (``add_requests``) before its stream exists, so a caller learns of a refusal
+before it answers anything; the loop thread alone touches the engine: admission runs there too.
+
 If the loop thread dies, every open stream gets a final delta with finish_reason "error", ``is_healthy()``
 turns False and new requests raise ``EngineDeadError`` (nothing hangs).
 """
@@ -13,7 +16,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from loraplex.engine.config import EngineConfig
@@ -42,6 +45,8 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
+        # requests taken back when their group was refused -> their final deltas still to drop (loop thread)
+        self._taken_back: dict[str, int] = {}
         self._dead: BaseException | None = None
         self._lock = threading.Lock()  # orders commands against the loop's death
         self._stopping = False
@@ -54,26 +59,28 @@ class AsyncEngine:
         return cls(LLMEngine(config), model_id=config.model_id)
 
     # ---- EngineClient --------------------------------------------------------------------------
-    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
-        """Stream the request's deltas (all ``n`` samples); ends after each sample's final delta.
-        A bad request raises ValueError before anything is streamed; leaving early aborts it."""
+    async def add_requests(self, requests: Sequence[EngineRequest]) -> list[RequestStream]:
+        """Admit the requests together, or none of them: when the engine refuses one (a ValueError, e.g. a
+        ``RequestLimitError`` naming the field), it raises here, before any delta exists, and nothing of the
+        group stays in the engine. Returns one open stream per request, in order."""
         self._check_alive()
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), request.sampling_params.n)
+        loop = asyncio.get_running_loop()
+        streams = [_Stream(loop, asyncio.Queue(), r.sampling_params.n) for r in requests]
         added = concurrent.futures.Future()
-        self._send(("add", request, stream, added))
-        await asyncio.wrap_future(added)
-        finished: set[int] = set()  # as seen here (stream.finished is the loop thread's view)
-        done = False
+        self._send(("add", list(requests), streams, added))
+        await asyncio.wrap_future(added)  # cancelled before the loop takes it: the loop adds nothing
+        return [RequestStream(self, r.request_id, s) for r, s in zip(requests, streams)]
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+        """Stream the request's deltas (all ``n`` samples); ends after each sample's final delta. A refused
+        request raises on the first iteration (``add_requests`` refuses before anything starts); leaving
+        early aborts it."""
+        (stream,) = await self.add_requests([request])
         try:
-            while not done:
-                delta = await stream.queue.get()
-                if delta.finished:
-                    finished.add(delta.index)
-                    done = len(finished) >= stream.num_samples
+            async for delta in stream:
                 yield delta
         finally:
-            if not done:
-                self._send(("abort", request.request_id))
+            stream.close()
 
     async def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -88,9 +95,12 @@ class AsyncEngine:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> list[int]:
+                            continue_final_message: bool = False,
+                            template_kwargs: dict | None = None) -> list[int]:
+        """``template_kwargs``: extra template variables (the caller keeps out the tokenizer's own parameters)."""
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message, tokenize=True)
+                                                 continue_final_message=continue_final_message, tokenize=True,
+                                                 **(template_kwargs or {}))
         if hasattr(ids, "keys"):  # a BatchEncoding in newer transformers
             ids = ids["input_ids"]
         return list(ids)
@@ -152,19 +162,14 @@ class AsyncEngine:
             drained = True
             kind = command[0]
             if kind == "add":
-                _, request, stream, added = command
-                if request.request_id in self._streams:  # open (or its final deltas not yet delivered)
-                    added.set_exception(ValueError(f"request_id {request.request_id!r} is already in use"))
-                    continue
+                _, requests, streams, added = command
+                if not added.set_running_or_notify_cancel():
+                    continue  # the caller stopped waiting (cancelled): nobody would read or abort these
                 try:
-                    self.engine.add_request(
-                        request.request_id, request.prompt_token_ids, request.sampling_params,
-                        lora_request=request.lora_request, cache_salt=request.cache_salt,
-                        priority=request.priority, arrival_time=request.arrival_time)
+                    self._add_all(requests, streams)
                 except Exception as exc:  # noqa: BLE001 (a bad request is the caller's error)
-                    added.set_exception(exc)  # the stream of another request with this id stays
+                    added.set_exception(exc)
                 else:
-                    self._streams[request.request_id] = stream  # before any step: no delta can be missed
                     added.set_result(None)
             elif kind == "abort":
                 self.engine.abort_request(command[1])
@@ -176,8 +181,39 @@ class AsyncEngine:
                 except Exception as exc:  # noqa: BLE001
                     done.set_exception(exc)
 
+    def _add_all(self, requests: list[EngineRequest], streams: list[_Stream]) -> None:
+        """Add every request of a group, or none (a refusal takes back those added before it: no step ran
+        in between, so the engine did no work for them)."""
+        ids = [r.request_id for r in requests]
+        for rid in ids:
+            # open, or its final deltas not yet delivered (or dropped, when taken back)
+            if rid in self._streams or rid in self._taken_back or ids.count(rid) > 1:
+                raise ValueError(f"request_id {rid!r} is already in use")
+        added: list[str] = []
+        try:
+            for r in requests:
+                self.engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params,
+                                        lora_request=r.lora_request, cache_salt=r.cache_salt, priority=r.priority,
+                                        arrival_time=r.arrival_time)
+                added.append(r.request_id)
+        except Exception:
+            for r in requests[:len(added)]:  # their final (abort) deltas are dropped, one per sample
+                self.engine.abort_request(r.request_id)
+                self._taken_back[r.request_id] = r.sampling_params.n
+            raise
+        for rid, stream in zip(ids, streams):
+            self._streams[rid] = stream  # before any step: no delta can be missed
+
     def _dispatch(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
+            left = self._taken_back.get(delta.request_id)
+            if left is not None:
+                if delta.finished:
+                    if left > 1:
+                        self._taken_back[delta.request_id] = left - 1
+                    else:
+                        del self._taken_back[delta.request_id]
+                continue
             stream = self._streams.get(delta.request_id)
             if stream is None:
                 continue
@@ -203,6 +239,39 @@ class AsyncEngine:
             future = command[-1]
             if isinstance(future, concurrent.futures.Future) and not future.done():
                 future.set_exception(EngineDeadError(message))
+
+
+class RequestStream:
+    """The deltas of one admitted request (all ``n`` samples), ending after each sample's final delta.
+    ``close()`` before the end aborts the request (an ``async for`` left early does not close it: the
+    owner closes it, as ``AsyncEngine.generate`` does)."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream):
+        self.request_id = request_id
+        self._engine = engine
+        self._stream = stream
+        self._finished: set[int] = set()  # as seen here (stream.finished is the loop thread's view)
+        self._closed = False
+
+    @property
+    def done(self) -> bool:
+        return len(self._finished) >= self._stream.num_samples
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenDelta:
+        if self.done or self._closed:
+            raise StopAsyncIteration
+        delta = await self._stream.queue.get()
+        if delta.finished:
+            self._finished.add(delta.index)
+        return delta
+
+    def close(self) -> None:
+        if not self._closed and not self.done:
+            self._engine._send(("abort", self.request_id))
+        self._closed = True
 
 
 def _put(stream: _Stream, delta: TokenDelta) -> None:

@@ -1,14 +1,15 @@
 """The contract between the platform (HTTP) and the engine. Pure Python: no torch import.
 
-The platform builds an :class:`EngineRequest` and iterates :class:`TokenDelta` objects from
-:meth:`EngineClient.generate`; the engine runs in its own thread or process so the HTTP event
+The platform builds :class:`EngineRequest` objects, has the engine admit them
+(:meth:`EngineClient.add_requests`: a refusal raises there, before any response starts) and iterates
+:class:`TokenDelta` objects from each returned :class:`DeltaStream`; the engine runs in its own thread or process so the HTTP event
 loop never stalls a GPU step.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -86,9 +87,26 @@ class EngineDeadError(RuntimeError):
     """The engine loop died; in-flight and new requests fail with this."""
 
 
+class DeltaStream(Protocol):
+    """One admitted request's deltas (every sample's), ending after each sample's final delta."""
+
+    request_id: str
+
+    def __aiter__(self) -> AsyncIterator[TokenDelta]: ...
+
+    async def __anext__(self) -> TokenDelta: ...
+
+    def close(self) -> None: ...  # before the end: aborts the request
+
+
 class EngineClient(Protocol):
     model_id: str
     max_model_len: int
+
+    async def add_requests(self, requests: Sequence[EngineRequest]) -> list[DeltaStream]:
+        """Admit all of ``requests`` or none: a refusal raises ``ValueError`` (``SamplingParamsError`` when it
+        names a field) and leaves nothing running."""
+        ...
 
     def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]: ...
 
@@ -101,7 +119,8 @@ class EngineClient(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False) -> list[int]: ...
+                            continue_final_message: bool = False,
+                            template_kwargs: dict | None = None) -> list[int]: ...
 
     async def remove_adapter(self, adapter_id: int) -> None: ...
 

@@ -22,6 +22,17 @@ class SamplingParamsError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
         self.param = param
+        self.detail = message  # the message without the field name (a caller may call the field otherwise)
+
+
+class RequestLimitError(SamplingParamsError):
+    """A request over a limit of this engine: ``param`` names the request field (``prompt``, ``max_tokens``
+    or ``n``) and ``limit`` the largest value this engine takes (prompt tokens, max_tokens for this prompt,
+    samples)."""
+
+    def __init__(self, param: str, message: str, limit: int):
+        super().__init__(param, message)
+        self.limit = limit
 
 
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")

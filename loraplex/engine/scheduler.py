@@ -29,6 +29,7 @@ from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import append_batch
 from loraplex.engine.request import Request, RequestStatus
+from loraplex.engine.sampling_params import RequestLimitError
 from loraplex.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 IDLE_LOAD_WAIT_S = 0.02  # longest wait for an adapter read in a step that has nothing to run
@@ -69,20 +70,33 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.samples:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
-        max_len = self.config.max_model_len
-        if req.sampling_params.n > self.config.max_num_seqs:
-            raise ValueError(f"n is {req.sampling_params.n}; the limit is max_num_seqs "
-                             f"({self.config.max_num_seqs})")
-        if req.num_prompt_tokens >= max_len:
-            raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; the limit is {max_len - 1} "
-                             f"(max_model_len {max_len})")
-        longest = min(max_len, req.num_prompt_tokens + (req.sampling_params.max_tokens or max_len))
-        if self.block_manager.blocks_for(longest) > self.block_manager.num_blocks:
-            raise ValueError(f"a sequence of {longest} tokens needs more KV blocks than the cache has "
-                             f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size})")
+        self._check_limits(req)
         req.status = RequestStatus.WAITING
         self.samples[req.request_id] = [req]
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
+
+    def _check_limits(self, req: Request) -> None:
+        """Refuse a request that could never run here, naming the field to change and its limit."""
+        max_len = self.config.max_model_len
+        n, max_tokens, num_prompt = req.sampling_params.n, req.sampling_params.max_tokens, req.num_prompt_tokens
+        if n > self.config.max_num_seqs:
+            raise RequestLimitError("n", f"{n} samples need {n} sequences at once; the limit is max_num_seqs "
+                                    f"({self.config.max_num_seqs})", limit=self.config.max_num_seqs)
+        if num_prompt >= max_len:
+            raise RequestLimitError("prompt", f"the prompt has {num_prompt} tokens; the limit is {max_len - 1} "
+                                    f"(max_model_len {max_len}, less one token to generate)", limit=max_len - 1)
+        bm = self.block_manager
+        capacity = bm.num_blocks * bm.block_size  # tokens of one sequence that alone holds every KV block
+        longest = min(max_len, num_prompt + (max_tokens or max_len))
+        if bm.blocks_for(longest) > bm.num_blocks:
+            cache = f"the {bm.num_blocks} KV blocks of {bm.block_size} ({capacity} tokens) the cache has"
+            if num_prompt >= capacity:
+                raise RequestLimitError("prompt", f"the prompt has {num_prompt} tokens and needs more than "
+                                        f"{cache}; the limit is {capacity - 1}", limit=capacity - 1)
+            asked = "the rest of the context" if max_tokens is None else str(max_tokens)
+            raise RequestLimitError("max_tokens", f"a sequence of {longest} tokens (a {num_prompt}-token prompt + "
+                                    f"max_tokens {asked}) needs more than {cache}; the limit for this "
+                                    f"prompt is {capacity - num_prompt}", limit=capacity - num_prompt)
 
     def abort_request(self, request_id: str) -> list[Request]:
         """Finish every live sample of the request; returns them (empty when unknown or done)."""

@@ -8,6 +8,7 @@ codes."""
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import httpx
@@ -23,6 +24,9 @@ STRICT_TEMPLATE_CHECK = (
 )
 
 
+# a variable a client may set through chat_template_kwargs (as Qwen3's enable_thinking)
+GREETING = "{% if greeting is defined %}{{ greeting }}{% endif %}"
+
 # and, as templates that show speaker names do, a message's `name` before its content
 NAMED_CONTENT = "(message['name'] ~ ': ' if message['name'] is defined else '') ~ message['content']"
 
@@ -32,7 +36,8 @@ def model_dir(tmp_path_factory, tiny_model) -> Path:
     model = tmp_path_factory.mktemp("strict-model") / "demo-model"
     shutil.copytree(tiny_model["model_dir"], model)
     template = model / "chat_template.jinja"
-    template.write_text(STRICT_TEMPLATE_CHECK + template.read_text().replace("message['content']", NAMED_CONTENT))
+    template.write_text(STRICT_TEMPLATE_CHECK + GREETING +
+                        template.read_text().replace("message['content']", NAMED_CONTENT))
     return model
 
 
@@ -45,9 +50,10 @@ def tokenizer(model_dir):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, model_dir):
-    # 128 blocks of 16 hold 2048 tokens, less than the model's 4096: the engine refuses longer sequences
+    # 128 blocks of 16 hold 2048 tokens, less than the model's 4096: the engine refuses longer sequences;
+    # and it runs at most 16 sequences, while the API lets n reach 24: the engine refuses n over 16
     srv = start_server(tmp_path_factory.mktemp("compat"), demo_model_from=model_dir,
-                       env={"LORAPLEX_NUM_KV_BLOCKS": "128"})
+                       env={"LORAPLEX_NUM_KV_BLOCKS": "128", "LORAPLEX_MAX_NUM_SEQS": "16", "LORAPLEX_MAX_N": "24"})
     try:
         yield srv
     finally:
@@ -100,10 +106,21 @@ def test_parameters_the_server_cannot_honour_are_refused_naming_them(client, mod
         for call, kw in ((chat, dict(messages=USER)), (client.completions.create, dict(prompt="x"))):
             body = _refused(call, model=model, max_tokens=2, extra_body=extra, **kw)
             assert body["param"] == next(iter(extra)) and body["code"] == "unsupported", (extra, body)
+    # vLLM extensions the sampler or detokenizer cannot honour, a client's own template, echo on chat
+    for extra in ({"allowed_token_ids": [5, 6]}, {"bad_words": ["Once"]}, {"spaces_between_special_tokens": False},
+                  {"return_tokens_as_token_ids": True}):
+        for call, kw in ((chat, dict(messages=USER)), (client.completions.create, dict(prompt="x"))):
+            body = _refused(call, model=model, max_tokens=2, extra_body=extra, **kw)
+            assert body["param"] == next(iter(extra)) and body["code"] == "unsupported", (extra, body)
+    for extra in ({"chat_template": "{{ 'x' }}"}, {"echo": True}):
+        body = _refused(chat, model=model, messages=USER, max_tokens=2, extra_body=extra)
+        assert body["param"] == next(iter(extra)) and body["code"] == "unsupported", (extra, body)
 
     # the no-op forms are accepted, as OpenAI and vLLM accept them
     r = chat(model=model, messages=USER, max_tokens=2, logit_bias={}, response_format={"type": "text"},
-             tools=[TOOL], tool_choice="none", user="end-user-7", extra_body={"use_beam_search": False})
+             tools=[TOOL], tool_choice="none", user="end-user-7",
+             extra_body={"use_beam_search": False, "bad_words": [], "spaces_between_special_tokens": True,
+                         "return_tokens_as_token_ids": False, "echo": False})
     assert r.choices[0].message.tool_calls is None and r.usage.completion_tokens >= 1
 
 
@@ -205,8 +222,6 @@ def test_vllm_stop_extensions_stop_token_ids_and_include_stop_str(client, model,
 
 
 def test_models_have_a_real_created_time(client):
-    import time
-
     models = client.models.list().data
     assert models and all(0 < m.created <= time.time() + 1 for m in models), [(m.id, m.created) for m in models]
     assert client.models.retrieve(models[0].id).created == models[0].created
@@ -259,13 +274,35 @@ def test_unknown_model_404_is_short_and_identical_for_another_tenants_adapter(se
     assert answers(name) == missing
 
 
-def test_an_engine_refusal_is_a_documented_400(server, client, model):
-    # 128 KV blocks of 16 cannot hold 3000 tokens, though the model's context could
-    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {client.api_key}"}) as c:
-        r = c.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 3000})
-    err = r.json()["error"]
-    assert r.status_code == 400 and err["type"] == "invalid_request_error", err
-    assert err["code"] == "invalid_value" and "KV blocks" in err["message"], err
+def test_an_engine_refusal_is_a_documented_400_naming_the_field_streamed_or_not(server, client, model):
+    # 128 KV blocks of 16 cannot hold 3000 tokens, though the model's context could; n=20 is over the
+    # engine's max_num_seqs (16), though within the API's max_n (24). A streamed request is refused before
+    # its response starts (it was a 200 whose stream ended in an error event, with param null)
+    x_tokens = 1500 * [5]
+    cases = [
+        ("/v1/completions", {"prompt": "x", "max_tokens": 3000}, "max_tokens", "is 2046"),  # "x": 2 tokens
+        ("/v1/completions", {"prompt": [x_tokens, [5]], "max_tokens": 600}, "max_tokens", "is 548"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 2, "n": 20}, "n", "max_num_seqs (16)"),
+        ("/v1/chat/completions", {"messages": USER, "max_completion_tokens": 3000}, "max_completion_tokens", "KV"),
+        ("/v1/chat/completions", {"messages": USER, "max_tokens": 2, "n": 20}, "n", "max_num_seqs"),
+    ]
+    key = server.create_tenant("refused-co")["key"]
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {key}"}) as c:
+        for path, body, param, limit in cases:
+            for stream in (False, True):
+                r = c.post(path, json={"model": model, **body, "stream": stream})
+                assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text
+                err = r.json()["error"]
+                assert err["type"] == "invalid_request_error" and err["code"] == "invalid_value", err
+                assert err["param"] == param and limit in err["message"], (path, body, err)
+        # refused as a whole (also the list of prompts whose first one fits): nothing ran, nothing is metered
+        assert c.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 1}).status_code == 200
+        for _ in range(50):
+            totals = c.get("/v1/usage").json()["totals"]
+            if totals["requests"]:
+                break
+            time.sleep(0.1)
+    assert (totals["requests"], totals["errors"]) == (1, 0), totals
     assert f"| {err['code']}" in _documented_error_rows(400)
 
 
@@ -397,3 +434,80 @@ def test_text_offset_is_the_running_sum_of_token_lengths(client, model):
     echoed = client.completions.create(**{**kw, "echo": True}).choices[0].logprobs
     check(echoed, 0)
     assert echoed.tokens[-32:] == r.choices[0].logprobs.tokens
+
+
+def test_response_role_is_the_last_messages_without_a_generation_prompt(client, model):
+    # vLLM: no assistant header opened, so the text continues the last message, in its role
+    chat = client.chat.completions.create
+    prefill = [*USER, {"role": "assistant", "content": "Once upon"}]
+    for messages, extra, role in ((USER, {}, "assistant"), (USER, {"add_generation_prompt": False}, "user"),
+                                  (prefill, {"add_generation_prompt": False, "continue_final_message": True},
+                                   "assistant")):
+        r = chat(model=model, messages=messages, max_tokens=2, extra_body=extra)
+        assert r.choices[0].message.role == role, (messages, extra)
+        first = next(iter(chat(model=model, messages=messages, max_tokens=2, extra_body=extra, stream=True)))
+        assert first.choices[0].delta.role == role
+
+
+def test_prompt_logprobs_in_vllms_shape(client, model):
+    prompt = [1, 17, 42, 99, 7, 250]
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    # the same numbers as echo + logprobs scoring (an OpenAI field, checked above against generation)
+    scored = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0, logprobs=2,
+                                       echo=True).choices[0].logprobs
+    assert len(plp) == len(prompt) and plp[0] is None
+    for k in range(1, len(prompt)):
+        entry = plp[k]
+        assert str(prompt[k]) in entry and 2 <= len(entry) <= 3, entry  # the token itself + the top 2
+        assert entry[str(prompt[k])]["logprob"] == pytest.approx(scored.token_logprobs[k], abs=1e-4)
+        assert {v["rank"] for v in entry.values()} >= {1, 2} and all(v["decoded_token"] is not None
+                                                                     for v in entry.values())
+    assert r.choices[0].logprobs is None and client.completions.create(
+        model=model, prompt=prompt, max_tokens=1).choices[0].model_extra["prompt_logprobs"] is None
+
+    c = client.chat.completions.create(model=model, messages=USER, max_tokens=1, n=2,
+                                       extra_body={"prompt_logprobs": 0})
+    plp = c.model_extra["prompt_logprobs"]
+    assert len(plp) == c.usage.prompt_tokens and plp[0] is None and all(len(e) in (1, 2) for e in plp[1:])
+    for call, kw in ((client.completions.create, dict(prompt=prompt)), (client.chat.completions.create,
+                                                                         dict(messages=USER))):
+        body = _refused(call, model=model, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1}, **kw)
+        assert body["param"] == "prompt_logprobs", body  # vLLM refuses it streamed too
+        body = _refused(call, model=model, max_tokens=1, extra_body={"prompt_logprobs": 21}, **kw)
+        assert body["param"] == "prompt_logprobs", body
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, model):
+    prompt = [1, 33, 71, 5, 140, 17, 42, 99, 7, 250]
+    cut = client.completions.create(model=model, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 4, "ignore_eos": True})
+    tail = client.completions.create(model=model, prompt=prompt[-4:], max_tokens=4, temperature=0, echo=True,
+                                     extra_body={"ignore_eos": True})
+    assert cut.usage.prompt_tokens == 4 and cut.choices[0].text == tail.choices[0].text
+    assert client.completions.create(model=model, prompt=prompt, max_tokens=1,
+                                     extra_body={"truncate_prompt_tokens": -1}).usage.prompt_tokens == len(prompt)
+    r = client.chat.completions.create(model=model, messages=USER, max_tokens=1,
+                                       extra_body={"truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3
+    for bad in (0, -2, 4097):
+        body = _refused(client.completions.create, model=model, prompt=prompt, max_tokens=1,
+                        extra_body={"truncate_prompt_tokens": bad})
+        assert body["param"] == "truncate_prompt_tokens" and "4096" in body["message"], body
+
+
+def test_chat_template_kwargs_reach_the_template_but_never_the_servers_switches(client, model, tokenizer):
+    greeting = "Ahoy there, matey"
+    expected = _rendered(tokenizer, USER, add_generation_prompt=True, greeting=greeting)
+    assert len(expected) > len(_rendered(tokenizer, USER, add_generation_prompt=True))
+    assert _prompt_tokens(client, model, USER, chat_template_kwargs={"greeting": greeting}) == len(expected)
+    # a variable the template never reads changes nothing (dropped, as vLLM drops it)
+    plain = _prompt_tokens(client, model, USER)
+    assert _prompt_tokens(client, model, USER, chat_template_kwargs={"unused_switch": True}) == plain
+    for key, value in (("tokenize", False), ("chat_template", "{{ 'x' }}"), ("messages", []),
+                       ("add_generation_prompt", False), ("continue_final_message", True), ("bos_token", "x"),
+                       ("tools", [TOOL])):
+        body = _refused(client.chat.completions.create, model=model, messages=USER, max_tokens=1,
+                        extra_body={"chat_template_kwargs": {key: value}})
+        assert body["param"] == f"chat_template_kwargs.{key}" and body["code"] == "invalid_value", (key, body)

@@ -13,6 +13,7 @@ from litestar import Request
 from loraplex.platform.auth import principal_of
 from loraplex.platform.errors import ApiError, bad_request, model_not_found
 from loraplex.platform.inference import schemas as s
+from loraplex.platform.inference.chat_kwargs import template_kwargs
 from loraplex.platform.inference.runner import Generation, engine_unavailable, new_response_id
 from loraplex.platform.inference.validation import (
     MAX_PROMPTS,
@@ -135,10 +136,11 @@ async def chat_prompt(req: s.ChatCompletionRequest, services) -> list[int]:
         raise bad_request("continue_final_message (continue the last message) cannot be combined with "
                           "add_generation_prompt (start a new assistant message), which defaults to true: "
                           "send add_generation_prompt=false.", param="continue_final_message")
+    extra = template_kwargs(services.engine.tokenizer, req.chat_template_kwargs)
     try:
         return await _tokenize(services, services.engine.apply_chat_template, messages, add_generation_prompt,
-                               continue_final_message)
-    except (TemplateError, ValueError) as exc:
+                               continue_final_message, extra)
+    except (TemplateError, ValueError, TypeError) as exc:
         # the model's chat template refused the conversation (raise_exception: roles must alternate, ...), or
         # transformers did (continue_final_message: the last message is not in the rendered text, ...)
         raise bad_request(f"The model's chat template cannot render these messages: {exc}",
@@ -191,7 +193,7 @@ async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]]
     gen = Generation(
         services=services, principal=principal, model=resolved, endpoint=endpoint,
         response_id=response_id, prompts=prompts, params=params, grant=grant,
-        quota_reservation=reservation,
+        quota_reservation=reservation, param_names={"prompt": prompt_param, "max_tokens": max_tokens_param},
     )
     return Prepared(gen, grant.headers, texts)
 

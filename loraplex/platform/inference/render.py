@@ -68,6 +68,17 @@ def prompt_logprobs(first_token: str, prompt_ids: list[int],
     return out
 
 
+def vllm_prompt_logprobs(prompt_ids: list[int], entries: list[tuple[float, list[TopLogprob]] | None]
+                         ) -> s.PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: for each prompt token (None for the first), the token and the top-N
+    candidates by id, each with its logprob, rank and text."""
+    out: s.PromptLogprobs = []
+    for entry in entries[:len(prompt_ids)]:
+        out.append(None if entry is None else
+                   {t.token_id: s.PromptLogprob(t.logprob, t.rank, t.token) for t in entry[1]})
+    return out
+
+
 def concat_logprobs(parts: list[s.CompletionLogprobs | None]) -> s.CompletionLogprobs | None:
     parts = [p for p in parts if p is not None]
     if not parts:
@@ -104,6 +115,7 @@ class ChoiceAccumulator:
     logprobs: list[s.CompletionLogprobs] = field(default_factory=list)
     chat_logprobs: list[s.ChatLogprobEntry] = field(default_factory=list)
     offset: int = 0  # text_offset of the choice's next token
+    prompt_logprobs: s.PromptLogprobs | None = None
 
     def finish(self, delta: TokenDelta) -> None:
         self.finish_reason = finish_reason(delta.finish_reason)

@@ -34,7 +34,7 @@ from loraplex.platform.inference.pipeline import (
 )
 from loraplex.platform.inference.runner import EngineFailure
 from loraplex.platform.inference.sse import DONE, SSEStream, StreamingOperation, sse_event
-from loraplex.platform.inference.validation import refuse_unsupported
+from loraplex.platform.inference.validation import check_truncate_prompt_tokens, refuse_unsupported
 from loraplex.platform.models import SCOPE_INFERENCE
 
 _ERRORS = error_responses(400, 401, 403, 404, 409, 422, 429, 503)
@@ -69,6 +69,14 @@ def _engine_failure_error(exc: EngineFailure) -> ApiError:
         return ApiError(400, f"The request was refused: {exc}", param=exc.param, code="invalid_value")
     return ApiError(503, f"The inference engine failed: {exc}", type="server_error", code="engine_error",
                     headers={"Retry-After": "5"})
+
+
+async def _start(prep: Prepared) -> None:
+    """The engine admits the request before the response starts: a refusal is the same 400 for a stream."""
+    try:
+        await prep.generation.start()
+    except EngineFailure as exc:
+        raise _engine_failure_error(exc) from exc
 
 
 def _error_event(exc: EngineFailure) -> bytes:
@@ -128,12 +136,19 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
     if data.suffix:
         raise ApiError(400, "suffix is not supported.", param="suffix", code="unsupported")
     prompts, texts = await completion_prompts(data, services)
+    keep = check_truncate_prompt_tokens(data.truncate_prompt_tokens, engine.max_model_len)
+    if keep is not None:  # a cut prompt is echoed as the tokens kept
+        texts = [t if len(ids) <= keep else None for ids, t in zip(prompts, texts)]
+        prompts = [ids[-keep:] for ids in prompts]
     # echo + logprobs also scores the prompt (OpenAI; lm-eval-harness's loglikelihood requests rely on it)
     score_prompt = bool(data.echo) and data.logprobs is not None
+    prompt_logprobs = data.prompt_logprobs
+    if prompt_logprobs is None and score_prompt:
+        prompt_logprobs = data.logprobs
     prep = await prepare(request, data, "completions", prompts, texts, resolved, principal,
                          max_tokens=16 if data.max_tokens is None else data.max_tokens,
                          max_tokens_param="max_tokens", prompt_param="prompt", logprobs=data.logprobs,
-                         prompt_logprobs=data.logprobs if score_prompt else None)
+                         prompt_logprobs=prompt_logprobs)
     gen = prep.generation
     n = gen.params.n
     created = int(time.time())
@@ -142,6 +157,7 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
         prompt_texts = await echo_texts(services, prompts, texts)
         first_tokens = await first_token_texts(services, prompts) if score_prompt else None
         echo = _Echo(prompts, prompt_texts, first_tokens, n)
+    await _start(prep)
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
         return SSEStream(_completion_events(prep, resolved, created, echo, include_usage, engine),
@@ -161,6 +177,8 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
             acc.logprobs.append(lp)
             acc.offset = render.end_offset(lp, acc.offset)
         acc.add_text(cd.delta.text)
+        if cd.delta.prompt_logprobs is not None and data.prompt_logprobs is not None:
+            acc.prompt_logprobs = render.vllm_prompt_logprobs(prompts[cd.index // n], cd.delta.prompt_logprobs)
         if cd.delta.finished:
             acc.finish(cd.delta)
 
@@ -169,7 +187,8 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
     body = s.CompletionResponse(
         id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
         choices=[s.CompletionChoice(index=i, text="".join(c.text), logprobs=c.completion_logprobs(),
-                                    finish_reason=c.finish_reason or "stop", stop_reason=c.stop_reason)
+                                    finish_reason=c.finish_reason or "stop", stop_reason=c.stop_reason,
+                                    prompt_logprobs=c.prompt_logprobs)
                  for i, c in enumerate(choices)],
     )
     return Response(body, headers=prep.headers)
@@ -256,17 +275,23 @@ async def _create_chat_completion(request: Request, data: s.ChatCompletionReques
                               param="top_logprobs")
         top_n = data.top_logprobs
     prompt = await chat_prompt(data, request.app.state.services)
+    keep = check_truncate_prompt_tokens(data.truncate_prompt_tokens, engine.max_model_len)
+    if keep is not None:
+        prompt = prompt[-keep:]
+    # vLLM: a prompt that does not open an assistant turn is answered in the last message's role
+    role = "assistant" if data.add_generation_prompt is not False else data.messages[-1].role
     max_tokens, param = data.max_tokens, "max_tokens"
     if data.max_completion_tokens is not None:
         max_tokens, param = data.max_completion_tokens, "max_completion_tokens"
     prep = await prepare(request, data, "chat.completions", [prompt], [None], resolved, principal,
                          max_tokens=max_tokens, max_tokens_param=param, prompt_param="messages",
-                         logprobs=top_n if data.logprobs else None)
+                         logprobs=top_n if data.logprobs else None, prompt_logprobs=data.prompt_logprobs)
     gen = prep.generation
     created = int(time.time())
+    await _start(prep)
     if data.stream:
         include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        return SSEStream(_chat_events(prep, resolved, created, include_usage, engine, top_n),
+        return SSEStream(_chat_events(prep, resolved, created, include_usage, engine, top_n, role),
                          on_close=gen.close, headers=prep.headers)
     choices = [render.ChoiceAccumulator() for _ in range(gen.params.n)]
 
@@ -275,6 +300,8 @@ async def _create_chat_completion(request: Request, data: s.ChatCompletionReques
         lp = render.chat_logprobs(engine, cd.delta, top_n)
         if lp is not None:
             acc.chat_logprobs.extend(lp.content or [])
+        if cd.delta.prompt_logprobs is not None:
+            acc.prompt_logprobs = render.vllm_prompt_logprobs(prompt, cd.delta.prompt_logprobs)
         acc.add_text(cd.delta.text)
         if cd.delta.finished:
             acc.finish(cd.delta)
@@ -283,16 +310,17 @@ async def _create_chat_completion(request: Request, data: s.ChatCompletionReques
     await gen.wait_recorded()
     body = s.ChatCompletionResponse(
         id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
-        choices=[s.ChatChoice(index=i, message=s.AssistantMessage(content="".join(c.text)),
+        choices=[s.ChatChoice(index=i, message=s.AssistantMessage(content="".join(c.text), role=role),
                               logprobs=s.ChatLogprobs(content=c.chat_logprobs) if data.logprobs else None,
                               finish_reason=c.finish_reason or "stop", stop_reason=c.stop_reason)
                  for i, c in enumerate(choices)],
+        prompt_logprobs=choices[0].prompt_logprobs,
     )
     return Response(body, headers=prep.headers)
 
 
 async def _chat_events(prep: Prepared, resolved, created: int, include_usage: bool, engine,
-                       top_n: int) -> AsyncIterator[bytes]:
+                       top_n: int, role: str) -> AsyncIterator[bytes]:
     gen = prep.generation
 
     def chunk(choices, usage=None) -> bytes:
@@ -300,7 +328,7 @@ async def _chat_events(prep: Prepared, resolved, created: int, include_usage: bo
                                                choices=choices, usage=usage))
 
     for i in range(gen.params.n):
-        yield chunk([s.ChatChunkChoice(index=i, delta=s.ChatDelta(role="assistant", content=""))])
+        yield chunk([s.ChatChunkChoice(index=i, delta=s.ChatDelta(role=role, content=""))])
     try:
         async for cd in gen.stream():
             d = cd.delta

@@ -31,8 +31,9 @@ ENGINE_HEALTH_POLL_S = 0.5
 class EngineFailure(Exception):
     """The engine failed or refused the request (a stream ends with an error event).
 
-    ``invalid``: the engine refused the request itself (a ValueError from ``add_request``), a 400;
-    ``param``: the field it names, when the engine's error says (``SamplingParamsError.param``)."""
+    ``invalid``: the engine refused the request itself (a ValueError from ``add_requests``), a 400;
+    ``param``: the field it names, when the engine's error says (``SamplingParamsError.param``), as the
+    endpoint calls it."""
 
     def __init__(self, message: str, invalid: bool = False, param: str | None = None):
         super().__init__(message)
@@ -70,6 +71,8 @@ class Generation:
     params: SamplingParams
     grant: RateGrant
     quota_reservation: object | None = None  # from services.quota; released once usage is recorded
+    # the engine's names of request fields -> this endpoint's (prompt -> messages, max_tokens -> ...)
+    param_names: dict[str, str] = field(default_factory=dict)
     arrival: float = field(default_factory=time.monotonic)
     completion_tokens: int = 0  # delivered to the client
     status: str = STATUS_COMPLETED
@@ -79,6 +82,7 @@ class Generation:
     _last_token: float | None = None
     _states: list[_PromptState] = field(default_factory=list)
     _closed: bool = False
+    _streams: list | None = None  # the engine's DeltaStream per prompt, once admitted
     _finish_task: asyncio.Task | None = None
 
     @property
@@ -102,23 +106,54 @@ class Generation:
             ))
         return reqs
 
+    async def start(self) -> None:
+        """Have the engine admit every prompt, all or none, before a response starts: a refusal raises
+        :class:`EngineFailure` (``invalid``, naming this endpoint's field) and leaves nothing running and
+        nothing billed."""
+        if self._streams is not None:
+            return
+        reqs = self._engine_requests()
+        try:
+            self._streams = await self.services.engine.add_requests(reqs)
+        except (ValueError, EngineDeadError) as exc:  # nothing reached the engine
+            self._states.clear()
+            self.status = STATUS_ERROR
+            self.close()
+            if isinstance(exc, EngineDeadError):
+                raise EngineFailure(str(exc)) from exc
+            raise self._refusal(exc) from exc
+        except BaseException:  # cancelled: the engine may still admit them, close() aborts them by id
+            self.status = STATUS_ABORTED
+            self.close()
+            raise
+
+    def _refusal(self, exc: ValueError) -> EngineFailure:
+        param = getattr(exc, "param", None)
+        if param is None:
+            return EngineFailure(str(exc), invalid=True)
+        param = self.param_names.get(param, param)
+        return EngineFailure(f"{param}: {getattr(exc, 'detail', exc)}", invalid=True, param=param)
+
     async def stream(self) -> AsyncIterator[ChoiceDelta]:
-        """Merged deltas of every prompt's samples. Raises :class:`EngineFailure` if the engine fails."""
+        """Merged deltas of every prompt's samples. Raises :class:`EngineFailure` if the engine refuses
+        (when not started yet) or fails."""
         engine = self.services.engine
         queue: asyncio.Queue = asyncio.Queue()
-        reqs = self._engine_requests()
+        await self.start()
+        streams = self._streams
 
-        async def pump(i: int, req: EngineRequest) -> None:
+        async def pump(i: int, deltas) -> None:
             try:
-                async for delta in engine.generate(req):
+                async for delta in deltas:
                     await queue.put((i, delta))
             except Exception as exc:  # EngineDeadError or a bug: surfaced to the stream, not swallowed
                 await queue.put((i, exc))
             finally:
+                deltas.close()
                 await queue.put((i, None))
 
-        tasks = [asyncio.create_task(pump(i, r), name=f"gen:{r.request_id}") for i, r in enumerate(reqs)]
-        open_prompts = len(reqs)
+        tasks = [asyncio.create_task(pump(i, r), name=f"gen:{r.request_id}") for i, r in enumerate(streams)]
+        open_prompts = len(streams)
         try:
             while open_prompts:
                 try:
@@ -132,10 +167,8 @@ class Generation:
                     self._states[i].done = True
                     continue
                 if isinstance(item, Exception):
-                    if isinstance(item, ValueError):
-                        raise EngineFailure(str(item), invalid=True, param=getattr(item, "param", None))
                     if not isinstance(item, EngineDeadError):
-                        log.error("engine stream failed for %s", reqs[i].request_id, exc_info=item)
+                        log.error("engine stream failed for %s", streams[i].request_id, exc_info=item)
                     raise EngineFailure(str(item) or type(item).__name__)
                 if item.finish_reason == "error" or item.error:
                     raise EngineFailure(item.error or "engine error")

@@ -37,7 +37,13 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    prompt_logprobs: int | None = None  # not with stream (as vLLM)
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
     # vLLM extensions this server does not implement: declared only to be refused (validation.py)
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    spaces_between_special_tokens: bool | None = None  # true (the default) accepted
+    return_tokens_as_token_ids: bool | None = None  # false accepted
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -79,6 +85,10 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     # vLLM extensions: chat template switches (continue_final_message: assistant prefill)
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (chat_kwargs.py)
+    # refused: a client's own template (see docs/api.md), echo of the last message
+    chat_template: Any = None
+    echo: bool | None = None
 
 
 # ---- responses ------------------------------------------------------------------------------------
@@ -102,12 +112,25 @@ class CompletionLogprobs(msgspec.Struct):
     text_offset: list[int]
 
 
+class PromptLogprob(msgspec.Struct):
+    """vLLM's ``Logprob``: one candidate of a prompt position."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, the token itself and the top-N candidates by id (None for the first)
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(msgspec.Struct):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None  # vLLM: the stop token id or stop string that ended the choice
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension, not streamed
 
 
 class CompletionResponse(msgspec.Struct):
@@ -139,7 +162,7 @@ class ChatLogprobs(msgspec.Struct):
 
 class AssistantMessage(msgspec.Struct):
     content: str | None
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # with add_generation_prompt=false: the last message's role (as vLLM)
     refusal: str | None = None
 
 
@@ -159,6 +182,7 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: Usage | None = None
     object: Literal["chat.completion"] = "chat.completion"
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension (the prompt is shared by the choices)
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):

@@ -130,6 +130,18 @@ def _unsupported(message: str, param: str) -> ApiError:
     return ApiError(400, message, param=param, code="unsupported")
 
 
+def check_truncate_prompt_tokens(value: int | None, max_model_len: int) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: how many of the prompt's last tokens to keep (-1: the context)."""
+    if value is None:
+        return None
+    if value == -1:
+        return max_model_len
+    if not 1 <= value <= max_model_len:
+        raise bad_request(f"truncate_prompt_tokens must be -1 (the context) or between 1 and {max_model_len} "
+                          f"(max_model_len), got {value}.", param="truncate_prompt_tokens")
+    return value
+
+
 def refuse_unsupported(req) -> None:
     """OpenAI parameters this server cannot honour are refused naming them, never silently ignored (a
     client asking for JSON output or tool calls would otherwise get plain text back as if it had worked).
@@ -140,6 +152,25 @@ def refuse_unsupported(req) -> None:
     for param, feature in _VLLM_UNSUPPORTED.items():
         if getattr(req, param) not in (None, False):
             raise _unsupported(f"{param} is not supported: this server has no {feature}.", param)
+    if req.allowed_token_ids is not None:
+        raise _unsupported("allowed_token_ids is not supported: the sampler cannot restrict the vocabulary.",
+                           "allowed_token_ids")
+    if req.bad_words:
+        raise _unsupported("bad_words is not supported: the sampler cannot ban token sequences (only an "
+                           "empty list is accepted).", "bad_words")
+    if req.spaces_between_special_tokens is False:
+        raise _unsupported("spaces_between_special_tokens=false is not supported (special tokens are "
+                           "detokenized as the tokenizer does).", "spaces_between_special_tokens")
+    if req.return_tokens_as_token_ids:
+        raise _unsupported("return_tokens_as_token_ids is not supported.", "return_tokens_as_token_ids")
+    if req.prompt_logprobs is not None and req.stream:
+        raise _unsupported("prompt_logprobs is not available with stream=true (as in vLLM).", "prompt_logprobs")
+    if getattr(req, "chat_template", None) is not None:
+        raise _unsupported("chat_template is not supported: requests are rendered with the model's own "
+                           "template (a request's template would run tenant-supplied code in the server).",
+                           "chat_template")
+    if getattr(req, "messages", None) is not None and req.echo:
+        raise _unsupported("echo is not supported on /v1/chat/completions.", "echo")
     if req.logit_bias:
         raise _unsupported("logit_bias is not supported by this server (only an empty object is accepted).",
                            "logit_bias")

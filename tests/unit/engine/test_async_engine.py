@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -10,6 +11,7 @@ from loraplex import LLM, SamplingParams
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.protocol import EngineDeadError, EngineRequest
+from loraplex.engine.sampling_params import RequestLimitError
 
 
 @pytest.fixture
@@ -111,3 +113,49 @@ async def test_request_id_in_use_is_refused_without_touching_the_first_stream(en
         await _collect(engine, EngineRequest("dup", [1, 50], SamplingParams(max_tokens=2)))
     deltas = await asyncio.wait_for(first, 10)  # hung forever: the refused request dropped its stream
     assert deltas[-1].finished and sum(len(d.token_ids) for d in deltas) == 30
+
+
+async def test_add_requests_refuses_before_any_stream_naming_the_field(engine):
+    # a refusal comes from the admission step itself (what the HTTP route awaits before answering),
+    # names the field and the limit, and takes back the whole group: "ok" is never computed
+    ok = EngineRequest("ok", [1, 40, 41, 42], SamplingParams(max_tokens=2))
+    for bad, param, limit in ((EngineRequest("many", [1, 2], SamplingParams(n=300)), "n", 256),
+                              (EngineRequest("huge", [5] * 5000, SamplingParams()), "prompt",
+                               engine.max_model_len - 1)):
+        with pytest.raises(RequestLimitError) as err:
+            await engine.add_requests([ok, bad])
+        assert (err.value.param, err.value.limit) == (param, limit), err.value
+    computed = engine.engine.counters["num_computed_prompt_tokens"]
+    (stream,) = await engine.add_requests([EngineRequest("ok", [1, 60, 61], SamplingParams(max_tokens=2))])
+    assert sum([len(d.token_ids) async for d in stream]) == 2  # "ok" is free again: nothing kept it
+    assert engine.engine.counters["num_computed_prompt_tokens"] - computed == 3
+    assert not engine.engine.has_unfinished_requests() and engine.is_healthy()
+
+
+async def test_a_caller_cancelled_while_its_request_waits_for_admission_leaves_the_loop_alive(engine):
+    # the loop is held inside a step, so the add waits in the queue while its caller is cancelled
+    gate, in_step = threading.Event(), threading.Event()
+    step = engine.engine.step
+
+    def gated_step():
+        in_step.set()
+        gate.wait(10)
+        return step()
+
+    engine.engine.step = gated_step
+    task, _ = await _long_stream_started(engine, "busy")
+    in_step.clear()
+    await asyncio.to_thread(in_step.wait, 10)
+    waiting = asyncio.create_task(engine.generate(EngineRequest("gone", [1, 2, 3], SamplingParams())).__anext__())
+    await asyncio.sleep(0.05)
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    await asyncio.sleep(0)
+    engine.engine.step = step
+    gate.set()
+    await engine.abort("busy")
+    await asyncio.wait_for(task, 10)
+    # the loop died on set_result() of the cancelled future; and nobody could abort a request added for it
+    after = await _collect(engine, EngineRequest("after", [1, 2], SamplingParams(max_tokens=1)))
+    assert after[-1].finished and engine.is_healthy()
+    assert "gone" not in engine._streams and not engine.engine.has_unfinished_requests()

@@ -11,7 +11,7 @@ import pytest
 
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.request import RequestStatus
-from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sampling_params import RequestLimitError, SamplingParams
 from tests.unit.engine.fakes import expected_output, fake_run, make_request, make_scheduler, run_to_completion
 
 
@@ -67,18 +67,30 @@ def test_priority_admits_first_and_preempts_lower_priority():
     assert got[("low", 0)] == expected_output(list(range(60)), 40)
 
 
-def test_requests_that_can_never_run_are_refused():
+def test_requests_that_can_never_run_are_refused_naming_the_field_and_limit():
     sched = make_scheduler(num_blocks=4, max_num_seqs=2, max_model_len=100)
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        sched.add_request(make_request("n3", range(5), params=SamplingParams(n=3, max_tokens=4)))
-    with pytest.raises(ValueError, match="max_model_len"):
-        sched.add_request(make_request("long", range(100)))
-    with pytest.raises(ValueError, match="KV blocks"):
-        sched.add_request(make_request("big", range(60), max_tokens=20))  # 80 tokens > 4 blocks of 16
+
+    def refused(req) -> RequestLimitError:
+        with pytest.raises(RequestLimitError) as err:
+            sched.add_request(req)
+        return err.value
+
+    err = refused(make_request("n3", range(5), params=SamplingParams(n=3, max_tokens=4)))
+    assert (err.param, err.limit) == ("n", 2) and "max_num_seqs" in str(err)
+    err = refused(make_request("long", range(100)))
+    assert (err.param, err.limit) == ("prompt", 99) and "max_model_len" in str(err)
+    err = refused(make_request("big", range(60), max_tokens=20))  # 80 tokens > 4 blocks of 16
+    assert (err.param, err.limit) == ("max_tokens", 4) and "KV blocks" in str(err)
+    err = refused(make_request("all", range(60), max_tokens=None))  # up to the context: 100 tokens
+    assert (err.param, err.limit) == ("max_tokens", 4)
+    err = refused(make_request("huge", range(64), max_tokens=1))  # the prompt alone fills the cache
+    assert (err.param, err.limit) == ("prompt", 63) and "KV blocks" in str(err)
+    assert isinstance(err, ValueError) and not sched.waiting
+    sched.add_request(make_request("fits", range(60), max_tokens=4))
     sched.add_request(make_request("ok", range(5)))
     with pytest.raises(ValueError, match="already in use"):
         sched.add_request(make_request("ok", range(5)))
-    assert len(sched.waiting) == 1
+    assert len(sched.waiting) == 2
 
 
 def test_fcfs_within_priority():
