@@ -45,8 +45,6 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}
-        # requests taken back when their group was refused -> their final deltas still to drop (loop thread)
-        self._taken_back: dict[str, int] = {}
         self._dead: BaseException | None = None
         self._lock = threading.Lock()  # orders commands against the loop's death
         self._stopping = False
@@ -186,8 +184,8 @@ class AsyncEngine:
         in between, so the engine did no work for them)."""
         ids = [r.request_id for r in requests]
         for rid in ids:
-            # open, or its final deltas not yet delivered (or dropped, when taken back)
-            if rid in self._streams or rid in self._taken_back or ids.count(rid) > 1:
+            # open: its stream still waits for final deltas
+            if rid in self._streams or ids.count(rid) > 1:
                 raise ValueError(f"request_id {rid!r} is already in use")
         added: list[str] = []
         try:
@@ -197,23 +195,14 @@ class AsyncEngine:
                                         arrival_time=r.arrival_time)
                 added.append(r.request_id)
         except Exception:
-            for r in requests[:len(added)]:  # their final (abort) deltas are dropped, one per sample
-                self.engine.abort_request(r.request_id)
-                self._taken_back[r.request_id] = r.sampling_params.n
+            for rid in added:  # no step ran since: as if never added, and the id is free again at once
+                self.engine.take_back(rid)
             raise
         for rid, stream in zip(ids, streams):
             self._streams[rid] = stream  # before any step: no delta can be missed
 
     def _dispatch(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
-            left = self._taken_back.get(delta.request_id)
-            if left is not None:
-                if delta.finished:
-                    if left > 1:
-                        self._taken_back[delta.request_id] = left - 1
-                    else:
-                        del self._taken_back[delta.request_id]
-                continue
             stream = self._streams.get(delta.request_id)
             if stream is None:
                 continue

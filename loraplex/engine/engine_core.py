@@ -138,6 +138,14 @@ class LLMEngine:
         if aborted or request_id in self._num_samples:
             self._pending.extend(self._final_deltas(request_id, aborted))
 
+    def take_back(self, request_id: str) -> None:
+        """Remove a request added since the last step as if it had never been added: no step has run it, and
+        no delta of it is reported (its id is free at once)."""
+        self.scheduler.abort_request(request_id)
+        self._pending = [d for d in self._pending if d.request_id != request_id]
+        self._num_samples.pop(request_id, None)
+        self._finished_indices.pop(request_id, None)
+
     def remove_adapter(self, adapter_id: int) -> None:
         """Forget an adapter (host copy, slot, prefix-cache blocks computed with it) once no running request
         uses it; a later request may register other weights under the same id."""

@@ -113,3 +113,20 @@ def test_a_failing_step_ends_the_calls_requests_and_not_the_engine(llm, monkeypa
     again = llm.generate(["Hello", "A"], SamplingParams(max_tokens=4, temperature=0))
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in want]
     llm.engine.block_manager.check_invariants([])
+
+
+def test_take_back_removes_a_request_as_if_never_added(llm):
+    """A request taken back before any step reports nothing, frees its id at once, and costs no work."""
+    engine = llm.engine
+    params = SamplingParams(n=3, max_tokens=2, temperature=1.0, seed=1, ignore_eos=True)
+    engine.add_request("tb", [1, 5, 6, 7], params)
+    engine.take_back("tb")
+    assert not engine.has_unfinished_requests()
+    computed = engine.counters["num_computed_prompt_tokens"]
+    assert engine.step() == []
+    engine.add_request("tb", [1, 5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))  # the id is free
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    assert [d.index for d in deltas if d.finished] == [0]  # only the new request's one sample
+    assert engine.counters["num_computed_prompt_tokens"] - computed == 4
