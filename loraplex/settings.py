@@ -16,6 +16,13 @@ from typing import Any, get_type_hints
 ENV_PREFIX = "LORAPLEX_"
 
 
+class ConfigError(ValueError):
+    """A setting or environment the operator can fix (bad value, unreachable service, wrong directory).
+
+    The ``loraplex`` command prints it as one line and exits 1, without a traceback.
+    """
+
+
 def _default_data_dir() -> str:
     return str(Path(os.path.expanduser("~")) / ".loraplex")
 
@@ -92,6 +99,8 @@ class Settings:
 
 def _coerce(name: str, raw: str, hint: Any) -> Any:
     text = str(hint)
+    kind = "boolean (true/false, 1/0, yes/no, on/off)" if "bool" in text else (
+        "integer" if "int" in text else "number")
     try:
         if "bool" in text:
             low = raw.strip().lower()
@@ -105,5 +114,5 @@ def _coerce(name: str, raw: str, hint: Any) -> Any:
         if "float" in text:
             return float(raw)
     except ValueError as exc:
-        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {text}") from exc
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind}") from exc
     return raw if raw != "" or "None" not in text else None

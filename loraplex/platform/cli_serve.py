@@ -8,10 +8,15 @@ and the process exits 0.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import errno
 import logging
+import socket
+from pathlib import Path
 
-from loraplex.platform.cli import add_common, settings_from_args
+from loraplex.platform.cli import add_common, check_services, settings_from_args
+from loraplex.settings import ConfigError, Settings
 
 log = logging.getLogger(__name__)
 
@@ -49,19 +54,53 @@ def serve(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks, drain_timeout_s=args.drain_timeout_s,
     )
 
-    def show_key(key: str) -> None:
-        # stdout, once: the only time this key is ever shown
-        print(f"Bootstrap admin key (shown once, store it now): {key}", flush=True)
+    if settings.model and not Path(settings.model).is_dir():
+        raise ConfigError(f"model directory {settings.model} does not exist (MODEL / LORAPLEX_MODEL: a "
+                          "Llama-family Hugging Face directory; leave it out for the demo model)")
+    # the port and the services are checked before anything is written (a bootstrap key printed by a
+    # server that then cannot listen would be lost in a log)
+    sock = _bind(settings)
+    try:
+        asyncio.run(check_services(settings))
 
-    app = create_app(settings, on_bootstrap_key=show_key)
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, lifespan="on", log_config=None,
-        timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)), access_log=False,
-        proxy_headers=False, server_header=False,
-    )
-    server = _make_server(config, app)
-    server.run()
+        def show_key(key: str) -> None:
+            # stdout, once: the only time this key is ever shown
+            print(f"Bootstrap admin key (shown once, store it now): {key}", flush=True)
+
+        app = create_app(settings, on_bootstrap_key=show_key)
+        config = uvicorn.Config(
+            app, host=settings.host, port=settings.port, lifespan="on", log_config=None,
+            timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)), access_log=False,
+            proxy_headers=False, server_header=False,
+        )
+        server = _make_server(config, app)
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0 if server.started else 1
+
+
+def _bind(settings: Settings) -> socket.socket:
+    """The listening socket, bound up front so a taken port is a one-line error before any start-up work."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError as exc:
+        sock.close()
+        where = f"{settings.host}:{settings.port}"
+        if exc.errno == errno.EADDRINUSE:
+            why = "the port is already in use (another server?); pick another with --port / LORAPLEX_PORT"
+        elif exc.errno == errno.EACCES:
+            why = "permission denied (ports below 1024 need privileges); use --port / LORAPLEX_PORT"
+        elif exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or isinstance(exc, socket.gaierror):
+            why = "no such address on this machine; check --host / LORAPLEX_HOST"
+        else:
+            why = exc.strerror or str(exc)
+        raise ConfigError(f"cannot listen on {where}: {why}") from exc
+    sock.set_inheritable(True)
+    return sock
 
 
 def _make_server(config, app):
@@ -69,6 +108,11 @@ def _make_server(config, app):
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and sockets:  # uvicorn only announces sockets it bound itself
+                self._log_started_message(sockets)
+
         def handle_exit(self, sig, frame) -> None:  # runs in the event loop's signal handler
             services = app.state.get("services")
             if services is not None and not services.draining:

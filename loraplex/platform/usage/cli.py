@@ -7,7 +7,7 @@ import argparse
 import asyncio
 import sys
 
-from loraplex.platform.cli import add_common, settings_from_args
+from loraplex.platform.cli import add_common, check_services, settings_from_args
 
 
 def register(subparsers) -> None:
@@ -34,6 +34,7 @@ async def _export_async(args: argparse.Namespace, out) -> int:
     from loraplex.platform.usage import aggregate, export
 
     settings = settings_from_args(args)
+    await check_services(settings, must_exist=True, redis=False)  # exports never use Redis
     db = make_engine(settings.effective_database_url)
     sessions = make_session_factory(db)
     try:
@@ -70,6 +71,7 @@ def _replay(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
 
     async def run() -> int:
+        await check_services(settings, must_exist=True, redis=False)
         db = make_engine(settings.effective_database_url)
         sink = LedgerSink(make_session_factory(db), settings.data_path / SPOOL_DIR)
         sink.spool.open()
