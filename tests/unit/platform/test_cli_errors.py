@@ -110,3 +110,10 @@ def test_serve_on_a_taken_port_fails_fast_and_prints_no_key(tmp_path):
     assert "Bootstrap admin key" not in proc.stdout
     assert not (tmp_path / "d" / "demo-model").exists()
     assert time.monotonic() - t0 < 30
+
+
+def test_adapter_cli_without_a_server_names_the_url(capsys, monkeypatch):
+    url = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.delenv("LORAPLEX_URL", raising=False)
+    rc, _, err = run(capsys, "adapter", "list", "--url", url, "--api-key", "lpx-x")
+    assert_one_line_error(rc, err, f"cannot reach the server at {url}", "--url")
