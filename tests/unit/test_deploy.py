@@ -13,6 +13,7 @@ import yaml
 
 from loraplex.engine.protocol import EngineStats
 from loraplex.platform.metrics import Metrics
+from loraplex.platform.system_routes import DB_PROBE_TIMEOUT_S
 from loraplex.platform.system_routes import route_handlers as system_handlers
 from loraplex.settings import ENV_PREFIX, Settings
 from tests.conftest import ROOT
@@ -84,6 +85,7 @@ def test_ports_and_probes_are_the_apps():
     assert int(annotations["prometheus.io/port"]) == port and annotations["prometheus.io/path"] == "/metrics"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"  # 503 while loading or draining
+    assert c["readinessProbe"].get("timeoutSeconds", 1) > DB_PROBE_TIMEOUT_S  # /ready pings the database
     for dockerfile in DEPLOY.glob("Dockerfile*"):
         assert f"EXPOSE {Settings().port}" in dockerfile.read_text()
 
