@@ -165,6 +165,10 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     prepare_data_dir(settings)
     asyncio.run(check_database(settings.effective_database_url))
-    migrate.upgrade(settings.effective_database_url, args.revision)
-    print(f"database at {migrate.redact(settings.effective_database_url)} is at {args.revision}")
+    url = settings.effective_database_url
+    migrate.upgrade(url, args.revision)
+    if args.revision in ("head", "heads"):
+        print(f"database at {migrate.redact(url)} is at the latest revision ({', '.join(sorted(migrate.current_heads(url)))})")
+    else:
+        print(f"database at {migrate.redact(url)} is at revision {args.revision}")
     return 0

@@ -97,7 +97,10 @@ def test_db_upgrade_command_on_postgres(postgres_url):
         proc = subprocess.run([sys.executable, "-m", "loraplex.cli", "db", "upgrade"], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
-        assert "heads" in proc.stdout and "postgresql" in proc.stdout
+        from loraplex.platform.migrate import current_heads
+
+        assert f"latest revision ({', '.join(sorted(current_heads(url)))})" in proc.stdout, proc.stdout
+        assert "postgresql" in proc.stdout
 
         async def tables() -> set[str]:
             engine = make_engine(url)
