@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from loraplex.log import setup_logging
-from loraplex.settings import ConfigError
+from loraplex.settings import ConfigError, unknown_variables
 
 # (module path) — each defines register(subparsers)
 COMMAND_MODULES = (
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         setup_logging(args.log_level)
+        for name in unknown_variables():
+            logging.getLogger("loraplex").warning("ignoring %s: not a Loraplex setting (loraplex/settings.py)", name)
         if not getattr(args, "func", None):
             parser.print_help()
             return 2

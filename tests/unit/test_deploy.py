@@ -15,14 +15,11 @@ from loraplex.engine.protocol import EngineStats
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.system_routes import DB_PROBE_TIMEOUT_S
 from loraplex.platform.system_routes import route_handlers as system_handlers
-from loraplex.settings import ENV_PREFIX, Settings
+from loraplex.settings import ENV_PREFIX, OTHER_VARIABLES, Settings
 from tests.conftest import ROOT
 
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
-# read outside Settings: the adapter CLI's server and key (docs/adapters.md), the engine's CUDA switches
-# (docs/engine.md)
-OTHER_VARIABLES = {"LORAPLEX_URL", "LORAPLEX_API_KEY", "LORAPLEX_ASYNC_SCHEDULING", "LORAPLEX_FUSED_OPS"}
 SETTINGS_VARIABLES = {ENV_PREFIX + f.name.upper() for f in fields(Settings)}
 
 
