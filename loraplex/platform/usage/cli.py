@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+from pathlib import Path
 
 from loraplex.platform.cli import add_common, check_services, settings_from_args
 
@@ -56,8 +58,18 @@ async def _export_async(args: argparse.Namespace, out) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     if args.output:
-        with open(args.output, "wb") as f:
-            return asyncio.run(_export_async(args, f))
+        # written next to the target and renamed when complete: a refused or interrupted export never
+        # leaves an empty or truncated billing file (nor clobbers the previous one)
+        target = Path(args.output)
+        partial = target.with_name(f".{target.name}.partial")
+        try:
+            with open(partial, "wb") as f:
+                code = asyncio.run(_export_async(args, f))
+            if code == 0:
+                os.replace(partial, target)
+            return code
+        finally:
+            partial.unlink(missing_ok=True)
     code = asyncio.run(_export_async(args, sys.stdout.buffer))
     sys.stdout.flush()
     return code

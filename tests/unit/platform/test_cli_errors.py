@@ -117,3 +117,17 @@ def test_adapter_cli_without_a_server_names_the_url(capsys, monkeypatch):
     monkeypatch.delenv("LORAPLEX_URL", raising=False)
     rc, _, err = run(capsys, "adapter", "list", "--url", url, "--api-key", "lpx-x")
     assert_one_line_error(rc, err, f"cannot reach the server at {url}", "--url")
+
+
+def test_a_refused_export_leaves_no_file_and_keeps_the_old_one(tmp_path, capsys):
+    data = str(tmp_path / "data")
+    assert run(capsys, "admin", "tenant", "create", "acme", "--data-dir", data)[0] == 0
+    out = tmp_path / "usage.csv"
+    rc, _, err = run(capsys, "usage", "export", "--data-dir", data, "--from", "2026-13-01", "-o", str(out))
+    assert rc == 2 and "from must be an ISO 8601 date" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == [tmp_path / "data"]
+    out.write_text("last month's export\n")
+    rc, _, _ = run(capsys, "usage", "export", "--data-dir", data, "--to", "2000-01-01", "-o", str(out))
+    assert rc == 2 and out.read_text() == "last month's export\n"
+    assert run(capsys, "usage", "export", "--data-dir", data, "-o", str(out))[0] == 0
+    assert out.read_text().startswith("tenant_id,tenant,day,")
