@@ -19,6 +19,7 @@ from loraplex.platform.cli import add_common, check_services, settings_from_args
 from loraplex.settings import ConfigError, Settings
 
 log = logging.getLogger(__name__)
+DEFAULTS = Settings()  # shown in --help
 
 
 def register(subparsers) -> None:
@@ -29,16 +30,22 @@ def register(subparsers) -> None:
     p.add_argument("--host", help="bind address (env LORAPLEX_HOST, default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (env LORAPLEX_PORT, default 8000; 0 = any free port)")
     add_common(p)
-    p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--max-loras", type=int, help="adapters in one step (GPU slots)")
-    p.add_argument("--max-lora-rank", type=int)
-    p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory")
-    p.add_argument("--device", help="auto | cpu | cuda")
-    p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight requests")
+    p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve adapters (env LORAPLEX_ENABLE_LORA, default on)")
+    p.add_argument("--max-loras", type=int, help=f"adapters in one step: GPU slots (env LORAPLEX_MAX_LORAS, default {DEFAULTS.max_loras:g})")
+    p.add_argument("--max-lora-rank", type=int, help="largest adapter rank accepted (env LORAPLEX_MAX_LORA_RANK, "
+                   f"default {DEFAULTS.max_lora_rank:g})")
+    p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory (env LORAPLEX_MAX_CPU_LORAS, "
+                   f"default {DEFAULTS.max_cpu_loras:g})")
+    p.add_argument("--device", help="auto | cpu | cuda (env LORAPLEX_DEVICE, default auto)")
+    p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16 (env LORAPLEX_DTYPE, default auto)")
+    p.add_argument("--max-model-len", type=int, help="context length (env LORAPLEX_MAX_MODEL_LEN, default: the "
+                   "model's)")
+    p.add_argument("--max-num-seqs", type=int, help=f"requests in one step (env LORAPLEX_MAX_NUM_SEQS, default {DEFAULTS.max_num_seqs:g})")
+    p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (env LORAPLEX_NUM_KV_BLOCKS, default: sized "
+                   "from free memory)")
+    p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight requests "
+                   f"(env LORAPLEX_DRAIN_TIMEOUT_S, default {DEFAULTS.drain_timeout_s:g})")
     p.set_defaults(func=serve)
 
 
