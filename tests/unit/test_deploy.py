@@ -85,6 +85,9 @@ def test_ports_and_probes_are_the_apps():
     assert c["readinessProbe"].get("timeoutSeconds", 1) > DB_PROBE_TIMEOUT_S  # /ready pings the database
     for dockerfile in DEPLOY.glob("Dockerfile*"):
         assert f"EXPOSE {Settings().port}" in dockerfile.read_text()
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]["loraplex"]
+    assert f"127.0.0.1:{Settings().port}/ready" in " ".join(compose["healthcheck"]["test"])
+    assert compose["ports"] == [f"{Settings().port}:{Settings().port}"]
 
 
 def test_grace_period_covers_prestop_and_drain():
