@@ -288,3 +288,9 @@ def test_every_linked_console_page_loads_cleanly(server, browser, globex):
         if key == made["key"]:
             assert not any("globex" in path for path in seen), seen
         page.close()
+
+
+def test_server_logs_in_the_same_format_as_every_command(server):
+    """One log format for serve and the other commands (loraplex/log.py), not Litestar's second one."""
+    line = next(line for line in server.output if "Application startup complete" in line)
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO uvicorn\.error: Application startup complete", line), line
