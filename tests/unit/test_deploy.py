@@ -174,3 +174,9 @@ def test_dashboard_queries_only_exported_metrics():
     assert exprs
     used = {m for e in exprs for m in re.findall(r"\b((?:vllm|loraplex)[a-zA-Z0-9_:]*)", e)}
     assert used and not used - exported, sorted(used - exported)
+
+
+def test_gpu_image_has_a_c_compiler_for_triton():
+    """Triton compiles a C launcher at first use; without gcc every kernel fails 'Failed to find C compiler'."""
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(r"apt-get install[^\n]*\bgcc\b", text)
