@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from loraplex.log import setup_logging
+from loraplex.settings import ConfigError, unknown_variables
 
 # (module path) — each defines register(subparsers)
 COMMAND_MODULES = (
@@ -42,11 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    setup_logging(args.log_level)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 2
-    rc = args.func(args)
+    try:
+        setup_logging(args.log_level)
+        for name in unknown_variables():
+            logging.getLogger("loraplex").warning("ignoring %s: not a Loraplex setting (loraplex/settings.py)", name)
+        if not getattr(args, "func", None):
+            parser.print_help()
+            return 2
+        rc = args.func(args)
+    except ConfigError as exc:
+        # something the operator can fix (a setting, a URL, a service that is down): one line, no traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return int(rc or 0)
 
 

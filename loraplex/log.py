@@ -12,8 +12,13 @@ def setup_logging(level: str | None = None) -> None:
     global _configured
     if _configured:
         return
-    _configured = True
     level = (level or os.environ.get("LORAPLEX_LOG_LEVEL") or "INFO").upper()
+    if not isinstance(logging.getLevelName(level), int):
+        from loraplex.settings import ConfigError
+
+        raise ConfigError(f"log level {level!r} is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL "
+                          "(--log-level / LORAPLEX_LOG_LEVEL)")
+    _configured = True
     logging.basicConfig(
         level=level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -16,6 +16,13 @@ from typing import Any, get_type_hints
 ENV_PREFIX = "LORAPLEX_"
 
 
+class ConfigError(ValueError):
+    """A setting or environment the operator can fix (bad value, unreachable service, wrong directory).
+
+    The ``loraplex`` command prints it as one line and exits 1, without a traceback.
+    """
+
+
 def _default_data_dir() -> str:
     return str(Path(os.path.expanduser("~")) / ".loraplex")
 
@@ -90,8 +97,34 @@ class Settings:
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
+# LORAPLEX_* variables read outside Settings: the adapter CLI (server, key), the engine's CUDA switches
+# (docs/engine.md), scripts/dev and the tests; LORAPLEX_KEY is the console's example shell variable
+OTHER_VARIABLES = frozenset({
+    "LORAPLEX_URL", "LORAPLEX_API_KEY", "LORAPLEX_KEY", "LORAPLEX_ASYNC_SCHEDULING", "LORAPLEX_FUSED_OPS",
+    "LORAPLEX_VENV", "LORAPLEX_TORCH_INDEX", "LORAPLEX_SCREENSHOT_DIR", "LORAPLEX_TEST_DATABASE_URL",
+    "LORAPLEX_TEST_REDIS_URL", "LORAPLEX_TEST_SCHEMATHESIS_EXAMPLES",
+})
+
+
+def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """``LORAPLEX_*`` variables nothing reads, each with the nearest setting when one is close (a typo in a
+    deployment's environment is otherwise silently ignored)."""
+    import difflib
+
+    env = os.environ if environ is None else environ
+    known = {ENV_PREFIX + f.name.upper() for f in fields(Settings)}
+    out = []
+    for name in sorted(env):
+        if name.startswith(ENV_PREFIX) and name not in known and name not in OTHER_VARIABLES:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            out.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return out
+
+
 def _coerce(name: str, raw: str, hint: Any) -> Any:
     text = str(hint)
+    kind = "boolean (true/false, 1/0, yes/no, on/off)" if "bool" in text else (
+        "integer" if "int" in text else "number")
     try:
         if "bool" in text:
             low = raw.strip().lower()
@@ -105,5 +138,5 @@ def _coerce(name: str, raw: str, hint: Any) -> Any:
         if "float" in text:
             return float(raw)
     except ValueError as exc:
-        raise ValueError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {text}") from exc
+        raise ConfigError(f"{ENV_PREFIX}{name.upper()}={raw!r} is not a valid {kind}") from exc
     return raw if raw != "" or "None" not in text else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import numbers
@@ -21,6 +22,13 @@ from loraplex.engine.scheduler_output import PLACEHOLDER_TOKEN, SchedulerOutput
 from loraplex.engine.step_sampler import PendingSample
 
 log = logging.getLogger(__name__)
+
+WAITING_ADAPTERS_SCAN = 256  # waiting requests looked at for EngineStats.waiting_adapters
+
+
+def _adapter_names(requests) -> list[str]:
+    """Distinct adapter names of these requests, sorted (vLLM's running/waiting_lora_adapters)."""
+    return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
 
 
 def load_tokenizer(path: str):
@@ -346,6 +354,9 @@ class LLMEngine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.block_manager.usage, prefix_cache_hit_rate=self.block_manager.prefix_hit_rate,
             num_preemptions=self.scheduler.num_preemptions, active_adapters=active,
+            running_adapters=_adapter_names(self.scheduler.running),
+            # the head of the queue only: a long backlog must not cost every step a full scan
+            waiting_adapters=_adapter_names(itertools.islice(self.scheduler.waiting, WAITING_ADAPTERS_SCAN)),
             tokens_per_second=self._tokens_per_second,
             num_lora_loads=getattr(manager, "num_loads", 0), num_lora_evictions=getattr(manager, "num_evictions", 0),
             lora_load_queue_depth=getattr(manager, "num_pending_loads", 0),

@@ -74,6 +74,8 @@ class EngineStats:
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
     active_adapters: list[str] = field(default_factory=list)  # names resident on the device
+    running_adapters: list[str] = field(default_factory=list)  # names used by running requests
+    waiting_adapters: list[str] = field(default_factory=list)  # names used by the next waiting requests
     tokens_per_second: float = 0.0
     num_lora_loads: int = 0
     num_lora_evictions: int = 0

@@ -158,6 +158,9 @@ def create_app(
             render_plugins=[SwaggerRenderPlugin()],
         ),
         debug=False,
+        # the process's logging is set up once by the CLI (loraplex/log.py): one format for serve and
+        # every other command, instead of Litestar's own (which printed uvicorn's module names)
+        logging_config=None,
     )
     # outermost: request ids and drain refusal also apply to 404/405 from routing
     app.asgi_handler = platform_middleware(app.asgi_handler)

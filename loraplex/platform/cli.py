@@ -8,9 +8,14 @@ their subcommands through :data:`EXTRA_CLI_MODULES` (each exposes ``register(sub
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib
+import os
 
-from loraplex.settings import Settings
+from loraplex.settings import ConfigError, Settings
+
+CONNECT_TIMEOUT_S = 10.0
+DATABASE_FILE = "loraplex.db"
 
 # other areas' subcommands (adapter ..., usage export); skipped until they exist
 EXTRA_CLI_MODULES = (
@@ -35,6 +40,102 @@ def settings_from_args(args: argparse.Namespace, **extra) -> Settings:
         redis_url=getattr(args, "redis_url", None),
         **extra,
     )
+
+
+def prepare_data_dir(settings: Settings, *, must_exist: bool = False) -> bool:
+    """Make sure the embedded default's data dir is usable; returns True if its database is new.
+
+    ``must_exist`` is for commands that only read: a mistyped ``--data-dir`` must be an error, not an
+    empty database created on the spot.
+    """
+    if settings.database_url:
+        return False
+    path = settings.data_path
+    if (path / DATABASE_FILE).is_file():
+        return False
+    if must_exist:
+        raise ConfigError(f"no Loraplex database in {path} (no server has run with this data dir): check "
+                          "--data-dir / LORAPLEX_DATA_DIR, or pass --database-url")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"data dir {path} cannot be created: {exc.strerror} (--data-dir / LORAPLEX_DATA_DIR)") \
+            from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"data dir {path} is not writable by this user (--data-dir / LORAPLEX_DATA_DIR)")
+    return True
+
+
+def _reason(exc: BaseException) -> str:
+    """The driver's own words, one line (SQLAlchemy wraps them with a class name and a link)."""
+    inner = getattr(exc, "orig", None) or exc
+    text = str(inner).strip() or type(inner).__name__
+    return text.splitlines()[0]
+
+
+async def check_database(url: str) -> None:
+    """Connect once (``SELECT 1``): a bad URL or an unreachable database is a one-line ConfigError."""
+    from sqlalchemy import text
+    from sqlalchemy.exc import ArgumentError, SQLAlchemyError
+
+    from loraplex.platform.db import make_engine
+    from loraplex.platform.migrate import redact
+
+    shown = redact(url)
+    try:
+        engine = make_engine(url)
+    except (ArgumentError, ImportError) as exc:
+        raise ConfigError(f"database URL {shown} is not usable ({_reason(exc)}); expected "
+                          "postgresql+asyncpg://USER@HOST:5432/DB or sqlite+aiosqlite:///PATH "
+                          "(--database-url / LORAPLEX_DATABASE_URL)") from exc
+    async def select_one() -> None:
+        async with engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+
+    try:
+        await asyncio.wait_for(select_one(), CONNECT_TIMEOUT_S)
+    except (SQLAlchemyError, OSError, asyncio.TimeoutError) as exc:
+        reason = f"no answer within {CONNECT_TIMEOUT_S:.0f} s" if isinstance(exc, asyncio.TimeoutError) \
+            else _reason(exc)
+        raise ConfigError(f"cannot connect to the database at {shown}: {reason} "
+                          "(--database-url / LORAPLEX_DATABASE_URL)") from exc
+    finally:
+        await engine.dispose()
+
+
+async def check_redis(url: str) -> None:
+    """PING once: a bad URL or an unreachable Redis is a one-line ConfigError."""
+    import redis.asyncio as redis
+    from redis.exceptions import RedisError
+
+    from loraplex.platform.migrate import redact
+
+    shown = redact(url)
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
+                                      socket_timeout=CONNECT_TIMEOUT_S)
+    except ValueError as exc:
+        raise ConfigError(f"Redis URL {shown} is not usable ({exc}); expected redis://HOST:6379/0 "
+                          "(--redis-url / LORAPLEX_REDIS_URL)") from exc
+    try:
+        await client.ping()
+    except (RedisError, OSError) as exc:
+        raise ConfigError(f"cannot reach Redis at {shown}: {_reason(exc)} (--redis-url / LORAPLEX_REDIS_URL)") \
+            from exc
+    finally:
+        await client.aclose()
+
+
+async def check_services(settings: Settings, *, must_exist: bool = False, redis: bool = True) -> bool:
+    """Before a command changes anything: the data dir, the database and Redis all answer.
+
+    Returns True when the embedded database is new (see :func:`prepare_data_dir`).
+    """
+    new = prepare_data_dir(settings, must_exist=must_exist)
+    await check_database(settings.effective_database_url)
+    if redis and settings.redis_url:
+        await check_redis(settings.redis_url)
+    return new
 
 
 def register(subparsers) -> None:
@@ -62,8 +163,12 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     from loraplex.platform import migrate
 
     settings = settings_from_args(args)
-    if settings.effective_database_url.startswith("sqlite"):
-        settings.data_path.mkdir(parents=True, exist_ok=True)
-    migrate.upgrade(settings.effective_database_url, args.revision)
-    print(f"database at {migrate.redact(settings.effective_database_url)} is at {args.revision}")
+    prepare_data_dir(settings)
+    asyncio.run(check_database(settings.effective_database_url))
+    url = settings.effective_database_url
+    migrate.upgrade(url, args.revision)
+    if args.revision in ("head", "heads"):
+        print(f"database at {migrate.redact(url)} is at the latest revision ({', '.join(sorted(migrate.current_heads(url)))})")
+    else:
+        print(f"database at {migrate.redact(url)} is at revision {args.revision}")
     return 0

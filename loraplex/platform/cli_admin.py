@@ -8,7 +8,7 @@ import json
 import sys
 from datetime import datetime, timedelta
 
-from loraplex.platform.cli import add_common, settings_from_args
+from loraplex.platform.cli import add_common, check_services, settings_from_args
 from loraplex.platform.db import as_utc
 from loraplex.platform.models import ALL_SCOPES
 
@@ -20,9 +20,9 @@ def register(subparsers) -> None:
     tenant = groups.add_parser("tenant", help="tenants")
     t_sub = tenant.add_subparsers(dest="admin_action", metavar="ACTION", required=True)
     p = t_sub.add_parser("create", help="create a tenant")
-    p.add_argument("name")
-    p.add_argument("--requests-per-minute", type=int)
-    p.add_argument("--tokens-per-minute", type=int)
+    p.add_argument("name", help="lowercase letters, digits, '-' or '_' (at most 63)")
+    p.add_argument("--requests-per-minute", type=int, help="rate limit (default: LORAPLEX_DEFAULT_REQUESTS_PER_MINUTE)")
+    p.add_argument("--tokens-per-minute", type=int, help="rate limit (default: LORAPLEX_DEFAULT_TOKENS_PER_MINUTE)")
     p.set_defaults(func=_run, action_fn=_tenant_create)
     p = t_sub.add_parser("list", help="list tenants")
     p.set_defaults(func=_run, action_fn=_tenant_list)
@@ -70,11 +70,16 @@ async def _with_services(args: argparse.Namespace) -> int:
     from loraplex.platform.kv import make_kv
 
     settings = settings_from_args(args)
+    # everything answers before anything changes (a Redis outage after the commit would leave a change
+    # whose invalidation never went out); listings refuse a data dir without a database (a typo)
+    new_database = await check_services(settings, must_exist=args.action_fn in (_tenant_list, _key_list))
     url = settings.effective_database_url
     if is_sqlite(url):
         # the embedded default: create/upgrade the database so the CLI works before the first serve
-        settings.data_path.mkdir(parents=True, exist_ok=True)
         await migrate.upgrade_async(url)
+    if new_database:
+        print(f"note: created a new database in {settings.data_path} (servers on another data dir will not "
+              "see this change)", file=sys.stderr)
     engine = make_engine(url)
     kv = make_kv(settings.redis_url)
     try:

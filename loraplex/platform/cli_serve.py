@@ -8,12 +8,18 @@ and the process exits 0.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import errno
 import logging
+import socket
+from pathlib import Path
 
-from loraplex.platform.cli import add_common, settings_from_args
+from loraplex.platform.cli import add_common, check_services, settings_from_args
+from loraplex.settings import ConfigError, Settings
 
 log = logging.getLogger(__name__)
+DEFAULTS = Settings()  # shown in --help
 
 
 def register(subparsers) -> None:
@@ -24,16 +30,22 @@ def register(subparsers) -> None:
     p.add_argument("--host", help="bind address (env LORAPLEX_HOST, default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port (env LORAPLEX_PORT, default 8000; 0 = any free port)")
     add_common(p)
-    p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--max-loras", type=int, help="adapters in one step (GPU slots)")
-    p.add_argument("--max-lora-rank", type=int)
-    p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory")
-    p.add_argument("--device", help="auto | cpu | cuda")
-    p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--num-kv-blocks", type=int)
-    p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight requests")
+    p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=None,
+                   help="serve adapters (env LORAPLEX_ENABLE_LORA, default on)")
+    p.add_argument("--max-loras", type=int, help=f"adapters in one step: GPU slots (env LORAPLEX_MAX_LORAS, default {DEFAULTS.max_loras:g})")
+    p.add_argument("--max-lora-rank", type=int, help="largest adapter rank accepted (env LORAPLEX_MAX_LORA_RANK, "
+                   f"default {DEFAULTS.max_lora_rank:g})")
+    p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory (env LORAPLEX_MAX_CPU_LORAS, "
+                   f"default {DEFAULTS.max_cpu_loras:g})")
+    p.add_argument("--device", help="auto | cpu | cuda (env LORAPLEX_DEVICE, default auto)")
+    p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16 (env LORAPLEX_DTYPE, default auto)")
+    p.add_argument("--max-model-len", type=int, help="context length (env LORAPLEX_MAX_MODEL_LEN, default: the "
+                   "model's)")
+    p.add_argument("--max-num-seqs", type=int, help=f"requests in one step (env LORAPLEX_MAX_NUM_SEQS, default {DEFAULTS.max_num_seqs:g})")
+    p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (env LORAPLEX_NUM_KV_BLOCKS, default: sized "
+                   "from free memory)")
+    p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight requests "
+                   f"(env LORAPLEX_DRAIN_TIMEOUT_S, default {DEFAULTS.drain_timeout_s:g})")
     p.set_defaults(func=serve)
 
 
@@ -49,19 +61,53 @@ def serve(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks, drain_timeout_s=args.drain_timeout_s,
     )
 
-    def show_key(key: str) -> None:
-        # stdout, once: the only time this key is ever shown
-        print(f"Bootstrap admin key (shown once, store it now): {key}", flush=True)
+    if settings.model and not Path(settings.model).is_dir():
+        raise ConfigError(f"model directory {settings.model} does not exist (MODEL / LORAPLEX_MODEL: a "
+                          "Llama-family Hugging Face directory; leave it out for the demo model)")
+    # the port and the services are checked before anything is written (a bootstrap key printed by a
+    # server that then cannot listen would be lost in a log)
+    sock = _bind(settings)
+    try:
+        asyncio.run(check_services(settings))
 
-    app = create_app(settings, on_bootstrap_key=show_key)
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, lifespan="on", log_config=None,
-        timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)), access_log=False,
-        proxy_headers=False, server_header=False,
-    )
-    server = _make_server(config, app)
-    server.run()
+        def show_key(key: str) -> None:
+            # stdout, once: the only time this key is ever shown
+            print(f"Bootstrap admin key (shown once, store it now): {key}", flush=True)
+
+        app = create_app(settings, on_bootstrap_key=show_key)
+        config = uvicorn.Config(
+            app, host=settings.host, port=settings.port, lifespan="on", log_config=None,
+            timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)), access_log=False,
+            proxy_headers=False, server_header=False,
+        )
+        server = _make_server(config, app)
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
     return 0 if server.started else 1
+
+
+def _bind(settings: Settings) -> socket.socket:
+    """The listening socket, bound up front so a taken port is a one-line error before any start-up work."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((settings.host, settings.port))
+    except OSError as exc:
+        sock.close()
+        where = f"{settings.host}:{settings.port}"
+        if exc.errno == errno.EADDRINUSE:
+            why = "the port is already in use (another server?); pick another with --port / LORAPLEX_PORT"
+        elif exc.errno == errno.EACCES:
+            why = "permission denied (ports below 1024 need privileges); use --port / LORAPLEX_PORT"
+        elif exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) or isinstance(exc, socket.gaierror):
+            why = "no such address on this machine; check --host / LORAPLEX_HOST"
+        else:
+            why = exc.strerror or str(exc)
+        raise ConfigError(f"cannot listen on {where}: {why}") from exc
+    sock.set_inheritable(True)
+    return sock
 
 
 def _make_server(config, app):
@@ -69,6 +115,11 @@ def _make_server(config, app):
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started and sockets:  # uvicorn only announces sockets it bound itself
+                self._log_started_message(sockets)
+
         def handle_exit(self, sig, frame) -> None:  # runs in the event loop's signal handler
             services = app.state.get("services")
             if services is not None and not services.draining:

@@ -60,10 +60,12 @@ class _EngineCollector(Collector):
         depth.add_metric(model, float(stats.lora_load_queue_depth))
         yield depth
         info = GaugeMetricFamily(
-            "vllm:lora_requests_info", "Running LoRA adapters (value: scrape time).",
+            "vllm:lora_requests_info", "LoRA adapters of running and waiting requests (value: scrape time).",
             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
-        info.add_metric([str(self._max_loras), ",".join(sorted(stats.active_adapters)), ""], time.time())
+        # as in vLLM: the adapters requests are using now, not the ones merely resident in GPU slots
+        info.add_metric([str(self._max_loras), ",".join(stats.running_adapters), ",".join(stats.waiting_adapters)],
+                        time.time())
         yield info
 
 

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
 import msgspec
 from litestar import Request, Response, get
 from litestar.openapi.datastructures import ResponseSpec
 
 from loraplex.platform.metrics import CONTENT_TYPE
+
+log = logging.getLogger(__name__)
+
+DB_PROBE_TIMEOUT_S = 2.0  # below the readiness probe's timeoutSeconds (deploy/k8s/deployment.yaml)
 
 
 class HealthStatus(msgspec.Struct):
@@ -14,7 +21,7 @@ class HealthStatus(msgspec.Struct):
 
 
 class ReadyStatus(msgspec.Struct):
-    status: str  # "ready" | "draining" | "loading" | "engine_dead" | "engine_failed"
+    status: str  # "ready" | "draining" | "database_unavailable" | "loading" | "engine_dead" | "engine_failed"
     engine: bool
     draining: bool
     detail: str | None = None
@@ -29,10 +36,14 @@ async def health() -> HealthStatus:
 @get("/ready", summary="Readiness", tags=["system"],
      responses={503: ResponseSpec(data_container=ReadyStatus, description="Not ready")})
 async def ready(request: Request) -> Response[ReadyStatus]:
-    """200 when this replica takes traffic; 503 while loading, draining, or after the engine died."""
+    """200 when this replica takes traffic; 503 while loading, draining, without its database, or after
+    the engine died."""
     services = request.app.state.services
     if services.draining:
         body = ReadyStatus(status="draining", engine=services.engine_ready, draining=True)
+    elif (db_error := await _database_error(services)) is not None:
+        body = ReadyStatus(status="database_unavailable", engine=services.engine_ready, draining=False,
+                           detail=db_error)
     elif services.engine_error:
         body = ReadyStatus(status="engine_failed", engine=False, draining=False, detail=services.engine_error)
     elif services.engine is None:
@@ -42,6 +53,24 @@ async def ready(request: Request) -> Response[ReadyStatus]:
     else:
         return Response(ReadyStatus(status="ready", engine=True, draining=False))
     return Response(body, status_code=503, headers={"Retry-After": "1"})
+
+
+async def _database_error(services) -> str | None:
+    """None when ``SELECT 1`` answers in time; else a short reason (every request would fail with 503)."""
+    from sqlalchemy import text
+
+    async def probe() -> None:
+        async with services.db.connect() as conn:
+            await conn.execute(text("SELECT 1"))
+
+    try:
+        await asyncio.wait_for(probe(), DB_PROBE_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return f"no answer within {DB_PROBE_TIMEOUT_S:.0f} s"
+    except Exception as exc:  # noqa: BLE001 (any failure to reach it means: not ready)
+        log.warning("readiness: database unavailable: %s", exc)
+        return type(exc).__name__
+    return None
 
 
 @get("/metrics", summary="Prometheus metrics", tags=["system"], media_type=CONTENT_TYPE)

@@ -242,3 +242,55 @@ def test_a_tenant_cannot_open_another_tenants_pages(server, browser, globex):
     export = page.request.get(base + "/console/usage/export?format=csv&group_by=day&tenant=acme")
     assert export.status == 200 and "acme" not in export.text()
     page.close()
+
+
+def _crawl(page, base: str) -> dict[str, int]:
+    """Every /console page reachable by links from the overview (sign-out and downloads excluded):
+    path -> status. Script errors and failed sub-requests fail the test."""
+    from urllib.parse import urljoin, urlparse
+
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(f"script error on {page.url}: {exc}"))
+    page.on("console", lambda m: problems.append(f"console {m.type} on {page.url}: {m.text}")
+            if m.type == "error" else None)
+    page.on("requestfailed", lambda r: problems.append(f"request failed: {r.url}"))
+    seen: dict[str, int] = {}
+    queue = ["/console"]
+    while queue:
+        path = queue.pop(0)
+        if path in seen:
+            continue
+        response = page.goto(base + path)
+        page.wait_for_load_state("networkidle")
+        seen[path] = response.status
+        for href in page.eval_on_selector_all("a[href]", "els => els.map(e => e.getAttribute('href'))"):
+            url = urlparse(urljoin(base + path, href))
+            target = url.path + (f"?{url.query}" if url.query else "")
+            if (url.netloc == urlparse(base).netloc and url.path.startswith("/console")
+                    and not url.path.endswith(("/logout", "/export")) and target not in seen):
+                queue.append(target)
+    assert not problems, problems
+    return seen
+
+
+def test_every_linked_console_page_loads_cleanly(server, browser, globex):
+    """Operator and tenant: no broken link, no script error; the tenant's pages never show another
+    tenant's private adapter."""
+    base = server.base_url
+    made = server.create_tenant("hooli", scopes=["inference", "adapters:write"])
+    for key, must_see in ((server.admin_key, "/console/tenants/globex"), (made["key"], "/console/keys")):
+        page = browser.new_page()
+        sign_in(page, base, key)
+        seen = _crawl(page, base)
+        assert must_see in seen and len(seen) >= 5, seen
+        broken = {path: status for path, status in seen.items() if status != 200}
+        assert not broken, broken
+        if key == made["key"]:
+            assert not any("globex" in path for path in seen), seen
+        page.close()
+
+
+def test_server_logs_in_the_same_format_as_every_command(server):
+    """One log format for serve and the other commands (loraplex/log.py), not Litestar's second one."""
+    line = next(line for line in server.output if "Application startup complete" in line)
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO uvicorn\.error: Application startup complete", line), line

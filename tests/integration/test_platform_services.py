@@ -97,7 +97,10 @@ def test_db_upgrade_command_on_postgres(postgres_url):
         proc = subprocess.run([sys.executable, "-m", "loraplex.cli", "db", "upgrade"], env=env, cwd=ROOT,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
-        assert "heads" in proc.stdout and "postgresql" in proc.stdout
+        from loraplex.platform.migrate import current_heads
+
+        assert f"latest revision ({', '.join(sorted(current_heads(url)))})" in proc.stdout, proc.stdout
+        assert "postgresql" in proc.stdout
 
         async def tables() -> set[str]:
             engine = make_engine(url)
@@ -187,3 +190,44 @@ def test_redis_outage_fails_closed_with_503(tmp_path, redis_url):
         r = c.post("/admin/tenants/acme/activate")
         assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
         assert r.headers["retry-after"] and c.get("/health").status_code == 200
+
+
+
+def test_postgres_outage_turns_readiness_down_not_liveness(tmp_path, postgres_url):
+    """SECURITY.md 23: with the database gone, /ready answers 503 (the load balancer stops sending
+    traffic this replica can only refuse) while /health stays 200 (no restart loop); it recovers."""
+    import asyncpg
+    from litestar.testing import TestClient
+    from sqlalchemy.engine import make_url
+
+    from loraplex.platform.app import create_app
+    from loraplex.settings import Settings
+
+    def admin(sql: str) -> None:
+        base = make_url(postgres_url)
+
+        async def run() -> None:
+            conn = await asyncpg.connect(host=base.host, port=base.port or 5432, user=base.username,
+                                         password=base.password, database=base.database)
+            try:
+                await conn.execute(sql)
+            finally:
+                await conn.close()
+
+        asyncio.run(run())
+
+    with FreshPostgres(postgres_url) as url:
+        name = make_url(url).database
+        app = create_app(Settings(data_dir=str(tmp_path), database_url=url), start_engine=False,
+                         on_bootstrap_key=lambda key: None)
+        with TestClient(app) as c:
+            assert c.get("/ready").json()["status"] == "loading"  # no engine in this test; database fine
+            # the database goes away: new connections refused, open ones cut
+            admin(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+            admin(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}'")
+            r = c.get("/ready")
+            assert r.status_code == 503 and r.json()["status"] == "database_unavailable", r.text
+            assert r.headers["retry-after"]
+            assert c.get("/health").status_code == 200
+            admin(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+            assert c.get("/ready").json()["status"] == "loading"

@@ -15,3 +15,15 @@ def test_overrides_win_and_bad_values_name_the_variable():
     assert s.port == 9002
     with pytest.raises(ValueError, match="LORAPLEX_PORT"):
         Settings.from_env({"LORAPLEX_PORT": "many"})
+
+
+
+def test_a_misspelt_variable_is_reported_with_the_setting_it_resembles(tmp_path, caplog, monkeypatch):
+    from loraplex.cli import main
+    from loraplex.settings import unknown_variables
+
+    env = {"LORAPLEX_DATABASEURL": "postgresql+asyncpg://db/x", "LORAPLEX_URL": "http://x", "LORAPLEX_PORT": "1"}
+    assert unknown_variables(env) == ["LORAPLEX_DATABASEURL (did you mean LORAPLEX_DATABASE_URL?)"]
+    monkeypatch.setenv("LORAPLEX_MAX_LORA", "4")
+    main(["admin", "tenant", "list", "--data-dir", str(tmp_path / "none")])
+    assert "ignoring LORAPLEX_MAX_LORA (did you mean LORAPLEX_MAX_LORAS?)" in caplog.text

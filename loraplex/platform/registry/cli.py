@@ -53,16 +53,20 @@ class CliError(Exception):
 def _client(args):
     import httpx
 
-    from loraplex.settings import Settings
-
     key = args.api_key or os.environ.get("LORAPLEX_API_KEY")
     if not key:
         raise CliError("no API key: pass --api-key or set LORAPLEX_API_KEY")
+    return httpx.Client(base_url=_server_url(args), timeout=args.timeout, headers={"Authorization": f"Bearer {key}"})
+
+
+def _server_url(args) -> str:
+    from loraplex.settings import Settings
+
     url = args.url or os.environ.get("LORAPLEX_URL")
     if not url:
         settings = Settings.from_env()
         url = f"http://{settings.host}:{settings.port}"
-    return httpx.Client(base_url=url.rstrip("/"), timeout=args.timeout, headers={"Authorization": f"Bearer {key}"})
+    return url.rstrip("/")
 
 
 def _check(response) -> dict:
@@ -135,7 +139,11 @@ def run(args) -> int:
 
     try:
         out = args.action(args)
-    except (CliError, OSError, httpx.HTTPError) as exc:  # server errors, unreadable files, no connection
+    except httpx.TransportError as exc:  # no server there, or it went away
+        print(f"error: cannot reach the server at {_server_url(args)}: {exc or type(exc).__name__} "
+              "(pass --url or set LORAPLEX_URL)", file=sys.stderr)
+        return 1
+    except (CliError, OSError, httpx.HTTPError) as exc:  # server errors, unreadable files
         print(f"error: {exc}", file=sys.stderr)
         return 1
     _show(args, out)

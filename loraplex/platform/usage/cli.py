@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
+from pathlib import Path
 
-from loraplex.platform.cli import add_common, settings_from_args
+from loraplex.platform.cli import add_common, check_services, settings_from_args
 
 
 def register(subparsers) -> None:
@@ -34,6 +36,7 @@ async def _export_async(args: argparse.Namespace, out) -> int:
     from loraplex.platform.usage import aggregate, export
 
     settings = settings_from_args(args)
+    await check_services(settings, must_exist=True, redis=False)  # exports never use Redis
     db = make_engine(settings.effective_database_url)
     sessions = make_session_factory(db)
     try:
@@ -55,8 +58,18 @@ async def _export_async(args: argparse.Namespace, out) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     if args.output:
-        with open(args.output, "wb") as f:
-            return asyncio.run(_export_async(args, f))
+        # written next to the target and renamed when complete: a refused or interrupted export never
+        # leaves an empty or truncated billing file (nor clobbers the previous one)
+        target = Path(args.output)
+        partial = target.with_name(f".{target.name}.partial")
+        try:
+            with open(partial, "wb") as f:
+                code = asyncio.run(_export_async(args, f))
+            if code == 0:
+                os.replace(partial, target)
+            return code
+        finally:
+            partial.unlink(missing_ok=True)
     code = asyncio.run(_export_async(args, sys.stdout.buffer))
     sys.stdout.flush()
     return code
@@ -70,6 +83,7 @@ def _replay(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
 
     async def run() -> int:
+        await check_services(settings, must_exist=True, redis=False)
         db = make_engine(settings.effective_database_url)
         sink = LedgerSink(make_session_factory(db), settings.data_path / SPOOL_DIR)
         sink.spool.open()

@@ -73,3 +73,29 @@ def test_new_version_under_a_removed_id_never_reuses_the_old_versions_kv(llm, ti
     again = llm.generate([prompt], PARAMS, lora_request=LoRARequest("v2", 5, adapter_dir(tiny_model, 1)))[0]
     assert again.num_cached_tokens == 64 and again.outputs[0].token_ids == want.outputs[0].token_ids
     llm.engine.block_manager.check_invariants([])
+
+
+def test_stats_and_metrics_name_the_adapters_requests_use(llm, tiny_model):
+    """vllm:lora_requests_info names the adapters of running and waiting requests (as vLLM does), not the
+    ones merely resident in GPU slots: with nothing running both labels are empty."""
+    from loraplex.platform.metrics import Metrics
+
+    engine = llm.engine
+    loras = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(3)]
+    for i, lora in enumerate([*loras, None]):
+        engine.add_request(f"stats-{i}", PROMPT[:20], PARAMS, lora_request=lora)
+    seen_running, seen_waiting = set(), set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        stats = engine.get_stats()
+        assert len(stats.running_adapters) <= 2  # max_loras=2
+        seen_running |= set(stats.running_adapters)
+        seen_waiting |= set(stats.waiting_adapters)
+    assert seen_running == {"a0", "a1", "a2"} and seen_waiting  # adapters still loading: their requests wait
+    stats = engine.get_stats()
+    assert stats.running_adapters == stats.waiting_adapters == [] and stats.active_adapters
+
+    metrics = Metrics()
+    metrics.attach_engine(lambda: "tiny", engine.get_stats, max_loras=2)
+    info = [line for line in metrics.render().decode().splitlines() if line.startswith("vllm:lora_requests_info")]
+    assert len(info) == 1 and 'running_lora_adapters=""' in info[0] and 'waiting_lora_adapters=""' in info[0]

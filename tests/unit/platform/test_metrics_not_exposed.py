@@ -1,8 +1,8 @@
-"""``/metrics`` names tenants and running adapters, so the ingress in deploy/k8s must block it (SECURITY.md 27).
+"""``/metrics`` names tenants and running adapters, so the ingress in deploy/k8s must not route it (SECURITY.md 27).
 
-The app also answers ``/metrics/`` (Litestar ignores a trailing slash) and ``//metrics``; nginx matches
-locations on the normalised URI (percent-decoded, slashes merged) and forwards the request as sent. Every
-spelling the app serves must hit one of the ingress' blocking locations."""
+The app also answers ``/metrics/`` (Litestar ignores a trailing slash) and ``//metrics``; nginx matches the
+ingress paths on the normalised URI (percent-decoded, slashes merged) and forwards the request as sent. No
+spelling the app serves may match one of the ingress' paths (Exact, or Kubernetes' element-wise Prefix)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
+import yaml
 from litestar.testing import TestClient
 
 from loraplex.platform.app import create_app
@@ -30,21 +31,33 @@ def _nginx_uri(raw: str) -> str:
     return normal + "/" if path.endswith("/") and normal != "/" else normal
 
 
-def _blocked(uri: str, rules: list[tuple[str, str]]) -> bool:
-    return any(uri == path if kind == "=" else uri.startswith(path) for kind, path in rules)
+def _routes() -> list[tuple[str, str]]:
+    """(pathType, path) of every ingress rule."""
+    docs = [d for d in yaml.safe_load_all(DEPLOYMENT.read_text()) if d and d.get("kind") == "Ingress"]
+    return [(p["pathType"], p["path"]) for d in docs for rule in d["spec"]["rules"] for p in rule["http"]["paths"]]
 
 
-def test_every_spelling_of_metrics_the_app_serves_is_blocked_by_the_ingress(tmp_path):
-    rules = re.findall(r"location\s+(=|\^~)\s+(\S+)\s*\{\s*return 404;\s*\}", DEPLOYMENT.read_text())
-    assert rules, "the ingress blocks no location"
+def _routed(uri: str, routes: list[tuple[str, str]]) -> bool:
+    parts = [x for x in uri.split("/") if x]
+    for kind, path in routes:
+        want = [x for x in path.split("/") if x]
+        if (uri == path) if kind == "Exact" else parts[:len(want)] == want:
+            return True
+    return False
+
+
+def test_no_spelling_of_metrics_the_app_serves_is_routed_by_the_ingress(tmp_path):
+    routes = _routes()
+    assert routes, "the ingress routes nothing"
     app = create_app(Settings(data_dir=str(tmp_path)), start_engine=False)
     with TestClient(app) as client:
         served = [raw for raw in SPELLINGS
                   if (r := client.get(raw)).status_code == 200 and "loraplex_" in r.text]
         assert "/metrics" in served and client.get("/v1/models").status_code == 401
-    leaks = [raw for raw in served if not _blocked(_nginx_uri(raw), rules)]
+    leaks = [raw for raw in served if _routed(_nginx_uri(raw), routes)]
     assert leaks == [], f"the app serves metrics at {leaks}, which the ingress forwards"
-    assert not _blocked("/v1/models", rules) and not _blocked("/health", rules)
+    assert _routed("/v1/models", routes) and _routed("/health", routes)
+    assert not _routed("/", routes)  # a catch-all prefix would forward /metrics too
 
 
 @pytest.mark.parametrize("raw, uri", [("/metrics//", "/metrics/"), ("//metrics?x=1", "/metrics"),

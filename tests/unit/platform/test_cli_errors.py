@@ -1,0 +1,133 @@
+"""Operator mistakes on the command line: one ``error:`` line naming what to fix, exit 1, no traceback,
+and nothing changed (no tenant suspended with its invalidation lost, no bootstrap key printed by a server
+that then cannot listen)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from loraplex.cli import main
+from tests.conftest import ROOT
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (connections are refused at once)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_one_line_error(rc: int, err: str, *needles: str) -> None:
+    assert rc == 1, err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for needle in needles:
+        assert needle in lines[0], err
+
+
+@pytest.mark.parametrize("case", ["bad-url", "no-driver", "pg-down", "db-upgrade-pg-down", "redis-down",
+                                  "typo-data-dir", "export-typo-data-dir", "data-dir-is-a-file", "bad-env"])
+def test_setting_and_service_errors_are_one_line(case, tmp_path, capsys, monkeypatch):
+    data = str(tmp_path / "data")
+    down = f"postgresql+asyncpg://ops:s3cret@127.0.0.1:{closed_port()}/loraplex"
+    (tmp_path / "a-file").write_text("")
+    argv, needles = {
+        "bad-url": (["admin", "tenant", "list", "--database-url", "foo://bar"],
+                    ["database URL foo://bar is not usable", "postgresql+asyncpg://"]),
+        "no-driver": (["admin", "tenant", "list", "--database-url", "postgresql://u@127.0.0.1/x"],
+                      ["is not usable", "postgresql+asyncpg://"]),
+        "pg-down": (["admin", "tenant", "list", "--database-url", down],
+                    ["cannot connect to the database at postgresql+asyncpg://ops:***@127.0.0.1"]),
+        "db-upgrade-pg-down": (["db", "upgrade", "--database-url", down], ["cannot connect to the database"]),
+        "redis-down": (["admin", "tenant", "create", "acme", "--data-dir", data,
+                        "--redis-url", f"redis://127.0.0.1:{closed_port()}/0"], ["cannot reach Redis at redis://"]),
+        "typo-data-dir": (["admin", "tenant", "list", "--data-dir", data], [f"no Loraplex database in {data}"]),
+        "export-typo-data-dir": (["usage", "export", "--data-dir", data], [f"no Loraplex database in {data}"]),
+        "data-dir-is-a-file": (["admin", "tenant", "create", "acme", "--data-dir", str(tmp_path / "a-file")],
+                               ["cannot be created", "--data-dir"]),
+        "bad-env": (["admin", "tenant", "list", "--data-dir", data], ["LORAPLEX_MAX_LORAS='many' is not a valid integer"]),
+    }[case]
+    if case == "bad-env":
+        monkeypatch.setenv("LORAPLEX_MAX_LORAS", "many")
+    rc, _, err = run(capsys, *argv)
+    assert_one_line_error(rc, err, *needles)
+    assert "s3cret" not in err
+
+
+def test_bad_log_level_is_one_line(capsys, monkeypatch):
+    monkeypatch.setattr("loraplex.log._configured", False)
+    rc, _, err = run(capsys, "--log-level", "chatty", "admin", "tenant", "list")
+    assert_one_line_error(rc, err, "log level 'CHATTY'")
+
+
+def test_unreachable_redis_changes_nothing(tmp_path, capsys):
+    data = str(tmp_path / "data")
+    rc, _, err = run(capsys, "admin", "tenant", "create", "acme", "--data-dir", data)
+    assert rc == 0 and "created a new database" in err
+    rc, _, err = run(capsys, "admin", "tenant", "suspend", "acme", "--data-dir", data,
+                     "--redis-url", f"redis://127.0.0.1:{closed_port()}/0")
+    assert_one_line_error(rc, err, "cannot reach Redis")
+    rc, out, _ = run(capsys, "admin", "tenant", "list", "--data-dir", data, "--json")
+    assert [t["status"] for t in json.loads(out)] == ["active"]  # not suspended behind the error
+
+
+def serve(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """``loraplex serve`` in a subprocess (a server that wrongly starts is stopped by the timeout)."""
+    return subprocess.run([sys.executable, "-m", "loraplex.cli", "serve", "--data-dir", str(tmp_path / "d"), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_serve_checks_model_and_services_before_starting(tmp_path):
+    proc = serve(tmp_path, str(tmp_path / "no-such-model"), "--port", "0")
+    assert_one_line_error(proc.returncode, proc.stderr, "model directory", "does not exist")
+    proc = serve(tmp_path, "--port", "0", "--redis-url", f"redis://127.0.0.1:{closed_port()}/0")
+    assert_one_line_error(proc.returncode, proc.stderr, "cannot reach Redis")
+    assert "Bootstrap admin key" not in proc.stdout
+
+
+def test_serve_on_a_taken_port_fails_fast_and_prints_no_key(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        proc = serve(tmp_path, "--port", str(port))
+    assert_one_line_error(proc.returncode, proc.stderr, f"cannot listen on 127.0.0.1:{port}", "already in use")
+    # the check comes before start-up work: no admin key shown (and lost), no demo model generated
+    assert "Bootstrap admin key" not in proc.stdout
+    assert not (tmp_path / "d" / "demo-model").exists()
+    assert time.monotonic() - t0 < 30
+
+
+def test_adapter_cli_without_a_server_names_the_url(capsys, monkeypatch):
+    url = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.delenv("LORAPLEX_URL", raising=False)
+    rc, _, err = run(capsys, "adapter", "list", "--url", url, "--api-key", "lpx-x")
+    assert_one_line_error(rc, err, f"cannot reach the server at {url}", "--url")
+
+
+def test_a_refused_export_leaves_no_file_and_keeps_the_old_one(tmp_path, capsys):
+    data = str(tmp_path / "data")
+    assert run(capsys, "admin", "tenant", "create", "acme", "--data-dir", data)[0] == 0
+    out = tmp_path / "usage.csv"
+    rc, _, err = run(capsys, "usage", "export", "--data-dir", data, "--from", "2026-13-01", "-o", str(out))
+    assert rc == 2 and "from must be an ISO 8601 date" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == [tmp_path / "data"]
+    out.write_text("last month's export\n")
+    rc, _, _ = run(capsys, "usage", "export", "--data-dir", data, "--to", "2000-01-01", "-o", str(out))
+    assert rc == 2 and out.read_text() == "last month's export\n"
+    assert run(capsys, "usage", "export", "--data-dir", data, "-o", str(out))[0] == 0
+    assert out.read_text().startswith("tenant_id,tenant,day,")
