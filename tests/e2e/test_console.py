@@ -2,8 +2,9 @@
 (admin signs in -> creates a tenant, a plan and a key -> the tenant signs in -> uploads an adapter ->
 runs it in the playground -> sees it on the usage charts -> exports it) and the isolation check.
 
-Screenshots of every page go to ``docs/console/`` (``LORAPLEX_SCREENSHOT_DIR`` overrides), for
-docs/console.md. Needs Debian's chromium at /usr/bin/chromium: skipped without it, failed under CI=true.
+Screenshots of every page go to a temporary directory, or to ``LORAPLEX_SCREENSHOT_DIR`` when set
+(``LORAPLEX_SCREENSHOT_DIR=docs/console`` refreshes the ones docs/console.md shows): a test run leaves the
+tracked files alone. Needs Debian's chromium at /usr/bin/chromium: skipped without it, failed under CI=true.
 """
 
 from __future__ import annotations
@@ -12,18 +13,19 @@ import csv
 import io
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import IN_CI, ROOT, adapter_dir
+from tests.conftest import IN_CI, adapter_dir
 from tests.e2e.server import start_server
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SHOTS = Path(os.environ.get("LORAPLEX_SCREENSHOT_DIR") or ROOT / "docs" / "console")
+SHOTS = Path(os.environ.get("LORAPLEX_SCREENSHOT_DIR") or tempfile.mkdtemp(prefix="loraplex-console-shots-"))
 WIDE = {"width": 1280, "height": 800}
 NARROW = {"width": 390, "height": 844}
 KEY_RE = re.compile(r"lpx-[a-z0-9]{12}-[A-Za-z0-9]{40}")
