@@ -26,6 +26,7 @@ or an OUTPUT that cannot be used.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import logging
@@ -60,7 +61,8 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--enable-lora", action="store_true")
+    p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False,
+                   help="accept LoRA adapters in input lines (default off)")
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--max-in-flight", type=int, default=None,

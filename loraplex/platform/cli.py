@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import importlib
 import os
+import re
 
 from loraplex.settings import ConfigError, Settings
 
@@ -30,6 +31,22 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--database-url", default=argparse.SUPPRESS,
                         help="e.g. postgresql+asyncpg://user@host/db (env LORAPLEX_DATABASE_URL)")
     parser.add_argument("--redis-url", default=argparse.SUPPRESS, help="e.g. redis://host:6379/0 (env LORAPLEX_REDIS_URL)")
+
+
+def flag_error(exc, flags: dict[str, str]) -> str:
+    """An API error as the CLI's one ``error:`` line, naming the flag the operator typed
+    (``--requests-per-minute``) instead of the API field behind it (``requests_per_minute``)."""
+    message = exc.message
+    for field, flag in flags.items():
+        if "_" in field:  # API spellings (requests_per_minute, expires_at): never ordinary words
+            message = re.sub(rf"(?<![\w-]){re.escape(field)}(?![\w-])", flag, message)
+    flag = flags.get(exc.param or "")
+    if flag and not message.startswith(flag):
+        if message.startswith(f"{exc.param} "):
+            message = flag + message[len(exc.param):]
+        else:
+            message = f"{flag}: {message}"
+    return "error: " + message.replace("(or null for ", "(or leave the flag out for ")
 
 
 def settings_from_args(args: argparse.Namespace, **extra) -> Settings:

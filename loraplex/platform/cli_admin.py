@@ -5,12 +5,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 from datetime import datetime, timedelta
 
-from loraplex.platform.cli import add_common, check_services, settings_from_args
+from loraplex.platform.cli import add_common, check_services, flag_error, settings_from_args
 from loraplex.platform.db import as_utc
 from loraplex.platform.models import ALL_SCOPES
+
+MAX_KEY_DAYS = 36500  # 100 years: far enough for "never", near enough for a date type
 
 
 def register(subparsers) -> None:
@@ -23,7 +26,8 @@ def register(subparsers) -> None:
     p.add_argument("name", help="lowercase letters, digits, '-' or '_' (at most 63)")
     p.add_argument("--requests-per-minute", type=int, help="rate limit (default: LORAPLEX_DEFAULT_REQUESTS_PER_MINUTE)")
     p.add_argument("--tokens-per-minute", type=int, help="rate limit (default: LORAPLEX_DEFAULT_TOKENS_PER_MINUTE)")
-    p.set_defaults(func=_run, action_fn=_tenant_create)
+    p.set_defaults(func=_run, action_fn=_tenant_create,
+                   flags={"requests_per_minute": "--requests-per-minute", "tokens_per_minute": "--tokens-per-minute"})
     p = t_sub.add_parser("list", help="list tenants")
     p.set_defaults(func=_run, action_fn=_tenant_list)
     for name, fn in (("suspend", _tenant_suspend), ("activate", _tenant_activate)):
@@ -38,11 +42,12 @@ def register(subparsers) -> None:
     p.add_argument("--scope", action="append", choices=ALL_SCOPES, dest="scopes",
                    help="repeatable; default: inference")
     p.add_argument("--name", help="a label for the key")
-    p.add_argument("--expires-in-days", type=float, help="expire after this many days")
-    p.set_defaults(func=_run, action_fn=_key_create)
+    p.add_argument("--expires-in-days", type=float, help=f"expire after this many days (at most {MAX_KEY_DAYS})")
+    p.set_defaults(func=_run, action_fn=_key_create,
+                   flags={"tenant": "--tenant", "scopes": "--scope", "name": "--name", "expires_at": "--expires-in-days"})
     p = k_sub.add_parser("list", help="list keys (never the secrets)")
     p.add_argument("--tenant", help="only this tenant's keys")
-    p.set_defaults(func=_run, action_fn=_key_list)
+    p.set_defaults(func=_run, action_fn=_key_list, flags={"tenant": "--tenant"})
     p = k_sub.add_parser("revoke", help="revoke a key")
     p.add_argument("key_id", help="the key id (middle part of lpx-<id>-<secret>)")
     p.set_defaults(func=_run, action_fn=_key_revoke)
@@ -60,7 +65,7 @@ def _run(args: argparse.Namespace) -> int:
     try:
         return asyncio.run(_with_services(args))
     except ApiError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
+        print(flag_error(exc, getattr(args, "flags", {})), file=sys.stderr)
         return 1
 
 
@@ -152,9 +157,14 @@ _KEY_COLS = ["id", "tenant", "scopes", "name", "created_at", "expires_at", "revo
 async def _key_create(args, session, kv) -> int:
     from loraplex.platform import tenants
     from loraplex.platform.db import utcnow
+    from loraplex.platform.errors import bad_request
 
     expires_at: datetime | None = None
     if args.expires_in_days is not None:
+        days = args.expires_in_days
+        if not (math.isfinite(days) and 0 < days <= MAX_KEY_DAYS):
+            raise bad_request(f"--expires-in-days must be more than 0 and at most {MAX_KEY_DAYS}, got {days:g}",
+                              param="expires_at")
         expires_at = utcnow() + timedelta(days=args.expires_in_days)
     key, new = await tenants.create_key(session, args.tenant, args.scopes, args.name, expires_at)
     if args.json:

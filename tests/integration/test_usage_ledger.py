@@ -13,6 +13,7 @@ from sqlalchemy import func, select
 
 from loraplex.platform.auth import Principal
 from loraplex.platform.errors import ApiError
+from loraplex.platform.registry.models import Adapter
 from loraplex.platform.usage import aggregate, plans
 from loraplex.platform.usage.models import UsageRecord
 from loraplex.platform.usage.quota import QuotaTracker
@@ -179,6 +180,8 @@ async def test_export_costs_use_each_tenants_plan_and_adapter_surcharges(db_url,
     async with migrated(db_url) as sessions:
         acme, globex = await add_tenant(sessions, "acme"), await add_tenant(sessions, "globex")
         async with sessions() as s:
+            s.add(Adapter(id="a1", tenant_id=acme, name="a1"))  # surcharges name adapters that exist
+            await s.commit()
             await plans.create_plan(s, "pro", {"input_per_mtok": "0.1", "cached_input_per_mtok": "0.05",
                                                "output_per_mtok": "0.3", "adapter_surcharges": {"*": "0.01", "a1": 1}})
             await plans.set_tenant_plan(s, "acme", {"plan": "pro"})

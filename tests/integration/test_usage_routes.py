@@ -181,3 +181,41 @@ async def test_plan_change_reaches_another_replica_at_once(tmp_path, fresh_pg, r
         while await quota_seen_by_b() != 5:
             assert asyncio.get_running_loop().time() - changed_at < 2.0, "b kept its cached quota"
             await asyncio.sleep(0.02)
+
+
+async def test_plan_surcharges_name_adapters_that_exist(tmp_path):
+    """``adapter_surcharges`` keys are "*", an adapter id or ``<tenant>/<adapter>`` of an adapter the registry
+    knows; anything else (the docs' literal "<adapter_id>", a typo) is a 400 naming the field and the key."""
+    from loraplex.platform.db import make_engine, make_session_factory, utcnow
+    from loraplex.platform.registry.models import Adapter
+
+    async with usage_app(tmp_path) as ua:
+        c, admin = ua.client, ua.headers()
+        acme = await ua.tenant("acme")
+        db = make_engine(ua.services.settings.effective_database_url)
+        async with make_session_factory(db)() as s:
+            s.add(Adapter(id="a" * 32, tenant_id=acme["id"], name="bot", created_at=utcnow(), updated_at=utcnow()))
+            s.add(Adapter(id="b" * 32, tenant_id=acme["id"], name="old", created_at=utcnow(), updated_at=utcnow(),
+                          deleted_at=utcnow()))
+            await s.commit()
+        await db.dispose()
+        for body in ({"name": "p", "adapter_surcharges": {"*": "0.02", "<adapter_id>": "0.10"}},
+                     {"name": "p", "adapter_surcharges": {"acme/nope": "1"}},
+                     {"name": "p", "adapter_surcharges": {"globex/bot": "1"}}):
+            r = await c.post("/admin/plans", json=body, headers=admin)
+            bad = next(k for k in body["adapter_surcharges"] if k != "*")
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == "adapter_surcharges" and repr(bad) in r.json()["error"]["message"]
+        assert (await c.get("/admin/plans/p", headers=admin)).status_code == 404  # nothing half-created
+        # an id, or the canonical name (stored as the id); a deleted adapter still prices its past usage
+        r = await c.post("/admin/plans", json={"name": "p", "adapter_surcharges": {"*": "0.02", "acme/bot": "0.1",
+                                                                                   "b" * 32: "0.3"}}, headers=admin)
+        assert r.status_code == 201, r.text
+        assert r.json()["adapter_surcharges"] == {"*": "0.02", "a" * 32: "0.1", "b" * 32: "0.3"}
+        r = await c.patch("/admin/plans/p", json={"adapter_surcharges": {"a" * 32: "0.2", "acme/typo": "1"}},
+                          headers=admin)
+        assert r.status_code == 400 and "'acme/typo'" in r.json()["error"]["message"]
+        r = await c.patch("/admin/plans/p", json={"adapter_surcharges": {"a" * 32: "0.2", "acme/bot": "1"}},
+                          headers=admin)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "adapter_surcharges"  # one adapter twice
+        assert (await c.get("/admin/plans/p", headers=admin)).json()["adapter_surcharges"]["a" * 32] == "0.1"

@@ -85,13 +85,15 @@ class AdapterVersion(Base):
 
 
 class AdapterShare(Base):
-    """A tenant an adapter with visibility ``shared`` is shared with."""
+    """A tenant *name* an adapter with visibility ``shared`` is shared with.
+
+    By name, not tenant id, and without a foreign key: sharing with a name must answer the same whether a
+    tenant of that name exists or not (an owner must not learn which tenants exist), so a name that does
+    not exist yet is stored and takes effect when a tenant of that name is created."""
 
     __tablename__ = "adapter_shares"
 
     adapter_id: Mapped[str] = mapped_column(
         String(32), ForeignKey("adapters.id", ondelete="CASCADE"), primary_key=True
     )
-    tenant_id: Mapped[str] = mapped_column(
-        String(32), ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True, index=True
-    )
+    tenant_name: Mapped[str] = mapped_column(String(64), primary_key=True, index=True)

@@ -28,7 +28,8 @@ from loraplex.platform.registry.names import AdapterRef
 
 def usable_by(tenant_id: str):
     """SQL condition: adapters the tenant may list and call."""
-    shared = exists().where(and_(AdapterShare.adapter_id == Adapter.id, AdapterShare.tenant_id == tenant_id))
+    own_name = select(Tenant.name).where(Tenant.id == tenant_id).scalar_subquery()
+    shared = exists().where(and_(AdapterShare.adapter_id == Adapter.id, AdapterShare.tenant_name == own_name))
     return or_(
         Adapter.tenant_id == tenant_id,
         Adapter.visibility == VISIBILITY_PUBLIC,
@@ -81,7 +82,7 @@ class Listed:
     adapter: Adapter
     owner: str
     versions: list[AdapterVersion]  # newest first; for non-owners only ready ones
-    shared_with: list[str] | None  # tenant names; only for the owner
+    shared_with: list[str] | None  # tenant names as the owner sent them (existing or not); only for the owner
 
     @property
     def latest_ready(self) -> AdapterVersion | None:
@@ -104,8 +105,8 @@ async def _versions(session: AsyncSession, adapter_ids: list[str], ready_only: b
 async def _shares(session: AsyncSession, adapter_ids: list[str]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {a: [] for a in adapter_ids}
     if adapter_ids:
-        rows = await session.execute(select(AdapterShare.adapter_id, Tenant.name).join(
-            Tenant, Tenant.id == AdapterShare.tenant_id).where(AdapterShare.adapter_id.in_(adapter_ids)))
+        rows = await session.execute(select(AdapterShare.adapter_id, AdapterShare.tenant_name)
+                                     .where(AdapterShare.adapter_id.in_(adapter_ids)))
         for adapter_id, name in rows:
             out[adapter_id].append(name)
     return {a: sorted(n) for a, n in out.items()}

@@ -26,7 +26,6 @@ from loraplex.platform.auth import Principal
 from loraplex.platform.db import SessionFactory, new_id, utcnow
 from loraplex.platform.errors import ApiError, bad_request, forbidden, not_found
 from loraplex.platform.kv import KV
-from loraplex.platform.models import Tenant
 from loraplex.platform.registry import events, queries
 from loraplex.platform.registry.archive import extract_adapter_archive
 from loraplex.platform.registry.models import (
@@ -70,7 +69,7 @@ class Metadata:
 
     description: str | None = None
     visibility: str | None = None
-    shared_tenant_ids: list[str] | None = None
+    shared_with: list[str] | None = None  # tenant names (existing or not: see AdapterShare)
 
 
 def _error_text(exc: BaseException) -> str:
@@ -105,23 +104,17 @@ class Registry:
             raise bad_request(f"visibility must be one of {', '.join(VISIBILITIES)}", param="visibility")
         if visibility == VISIBILITY_PUBLIC and not principal.is_admin:
             raise forbidden("Only admins can make an adapter public (use 'shared' with shared_with).")
-        shared_ids = None
+        names = None
         if shared_with is not None:
-            names = sorted(set(shared_with))
+            # checked for spelling only: whether a named tenant exists is never revealed (SECURITY.md 2)
+            names = sorted(set(shared_with) - {principal.tenant_name})
             if len(names) > MAX_SHARES:
                 raise bad_request(f"shared_with lists more than {MAX_SHARES} tenants", param="shared_with")
             malformed = [n for n in names if not TENANT_NAME_RE.match(n)]
             if malformed:
-                raise bad_request(f"shared_with names unknown tenant(s): {', '.join(map(repr, malformed))[:300]}",
-                                  param="shared_with")
-            async with self.sessions() as session:
-                rows = (await session.execute(select(Tenant.id, Tenant.name).where(Tenant.name.in_(names)))).all()
-            unknown = sorted(set(names) - {n for _, n in rows})
-            if unknown:
-                raise bad_request(f"shared_with names unknown tenant(s): {', '.join(unknown)[:300]}",
-                                  param="shared_with")
-            shared_ids = sorted(i for i, n in rows if i != principal.tenant_id)
-        return Metadata(description, visibility, shared_ids)
+                raise bad_request(f"shared_with: {', '.join(map(repr, malformed))[:300]} cannot be a tenant name "
+                                  "(1-63 of a-z 0-9 - _, starting with a letter or digit)", param="shared_with")
+        return Metadata(description, visibility, names)
 
     async def _form_metadata(self, principal: Principal, form: UploadForm) -> Metadata:
         return await self.check_metadata(principal, form.fields.get("description"), form.fields.get("visibility"),
@@ -300,11 +293,11 @@ async def _apply(session, adapter: Adapter, meta: Metadata) -> None:
         adapter.description = meta.description or None
     if meta.visibility is not None:
         adapter.visibility = meta.visibility
-    if meta.shared_tenant_ids is not None:
+    if meta.shared_with is not None:
         # replaced wholesale: what the caller sent is the list
         await session.execute(delete(AdapterShare).where(AdapterShare.adapter_id == adapter.id))
-        for tenant_id in meta.shared_tenant_ids:
-            session.add(AdapterShare(adapter_id=adapter.id, tenant_id=tenant_id))
+        for tenant_name in meta.shared_with:
+            session.add(AdapterShare(adapter_id=adapter.id, tenant_name=tenant_name))
     adapter.updated_at = utcnow()
 
 

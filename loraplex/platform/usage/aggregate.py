@@ -3,6 +3,10 @@
 The database sums tokens per (tenant, group, adapter); costs are computed here from those sums with
 each tenant's plan (adapter surcharges differ per adapter, hence the extra adapter split, merged back
 into one output row per group). Rows come back in group order, so callers can stream them.
+
+Grouping by adapter uses the adapter's identity (``adapter_id``, ``adapter_version``), never the ``model``
+text the client typed (``adapter-0``, ``admin/adapter-0`` and ``adapter-0@1`` are one adapter); the row's
+``model`` is the canonical ``<owner>/<name>@<version>``. Requests without an adapter group by their model.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from sqlalchemy import String, case, cast, func, select
 
 from loraplex.platform.db import SessionFactory, utcnow
 from loraplex.platform.errors import bad_request
+from loraplex.platform.models import Tenant
+from loraplex.platform.registry.models import Adapter
 from loraplex.platform.usage.models import BillingPlan, TenantPlan, UsageRecord
 from loraplex.platform.usage.pricing import Prices, money_text, month_bounds
 
@@ -76,7 +82,10 @@ def _group_exprs(group_by: str, dialect: str) -> list:
             day = func.substr(cast(r.created_at, String), 1, 10)
         return [day.label("day")]
     if group_by == "adapter":
-        return [r.model.label("model"), r.adapter_id.label("g_adapter_id"), r.adapter_version.label("adapter_version")]
+        # the typed model text only separates base-model rows; adapter rows group by identity alone
+        base_model = case((r.adapter_id.is_(None), r.model), else_=r.adapter_id)
+        return [r.adapter_id.label("g_adapter_id"), r.adapter_version.label("adapter_version"),
+                base_model.label("g_model")]
     return [r.key_id.label("key_id")]
 
 
@@ -112,6 +121,13 @@ async def rows(sessions: SessionFactory, q: Query) -> AsyncIterator[dict]:
             .group_by(r.tenant_id, *groups, r.adapter_id)
             .order_by(r.tenant_id, *groups, r.adapter_id)
         )
+        if q.group_by == "adapter":
+            # the registry's name, for rows stored without adapter_name (a join on primary keys: it can
+            # neither drop nor repeat a ledger row); only ids this tenant's own requests resolved to
+            stmt = (stmt.outerjoin(Adapter, Adapter.id == r.adapter_id)
+                    .outerjoin(Tenant, Tenant.id == Adapter.tenant_id)
+                    .add_columns(func.max(Tenant.name).label("registry_owner"),
+                                 func.max(Adapter.name).label("registry_name")))
         if q.tenant_id is not None:
             stmt = stmt.where(r.tenant_id == q.tenant_id)
         group_names = [g.name for g in groups]
@@ -135,13 +151,25 @@ def _start(row, group_by: str, prices: Prices) -> dict:
     if group_by == "day":
         out["day"] = row["day"]
     elif group_by == "adapter":
-        out.update(model=row["model"], adapter_id=row["adapter_id"], adapter_name=row["adapter_name"],
-                   adapter_version=row["adapter_version"])
+        out.update(_adapter_columns(row))
     else:
         out["key_id"] = row["key_id"]
     out.update({c: 0 for c in TOTAL_COLUMNS[:7]})
     out["_prices"], out["_cost"] = prices, Decimal(0)
     return out
+
+
+def _adapter_columns(row) -> dict:
+    adapter_id, version = row["adapter_id"], row["adapter_version"]
+    if adapter_id is None:
+        return {"model": row["g_model"], "adapter_id": None, "adapter_name": None, "adapter_version": None}
+    name = row["adapter_name"]
+    if name is None and row["registry_name"] is not None:
+        name = f"{row['registry_owner']}/{row['registry_name']}"
+    model = name or adapter_id  # an adapter gone from the registry without a recorded name: its id
+    if version is not None:
+        model = f"{model}@{version}"
+    return {"model": model, "adapter_id": adapter_id, "adapter_name": name, "adapter_version": version}
 
 
 def _add(acc: dict, row) -> None:

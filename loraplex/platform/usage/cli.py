@@ -9,7 +9,10 @@ import os
 import sys
 from pathlib import Path
 
-from loraplex.platform.cli import add_common, check_services, settings_from_args
+from loraplex.platform.cli import add_common, check_services, flag_error, settings_from_args
+
+# API parameter -> the flag of ``loraplex usage export`` (errors name what the operator typed)
+EXPORT_FLAGS = {"from": "--from", "to": "--to", "tenant": "--tenant", "group_by": "--group-by", "format": "--format"}
 
 
 def register(subparsers) -> None:
@@ -49,7 +52,7 @@ async def _export_async(args: argparse.Namespace, out) -> int:
         async for chunk in export.encode(sessions, q, args.fmt):
             out.write(chunk)
     except ApiError as exc:
-        print(f"error: {exc.message}", file=sys.stderr)
+        print(flag_error(exc, EXPORT_FLAGS), file=sys.stderr)
         return 2
     finally:
         await db.dispose()

@@ -15,7 +15,7 @@ class PlanCreate(msgspec.Struct, kw_only=True):
     input_per_mtok: Price | None = None
     cached_input_per_mtok: Price | None = None
     output_per_mtok: Price | None = None
-    adapter_surcharges: dict[str, Price] | None = None  # {"*": any adapter, "<adapter_id>": that one}
+    adapter_surcharges: dict[str, Price] | None = None  # {"*": any adapter, id or "<tenant>/<name>": that one}
     monthly_token_quota: int | None = None  # null = unlimited
 
 

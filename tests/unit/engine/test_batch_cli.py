@@ -281,3 +281,15 @@ def test_resume_counts_the_failed_lines_it_keeps_in_the_exit_code(tiny_model, tm
     dst.write_text(json.dumps({"id": 1, "error": "line 1 is not JSON"}) + "\n")
     assert _run(tiny_model, src, dst, "--max-tokens", "1", "--resume") == 1
     assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == [1, "b"]
+
+
+@pytest.mark.parametrize("flags, want", [([], False), (["--enable-lora"], True), (["--no-enable-lora"], False),
+                                         (["--enable-lora", "--no-enable-lora"], False)])
+def test_enable_lora_is_spelled_like_serve(flags, want):
+    """``batch`` takes ``--enable-lora/--no-enable-lora`` like ``serve`` (a script can pass either)."""
+    from loraplex.cli import build_parser
+
+    args = build_parser().parse_args(["batch", "in.jsonl", "out.jsonl", "--model", "m", *flags])
+    assert args.enable_lora is want
+    serve = build_parser().parse_args(["serve", *flags])
+    assert serve.enable_lora is (want if flags else None)  # serve: None = the setting's default

@@ -131,3 +131,30 @@ def test_a_refused_export_leaves_no_file_and_keeps_the_old_one(tmp_path, capsys)
     assert rc == 2 and out.read_text() == "last month's export\n"
     assert run(capsys, "usage", "export", "--data-dir", data, "-o", str(out))[0] == 0
     assert out.read_text().startswith("tenant_id,tenant,day,")
+
+
+@pytest.mark.parametrize("argv, flag, api_field", [
+    (["admin", "tenant", "create", "acme2", "--requests-per-minute", "0"], "--requests-per-minute",
+     "requests_per_minute"),
+    (["admin", "tenant", "create", "acme2", "--tokens-per-minute", "-3"], "--tokens-per-minute", "tokens_per_minute"),
+    (["admin", "key", "create", "--tenant", "acme", "--expires-in-days", "-1"], "--expires-in-days", "expires_at"),
+    (["admin", "key", "create", "--tenant", "acme", "--expires-in-days", "0"], "--expires-in-days", "expires_at"),
+    (["admin", "key", "create", "--tenant", "acme", "--expires-in-days", "nan"], "--expires-in-days", "expires_at"),
+    (["admin", "key", "create", "--tenant", "acme", "--expires-in-days", "1e12"], "--expires-in-days", "expires_at"),
+    (["admin", "key", "create", "--tenant", "acme", "--name", "tab\there"], "--name", "name must"),
+    (["admin", "key", "create", "--tenant", "acme", "--scope", "admin"], "--scope", "'admin' scope"),
+    (["admin", "key", "create", "--tenant", "nobody"], "--tenant", "No tenant"),
+    (["usage", "export", "--group-by", "day", "--from", "2026-02-01", "--to", "2026-01-01"], "--to", "to must"),
+])
+def test_admin_errors_name_the_flag_the_operator_typed(argv, flag, api_field, tmp_path, capsys):
+    """Errors of ``loraplex admin``/``usage export`` say ``--requests-per-minute``, not the API's field name."""
+    data = str(tmp_path / "data")
+    assert run(capsys, "admin", "tenant", "create", "acme", "--data-dir", data)[0] == 0
+    rc, out, err = run(capsys, *argv, "--data-dir", data)
+    assert rc in (1, 2) and out == "" and "Traceback" not in err, err
+    line = err.strip()
+    assert len(line.splitlines()) == 1 and line.startswith("error: ") and flag in line, err
+    if "_" in api_field:
+        assert api_field not in line, err
+    rc, out, _ = run(capsys, "admin", "key", "list", "--data-dir", data, "--json")
+    assert rc == 0 and json.loads(out) == []  # nothing was created behind the error

@@ -3,6 +3,8 @@ missing one), can use one shared with it, and cannot make one public. (SECURITY.
 
 from __future__ import annotations
 
+import json
+
 from tests.unit.registry.conftest import adapter_files
 
 
@@ -87,9 +89,6 @@ async def test_only_admins_make_adapters_public(rapp, tiny_model):
     r = await rapp.client.patch("/v1/adapters/mine", json={"visibility": "public"}, headers=rapp.headers(alice))
     assert r.status_code == 403
     assert (await _call(rapp, bob, "alice/mine")).status_code == 404
-    r = await rapp.client.patch("/v1/adapters/mine", json={"shared_with": ["nobody-here"]},
-                                headers=rapp.headers(alice))
-    assert r.status_code == 400 and r.json()["error"]["param"] == "shared_with"
     # the operator publishes its own adapter; every tenant may then call it as admin/<name>
     assert (await rapp.upload(None, "house", config=config, weights=weights, visibility="public")).status_code == 201
     assert (await _call(rapp, bob, "admin/house")).status_code == 503
@@ -103,3 +102,37 @@ async def test_keys_without_the_write_scope_cannot_upload(rapp, tiny_model):
     assert r.status_code == 403
     assert (await rapp.client.get("/v1/adapters", headers={"Authorization": "Bearer nope"})).status_code == 401
     assert rapp.store_digests() == set()
+
+
+async def test_sharing_does_not_reveal_which_tenants_exist(rapp, tiny_model):
+    """``shared_with`` answers the same whether a named tenant exists or not (SECURITY.md: A must not learn
+    about B); a name that does not exist yet simply shares nothing until a tenant of that name is created."""
+    alice, bob = await rapp.tenant("alice"), await rapp.tenant("bob")
+    config, weights = adapter_files(tiny_model, 1)
+    assert (await rapp.upload(alice, "tuned", config=config, weights=weights)).status_code == 201
+
+    async def share(names):
+        r = await rapp.client.patch("/v1/adapters/tuned", json={"shared_with": names}, headers=rapp.headers(alice))
+        body = r.json()
+        body.pop("updated_at", None)
+        return r.status_code, json.dumps(body).replace(names[0], "NAME")
+
+    assert await share(["bob"]) == await share(["nobody-here"])  # an existing and an unknown name: one answer
+    status, body = await share(["nobody-here"])
+    assert status == 200 and json.loads(body)["shared_with"] == ["NAME"]
+    r = await rapp.upload(alice, "other", config=config, weights=weights, shared_with="ghost,bob")
+    assert r.status_code == 201 and r.json()["shared_with"] == ["bob", "ghost"]
+    assert (await _call(rapp, bob, "alice/other")).status_code == 503  # bob, who exists, got it
+    # a malformed name is refused for its spelling alone (no tenant could ever have it)
+    r = await rapp.client.patch("/v1/adapters/tuned", json={"shared_with": ["Not A Name"]}, headers=rapp.headers(alice))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "shared_with"
+    assert "unknown" not in r.json()["error"]["message"]
+
+    # the share by name takes effect once the tenant exists, and unsharing ends it
+    assert (await _call(rapp, bob, "alice/tuned")).status_code == 404
+    later = await rapp.tenant("nobody-here")
+    assert (await _call(rapp, later, "alice/tuned")).status_code == 503
+    assert "alice/tuned" in await _models(rapp, later)
+    r = await rapp.client.patch("/v1/adapters/tuned", json={"shared_with": []}, headers=rapp.headers(alice))
+    assert r.status_code == 200 and r.json()["shared_with"] == []
+    assert (await _call(rapp, later, "alice/tuned")).status_code == 404
