@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
@@ -168,34 +170,43 @@ async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]]
     except ApiError:
         services.metrics.rejected.labels("admission").inc()
         raise
-    try:
-        estimate = sum(len(ids) for ids in prompts) + budget * n * len(prompts)
-        grant = await services.limiter.admit(principal, estimate)
-    except ApiError as exc:
-        services.admission.release()
-        services.metrics.rejected.labels("rate_limit" if exc.status_code == 429 else "other").inc()
-        raise
-    except BaseException:
-        services.admission.release()
-        raise
-    try:
-        reservation = await services.quota.reserve(principal, estimate)
-    except BaseException as exc:
-        services.admission.release()
-        await services.limiter.settle(principal, grant, 0)
-        if isinstance(exc, ApiError):
+    estimate = sum(len(ids) for ids in prompts) + budget * n * len(prompts)
+    async with contextlib.AsyncExitStack() as held:  # given back on any exit, unless the generation takes it
+        held.callback(services.admission.release)
+        try:
+            grant = await services.limiter.admit(principal, estimate)
+        except ApiError as exc:
+            services.metrics.rejected.labels("rate_limit" if exc.status_code == 429 else "other").inc()
+            raise
+        held.push_async_callback(services.limiter.settle, principal, grant, 0)
+        try:
+            reservation = await services.quota.reserve(principal, estimate)
+        except ApiError:
             services.metrics.rejected.labels("quota").inc()
-        raise
-    prefix = "chatcmpl" if endpoint == "chat.completions" else "cmpl"
-    response_id = new_response_id(prefix)
-    if services.settings.log_prompts:  # off by default: prompts are tenants' data
-        log.info("prompt %s tenant=%s tokens=%s", response_id, principal.tenant_name, prompts)
-    gen = Generation(
-        services=services, principal=principal, model=resolved, endpoint=endpoint,
-        response_id=response_id, prompts=prompts, params=params, grant=grant,
-        quota_reservation=reservation, param_names={"prompt": prompt_param, "max_tokens": max_tokens_param},
-    )
+            raise
+        held.callback(services.quota.release, reservation)
+        prefix = "chatcmpl" if endpoint == "chat.completions" else "cmpl"
+        response_id = new_response_id(prefix)
+        if services.settings.log_prompts:  # off by default: prompts are tenants' data
+            log.info("prompt %s tenant=%s tokens=%s", response_id, principal.tenant_name, prompts)
+        gen = Generation(
+            services=services, principal=principal, model=resolved, endpoint=endpoint,
+            response_id=response_id, prompts=prompts, params=params, grant=grant,
+            quota_reservation=reservation, param_names={"prompt": prompt_param, "max_tokens": max_tokens_param},
+        )
+        held.pop_all()  # Generation.close() gives them back from here on
     return Prepared(gen, grant.headers, texts)
+
+
+@contextlib.contextmanager
+def owned(gen: Generation) -> Iterator[Generation]:
+    """The route holds ``gen`` (its slot, tokens, quota and engine requests) until a response takes it over:
+    any exception or cancellation in between closes it (abort, usage, release; a no-op once closed)."""
+    try:
+        yield gen
+    except BaseException:
+        gen.close()
+        raise
 
 
 async def authorize_and_resolve(request: Request, model: str):

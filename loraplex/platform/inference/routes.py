@@ -29,6 +29,7 @@ from loraplex.platform.inference.pipeline import (
     completion_prompts,
     echo_texts,
     first_token_texts,
+    owned,
     prepare,
     wait_for_disconnect,
 )
@@ -149,49 +150,49 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
                          max_tokens=16 if data.max_tokens is None else data.max_tokens,
                          max_tokens_param="max_tokens", prompt_param="prompt", logprobs=data.logprobs,
                          prompt_logprobs=prompt_logprobs)
-    gen = prep.generation
-    n = gen.params.n
-    created = int(time.time())
-    echo = None
-    if data.echo:
-        prompt_texts = await echo_texts(services, prompts, texts)
-        first_tokens = await first_token_texts(services, prompts) if score_prompt else None
-        echo = _Echo(prompts, prompt_texts, first_tokens, n)
-    await _start(prep)
-    if data.stream:
-        include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        return SSEStream(_completion_events(prep, resolved, created, echo, include_usage, engine),
-                         on_close=gen.close, headers=prep.headers)
-    choices = [render.ChoiceAccumulator() for _ in range(n * len(prompts))]
+    with owned(prep.generation) as gen:  # until the response takes it over
+        n = gen.params.n
+        created = int(time.time())
+        echo = None
+        if data.echo:
+            prompt_texts = await echo_texts(services, prompts, texts)
+            first_tokens = await first_token_texts(services, prompts) if score_prompt else None
+            echo = _Echo(prompts, prompt_texts, first_tokens, n)
+        await _start(prep)
+        if data.stream:
+            include_usage = bool(data.stream_options and data.stream_options.include_usage)
+            return SSEStream(_completion_events(prep, resolved, created, echo, include_usage, engine),
+                             on_close=gen.close, headers=prep.headers)
+        choices = [render.ChoiceAccumulator() for _ in range(n * len(prompts))]
 
-    def on_delta(cd) -> None:
-        acc = choices[cd.index]
-        if echo is not None and not acc.text:  # the choice's first delta
-            text, lp, offset = echo.head(cd.index, cd.delta)
-            acc.add_text(text)
-            acc.offset = offset
+        def on_delta(cd) -> None:
+            acc = choices[cd.index]
+            if echo is not None and not acc.text:  # the choice's first delta
+                text, lp, offset = echo.head(cd.index, cd.delta)
+                acc.add_text(text)
+                acc.offset = offset
+                if lp is not None:
+                    acc.logprobs.append(lp)
+            lp = render.completion_logprobs(engine, cd.delta, acc.offset)
             if lp is not None:
                 acc.logprobs.append(lp)
-        lp = render.completion_logprobs(engine, cd.delta, acc.offset)
-        if lp is not None:
-            acc.logprobs.append(lp)
-            acc.offset = render.end_offset(lp, acc.offset)
-        acc.add_text(cd.delta.text)
-        if cd.delta.prompt_logprobs is not None and data.prompt_logprobs is not None:
-            acc.prompt_logprobs = render.vllm_prompt_logprobs(prompts[cd.index // n], cd.delta.prompt_logprobs)
-        if cd.delta.finished:
-            acc.finish(cd.delta)
+                acc.offset = render.end_offset(lp, acc.offset)
+            acc.add_text(cd.delta.text)
+            if cd.delta.prompt_logprobs is not None and data.prompt_logprobs is not None:
+                acc.prompt_logprobs = render.vllm_prompt_logprobs(prompts[cd.index // n], cd.delta.prompt_logprobs)
+            if cd.delta.finished:
+                acc.finish(cd.delta)
 
-    await _collect(request, prep, on_delta)
-    await gen.wait_recorded()
-    body = s.CompletionResponse(
-        id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
-        choices=[s.CompletionChoice(index=i, text="".join(c.text), logprobs=c.completion_logprobs(),
-                                    finish_reason=c.finish_reason or "stop", stop_reason=c.stop_reason,
-                                    prompt_logprobs=c.prompt_logprobs)
-                 for i, c in enumerate(choices)],
-    )
-    return Response(body, headers=prep.headers)
+        await _collect(request, prep, on_delta)
+        await gen.wait_recorded()
+        body = s.CompletionResponse(
+            id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
+            choices=[s.CompletionChoice(index=i, text="".join(c.text), logprobs=c.completion_logprobs(),
+                                        finish_reason=c.finish_reason or "stop", stop_reason=c.stop_reason,
+                                        prompt_logprobs=c.prompt_logprobs)
+                     for i, c in enumerate(choices)],
+        )
+        return Response(body, headers=prep.headers)
 
 
 class _Echo:
@@ -286,37 +287,37 @@ async def _create_chat_completion(request: Request, data: s.ChatCompletionReques
     prep = await prepare(request, data, "chat.completions", [prompt], [None], resolved, principal,
                          max_tokens=max_tokens, max_tokens_param=param, prompt_param="messages",
                          logprobs=top_n if data.logprobs else None, prompt_logprobs=data.prompt_logprobs)
-    gen = prep.generation
-    created = int(time.time())
-    await _start(prep)
-    if data.stream:
-        include_usage = bool(data.stream_options and data.stream_options.include_usage)
-        return SSEStream(_chat_events(prep, resolved, created, include_usage, engine, top_n, role),
-                         on_close=gen.close, headers=prep.headers)
-    choices = [render.ChoiceAccumulator() for _ in range(gen.params.n)]
+    with owned(prep.generation) as gen:  # until the response takes it over
+        created = int(time.time())
+        await _start(prep)
+        if data.stream:
+            include_usage = bool(data.stream_options and data.stream_options.include_usage)
+            return SSEStream(_chat_events(prep, resolved, created, include_usage, engine, top_n, role),
+                             on_close=gen.close, headers=prep.headers)
+        choices = [render.ChoiceAccumulator() for _ in range(gen.params.n)]
 
-    def on_delta(cd) -> None:
-        acc = choices[cd.index]
-        lp = render.chat_logprobs(engine, cd.delta, top_n)
-        if lp is not None:
-            acc.chat_logprobs.extend(lp.content or [])
-        if cd.delta.prompt_logprobs is not None:
-            acc.prompt_logprobs = render.vllm_prompt_logprobs(prompt, cd.delta.prompt_logprobs)
-        acc.add_text(cd.delta.text)
-        if cd.delta.finished:
-            acc.finish(cd.delta)
+        def on_delta(cd) -> None:
+            acc = choices[cd.index]
+            lp = render.chat_logprobs(engine, cd.delta, top_n)
+            if lp is not None:
+                acc.chat_logprobs.extend(lp.content or [])
+            if cd.delta.prompt_logprobs is not None:
+                acc.prompt_logprobs = render.vllm_prompt_logprobs(prompt, cd.delta.prompt_logprobs)
+            acc.add_text(cd.delta.text)
+            if cd.delta.finished:
+                acc.finish(cd.delta)
 
-    await _collect(request, prep, on_delta)
-    await gen.wait_recorded()
-    body = s.ChatCompletionResponse(
-        id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
-        choices=[s.ChatChoice(index=i, message=s.AssistantMessage(content="".join(c.text), role=role),
-                              logprobs=s.ChatLogprobs(content=c.chat_logprobs) if data.logprobs else None,
-                              finish_reason=c.finish_reason or "stop", stop_reason=c.stop_reason)
-                 for i, c in enumerate(choices)],
-        prompt_logprobs=choices[0].prompt_logprobs,
-    )
-    return Response(body, headers=prep.headers)
+        await _collect(request, prep, on_delta)
+        await gen.wait_recorded()
+        body = s.ChatCompletionResponse(
+            id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
+            choices=[s.ChatChoice(index=i, message=s.AssistantMessage(content="".join(c.text), role=role),
+                                  logprobs=s.ChatLogprobs(content=c.chat_logprobs) if data.logprobs else None,
+                                  finish_reason=c.finish_reason or "stop", stop_reason=c.stop_reason)
+                     for i, c in enumerate(choices)],
+            prompt_logprobs=choices[0].prompt_logprobs,
+        )
+        return Response(body, headers=prep.headers)
 
 
 async def _chat_events(prep: Prepared, resolved, created: int, include_usage: bool, engine,

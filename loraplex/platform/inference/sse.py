@@ -1,4 +1,5 @@
-"""A Litestar ``Stream`` that always runs a close callback, even when the client disconnects.
+"""A Litestar ``Stream`` that always runs a close callback, even when the client disconnects or the
+response cannot start.
 
 Litestar cancels a streaming body on disconnect; an async generator suspended at ``yield`` would
 then not be closed until garbage collection. The callback aborts the engine request at once.
@@ -71,8 +72,13 @@ class _ClosingStreamingResponse(ASGIStreamingResponse):
                 await asyncio.sleep(_PARK_S)
             await send(message)
 
+        await super().send_body(send_if_connected, receive)
+
+    async def __call__(self, scope, receive, send) -> None:
+        # the stream owns its generation from here: the close runs however the response ends, also when
+        # the headers cannot go out (an ASGI server may raise OSError on a send to a departed client)
         try:
-            await super().send_body(send_if_connected, receive)
+            await super().__call__(scope, receive, send)
         finally:
             self.on_close()
 
