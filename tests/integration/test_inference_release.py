@@ -26,6 +26,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 CAP = 2  # admission cap: a leak of CAP slots refuses every later request
 TPM = 600  # tokens per minute: a leaked reservation of ~200 tokens shows against it
 QUOTA = 100_000
+MAX_NUM_SEQS = 4
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,8 @@ async def app(tmp_path_factory, tiny_model, database_url, redis_url):
     keys: list[str] = []
     settings = Settings(data_dir=str(tmp_path_factory.mktemp("release")), model=tiny_model["model_dir"],
                         database_url=database_url, redis_url=redis_url, device="cpu", log_level="WARNING",
-                        num_kv_blocks=64, max_concurrent_requests=CAP, default_tokens_per_minute=TPM,
+                        num_kv_blocks=64, max_num_seqs=MAX_NUM_SEQS, max_concurrent_requests=CAP,
+                        default_tokens_per_minute=TPM,
                         server_secret="release-" + uuid.uuid4().hex)
     asgi = create_app(settings, on_bootstrap_key=keys.append)
     async with running(asgi):
@@ -104,7 +106,7 @@ class Call:
     """One HTTP request straight into the ASGI app; ``leave()`` is the client disconnecting."""
 
     def __init__(self, app, key: str, path: str, body: dict, headers: dict | None = None,
-                 send_fails_when_gone: bool = False):
+                 send_fails_when_gone: bool = False, leave_after_chunks: int | None = None):
         self.app, self.path = app, path
         self.raw = json.dumps(body).encode()
         self.headers = [(b"host", b"test"), (b"content-type", b"application/json"),
@@ -113,6 +115,7 @@ class Call:
         self.gone = asyncio.Event()
         self.send_fails_when_gone = send_fails_when_gone  # ASGI 2.4 lets a server raise OSError then
         self.messages: list[dict] = []
+        self.leave_after_chunks = leave_after_chunks
         self.started = asyncio.Event()
         self._body_read = False
 
@@ -129,6 +132,9 @@ class Call:
         self.messages.append(message)
         if message["type"] == "http.response.start":
             self.started.set()
+        chunks = sum(1 for m in self.messages if m.get("body"))
+        if self.leave_after_chunks is not None and chunks >= self.leave_after_chunks:
+            self.leave()
 
     def leave(self) -> None:
         self.gone.set()
@@ -268,3 +274,74 @@ async def test_stream_whose_response_cannot_start_aborts_and_releases(app, tenan
     rows = await ledger(app, tenant)
     assert len(rows) == CAP and all(r.completion_tokens == 0 and r.status == "aborted" for r in rows)
     await normal_request_gets_in(app, tenant)
+
+
+def sse_tokens(call: Call) -> int:
+    """Completion tokens in the SSE chunks the client received (each chunk's logprobs list its tokens)."""
+    n = 0
+    for line in call.body.split(b"\n\n"):
+        data = line.removeprefix(b"data: ")
+        if data and data != b"[DONE]":
+            for choice in json.loads(data).get("choices", []):
+                n += len((choice.get("logprobs") or {}).get("tokens") or [])
+    return n
+
+
+@pytest.mark.parametrize("n", [1, 3])
+async def test_disconnect_mid_stream_bills_exactly_the_tokens_sent(app, tenant, n):
+    call = Call(app.app, tenant["key"], "/v1/completions", body(stream=True, logprobs=0, n=n, ignore_eos=True),
+                send_fails_when_gone=True, leave_after_chunks=5)
+    with contextlib.suppress(Exception):  # the send's OSError (Litestar may wrap it), unless the listener won
+        await call.run()
+    await settled(app)
+    sent = sse_tokens(call)
+    assert 0 < sent < 180 * n
+    (row,) = await ledger(app, tenant)
+    assert row.status == "aborted" and row.completion_tokens == sent
+    assert app.services.admission.in_flight == 0
+    assert not app.services.engine.engine.has_unfinished_requests()
+    # the bucket was charged for what was used, the rest refunded
+    assert await bucket_tokens(app, tenant) > TPM - row.prompt_tokens - sent - 20
+
+
+async def test_disconnect_before_the_engine_answers_is_a_released_idempotency_key(app, tenant):
+    """Non-streaming: the client leaves before the first token; the request is aborted, billed no completion
+    tokens, and its Idempotency-Key is free again (a retry runs)."""
+    key = {"Idempotency-Key": f"k-{uuid.uuid4().hex}"}
+    call = Call(app.app, tenant["key"], "/v1/completions", body(), headers=key)
+    call.leave()
+    await call.run()
+    assert call.status == 499
+    await settled(app)
+    (row,) = await ledger(app, tenant)
+    assert row.completion_tokens == 0 and row.status == "aborted"
+    assert app.services.admission.in_flight == 0
+    r = await app.client.post("/v1/completions", json=body(max_tokens=2), headers={**app.headers(tenant["key"]), **key})
+    assert r.status_code == 200 and "idempotent-replayed" not in r.headers, r.text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_engine_refusal_after_admission_is_not_billed_and_releases(app, tenant, stream):
+    """The engine refuses what validation let through (more samples than it runs at once): a 400, nothing
+    billed, slot and tokens back; with an Idempotency-Key the 400 is replayed."""
+    key = {"Idempotency-Key": f"k-{uuid.uuid4().hex}"}
+    refused = body(stream=stream, n=MAX_NUM_SEQS + 1)
+    for _ in range(CAP + 1):
+        call = Call(app.app, tenant["key"], "/v1/completions", refused, headers=key)
+        await call.run()
+        assert call.status == 400, call.body
+    await assert_nothing_held(app, tenant)
+    assert await ledger(app, tenant) == []
+    await normal_request_gets_in(app, tenant)
+
+
+async def test_quota_refusal_refunds_rate_limit_tokens(app, tenant):
+    r = await app.client.put(f"/admin/tenant-plans/{tenant['name']}", json={"monthly_token_quota": 50},
+                             headers=app.headers())
+    assert r.status_code == 200
+    for _ in range(CAP + 1):
+        call = Call(app.app, tenant["key"], "/v1/completions", body())
+        await call.run()
+        assert call.status == 429 and b"insufficient_quota" in call.body
+    await assert_nothing_held(app, tenant)
+    assert await ledger(app, tenant) == []
