@@ -345,3 +345,26 @@ async def test_quota_refusal_refunds_rate_limit_tokens(app, tenant):
         assert call.status == 429 and b"insufficient_quota" in call.body
     await assert_nothing_held(app, tenant)
     assert await ledger(app, tenant) == []
+
+
+async def test_a_failure_while_finishing_still_gives_back_the_slot(app, tenant, monkeypatch):
+    """Finishing a request runs metrics, the limiter's settlement and the usage record; an exception in one of
+    them must not keep the admission slot or the quota reservation, nor cost the usage record."""
+    metrics = app.services.metrics
+
+    class Broken:
+        def labels(self, *a):
+            raise RuntimeError("metrics backend broke")
+
+    monkeypatch.setattr(metrics, "e2e", Broken())
+    before = len(await ledger(app, tenant))
+    for _ in range(CAP + 1):
+        r = await app.client.post("/v1/completions", json=body(max_tokens=2), headers=app.headers(tenant["key"]))
+        assert r.status_code == 200, r.text
+        await settled(app)
+    monkeypatch.undo()
+    rows = (await ledger(app, tenant))[before:]
+    assert len(rows) == CAP + 1 and all(row.completion_tokens == 2 for row in rows)
+    assert app.services.admission.in_flight == 0, "admission slots leaked"
+    assert sum(v for (tid, _), v in app.services.quota._reserved.items() if tid == tenant["id"]) == 0
+    await normal_request_gets_in(app, tenant)

@@ -237,6 +237,15 @@ class Generation:
 
     async def _finish(self, unfinished: list[str]) -> None:
         s = self.services
+        try:
+            await self._account(unfinished)
+        finally:  # whatever failed above (or a cancellation), the slot and the reservation come back
+            s.quota.release(self.quota_reservation)
+            s.admission.release()
+
+    async def _account(self, unfinished: list[str]) -> None:
+        """Abort what still runs, then metrics, the limiter's settlement and the usage record."""
+        s = self.services
         for rid in unfinished:
             try:
                 await s.engine.abort(rid)
@@ -245,15 +254,18 @@ class Generation:
         end = time.monotonic()
         tenant = self.principal.tenant_name
         model = s.base_model_id
-        s.metrics.prompt_tokens.labels(model).inc(self.prompt_tokens)
-        s.metrics.generation_tokens.labels(model).inc(self.completion_tokens)
-        s.metrics.e2e.labels(model).observe(end - self.arrival)
-        reason = self.status if self.status != STATUS_COMPLETED else (self.finish_reasons or ["stop"])[-1]
-        s.metrics.request_success.labels(model, reason).inc()
-        s.metrics.tenant_requests.labels(tenant, self.status).inc()
-        s.metrics.tenant_tokens.labels(tenant, "prompt").inc(self.prompt_tokens)
-        s.metrics.tenant_tokens.labels(tenant, "cached").inc(self.cached_tokens)
-        s.metrics.tenant_tokens.labels(tenant, "completion").inc(self.completion_tokens)
+        try:  # a metrics failure must not cost the usage record
+            s.metrics.prompt_tokens.labels(model).inc(self.prompt_tokens)
+            s.metrics.generation_tokens.labels(model).inc(self.completion_tokens)
+            s.metrics.e2e.labels(model).observe(end - self.arrival)
+            reason = self.status if self.status != STATUS_COMPLETED else (self.finish_reasons or ["stop"])[-1]
+            s.metrics.request_success.labels(model, reason).inc()
+            s.metrics.tenant_requests.labels(tenant, self.status).inc()
+            s.metrics.tenant_tokens.labels(tenant, "prompt").inc(self.prompt_tokens)
+            s.metrics.tenant_tokens.labels(tenant, "cached").inc(self.cached_tokens)
+            s.metrics.tenant_tokens.labels(tenant, "completion").inc(self.completion_tokens)
+        except Exception:
+            log.warning("metrics update failed for %s", self.response_id, exc_info=True)
         try:
             await s.limiter.settle(self.principal, self.grant, self.prompt_tokens + self.completion_tokens)
         except Exception:
@@ -273,9 +285,6 @@ class Generation:
             await s.usage.record(event)
         except Exception:
             log.exception("usage sink failed for %s", self.response_id)
-        finally:
-            s.quota.release(self.quota_reservation)
-            s.admission.release()
 
 
 def engine_unavailable(services) -> ApiError | None:
