@@ -5,22 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 import sqlalchemy as sa
 
 from loraplex.platform.db import make_engine
 from loraplex.platform.migrate import alembic_config, upgrade_async
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite+aiosqlite:///{tmp_path / 'm.db'}"
-        return
-    from tests.e2e.server import FreshPostgres
-
-    with FreshPostgres(request.getfixturevalue("postgres_url")) as url:
-        yield url
 
 
 async def _sql(url: str, *statements: str) -> list:

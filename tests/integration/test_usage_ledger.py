@@ -19,19 +19,9 @@ from loraplex.platform.usage.models import UsageRecord
 from loraplex.platform.usage.quota import QuotaTracker
 from loraplex.platform.usage.sink import LedgerSink
 from loraplex.platform.usage.spool import list_segments
-from tests.e2e.server import FreshPostgres
 from tests.unit.usage.ledger_env import add_tenant, event, migrated
 
 UTC = timezone.utc
-
-
-@pytest.fixture(params=["sqlite", "postgres"])
-def db_url(request, tmp_path):
-    if request.param == "sqlite":
-        yield f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}"
-        return
-    with FreshPostgres(request.getfixturevalue("postgres_url")) as url:
-        yield url
 
 
 @pytest.fixture
