@@ -20,6 +20,7 @@ from loraplex.platform.app import create_app
 from loraplex.platform.usage.models import UsageRecord
 from loraplex.settings import Settings
 from tests.e2e.server import FreshPostgres
+from tests.integration.usage_app import AppAccess
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -35,21 +36,10 @@ def database_url(postgres_url):
         yield url
 
 
-class App:
+class App(AppAccess):
     def __init__(self, app, admin_key: str):
         self.app, self.admin_key = app, admin_key
         self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test", timeout=60)
-
-    @property
-    def services(self):
-        return self.app.state.services
-
-    @property
-    def usage(self):
-        return self.services.extras["usage"]
-
-    def headers(self, key: str | None = None) -> dict:
-        return {"Authorization": f"Bearer {key or self.admin_key}"}
 
 
 @contextlib.asynccontextmanager

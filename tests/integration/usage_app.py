@@ -13,12 +13,11 @@ from loraplex.platform.app import create_app
 from loraplex.settings import Settings
 
 
-@dataclass
-class UsageApp:
-    client: AsyncTestClient
-    admin_key: str
-    data_dir: Path
+class AppAccess:
+    """What a test reads of an in-process app (``self.app``) with its bootstrap admin key (``self.admin_key``)."""
+
     app: object
+    admin_key: str
 
     @property
     def services(self):
@@ -30,6 +29,14 @@ class UsageApp:
 
     def headers(self, key: str | None = None) -> dict:
         return {"Authorization": f"Bearer {key or self.admin_key}"}
+
+
+@dataclass
+class UsageApp(AppAccess):
+    client: AsyncTestClient
+    admin_key: str
+    data_dir: Path
+    app: object
 
     async def tenant(self, name: str, scopes=("inference",)) -> dict:
         r = await self.client.post("/admin/tenants", json={"name": name}, headers=self.headers())
