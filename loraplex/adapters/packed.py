@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.adapters.loader import HostAdapter
+from loraplex.adapters.loader import HostAdapter, fill_layout, proj_shapes
 from loraplex.adapters.modules import MODULE_INDEX, PROJ_MODULES, BaseShapes
 from loraplex.adapters.validate import read_adapter
 
@@ -63,38 +63,27 @@ def load_packed_adapter(adapter_id: int, path, shapes: BaseShapes, max_rank: int
     their place in the one buffer, and only the parts the adapter leaves empty are zeroed. Reading an adapter
     then costs one copy of its weights instead of three."""
     spec, tensors = read_adapter(path, shapes, max_rank, keep_tensors=True, **limits)
-    r, num_layers = spec.rank, shapes.num_layers
+    projs = proj_shapes(spec, shapes)
     wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-    projs = [p for p, mods in PROJ_MODULES.items() if any(m in spec.module_layers for m in mods)]
-    for proj in projs:
-        wanted[f"a.{proj}"] = ((num_layers, len(PROJ_MODULES[proj]), r, shapes.proj_in(proj)), dtype)
-        wanted[f"bt.{proj}"] = ((num_layers, r, sum(shapes.slice_widths(proj))), dtype)
-    wanted["ranks"] = ((num_layers, len(MODULE_INDEX)), torch.int32)
+    for proj, (a_shape, bt_shape) in projs.items():
+        wanted[f"a.{proj}"] = (a_shape, dtype)
+        wanted[f"bt.{proj}"] = (bt_shape, dtype)
+    wanted["ranks"] = ((shapes.num_layers, len(MODULE_INDEX)), torch.int32)
     wanted["scaling"] = ((1,), torch.float32)
     layout, size = _layout(wanted)
     buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
     views = {name: seg.view(buffer) for name, seg in layout.items()}
-    ranks = views["ranks"]
-    ranks.zero_()
+    a = {proj: views[f"a.{proj}"] for proj in projs}
+    bt = {proj: views[f"bt.{proj}"] for proj in projs}
+    views["ranks"].zero_()
     views["scaling"].fill_(spec.scaling)
     for proj in projs:
-        modules = PROJ_MODULES[proj]
-        a, bt = views[f"a.{proj}"], views[f"bt.{proj}"]
-        if any(len(spec.module_layers.get(m, ())) < num_layers for m in modules):
-            a.zero_()  # some (layer, slice) carries no weights: it must read as zeros
-            bt.zero_()
-        col = 0
-        for s, (module, width) in enumerate(zip(modules, shapes.slice_widths(proj))):
-            for layer in spec.module_layers.get(module, ()):
-                lora_a, lora_b = tensors[(layer, module)]
-                a[layer, s].copy_(lora_a)
-                bt[layer, :, col:col + width].copy_(lora_b.t())
-                ranks[layer, MODULE_INDEX[module]] = r
-            col += width
-    return PackedAdapter(
-        adapter_id=adapter_id, spec=spec,
-        a={p: views.get(f"a.{p}") for p in PROJ_MODULES}, bt={p: views.get(f"bt.{p}") for p in PROJ_MODULES},
-        ranks=ranks, buffer=buffer, layout=layout)
+        if any(len(spec.module_layers.get(m, ())) < shapes.num_layers for m in PROJ_MODULES[proj]):
+            a[proj].zero_()  # some (layer, slice) carries no weights: it must read as zeros
+            bt[proj].zero_()
+    fill_layout(spec, tensors, shapes, a, bt, views["ranks"])
+    return PackedAdapter(adapter_id=adapter_id, spec=spec, a={p: a.get(p) for p in PROJ_MODULES},
+                         bt={p: bt.get(p) for p in PROJ_MODULES}, ranks=views["ranks"], buffer=buffer, layout=layout)
 
 
 def pack_adapter(adapter: HostAdapter, pin_memory: bool) -> PackedAdapter:
