@@ -113,9 +113,9 @@ class LLMEngine:
             raise ValueError("prompt must contain at least one token")
         vocab = self.runner.model_config.vocab_size
         # plain ints: a float or string id would pass the range check and fail later inside a shared step
-        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt_token_ids):
-            bad = next(t for t in prompt_token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool))
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad!r}")
+        bad = [t for t in prompt_token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[0]!r}")
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")

@@ -112,7 +112,6 @@ class StepBatch:
     sampler_flags: int  # OR of the scheduled requests' ``SamplingParams.sampler_flags``
     lora_staging: torch.Tensor | None = None  # the builder's pinned [>= T] int64 buffer for token_lora_ids
 
-
     @property
     def any_prompt_logprobs(self) -> bool:
         return bool(self.sampler_flags & SAMPLE_PROMPT_LOGPROBS)

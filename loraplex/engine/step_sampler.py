@@ -35,6 +35,23 @@ def _add_logprobs(result: ModelRunnerOutput, seq_ids: list[int], counts: list[in
         i += c
 
 
+class _Ring:
+    """``size`` pinned host buffers (on CUDA) handed out in turn, made on first use. A buffer comes round again
+    only ``size`` steps later: by then the host has waited for the steps whose copies could still use it."""
+
+    def __init__(self, size: int, shape: tuple[int, ...], dtype: torch.dtype, pin: bool):
+        self.size, self.shape, self.dtype, self.pin = size, shape, dtype, pin
+        self._buffers: list[torch.Tensor] = []
+        self._next = 0
+
+    def next(self) -> torch.Tensor:
+        if not self._buffers:
+            self._buffers = [torch.zeros(self.shape, dtype=self.dtype, pin_memory=self.pin) for _ in range(self.size)]
+        buf = self._buffers[self._next]
+        self._next = (self._next + 1) % self.size
+        return buf
+
+
 class PendingSample:
     """A step's sampling, launched: ``result()`` waits for its tokens on the host.
 
@@ -79,7 +96,7 @@ class PendingSample:
 
 
 class StepSampler:
-    RING = 4  # pinned result buffers: steps whose tokens may still be on their way to the host
+    RING = 4  # pinned buffers per ring: steps whose copies may still be in flight
 
     def __init__(self, compute_logits: Callable[[torch.Tensor], torch.Tensor], sampler: Sampler,
                  device: torch.device, max_rows: int = 0):
@@ -89,10 +106,9 @@ class StepSampler:
         self._prompt_arrays: dict[int, np.ndarray] = {}  # seq_id -> prompt ids, for penalized requests
         self._max_cached_prompts = 4096
         self.max_rows = max_rows
-        self._ring: list[torch.Tensor] = []
-        self._ring_next = 0
-        self._index_ring: list[torch.Tensor] = []  # pinned sampled-row indices (``_gather_rows``)
-        self._index_next = 0
+        pin = self.device.type == "cuda" and torch.cuda.is_available()
+        self._results = _Ring(self.RING, (2, max_rows), torch.float64, pin)  # tokens + logprobs to the host
+        self._indices = _Ring(self.RING, (max_rows,), torch.int64, pin)  # sampled-row indices to the device
 
     def launch(self, out: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor,
                inflight: tuple[dict[int, int], torch.Tensor] | None = None) -> PendingSample:
@@ -118,7 +134,7 @@ class StepSampler:
         n = row_idx.size
         num_top = None
         if sampled.ranks is None:
-            host = self._next_host_buffer()
+            host = self._results.next()
             parts = [sampled.token_ids, sampled.logprobs]
         else:  # logprobs asked for: ranks and the top-N go to the host in the same copy
             num_top = [r.sampling_params.logprobs for r in reqs]
@@ -126,8 +142,7 @@ class StepSampler:
             if top_ids is None:
                 top_ids = top_lps = sampled.logprobs.new_empty(n, 0)
             parts = [sampled.token_ids, sampled.logprobs, sampled.ranks, *top_ids.T, *top_lps.T]
-            pin = self.device.type == "cuda" and torch.cuda.is_available()
-            host = torch.empty(len(parts), n, dtype=torch.float64, pin_memory=pin)  # cached pinned block
+            host = torch.empty(len(parts), n, dtype=torch.float64, pin_memory=self._results.pin)  # cached pinned
         packed = torch.stack([p.double() for p in parts])  # float64 holds any token id and rank exactly
         event = None
         if self.device.type == "cuda":
@@ -142,30 +157,17 @@ class StepSampler:
 
     def _gather_rows(self, hidden: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
         """``hidden[rows]``. A pure-decode step samples rows 0..n-1: a view, no index copy and no gather
-        kernel. Otherwise the index reaches the device from a ring of pinned buffers (a
-        copy from pageable memory may wait for the stream; a ring slot is reused only after the steps that
-        could still be reading it have finished)."""
+        kernel. Otherwise the index reaches the device from a ring of pinned buffers (a copy from pageable
+        memory may wait for the stream; a ring slot is reused only after the steps that could still be reading
+        it have finished)."""
         n = rows.size
         if n and rows[0] == 0 and rows[-1] == n - 1 and (n == 1 or bool((np.diff(rows) == 1).all())):
             return hidden[:n]
-        if self.device.type != "cuda" or not torch.cuda.is_available() or n > self.max_rows:
+        if not self._indices.pin or n > self.max_rows:
             return hidden[torch.from_numpy(rows).to(self.device, non_blocking=True)]
-        if not self._index_ring:
-            self._index_ring = [torch.zeros(self.max_rows, dtype=torch.int64, pin_memory=True)
-                                for _ in range(self.RING)]
-        staging = self._index_ring[self._index_next][:n]
-        self._index_next = (self._index_next + 1) % self.RING
+        staging = self._indices.next()[:n]
         staging.numpy()[:] = rows
         return hidden[staging.to(self.device, non_blocking=True)]
-
-    def _next_host_buffer(self) -> torch.Tensor:
-        if not self._ring:
-            pin = self.device.type == "cuda" and torch.cuda.is_available()
-            self._ring = [torch.zeros(2, self.max_rows, dtype=torch.float64, pin_memory=pin)
-                          for _ in range(self.RING)]
-        buf = self._ring[self._ring_next]
-        self._ring_next = (self._ring_next + 1) % self.RING
-        return buf
 
     def __call__(self, out: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor,
                  inflight: tuple[dict[int, int], torch.Tensor] | None = None) -> ModelRunnerOutput:
