@@ -95,16 +95,17 @@ def step_time_split(steps: list[StepRecord], end: float) -> dict:
     return split
 
 
-def triton_compiled_kernels() -> int:
-    """Compiled variants held by the Triton kernels of ``loraplex.kernels`` (every device); -1 when this Triton
-    keeps them where we do not look. A rise across a timed window means kernels were compiled inside it."""
+def triton_compiled_kernels(prefix: str = "loraplex.kernels.") -> int:
+    """Compiled variants held by the Triton kernels of the modules named ``prefix``* (default: ours, every device);
+    -1 when this Triton keeps them where we do not look. A rise across a timed window means kernels were compiled
+    inside it."""
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:
         return -1
     total, seen = 0, False
     for name, module in list(sys.modules.items()):
-        if not name.startswith("loraplex.kernels.") or module is None:
+        if not name.startswith(prefix) or module is None:
             continue
         for obj in vars(module).values():
             fn = getattr(obj, "fn", obj)  # an autotuner or heuristics wrapper holds the JITFunction

@@ -118,3 +118,37 @@ def test_engine_with_graphs_and_prefetch_matches_the_synchronous_path(tiny_model
     assert manager.num_prefetched_loads > 0 and manager.num_evictions > 0
     assert ref_manager.num_prefetched_loads == 0
     assert prefetching.engine.runner.graphs.num_replays > 0
+
+
+
+def test_fill_transfer_does_not_wait_for_queued_steps(tiny_model, hf_config):
+    """The PCIe transfer of a fill starts while the current stream is still busy (only the device-side copies into
+    the slot wait for it), a step that waits for the fill sees the adapter, and staging is bounded."""
+    loras = _loras(tiny_model, 3)
+    mgr, sync = _manager(hf_config, loras), _manager(hf_config, loras)
+    _add(sync, [2, 0, 2, 1])  # the reference: adapter 2 filled while nothing else ran
+    ref_slot = sync._slot_of[2]
+    _add(mgr, [1, 1, 0])
+    torch.cuda.synchronize()
+    adapter, pool, slot = mgr.host_cache.get(2), mgr.pool, 3
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles on the current stream: a long running step
+    busy_until = torch.cuda.Event()
+    busy_until.record()
+    pool.fill(slot, adapter)
+    pool._copy_stream.synchronize()  # the transfer is done ...
+    assert not busy_until.query(), "the transfer waited for the kernels queued on the current stream"
+    assert not pool._pending_fills[slot][0].query(), "the copies into the slot ran before its earlier readers"
+    pool.wait_for_fills([slot])
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    for proj in pool.a:
+        assert torch.equal(pool.a[proj][:, slot], sync.pool.a[proj][:, ref_slot]), proj
+        assert torch.equal(pool.bt[proj][:, slot], sync.pool.bt[proj][:, ref_slot]), proj
+    assert torch.equal(pool.ranks[:, :, slot], sync.pool.ranks[:, :, ref_slot])
+    # staging bound: with room for one buffer only, the next fill first waits for the oldest staged copies
+    pool.max_staged_bytes = adapter.buffer.numel()
+    pool.fill(slot, adapter)
+    pool.fill(slot, adapter)
+    assert len(pool._staged) == 1 and pool._staged_bytes == adapter.buffer.numel()
+    torch.cuda.synchronize()
