@@ -69,7 +69,11 @@ class LoRAStep:
             # rank of each chunk's slot, every layer and module ([L, 7, max_chunks]; 2 launches per step): a
             # kernel then reads slot, rank and tokens of its chunk in one round trip
             if any(c.chunk_tables for c in self._configs.values()):
-                self._chunk_ranks = pool.ranks.index_select(2, self._meta.chunk_slots.clamp(min=0))
+                # rows padded to a multiple of 4 entries: every (layer, module) row starts 16-byte aligned, so
+                # the kernels see one pointer alignment whatever the chunk count (one compiled variant)
+                chunks = self._meta.max_chunks
+                slots = torch.nn.functional.pad(self._meta.chunk_slots.clamp(min=0), (0, -chunks % 4))
+                self._chunk_ranks = pool.ranks.index_select(2, slots)[:, :, :chunks]
             self._module_range = {p: (MODULE_INDEX[m[0]], MODULE_INDEX[m[0]] + len(m)) for p, m in PROJ_MODULES.items()}
             self._counters = None
             if any(c.fused and c.fused_split_k > 1 for c in self._configs.values()):

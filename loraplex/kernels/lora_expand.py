@@ -39,8 +39,11 @@ import triton.language as tl
 from loraplex.kernels.lora_meta import LoRAKernelMeta
 from loraplex.kernels.lora_shrink import chunk_tables, dot_precision, gdc_wait, num_chunks_of, split_parts
 
+# as the shrink: no variant per token count
+UNSPECIALIZED = ("progs", "shrink_progs", "k_tiles", "stride_yp", "stride_ys", "stride_crs")
 
-@triton.jit(do_not_specialize=["shrink_progs"])
+
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _lora_expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scaling_ptr, slice_loc_ptr,
     sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr,

@@ -125,7 +125,10 @@ def build_lora_meta_torch(token_slots: torch.Tensor, num_slots: int, block_m: in
     )
 
 
-@triton.jit
+UNSPECIALIZED = ("T", "NUM_SLOTS", "MAX_CHUNKS")  # no variant per token count (TB, CB: one per power of 2)
+
+
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _lora_meta_kernel(
     slots_ptr, sorted_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr, seg_ptr,
     chunk_tokens_ptr,
@@ -206,18 +209,17 @@ def _build_lora_meta_kernel(token_slots: torch.Tensor, num_slots: int, block_m: 
         token_slots.to(torch.int32).contiguous()
     max_chunks = max_chunks_for(num_tokens, num_slots, block_m)
     sb = max(16, triton.next_power_of_2(num_slots))
-    # one allocation for every output (a single caching-allocator call; the kernel writes every entry); the
-    # token table first, so its rows keep the allocation's alignment
-    nt = max_chunks * block_m
-    buf = torch.empty(nt + num_tokens + 3 * max_chunks + 1 + 4 * sb, dtype=torch.int32, device=device)
-    chunk_tokens = buf[:nt].view(max_chunks, block_m)
-    sorted_ids = buf[nt:nt + num_tokens]
-    o = nt + num_tokens
-    chunk_slots = buf[o:o + max_chunks]
-    chunk_starts = buf[o + max_chunks:o + 2 * max_chunks]
-    chunk_lens = buf[o + 2 * max_chunks:o + 3 * max_chunks]
-    num_chunks = buf[o + 3 * max_chunks:o + 3 * max_chunks + 1]
-    seg = buf[o + 3 * max_chunks + 1:]
+    # one allocation for every output (a single caching-allocator call; the kernel writes every entry); each
+    # table starts 16-byte aligned whatever the sizes, so the kernels reading them are never compiled again
+    # for another alignment (Triton specializes pointer arguments on it)
+    sizes = (max_chunks * block_m, num_tokens, max_chunks, max_chunks, max_chunks, 1, 4 * sb)
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // 4) * 4)
+    buf = torch.empty(starts[-1], dtype=torch.int32, device=device)
+    chunk_tokens, sorted_ids, chunk_slots, chunk_starts, chunk_lens, num_chunks, seg = (
+        buf[o:o + n] for o, n in zip(starts, sizes))
+    chunk_tokens = chunk_tokens.view(max_chunks, block_m)
     tb = max(16, triton.next_power_of_2(num_tokens))
     ub = max(1, min(tb, 4096 // tb, 8192 // sb))  # [TB, UB] and [SB, UB] compare tiles stay small
     ub = max(16, ub)

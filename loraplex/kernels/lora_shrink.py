@@ -57,7 +57,12 @@ def split_parts(progs, num_chunks, SPLIT_K: tl.constexpr, k_tiles):
     return (k_tiles + per - 1) // per, per
 
 
-@triton.jit
+# integer arguments that change with the step's token count are not specialized (Triton would compile a variant per
+# value class: == 1, divisible by 16, other), so one compiled kernel serves every step of a launch configuration
+UNSPECIALIZED = ("progs", "stride_yp", "stride_ys", "stride_crs")
+
+
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _lora_shrink_kernel(
     x_ptr, a_ptr, y_ptr, ranks_ptr,
     sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr,
