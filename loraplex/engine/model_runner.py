@@ -152,9 +152,25 @@ class ModelRunner:
                 hidden = self.model(ids, positions, self.kv_caches, attn, lora)
                 self.model.compute_logits(hidden[-1:])
                 runs += 1
+        if cfg.enable_lora and self.get_lora_manager().use_triton:
+            self._warmup_lora_meta(total)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return runs
+
+    def _warmup_lora_meta(self, total: int) -> None:
+        """The single-launch LoRA metadata builder is compiled per power of two of the step's token count (its
+        tile sizes): build it once for each size an eager step can have, for both chunk sizes (decode- and
+        prefill-like steps), so that no serving step compiles one."""
+        from loraplex.kernels.lora_meta import META_KERNEL_MAX_TOKENS, build_lora_meta
+
+        num_slots, size = self.config.max_loras, 16
+        while size // 2 < min(META_KERNEL_MAX_TOKENS, total):
+            for num_tokens in {min(size, total), size // 2 + 1}:
+                slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=self.device)
+                for block_m in (16, 64):
+                    build_lora_meta(slots, num_slots, block_m)
+            size *= 2
 
     # ---- LoRA ----------------------------------------------------------------------------------
     def get_lora_manager(self):
