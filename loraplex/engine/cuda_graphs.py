@@ -83,11 +83,13 @@ class DecodeGraphRunner:
 
     # ---- one step ------------------------------------------------------------------------------------
     def run(self, batch: StepBatch, lora_manager=None, slot_of: dict[int, int] | None = None,
-            fixup=None) -> torch.Tensor:
+            fixup=None, inputs_queued=None) -> torch.Tensor:
         """Final hidden states [B, H] of a pure-decode batch padded to its bucket (``batch.num_rows``).
 
         With adapters in the step, ``slot_of`` maps each adapter id to its GPU slot (already assigned).
-        ``fixup(input_ids)`` (optional) edits the static input-id buffer on the device before the replay."""
+        ``fixup(input_ids)`` (optional) edits the static input-id buffer on the device before the replay.
+        ``inputs_queued()`` (optional) is called once every copy out of the batch's host buffers is queued,
+        before the replay: the host may refill those buffers as soon as these copies have run, not the step."""
         assert batch.is_decode and batch.num_rows in self.buckets, "only padded pure-decode batches replay"
         bucket, num_seqs = batch.num_rows, batch.num_seqs
         key = (bucket, bool(slot_of))
@@ -96,6 +98,8 @@ class DecodeGraphRunner:
         self._load_inputs(batch, slot_of if key[1] else None)
         if fixup is not None:
             fixup(self.input_ids)
+        if inputs_queued is not None:
+            inputs_queued()
         graph, hidden = self._graphs[key]
         if graph is None:
             hidden = self._forward(key, lora_manager)

@@ -210,8 +210,10 @@ class ModelRunner:
         fixup, inflight = self._placeholder_fixup(out, batch, prev)
         if batch.graph_bucket is not None:
             slot_of = self.get_lora_manager().assign_slots(out.lora_ids) if out.lora_ids else None
-            hidden = graphs.run(batch, self.lora_manager, slot_of, fixup=fixup)
-            self.inputs.mark_copied()
+            # the next step's prepare() waits for these input copies only, not for this step's replay: an
+            # event after the replay made the host wait for the whole step before building the next one,
+            # so the GPU idled while the host prepared and launched it
+            hidden = graphs.run(batch, self.lora_manager, slot_of, fixup=fixup, inputs_queued=self.inputs.mark_copied)
         else:
             hidden = self._run_eager(out, batch, fixup)
         return self.step_sampler.launch(out, batch, hidden, inflight)

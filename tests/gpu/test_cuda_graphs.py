@@ -99,3 +99,39 @@ def test_graph_decode_sampling_with_seed_matches_eager(tiny_model):
     eager = LLM(tiny_model["model_dir"], device="cuda", dtype="float32", enforce_eager=True).generate(prompts, params)
     graphed = LLM(tiny_model["model_dir"], device="cuda", dtype="float32").generate(prompts, params)
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
+
+
+def test_next_step_may_be_built_while_a_graph_step_runs(tiny_model):
+    """The host's buffers of a graph decode step are free once its input copies have run, before its replay
+    ends: the event that the next step's prepare() waits for is recorded ahead of the replay (recorded after
+    it, the host waited for the whole step before building the next one, and the GPU idled meanwhile)."""
+    llm = _llm(tiny_model, "bfloat16", eager=False)
+    engine, graphs = llm.engine, llm.engine.runner.graphs
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"r{i}", [1] + list(range(30, 40 + i)), params)
+    while engine.scheduler.waiting or any(r.num_output_tokens < 2 for r in engine.scheduler.running):
+        engine.step()
+    replays = graphs.num_replays
+    real_run = graphs.run
+    seen = {}
+
+    def slow_run(batch, *args, inputs_queued=None, **kwargs):
+        def queued():
+            inputs_queued()
+            seen["copied"] = engine.runner.inputs._copied
+            torch.cuda._sleep(1_000_000_000)  # the replay starts half a second of GPU cycles later
+        return real_run(batch, *args, inputs_queued=queued, **kwargs)
+
+    graphs.run = slow_run
+    try:
+        engine.step()
+        assert graphs.num_replays == replays + 1, "the step was not a graph replay"
+        seen["copied"].synchronize()
+        step_done = torch.cuda.Event()
+        step_done.record()
+        assert not step_done.query(), "the input copies' event completed only with the whole step"
+    finally:
+        graphs.run = real_run
+    while engine.has_unfinished_requests():
+        engine.step()

@@ -64,7 +64,7 @@ def test_overlapped_decode_steps_make_no_sync_but_the_result_wait(tiny_model, pa
     llm = LLM(tiny_model["model_dir"], device="cuda", dtype="bfloat16", enable_lora=True, max_loras=4,
               max_lora_rank=64)
     engine = llm.engine
-    assert engine.config.async_scheduling
+    assert engine.async_scheduling  # resolved at start-up (the config says None: on for CUDA)
     loras = [None] + [LoRARequest(f"a{k}", k + 1, adapter_dir(tiny_model, k)) for k in range(3)]
     for i in range(6):  # base rows and three adapters in every step (prefill steps run the eager LoRA path)
         engine.add_request(f"r{i}", [1] + list(range(20 + i, 60 + 3 * i)), params, lora_request=loras[i % 4])
