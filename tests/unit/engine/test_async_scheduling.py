@@ -159,22 +159,23 @@ def test_penalized_steps_overlap_and_count_the_token_in_flight(tiny_model):
 
 def test_token_restrictions_overlap_and_read_the_token_in_flight(tiny_model):
     """allowed_token_ids, logit_bias and bad_words give the synchronous engine's tokens with overlapped steps. A
-    bad word whose prefix ends in the newest output token is decided on the device while that token is in flight,
-    so these requests do not make the shared batch's steps synchronous."""
+    bad word whose prefix ends in the newest output token is decided on the device while that token is in flight
+    (in overlapped and in synchronous steps), so these requests do not make the shared batch's steps synchronous."""
     probe_llm = LLM(tiny_model["model_dir"], dtype="float32")
     tok = probe_llm.get_tokenizer()
     probe = [o.outputs[0].token_ids for o in probe_llm.generate(
         [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
     params, words = [], {}
     for i, out in enumerate(probe):
-        kw = dict(max_tokens=16, ignore_eos=True)
+        # 1 and 2 end early: 4 and 5 join while 0 and 3 still decode
+        kw = dict(max_tokens=6 + 2 * i if i in (1, 2) else 16, ignore_eos=True)
         if i % 3 == 0:  # a word this prompt's greedy output contains, so the ban changes the output
             words[i] = two_token_word(tok, [out])
             kw.update(temperature=0, bad_words=[words[i][0]])
         elif i % 3 == 1:
             kw.update(temperature=0.9, seed=i, allowed_token_ids=sorted(set(probe[i - 1][:6])), logit_bias={5: 2.0})
-        else:
-            kw.update(temperature=0, logit_bias={out[2]: -100, 300: 4.0})
+        else:  # and prompt logprobs: its first step, mid-run, is synchronous while the others' tokens are in flight
+            kw.update(temperature=0, logit_bias={out[2]: -100, 300: 4.0}, prompt_logprobs=1 if i == 5 else None)
         params.append(SamplingParams(**kw))
 
     def run(async_on: bool):
