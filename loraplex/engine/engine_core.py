@@ -119,9 +119,15 @@ class LLMEngine:
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        bad_words = []
+        if sampling_params.bad_words:
+            bad_words = sampling_params.bad_words_token_ids(
+                lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        sampling_params.check_token_ids(vocab, bad_words)
         req = Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
                       sampling_params=sampling_params, eos_token_ids=self.eos_token_ids,
                       lora_request=lora_request, cache_salt=cache_salt, priority=priority, prompt=prompt,
+                      bad_words_token_ids=bad_words,
                       **({"arrival_time": arrival_time} if arrival_time is not None else {}))
         self.scheduler.add_request(req)  # validates lengths and the id before anything else happens
         self._num_samples[request_id] = sampling_params.n

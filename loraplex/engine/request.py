@@ -64,6 +64,8 @@ class Request:
     index: int = 0  # which of the n samples
     prompt: str | None = None
     seq_id: int = field(default_factory=lambda: next(_seq_counter))
+    # ``sampling_params.bad_words`` as token sequences (the engine encodes them with its tokenizer)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids: list[int] = list(self.prompt_token_ids)
@@ -126,6 +128,7 @@ class Request:
             sampling_params=self.sampling_params, eos_token_ids=self.eos_token_ids,
             lora_request=self.lora_request, cache_salt=self.cache_salt, priority=self.priority,
             arrival_time=self.arrival_time, index=index, prompt=self.prompt,
+            bad_words_token_ids=self.bad_words_token_ids,
         )
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens

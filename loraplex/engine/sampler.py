@@ -1,5 +1,6 @@
-"""Sampling from a batch of logits rows: penalties, temperature, top-k, top-p, min-p, per-row seeds, and
-logprobs of the raw model distribution (vLLM's default: before penalties and temperature).
+"""Sampling from a batch of logits rows: allowed_token_ids, bad_words and logit_bias, penalties, temperature,
+top-k, top-p, min-p, per-row seeds, and logprobs of the raw model distribution (vLLM's default: before any of
+those).
 
 A row with a seed draws its noise from a generator seeded by (seed, sample index, output position), so a
 seeded request gets the same tokens whatever else is in the batch, and after preemption too.
@@ -7,6 +8,7 @@ seeded request gets the same tokens whatever else is in the batch, and after pre
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -14,6 +16,8 @@ import numpy as np
 import torch
 
 from loraplex.engine.sampling_params import (
+    SAMPLE_BAD_WORDS,
+    SAMPLE_LOGIT_BIAS,
     SAMPLE_LOGPROBS,
     SAMPLE_MIN_P,
     SAMPLE_PENALTIES,
@@ -24,6 +28,8 @@ from loraplex.engine.sampling_params import (
 )
 
 _MASK = float("-inf")
+_BIASED = SAMPLE_LOGIT_BIAS | SAMPLE_BAD_WORDS
+_ROW_DETAILS = SAMPLE_PENALTIES | SAMPLE_SEEDED | SAMPLE_BAD_WORDS  # features that read ``SampleRow``s
 
 
 @dataclass
@@ -36,6 +42,7 @@ class SampleRow:
     # overlapped steps: the last output token is still a placeholder; the real one is this index of the
     # ``inflight_tokens`` device tensor passed to ``sample``
     inflight_src: int | None = None
+    bad_words_token_ids: Sequence[Sequence[int]] = ()  # the request's ``bad_words`` as token sequences
 
 
 @dataclass
@@ -62,6 +69,8 @@ class Sampler:
     def __init__(self, device: torch.device, seed: int = 0):
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        # id(params) -> a live request's allowed_token_ids and logit_bias as arrays (``_arrays_of``)
+        self._bias_arrays: dict[int, tuple[np.ndarray | None, np.ndarray, np.ndarray]] = {}
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         return self.sample(logits, [r.params for r in rows], lambda: rows)
@@ -70,20 +79,22 @@ class Sampler:
                get_rows: Callable[[], list[SampleRow]], flags: int | None = None,
                inflight_tokens: torch.Tensor | None = None) -> SamplerOutput:
         """Sample one token per logits row (``params[i]`` for row i). ``get_rows`` builds the per-row
-        details (sample index, position, token lists) and is only called when a row uses penalties or a
-        seed, so a batch without them costs no per-row Python beyond reading its flags. ``flags`` (the OR
-        of the rows' ``sampler_flags``, or of a superset's) saves that pass when the caller has it."""
+        details (sample index, position, token lists) and is only called when a row uses penalties, a
+        seed or bad_words, so a batch without them costs no per-row Python beyond reading its flags. ``flags``
+        (the OR of the rows' ``sampler_flags``, or of a superset's) saves that pass when the caller has it."""
         # logits: [R, V] float32
         if flags is None:
             flags = 0
             for p in params:
                 flags |= p.sampler_flags
-        if not flags & (SAMPLE_RANDOM | SAMPLE_PENALTIES | SAMPLE_LOGPROBS):
+        if not flags & (SAMPLE_RANDOM | SAMPLE_PENALTIES | SAMPLE_LOGPROBS | _BIASED):
             # all greedy, nothing else asked: the argmax and its logprob (max - logsumexp), three ops
             top, token_ids = logits.max(dim=-1)
             return SamplerOutput(token_ids, top - torch.logsumexp(logits, dim=-1), None, None, None)
         raw_logprobs = torch.log_softmax(logits, dim=-1)
-        rows = get_rows() if flags & (SAMPLE_PENALTIES | SAMPLE_SEEDED) else None
+        rows = get_rows() if flags & _ROW_DETAILS else None
+        if flags & _BIASED:
+            logits = self._apply_bias(logits, params, rows, inflight_tokens)
         if flags & SAMPLE_PENALTIES:
             logits = self._apply_penalties(logits, rows, inflight_tokens)
         token_ids = logits.argmax(dim=-1)
@@ -98,6 +109,86 @@ class Sampler:
             if num_top:
                 top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1)
         return SamplerOutput(token_ids, sampled_logprobs, ranks, top_ids, top_logprobs)
+
+    def _apply_bias(self, logits: torch.Tensor, params: list[SamplingParams], rows: list[SampleRow] | None,
+                    inflight_tokens: torch.Tensor | None) -> torch.Tensor:
+        """allowed_token_ids, bad_words and logit_bias (vLLM applies them before penalties) as one additive bias
+        of the rows that use any: -inf where a row may not sample, its logit_bias values elsewhere."""
+        idx = [i for i, p in enumerate(params) if p.sampler_flags & _BIASED]
+        dev, vocab = self.device, logits.shape[1]
+        bias = torch.zeros(len(idx), vocab, device=dev)
+        flat = bias.view(-1)  # position j * vocab + token: token of the j-th biased row
+        masked, keep, bias_pos, bias_values = [], [], [], []
+        for j, i in enumerate(idx):
+            p = params[i]
+            if p.sampler_flags & SAMPLE_LOGIT_BIAS:
+                allowed, bias_ids, values = self._arrays_of(p)
+                if allowed is not None:
+                    masked.append(j)
+                    keep.append(allowed + j * vocab)
+                if values.size:
+                    bias_pos.append(bias_ids + j * vocab)
+                    bias_values.append(values)
+        if masked:
+            bias.index_fill_(0, to_device(masked, torch.int64, dev), _MASK)
+            flat.index_fill_(0, to_device(np.concatenate(keep), torch.int64, dev), 0.0)
+        if bias_pos:  # one entry per (row, token): the adds do not collide
+            flat.index_add_(0, to_device(np.concatenate(bias_pos), torch.int64, dev),
+                            to_device(np.concatenate(bias_values), torch.float32, dev))
+        if rows is not None:
+            self._ban_bad_words(flat, vocab, [rows[i] for i in idx], inflight_tokens)
+        rows_t = to_device(idx, torch.int64, dev)
+        return logits.index_copy(0, rows_t, logits.index_select(0, rows_t) + bias)
+
+    def _arrays_of(self, p: SamplingParams) -> tuple[np.ndarray | None, np.ndarray, np.ndarray]:
+        """(allowed ids without repeats or None, logit_bias ids, logit_bias values) of a request's params, made on
+        its first step (a long allowed_token_ids list is not turned into an array again every step) and dropped
+        when the params object goes away (so an id is never reused while its entry is there)."""
+        arrays = self._bias_arrays.get(id(p))
+        if arrays is None:
+            allowed = None if p.allowed_token_ids is None else np.unique(np.asarray(p.allowed_token_ids,
+                                                                                    dtype=np.int64))
+            lb = p.logit_bias or {}
+            arrays = (allowed, np.fromiter(lb.keys(), dtype=np.int64, count=len(lb)),
+                      np.fromiter(lb.values(), dtype=np.float32, count=len(lb)))
+            self._bias_arrays[id(p)] = arrays
+            weakref.finalize(p, self._bias_arrays.pop, id(p), None)
+        return arrays
+
+    def _ban_bad_words(self, flat: torch.Tensor, vocab: int, rows: list[SampleRow],
+                       inflight_tokens: torch.Tensor | None) -> None:
+        """-inf into ``flat`` (the biased rows' [R' * V] bias) for each bad word's last token where the output ends
+        with the word's other tokens (always for a one-token word). The output tokens count, not the prompt's,
+        as in vLLM. A row whose newest output token is still in flight matches the rest of the prefix on the host
+        and that token on the device, against ``inflight_tokens``."""
+        always, late_pos, late_src, late_want = [], [], [], []
+        for j, r in enumerate(rows):
+            if not r.bad_words_token_ids:
+                continue
+            out = r.output_token_ids
+            n = len(out)
+            for word in r.bad_words_token_ids:
+                k = len(word) - 1  # prefix length
+                pos = j * vocab + word[-1]
+                if k == 0:
+                    always.append(pos)
+                elif k > n:
+                    continue
+                elif r.inflight_src is None:
+                    if tuple(out[n - k:]) == tuple(word[:-1]):
+                        always.append(pos)
+                elif tuple(out[n - k:n - 1]) == tuple(word[:k - 1]):  # out[-1] is the placeholder
+                    late_pos.append(pos)
+                    late_src.append(r.inflight_src)
+                    late_want.append(word[k - 1])
+        dev = self.device
+        if always:
+            flat.index_fill_(0, to_device(always, torch.int64, dev), _MASK)
+        if late_pos:
+            assert inflight_tokens is not None, "a row's token is in flight but the step has no in-flight tokens"
+            pos, src, want = to_device([late_pos, late_src, late_want], torch.int64, dev)
+            hit = inflight_tokens.index_select(0, src) == want
+            flat.index_put_((pos,), torch.where(hit, _MASK, 0.0), accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SampleRow],
                          inflight_tokens: torch.Tensor | None = None) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -14,6 +15,10 @@ SAMPLE_TOP_K_P = 8
 SAMPLE_MIN_P = 16
 SAMPLE_LOGPROBS = 32
 SAMPLE_PROMPT_LOGPROBS = 64  # runner work: logits of prompt positions
+SAMPLE_LOGIT_BIAS = 128  # allowed_token_ids or logit_bias: a bias row made from the params alone
+SAMPLE_BAD_WORDS = 256  # bad_words: bans that depend on the newest output tokens
+
+MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)
 
 
 class SamplingParamsError(ValueError):
@@ -65,15 +70,25 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled token always included)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's token restrictions, applied before penalties and temperature (logprobs stay those of the raw model)
+    logit_bias: dict[int, float] | None = None  # token id (an int, or its decimal string as in OpenAI) -> added
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] = field(default_factory=list)  # never completed (``bad_words_token_ids``)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        for name in ("stop", "stop_token_ids"):
+        for name in ("stop", "stop_token_ids", "bad_words"):
             value = getattr(self, name) or []
             if not isinstance(value, (list, tuple)):
                 raise SamplingParamsError(name, f"must be a list, got {value!r}")
             setattr(self, name, list(value))
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)):
+                raise SamplingParamsError("allowed_token_ids", f"must be a list, got {self.allowed_token_ids!r}")
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
         if self.top_k == 0:
             self.top_k = -1
         self.validate()
@@ -101,7 +116,38 @@ class SamplingParams:
             flags |= SAMPLE_LOGPROBS
         if self.prompt_logprobs is not None:
             flags |= SAMPLE_PROMPT_LOGPROBS
+        if self.allowed_token_ids is not None or self.logit_bias:
+            flags |= SAMPLE_LOGIT_BIAS
+        if self.bad_words:
+            flags |= SAMPLE_BAD_WORDS
         return flags
+
+    def bad_words_token_ids(self, encode: Callable[[str], list[int]]) -> list[list[int]]:
+        """The token sequences ``bad_words`` ban, by vLLM's rule: each word with its leading spaces stripped, and
+        once more after a single space (a word inside the text) where that gives a different first token and as
+        many tokens (a tokenizer that spells the space as a token of its own would otherwise ban space + word).
+        ``encode`` is the tokenizer's, without special tokens."""
+        token_ids = []
+        for word in self.bad_words:
+            bare = list(encode(word.lstrip()))
+            if not bare:  # no token spells it: nothing to ban
+                continue
+            token_ids.append(bare)
+            spaced = list(encode(" " + word.lstrip()))
+            if len(spaced) == len(bare) and spaced[0] != bare[0]:
+                token_ids.append(spaced)
+        return token_ids
+
+    def check_token_ids(self, vocab_size: int, bad_words_token_ids: Sequence[Sequence[int]] = ()) -> None:
+        """The request's token ids lie inside the model's vocabulary (the engine knows its size; an id outside
+        it would fail the whole batch's step)."""
+        for name, ids in (("allowed_token_ids", self.allowed_token_ids or ()), ("logit_bias", self.logit_bias or {}),
+                          ("bad_words", [t for word in bad_words_token_ids for t in word])):
+            if ids and max(ids) >= vocab_size:
+                raise SamplingParamsError(name, f"token id {max(ids)} is outside the model's vocabulary "
+                                                f"[0, {vocab_size})")
+        if self.allowed_token_ids and set(self.allowed_token_ids) <= {w[0] for w in bad_words_token_ids if len(w) == 1}:
+            raise SamplingParamsError("bad_words", "bans every token of allowed_token_ids: nothing could be sampled")
 
     def validate(self) -> None:
         def bad(param: str, msg: str) -> None:
@@ -148,3 +194,39 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
+        if any(not isinstance(w, str) for w in self.bad_words):
+            bad("bad_words", f"must be a list of strings, got {self.bad_words!r}")
+        if any(not w.strip() for w in self.bad_words):
+            bad("bad_words", "a bad word must not be empty (or only spaces)")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids", "must not be empty (leave it out to allow every token)")
+            if not all(_is_int(t) for t in self.allowed_token_ids):
+                bad("allowed_token_ids", f"must be a list of integers, got {self.allowed_token_ids!r}")
+            if min(self.allowed_token_ids) < 0:
+                bad("allowed_token_ids", f"token ids must be >= 0, got {min(self.allowed_token_ids)}")
+
+
+def _logit_bias(value) -> dict[int, float]:
+    """``logit_bias`` with int keys (OpenAI sends token ids as strings) and float values, checked."""
+    def bad(msg: str):
+        return SamplingParamsError("logit_bias", msg)
+
+    if not isinstance(value, dict):
+        raise bad(f"must be an object (a dict) of token id -> bias, got {value!r}")
+    out = {}
+    for key, bias in value.items():
+        try:
+            if not (_is_int(key) or isinstance(key, str)):
+                raise ValueError
+            token = int(key)
+        except ValueError:
+            raise bad(f"keys must be token ids (integers, or their decimal strings), got {key!r}") from None
+        if token < 0:
+            raise bad(f"token ids must be >= 0, got {token}")
+        if isinstance(bias, bool) or not isinstance(bias, numbers.Real):
+            raise bad(f"the bias of token {token} must be a number, got {bias!r}")
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails too
+            raise bad(f"the bias of token {token} must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+        out[token] = float(bias)
+    return out

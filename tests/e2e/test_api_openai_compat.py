@@ -84,7 +84,6 @@ TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {"type"
 def test_parameters_the_server_cannot_honour_are_refused_naming_them(client, model):
     chat = client.chat.completions.create
     cases = [
-        (dict(logit_bias={"5": 100}), "logit_bias"),
         (dict(response_format={"type": "json_object"}), "response_format"),
         (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}), "response_format"),
         (dict(tools=[TOOL]), "tools"),  # tool_choice defaults to "auto" when tools are given
@@ -98,17 +97,14 @@ def test_parameters_the_server_cannot_honour_are_refused_naming_them(client, mod
         body = _refused(chat, model=model, messages=USER, max_tokens=2, **kw)
         assert body["param"] == param and body["type"] == "invalid_request_error", (kw, body)
         assert body["code"] in ("unsupported", "invalid_value"), body
-    body = _refused(client.completions.create, model=model, prompt="x", max_tokens=2, logit_bias={"5": 100})
-    assert body["param"] == "logit_bias"
     # vLLM's structured-output and beam-search extensions would otherwise come back as plain sampled text
     for extra in ({"guided_json": {"type": "object"}}, {"guided_regex": "[0-9]+"}, {"guided_choice": ["a", "b"]},
                   {"guided_grammar": "root ::= 'a'"}, {"structured_outputs": {"json": {}}}, {"use_beam_search": True}):
         for call, kw in ((chat, dict(messages=USER)), (client.completions.create, dict(prompt="x"))):
             body = _refused(call, model=model, max_tokens=2, extra_body=extra, **kw)
             assert body["param"] == next(iter(extra)) and body["code"] == "unsupported", (extra, body)
-    # vLLM extensions the sampler or detokenizer cannot honour, a client's own template, echo on chat
-    for extra in ({"allowed_token_ids": [5, 6]}, {"bad_words": ["Once"]}, {"spaces_between_special_tokens": False},
-                  {"return_tokens_as_token_ids": True}):
+    # vLLM extensions the detokenizer cannot honour, a client's own template, echo on chat
+    for extra in ({"spaces_between_special_tokens": False}, {"return_tokens_as_token_ids": True}):
         for call, kw in ((chat, dict(messages=USER)), (client.completions.create, dict(prompt="x"))):
             body = _refused(call, model=model, max_tokens=2, extra_body=extra, **kw)
             assert body["param"] == next(iter(extra)) and body["code"] == "unsupported", (extra, body)
@@ -330,6 +326,49 @@ def test_vllm_sampling_extensions_are_honoured(client, model, tokenizer):
     assert stopped.finish_reason == "stop" and len(stopped.logprobs.tokens) == k + 1
     held = complete(temperature=0, extra={"stop_token_ids": [stop_id], "min_tokens": k + 3}).choices[0]
     assert len(held.logprobs.tokens) >= k + 3
+
+
+def test_allowed_token_ids_logit_bias_and_bad_words_are_honoured(client, model, tokenizer):
+    """Two allowed tokens, one favoured by logit_bias: greedy repeats it; banning the word "zz" makes every z
+    followed by q, banning "z" leaves only q (both endpoints)."""
+    q, z = (tokenizer.encode(c, add_special_tokens=False)[0] for c in "qz")
+    assert tokenizer.encode("zz", add_special_tokens=False) == [z, z]
+    endpoints = ((client.completions.create, dict(prompt="Once"), lambda r: r.choices[0].text),
+                 (client.chat.completions.create, dict(messages=USER), lambda r: r.choices[0].message.content))
+    for call, kw, text_of in endpoints:
+        texts = [text_of(call(model=model, max_tokens=6, temperature=0, logit_bias={str(z): 50},
+                              extra_body={"ignore_eos": True, "allowed_token_ids": [q, z], **extra}, **kw))
+                 for extra in ({}, {"bad_words": ["zz"]}, {"bad_words": ["z"]})]
+        assert texts == ["zzzzzz", "zqzqzq", "qqqqqq"]
+        assert text_of(call(model=model, max_tokens=4, temperature=1.5, seed=3,
+                            extra_body={"ignore_eos": True, "allowed_token_ids": [q]}, **kw)) == "qqqq"
+
+
+def test_token_restrictions_refuse_bad_values_naming_the_field_and_the_limit(server, client, model):
+    cases = [
+        ({"allowed_token_ids": []}, "allowed_token_ids", "empty"),
+        ({"allowed_token_ids": [5, 512]}, "allowed_token_ids", "[0, 512)"),  # the model's vocabulary (the engine's check)
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids", ">= 0"),
+        ({"allowed_token_ids": list(range(512)) + [5]}, "allowed_token_ids", "512"),
+        ({"allowed_token_ids": "5"}, "allowed_token_ids", "array"),  # a wire type error
+        ({"logit_bias": {"5": 101}}, "logit_bias", "[-100, 100]"),
+        ({"logit_bias": {"five": 1}}, "logit_bias", "token id"),
+        ({"logit_bias": {"9999": 1}}, "logit_bias", "[0, 512)"),
+        ({"bad_words": [""]}, "bad_words", "empty"),
+        ({"bad_words": ["w"] * 65}, "bad_words", "64"),
+        ({"bad_words": ["w" * 300]}, "bad_words", "256"),
+    ]
+    for call, kw in ((client.chat.completions.create, dict(messages=USER)), (client.completions.create, dict(prompt="x"))):
+        for extra, param, limit in cases:
+            body = _refused(call, model=model, max_tokens=2, extra_body=extra, **kw)
+            assert body["param"] == param and body["code"] == "invalid_value", (extra, body)
+            assert limit in body["message"], (extra, body)
+    # streamed: refused before the response starts, with the same 400
+    key = client.api_key
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {key}"}) as c:
+        r = c.post("/v1/completions", json={"model": model, "prompt": "x", "max_tokens": 2, "stream": True,
+                                            "allowed_token_ids": [70000]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids", r.text
 
 
 def _unique_token(tokenizer, tokens: list[str]) -> tuple[int, int]:

@@ -1,6 +1,6 @@
-"""The sampler on CUDA queues its work without a stream sync for every feature (top-k/p, min-p, penalties with
-an in-flight token, seeds, logprobs): with overlapped steps a sync would drain the queue every step. Checked
-with torch's sync debug mode, which raises on a synchronizing call."""
+"""The sampler on CUDA queues its work without a stream sync for every feature (top-k/p, min-p, penalties and
+bad_words with an in-flight token, allowed_token_ids, logit_bias, seeds, logprobs): with overlapped steps a sync
+would drain the queue every step. Checked with torch's sync debug mode, which raises on a synchronizing call."""
 
 from __future__ import annotations
 
@@ -21,7 +21,11 @@ PARAMS = [
     SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2),
     SamplingParams(temperature=0.9, logprobs=3, seed=5, top_p=0.8),
     SamplingParams(temperature=0.0, logprobs=0),
+    SamplingParams(temperature=0.9, allowed_token_ids=[3, 9, 27], logit_bias={9: 1.5, 500: -100}),
+    SamplingParams(temperature=0.0, bad_words=["w"]),
 ]
+# the bad-words row (output [5, 6, 7, -1], token 7 in flight): [7, 12] is banned on the device, [7, 8, 11] is not
+BAD_WORDS = [[7, 8, 11], [7, 12], [13]]
 
 
 def test_sampler_queues_every_feature_without_a_sync():
@@ -30,7 +34,8 @@ def test_sampler_queues_every_feature_without_a_sync():
     gen = torch.Generator(device=dev).manual_seed(0)
     logits = torch.randn(len(PARAMS), vocab, device=dev, generator=gen) * 3
     inflight = torch.tensor([7, 8, 9], device=dev)
-    rows = [SampleRow(p, 0, 4, [1, 2, 3], [5, 6, 7, -1], inflight_src=i % 3) for i, p in enumerate(PARAMS)]
+    rows = [SampleRow(p, 0, 4, [1, 2, 3], [5, 6, 7, -1], inflight_src=i % 3,
+                      bad_words_token_ids=BAD_WORDS if p.bad_words else ()) for i, p in enumerate(PARAMS)]
     sampler = Sampler(dev, seed=0)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -42,6 +47,7 @@ def test_sampler_queues_every_feature_without_a_sync():
     assert all(0 <= t < vocab for t in tokens)
     assert tokens[0] == int(logits[0].argmax())  # greedy
     assert tokens[2] in logits[2].topk(5).indices.tolist()  # top-k 5
+    assert tokens[8] in (3, 9, 27) and tokens[9] not in (12, 13)  # allowed ids; bad words
     # penalized greedy row: the raw argmax unless a penalty moved it; either way a valid token
     assert out.ranks is not None and out.top_ids.shape == (len(PARAMS), 3)
     # the same seeded rows again give the same tokens (per-row generators), batch or not
@@ -51,8 +57,11 @@ def test_sampler_queues_every_feature_without_a_sync():
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                                     SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05,
-                                                   frequency_penalty=0.3, max_tokens=12, ignore_eos=True)],
-                         ids=["greedy", "top-p-penalties"])
+                                                   frequency_penalty=0.3, max_tokens=12, ignore_eos=True),
+                                    SamplingParams(temperature=0.8, allowed_token_ids=list(range(0, 512, 3)),
+                                                   logit_bias={6: 2.0}, bad_words=["the", "x"], max_tokens=12,
+                                                   ignore_eos=True)],
+                         ids=["greedy", "top-p-penalties", "token-restrictions"])
 def test_overlapped_decode_steps_make_no_sync_but_the_result_wait(tiny_model, params):
     """Whole engine steps (graph replay, sampling, host bookkeeping) with overlapped steps: torch's sync debug
     mode reports no synchronizing call once every prompt is in (the one intended wait is an event's)."""

@@ -23,6 +23,7 @@ from loraplex.platform.inference.validation import (
     Limits,
     check_max_tokens,
     check_n,
+    check_token_restrictions,
     normalize_stop,
     sampling_params,
 )
@@ -46,12 +47,17 @@ async def _tokenize(services, fn, *args) -> list[int]:
     return list(await loop.run_in_executor(services.tokenizer_executor, functools.partial(fn, *args)))
 
 
-def _check_ids(ids: list[int], engine, param: str) -> list[int]:
+def _vocab_size(engine) -> int | None:
     # the model's embedding rows decide (a checkpoint may have more rows than its tokenizer has tokens)
     vocab = getattr(engine, "vocab_size", None)
     if vocab is None:
         tokenizer = getattr(engine, "tokenizer", None)
         vocab = len(tokenizer) if tokenizer is not None else None
+    return vocab
+
+
+def _check_ids(ids: list[int], engine, param: str) -> list[int]:
+    vocab = _vocab_size(engine)
     for t in ids:
         if t < 0 or (vocab is not None and t >= vocab):
             raise bad_request(f"Token id {t} is outside the model's vocabulary [0, {vocab}).", param=param)
@@ -163,6 +169,7 @@ async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]]
                               f"{len(req.stop_token_ids)}.", param="stop_token_ids")
         _check_ids(req.stop_token_ids, engine, "stop_token_ids")
     budget = min(check_max_tokens(max_tokens, len(ids), limits, max_tokens_param, prompt_param) for ids in prompts)
+    check_token_restrictions(req, _vocab_size(engine))
     params = sampling_params(req, n=n, max_tokens=budget, stop=stop, logprobs=logprobs,
                              prompt_logprobs=prompt_logprobs)
     try:

@@ -26,8 +26,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     user: str | None = None
-    # accepted only in their no-op form (empty / "none" / type "text"); see unsupported.py
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias in [-100, 100]
     # vLLM extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -39,9 +38,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool | None = None
     prompt_logprobs: int | None = None  # not with stream (as vLLM)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # never completed
     # vLLM extensions this server does not implement: declared only to be refused (validation.py)
-    allowed_token_ids: Any = None
-    bad_words: Any = None
     spaces_between_special_tokens: bool | None = None  # true (the default) accepted
     return_tokens_as_token_ids: bool | None = None  # false accepted
     guided_json: Any = None

@@ -1,7 +1,9 @@
 """Request limits -> 400 naming the parameter, before anything reaches the engine.
 
 Limits: ``max_tokens`` (``Settings.max_tokens_limit`` and the context), ``n`` (``max_n``), number and
-length of stop strings (``max_stop_sequences``), prompt length against ``max_model_len``.
+length of stop strings (``max_stop_sequences``), prompt length against ``max_model_len``, number and length of
+``bad_words``, entries of ``allowed_token_ids`` and ``logit_bias`` (the vocabulary size). Token ids themselves
+are checked against the vocabulary by the engine (``SamplingParams.check_token_ids``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ MAX_STOP_STRING_CHARS = 256
 MAX_SEED = 2**63 - 1
 MAX_PROMPTS = 64
 MAX_STOP_TOKEN_IDS = 64
+MAX_BAD_WORDS = 64  # the engine encodes each one (twice) when it admits the request
+MAX_BAD_WORD_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,23 @@ def _check_range(value: float | int | None, lo: float, hi: float, param: str) ->
         raise bad_request(f"{param} must be between {lo} and {hi}, got {value}.", param=param)
 
 
+def check_token_restrictions(req, vocab_size: int | None) -> None:
+    """Sizes of vLLM's ``bad_words`` and ``allowed_token_ids`` and OpenAI's ``logit_bias`` (their values are
+    SamplingParams' to check): every entry costs the engine work, on its own thread."""
+    words = req.bad_words or []
+    if len(words) > MAX_BAD_WORDS:
+        raise bad_request(f"At most {MAX_BAD_WORDS} bad_words are allowed, got {len(words)}.", param="bad_words")
+    if any(len(w) > MAX_BAD_WORD_CHARS for w in words):
+        raise bad_request(f"Each bad word must be at most {MAX_BAD_WORD_CHARS} characters.", param="bad_words")
+    if vocab_size is None:
+        return
+    for param in ("allowed_token_ids", "logit_bias"):
+        entries = getattr(req, param)
+        if entries is not None and len(entries) > vocab_size:
+            raise bad_request(f"{param} may have at most {vocab_size} entries (the vocabulary size), got "
+                              f"{len(entries)}.", param=param)
+
+
 def sampling_params(req, *, n: int, max_tokens: int, stop: list[str], logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
     """Build engine sampling params; every bad value becomes a 400 naming its field."""
@@ -113,6 +134,9 @@ def sampling_params(req, *, n: int, max_tokens: int, stop: list[str], logprobs: 
             skip_special_tokens=req.skip_special_tokens is not False,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            logit_bias=req.logit_bias or None,
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words or [],
         )
     except SamplingParamsError as exc:
         raise bad_request(str(exc), param=exc.param) from exc
@@ -145,19 +169,13 @@ def check_truncate_prompt_tokens(value: int | None, max_model_len: int) -> int |
 def refuse_unsupported(req) -> None:
     """OpenAI parameters this server cannot honour are refused naming them, never silently ignored (a
     client asking for JSON output or tool calls would otherwise get plain text back as if it had worked).
-    Their no-op forms are accepted: ``logit_bias: {}``, ``response_format: {"type": "text"}``,
-    ``tool_choice: "none"`` (tools are then not shown to the model, as in vLLM)."""
+    Their no-op forms are accepted: ``response_format: {"type": "text"}``, ``tool_choice: "none"`` (tools are
+    then not shown to the model, as in vLLM)."""
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
     for param, feature in _VLLM_UNSUPPORTED.items():
         if getattr(req, param) not in (None, False):
             raise _unsupported(f"{param} is not supported: this server has no {feature}.", param)
-    if req.allowed_token_ids is not None:
-        raise _unsupported("allowed_token_ids is not supported: the sampler cannot restrict the vocabulary.",
-                           "allowed_token_ids")
-    if req.bad_words:
-        raise _unsupported("bad_words is not supported: the sampler cannot ban token sequences (only an "
-                           "empty list is accepted).", "bad_words")
     if req.spaces_between_special_tokens is False:
         raise _unsupported("spaces_between_special_tokens=false is not supported (special tokens are "
                            "detokenized as the tokenizer does).", "spaces_between_special_tokens")
@@ -171,9 +189,6 @@ def refuse_unsupported(req) -> None:
                            "chat_template")
     if getattr(req, "messages", None) is not None and req.echo:
         raise _unsupported("echo is not supported on /v1/chat/completions.", "echo")
-    if req.logit_bias:
-        raise _unsupported("logit_bias is not supported by this server (only an empty object is accepted).",
-                           "logit_bias")
     response_format = getattr(req, "response_format", None)
     if response_format is not None and response_format.get("type") != "text":
         raise _unsupported(f"response_format type {response_format.get('type')!r} is not supported "

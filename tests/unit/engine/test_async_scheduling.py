@@ -16,6 +16,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine_core import LLMEngine
 from loraplex.engine.scheduler_output import PLACEHOLDER_TOKEN
 from tests.conftest import adapter_dir
+from tests.unit.engine.test_sampling_masks import encode_bad_words, two_token_word
 
 PROMPTS = [[1, 17, 33, 95, 12], [1, 17, 33, 95, 12, 40, 41], [1, 300, 301], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14],
            [1, 200], [1, 17, 33, 95, 99, 98, 97, 96, 95, 94, 93, 92, 91, 90], [1, 60, 61, 62]]
@@ -154,3 +155,42 @@ def test_penalized_steps_overlap_and_count_the_token_in_flight(tiny_model):
     plain = LLM(tiny_model["model_dir"], dtype="float32").generate(
         [{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))
     assert plain[0].outputs[0].token_ids != want[0]
+
+
+def test_token_restrictions_overlap_and_read_the_token_in_flight(tiny_model):
+    """allowed_token_ids, logit_bias and bad_words give the synchronous engine's tokens with overlapped steps. A
+    bad word whose prefix ends in the newest output token is decided on the device while that token is in flight
+    (in overlapped and in synchronous steps), so these requests do not make the shared batch's steps synchronous."""
+    probe_llm = LLM(tiny_model["model_dir"], dtype="float32")
+    tok = probe_llm.get_tokenizer()
+    probe = [o.outputs[0].token_ids for o in probe_llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
+    params, words = [], {}
+    for i, out in enumerate(probe):
+        # 1 and 2 end early: 4 and 5 join while 0 and 3 still decode
+        kw = dict(max_tokens=6 + 2 * i if i in (1, 2) else 16, ignore_eos=True)
+        if i % 3 == 0:  # a word this prompt's greedy output contains, so the ban changes the output
+            words[i] = two_token_word(tok, [out])
+            kw.update(temperature=0, bad_words=[words[i][0]])
+        elif i % 3 == 1:
+            kw.update(temperature=0.9, seed=i, allowed_token_ids=sorted(set(probe[i - 1][:6])), logit_bias={5: 2.0})
+        else:  # and prompt logprobs: its first step, mid-run, is synchronous while the others' tokens are in flight
+            kw.update(temperature=0, logit_bias={out[2]: -100, 300: 4.0}, prompt_logprobs=1 if i == 5 else None)
+        params.append(SamplingParams(**kw))
+
+    def run(async_on: bool):
+        llm = LLM(tiny_model["model_dir"], dtype="float32", max_num_seqs=4, async_scheduling=async_on)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+        return llm, [o.outputs[0].token_ids for o in outs]
+
+    _, want = run(False)
+    llm, got = run(True)
+    assert got == want
+    assert llm.engine.num_overlapped_steps >= 10
+    for i, (word, ids) in words.items():
+        assert ids in encode_bad_words(tok, word) and got[i] != probe[i]
+        assert not any(got[i][k:k + 2] == ids for k in range(len(got[i]) - 1))
+    for i in range(1, len(PROMPTS), 3):
+        assert set(got[i]) <= set(params[i].allowed_token_ids)
+    for i in range(2, len(PROMPTS), 3):
+        assert got[i] != probe[i]  # the biases changed the greedy output
