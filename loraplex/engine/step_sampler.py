@@ -80,7 +80,7 @@ class PendingSample:
             if self._event is not None:
                 self._event.synchronize()
             n = len(self._seq_ids)
-            packed = self._host[:, :n].numpy()
+            packed = self._host.numpy()  # [rows, n]
             token_ids = packed[0].astype(np.int64).tolist()
             lps = packed[1].tolist()
             self._result = ModelRunnerOutput(
@@ -107,7 +107,10 @@ class StepSampler:
         self._max_cached_prompts = 4096
         self.max_rows = max_rows
         pin = self.device.type == "cuda" and torch.cuda.is_available()
-        self._results = _Ring(self.RING, (2, max_rows), torch.float64, pin)  # tokens + logprobs to the host
+        # tokens + logprobs to the host; flat, so that a step's [2, n] destination is one contiguous block: a
+        # non-blocking copy into a strided view of pinned memory (host[:, :n] of a [2, max_rows] buffer) goes
+        # through a staging buffer and waits for the stream, which made every overlapped step synchronous
+        self._results = _Ring(self.RING, (2 * max_rows,), torch.float64, pin)
         self._indices = _Ring(self.RING, (max_rows,), torch.int64, pin)  # sampled-row indices to the device
 
     def launch(self, out: SchedulerOutput, batch: StepBatch, hidden: torch.Tensor,
@@ -135,7 +138,7 @@ class StepSampler:
         n = row_idx.size
         num_top = None
         if sampled.ranks is None:
-            host = self._results.next()
+            host = self._results.next()[:2 * n].view(2, n)
             parts = [sampled.token_ids, sampled.logprobs]
         else:  # logprobs asked for: ranks and the top-N go to the host in the same copy
             num_top = [r.sampling_params.logprobs for r in reqs]
@@ -146,12 +149,13 @@ class StepSampler:
             host = torch.empty(len(parts), n, dtype=torch.float64, pin_memory=self._results.pin)  # cached pinned
         packed = torch.stack([p.double() for p in parts])  # float64 holds any token id and rank exactly
         event = None
+        assert host.is_contiguous()  # see _results
         if self.device.type == "cuda":
-            host[:, :n].copy_(packed, non_blocking=True)
+            host.copy_(packed, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
         else:
-            host[:, :n] = packed
+            host.copy_(packed)
         seq_ids = [r.seq_id for r in reqs]
         return PendingSample(tokens=sampled.token_ids, row_of={q: i for i, q in enumerate(seq_ids)}, host=host,
                              event=event, seq_ids=seq_ids, num_top=num_top)
