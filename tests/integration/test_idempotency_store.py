@@ -132,18 +132,18 @@ async def test_a_dead_holder_frees_the_key_after_the_lease(kvs):
 async def test_a_request_longer_than_the_lease_keeps_its_key(kvs):
     """The lease is renewed while the request runs, so it can be short (a dead holder frees the key soon)
     without a slow request losing its key to a retry."""
-    store = idem.IdempotencyStore(kvs[0], lease_s=0.3)
+    store = idem.IdempotencyStore(kvs[0], lease_s=0.5)
     scope = store.scope("t", "completions", "k-slow")
     retry_answers: list = []
 
     async def slow() -> Response:
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.8)  # past the lease: only its renewals keep the key
         try:
-            await idem.IdempotencyStore(kvs[1], lease_s=0.3).claim(scope, FP)
+            await idem.IdempotencyStore(kvs[1], lease_s=0.5).claim(scope, FP)
             retry_answers.append("ran")
         except ApiError as exc:
             retry_answers.append(exc.code)
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.8)
         return Response({"id": "slow"})
 
     await idem.run_once(store, scope, FP, slow)
@@ -176,7 +176,7 @@ async def test_redis_going_away_mid_request_keeps_the_answer_and_frees_the_key(r
                 await idem.run_once(store, scope, FP, run)
             assert err.value.status_code == outcome
         proxy.restore()
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(0.7)
         retry = await idem.run_once(idem.IdempotencyStore(steady), scope, FP, lambda: _ok("second"))
         assert retry.content == {"id": "second"} and idem.REPLAYED_HEADER not in retry.headers
         assert idem.LEASE_S <= 60  # what a retry may wait when Redis came back too late for the release
