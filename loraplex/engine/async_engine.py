@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -233,7 +234,7 @@ class AsyncEngine:
 class RequestStream:
     """The deltas of one admitted request (all ``n`` samples), ending after each sample's final delta.
     ``close()`` before the end aborts the request (an ``async for`` left early does not close it: the
-    owner closes it, as ``AsyncEngine.generate`` does)."""
+    owner closes it, as ``AsyncEngine.generate`` does); ``drain`` then reads the abort's final deltas."""
 
     def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream):
         self.request_id = request_id
@@ -261,6 +262,22 @@ class RequestStream:
         if not self._closed and not self.done:
             self._engine._send(("abort", self.request_id))
         self._closed = True
+
+    async def drain(self, timeout_s: float) -> list[TokenDelta]:
+        """After ``close()``: the deltas still to come, up to each sample's final one (an abort's says how much
+        of the prompt the engine ran), as many as arrive within ``timeout_s``."""
+        got: list[TokenDelta] = []
+
+        async def read() -> None:
+            while not self.done:
+                delta = await self._stream.queue.get()
+                if delta.finished:
+                    self._finished.add(delta.index)
+                got.append(delta)
+
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(read(), timeout_s)
+        return got
 
 
 def _put(stream: _Stream, delta: TokenDelta) -> None:

@@ -18,7 +18,9 @@ when an early line runs long.
 
 An OUTPUT that exists and is not empty is refused unless ``--resume`` (keep its complete lines, drop a cut-short
 last line, check that its ids are those of the input's first lines, and run only the lines after them) or
-``--overwrite`` (start over). SIGINT/SIGTERM: no new lines are added, the lines in flight are aborted, the
+``--overwrite`` (start over). A run records the options that change what a line produces (model, dtype,
+max_tokens, temperature, seed, ...) in ``OUTPUT.options.json`` (batch_options.py); ``--resume`` with other values
+is refused, naming the flags. SIGINT/SIGTERM: no new lines are added, the lines in flight are aborted, the
 finished lines before the oldest unfinished one are written, and the command exits with 128 + the signal
 number; ``--resume`` continues from there. Exit codes: 0 every line ran, 1 some line failed, 2 bad arguments
 or an OUTPUT that cannot be used.
@@ -37,6 +39,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from loraplex.engine import batch_options
 from loraplex.engine.batch_window import Line, RollingWindow
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.sampling_params import SamplingParams
@@ -240,16 +243,41 @@ def _open_output(args, scanned: Iterator[tuple[int, bytes]]):
     if args.input != "-" and os.path.exists(path) and os.path.samefile(args.input, path):
         raise BatchError(f"OUTPUT {path} is the INPUT file")
     size = os.path.getsize(path) if os.path.isfile(path) else 0
+    options = batch_options.of_args(args)
     num_kept = num_kept_failed = 0
     if size and args.resume:
+        _check_options(path, options)
         num_kept, num_kept_failed = _check_resume(path, scanned)
     elif size and not args.overwrite:
         raise BatchError(f"OUTPUT {path} exists and is not empty ({size} bytes): pass --resume to continue "
                          "that run or --overwrite to replace it")
     try:
-        return open(path, "ab" if args.resume else "wb"), num_kept, num_kept_failed  # noqa: SIM115
+        dst = open(path, "ab" if args.resume else "wb")  # noqa: SIM115
     except OSError as exc:
         raise BatchError(f"cannot write OUTPUT {path}: {exc.strerror}") from None
+    try:
+        batch_options.record(path, options)
+    except OSError as exc:
+        dst.close()
+        raise BatchError(f"cannot write {batch_options.path_of(path)}: {exc.strerror}") from None
+    return dst, num_kept, num_kept_failed
+
+
+def _check_options(path: str, options: dict) -> None:
+    """Refuse to resume with options other than those the earlier run recorded beside ``path``."""
+    try:
+        earlier = batch_options.recorded(path)
+    except ValueError as exc:
+        raise BatchError(f"--resume: {batch_options.path_of(path)} is not a loraplex batch options file ({exc}); "
+                         "pass --overwrite to start over") from None
+    if earlier is None:
+        log.warning("batch --resume: %s does not exist, so the options of the earlier run cannot be compared; "
+                    "continuing with this run's", batch_options.path_of(path))
+        return
+    differing = batch_options.differences(earlier, options)
+    if differing:
+        raise BatchError(f"--resume: {path} was generated with other options: {', '.join(differing)}; pass the "
+                         "earlier run's options, or --overwrite to start over")
 
 
 def _check_resume(path: str, scanned: Iterator[tuple[int, bytes]]) -> tuple[int, int]:

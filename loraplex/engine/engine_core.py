@@ -305,7 +305,8 @@ class LLMEngine:
                     deltas.append(TokenDelta(
                         request_id=request_id, index=index, token_ids=[], text="", finished=True,
                         finish_reason=template.status.finish_reason, error=template.error,
-                        num_prompt_tokens=template.num_prompt_tokens, finished_time=time.monotonic()))
+                        num_prompt_tokens=template.num_prompt_tokens,
+                        num_computed_prompt_tokens=template.num_computed_prompt_tokens, finished_time=time.monotonic()))
         return deltas
 
     def _delta(self, req: Request) -> TokenDelta:
@@ -335,7 +336,8 @@ class LLMEngine:
             request_id=req.request_id, index=req.index, token_ids=new_ids, text=text, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, finished=finished, finish_reason=req.status.finish_reason,
             stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=req.num_cached_tokens, num_generated_tokens=num_generated,
+            num_cached_tokens=req.num_cached_tokens, num_computed_prompt_tokens=req.num_computed_prompt_tokens,
+            num_generated_tokens=num_generated,
             cumulative_logprob=req.cumulative_logprob,
             error=req.error, first_scheduled_time=req.first_scheduled_time if first else None,
             first_token_time=req.first_token_time if first else None,

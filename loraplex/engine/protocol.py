@@ -57,6 +57,9 @@ class TokenDelta:
     stop_reason: str | int | None = None  # the stop string or stop token id that matched
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # prompt tokens the engine ran (prefix-cache hits included); below num_prompt_tokens only when the request
+    # was aborted or failed before its prompt was done (0 if it never left the waiting queue)
+    num_computed_prompt_tokens: int = 0
     num_generated_tokens: int = 0  # cumulative for this sample
     cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs so far
     error: str | None = None
@@ -99,6 +102,8 @@ class DeltaStream(Protocol):
     async def __anext__(self) -> TokenDelta: ...
 
     def close(self) -> None: ...  # before the end: aborts the request
+
+    async def drain(self, timeout_s: float) -> list[TokenDelta]: ...  # after close(): up to the final deltas
 
 
 class EngineClient(Protocol):

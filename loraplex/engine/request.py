@@ -73,6 +73,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache (first admission)
+        # how far the prompt has been run, cache hits included; not reset by preemption (what is billed)
+        self.num_computed_prompt_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # prefix-cache keys of this sequence's full blocks, in order
         self.num_registered_blocks = 0  # leading blocks whose key the block manager has recorded
@@ -133,6 +135,7 @@ class Request:
         child.token_ids = list(self.token_ids)
         child.num_computed_tokens = self.num_computed_tokens
         child.num_cached_tokens = self.num_cached_tokens
+        child.num_computed_prompt_tokens = self.num_computed_prompt_tokens
         child.block_hashes = list(self.block_hashes)
         child.num_registered_blocks = self.num_registered_blocks
         child.status = self.status

@@ -161,6 +161,8 @@ class Scheduler:
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = now
                 self.num_computed_prompt_tokens += min(s.num_new_tokens, req.num_prompt_tokens - req.num_computed_tokens)
+                req.num_computed_prompt_tokens = max(req.num_computed_prompt_tokens, min(
+                    req.num_prompt_tokens, req.num_computed_tokens + s.num_new_tokens))
         self.last_kv_waste = self._kv_waste(scheduled)
         self.num_steps += 1
         if not scheduled and self.waiting and self.adapters is not None:

@@ -71,7 +71,7 @@ class UsageEvent:
     key_id: str
     model: str
     endpoint: str  # "completions" | "chat.completions"
-    prompt_tokens: int
+    prompt_tokens: int  # that the engine ran: all of them unless aborted or failed first
     cached_prompt_tokens: int
     completion_tokens: int  # tokens actually delivered to the client
     status: str  # STATUS_*

@@ -2,9 +2,10 @@
 
 A record per (tenant, route, key) lives in the platform kv for :data:`RECORD_TTL_S`:
 
-- ``pending``: one request holds the key. The claim is an atomic set-if-absent in the kv (SET NX in Redis),
-  so two replicas racing for a key see one winner; the loser gets 409 ``idempotency_key_in_use``. The claim
-  expires after :data:`LEASE_S`, so a replica that dies mid-request frees the key.
+- a claim: one request holds the key. It is one atomic set-if-absent in the kv (SET NX in Redis) holding the
+  body's fingerprint, so two replicas racing for a key see one winner; the loser gets 409
+  ``idempotency_key_in_use`` (422 for another body). The claim is a lease of :data:`LEASE_S`, renewed while
+  the request runs, so a replica that dies (or loses Redis) mid-request frees the key within the lease.
 - ``done``: status, content type and body of the first answer. The same request again gets that answer with
   ``idempotent-replayed: true`` (the engine does not run, nothing is billed); a different body with the same
   key is 422 ``idempotency_key_reused``.
@@ -12,12 +13,19 @@ A record per (tenant, route, key) lives in the platform kv for :data:`RECORD_TTL
 5xx, 408, 409, 429 and a client that went away release the key (the client may retry); other 4xx are stored and
 replayed, like Stripe. A stream cannot be replayed: once started, its key answers 409
 ``idempotent_replay_unavailable``.
+
+Redis unreachable before the request runs: the kv error is a 503 ``service_unavailable`` (errors.py). Once the
+request ran, its answer is returned even when it cannot be recorded: the key is then released if Redis lets us,
+else its lease lapses, and a retry runs again.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -28,10 +36,12 @@ from litestar.params import Parameter
 from loraplex.platform.auth import principal_of
 from loraplex.platform.errors import ApiError, ErrorBody, ErrorResponse, bad_request
 
+log = logging.getLogger(__name__)
+
 HEADER = "Idempotency-Key"
 REPLAYED_HEADER = "idempotent-replayed"
 RECORD_TTL_S = 24 * 3600.0
-LEASE_S = 20 * 60.0  # longer than any request (uploads have a 900 s deadline)
+LEASE_S = 30.0  # renewed every third of it while the request runs
 MAX_KEY_LEN = 255
 
 # declare the header in OpenAPI; the handler validates it (a framework pattern check would not name the header)
@@ -118,15 +128,37 @@ class IdempotencyStore:
         stored = await self.lookup(scope, fp)
         if stored is not None:
             return stored
-        if not await self.kv.set_if_absent("claim:" + scope, "1", self.lease_s):
+        if not await self.kv.set_if_absent("claim:" + scope, json.dumps({"fp": fp}), self.lease_s):
             rec = await self._record(scope)  # the holder may have finished meanwhile
             if rec is not None and rec["state"] == "done":
                 return self._answer(rec, fp)
-            if rec is not None and fp is not None and rec.get("fp") not in (None, fp):
+            held = json.loads(await self.kv.get("claim:" + scope) or "{}")
+            held_fp = held.get("fp") if isinstance(held, dict) else None  # "1": a claim of an older release
+            if fp is not None and held_fp not in (None, fp):
                 raise reused()
             raise in_use()
-        await self.kv.set(scope, json.dumps({"state": "pending", "fp": fp}), self.ttl_s)
         return None
+
+    @contextlib.asynccontextmanager
+    async def holding(self, scope: str, fp: str | None):
+        """Renew the claim while the body runs: the lease only has to outlast one missed renewal, so a key
+        whose holder died or lost Redis is free again soon, while a slow request keeps it."""
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(self.lease_s / 3)
+                try:
+                    await self.kv.set("claim:" + scope, json.dumps({"fp": fp}), self.lease_s)
+                except Exception:  # Redis away: try again next time; if it stays away the claim lapses
+                    log.warning("idempotency claim not renewed", exc_info=True)
+
+        task = asyncio.create_task(renew(), name="idempotency-lease")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def complete(self, scope: str, fp: str, stored: Stored) -> None:
         rec = {"state": "done", "fp": fp, "status": stored.status, "media_type": stored.media_type,
@@ -137,14 +169,33 @@ class IdempotencyStore:
         await self.kv.delete(scope)
         await self.kv.delete("claim:" + scope)
 
+    async def finish(self, scope: str, fp: str | None, stored: Stored | None) -> None:
+        """Record the answer (``stored``), or free the key for a retry (None). The request has run, so a kv
+        failure here is logged, never raised: the answer still goes out, and the key is released if the kv
+        lets us, else its lease lapses (a retry runs again instead of being refused)."""
+        try:
+            if stored is None:
+                await self.release(scope)
+            else:
+                await self.complete(scope, fp, stored)
+            return
+        except Exception:
+            log.warning("idempotency record not %s", "released" if stored is None else "stored", exc_info=True)
+        if stored is not None:
+            with contextlib.suppress(Exception):
+                await self.release(scope)
+
 
 def store_of(request: Request) -> IdempotencyStore:
     return IdempotencyStore(request.app.state.services.kv)
 
 
-def _releases(status: int) -> bool:
-    # worth retrying: server faults, limits, timeouts, a lost race (409) and a client that went away
-    return status >= 500 or status in (408, 409, 429, 499)
+def _failure(exc: ApiError) -> Stored | None:
+    """What a failed request leaves under its key: None frees it (worth retrying: server faults, limits,
+    timeouts, a lost race (409) and a client that went away); other errors are replayed."""
+    if exc.status_code >= 500 or exc.status_code in (408, 409, 429, 499):
+        return None
+    return Stored(exc.status_code, MediaType.JSON, error_body(exc))
 
 
 def replay(stored: Stored) -> Response:
@@ -164,21 +215,19 @@ async def run_once(store: IdempotencyStore, scope: str, fp: str, run: Callable[[
     if stored is not None:
         return replay(stored)
     try:
-        response = await run()
+        async with store.holding(scope, fp):
+            response = await run()
     except ApiError as exc:
-        if _releases(exc.status_code):
-            await store.release(scope)
-        else:
-            await store.complete(scope, fp, Stored(exc.status_code, MediaType.JSON, error_body(exc)))
+        await store.finish(scope, fp, _failure(exc))
         raise
     except BaseException:
-        await store.release(scope)
+        await store.finish(scope, fp, None)
         raise
     if streamed:
         body = b""
     else:
         body = response.content if isinstance(response.content, bytes) else msgspec.json.encode(response.content)
-    await store.complete(scope, fp, Stored(response.status_code or 200, MediaType.JSON, body, streamed))
+    await store.finish(scope, fp, Stored(response.status_code or 200, MediaType.JSON, body, streamed))
     return response
 
 
@@ -244,22 +293,23 @@ async def upload_route(request: Request, key: str | None, route: str, max_bytes:
         return await stored_answer()
     hashing = _HashingReceive(request.receive)
     request.receive = hashing
+
+    def body_fp() -> str:
+        return fingerprint(request.method, request.url.path, hashing.digest.hexdigest())
+
     try:
-        response = await run()
+        async with store.holding(scope, None):
+            response = await run()
     except ApiError as exc:
-        if _releases(exc.status_code) or not hashing.complete:  # a partly read body has no fingerprint
-            await store.release(scope)
-        else:
-            fp = fingerprint(request.method, request.url.path, hashing.digest.hexdigest())
-            await store.complete(scope, fp, Stored(exc.status_code, MediaType.JSON, error_body(exc)))
+        # a partly read body has no fingerprint to compare a retry with
+        await store.finish(scope, body_fp(), _failure(exc) if hashing.complete else None)
         raise
     except BaseException:
-        await store.release(scope)
+        await store.finish(scope, None, None)
         raise
     if not hashing.complete:  # the handler answered without reading the whole body: nothing to compare later
-        await store.release(scope)
+        await store.finish(scope, None, None)
         return response
-    fp = fingerprint(request.method, request.url.path, hashing.digest.hexdigest())
     body = response.content if isinstance(response.content, bytes) else msgspec.json.encode(response.content)
-    await store.complete(scope, fp, Stored(response.status_code or 200, MediaType.JSON, body))
+    await store.finish(scope, body_fp(), Stored(response.status_code or 200, MediaType.JSON, body))
     return response

@@ -1,5 +1,5 @@
 """The idempotency store on both kv backends: one winner per key (also across Redis clients, i.e. replicas),
-stored answers, mismatches, release on 5xx/429 and per-tenant scoping."""
+stored answers, mismatches, release on 5xx/429, per-tenant scoping, and Redis going away mid-request."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from litestar import Response
 from loraplex.platform import idempotency as idem
 from loraplex.platform.errors import ApiError
 from loraplex.platform.kv import LocalKV, RedisKV
+from tests.integration.tcp_proxy import TcpProxy
 
 
 @pytest.fixture(params=["local", "redis"])
@@ -126,6 +127,63 @@ async def test_a_dead_holder_frees_the_key_after_the_lease(kvs):
         await store.claim(scope, FP)
     await asyncio.sleep(0.4)
     assert await store.claim(scope, FP) is None
+
+
+async def test_a_request_longer_than_the_lease_keeps_its_key(kvs):
+    """The lease is renewed while the request runs, so it can be short (a dead holder frees the key soon)
+    without a slow request losing its key to a retry."""
+    store = idem.IdempotencyStore(kvs[0], lease_s=0.5)
+    scope = store.scope("t", "completions", "k-slow")
+    retry_answers: list = []
+
+    async def slow() -> Response:
+        await asyncio.sleep(0.8)  # past the lease: only its renewals keep the key
+        try:
+            await idem.IdempotencyStore(kvs[1], lease_s=0.5).claim(scope, FP)
+            retry_answers.append("ran")
+        except ApiError as exc:
+            retry_answers.append(exc.code)
+        await asyncio.sleep(0.8)
+        return Response({"id": "slow"})
+
+    await idem.run_once(store, scope, FP, slow)
+    assert retry_answers == ["idempotency_key_in_use"]
+    assert (await idem.run_once(store, scope, FP, lambda: _ok("never"))).content == b'{"id":"slow"}'
+
+
+@pytest.mark.parametrize("outcome", [200, 404, 503])
+async def test_redis_going_away_mid_request_keeps_the_answer_and_frees_the_key(redis_url, outcome):
+    """Redis drops while the request runs, so neither its answer nor a release can be written: the client
+    still gets the request's own outcome (not a Redis error), and once Redis is back a retry with the same key
+    runs once the (short) lease lapsed instead of being refused with 409 for many minutes."""
+    proxy = TcpProxy.to_redis(redis_url)
+    prefix = f"loraplex-idem-outage-{time.time_ns()}:"
+    flaky, steady = RedisKV(proxy.redis_url, prefix=prefix), RedisKV(redis_url, prefix=prefix)
+    store = idem.IdempotencyStore(flaky, lease_s=0.5)
+    scope = store.scope("t", "completions", f"k-outage-{outcome}")
+
+    async def run() -> Response:
+        proxy.cut()
+        if outcome != 200:
+            raise ApiError(outcome, "the request's own error")
+        return Response({"id": "first"})
+
+    try:
+        if outcome == 200:
+            assert (await idem.run_once(store, scope, FP, run)).content == {"id": "first"}
+        else:
+            with pytest.raises(ApiError) as err:
+                await idem.run_once(store, scope, FP, run)
+            assert err.value.status_code == outcome
+        proxy.restore()
+        await asyncio.sleep(0.7)
+        retry = await idem.run_once(idem.IdempotencyStore(steady), scope, FP, lambda: _ok("second"))
+        assert retry.content == {"id": "second"} and idem.REPLAYED_HEADER not in retry.headers
+        assert idem.LEASE_S <= 60  # what a retry may wait when Redis came back too late for the release
+    finally:
+        proxy.close()
+        await flaky.close()
+        await steady.close()
 
 
 async def _ok(response_id: str) -> Response:

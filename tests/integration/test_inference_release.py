@@ -358,3 +358,103 @@ async def test_a_failure_while_finishing_still_gives_back_the_slot(app, tenant, 
     assert app.services.admission.in_flight == 0, "admission slots leaked"
     assert sum(v for (tid, _), v in app.services.quota._reserved.items() if tid == tenant["id"]) == 0
     await normal_request_gets_in(app, tenant)
+
+
+# ---- what a cancelled request is billed for its prompt: what the engine ran ----------------------
+
+
+class SteppedLoop:
+    """Runs the engine loop one step at a time (each step waits for ``advance`` before it returns), so a test
+    knows exactly what the engine has computed when the client leaves."""
+
+    def __init__(self, app):
+        self.engine = app.services.engine
+        self.core = self.engine.engine
+        self._step = self.core.step
+        self._permits = threading.Semaphore(0)
+        self.steps = 0
+        self.core.step = self._held_step
+
+    def _held_step(self):
+        out = self._step()
+        self.steps += 1
+        self._permits.acquire(timeout=30)
+        return out
+
+    async def after_step(self, n: int) -> None:
+        for _ in range(1000):
+            if self.steps >= n:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"the engine never finished step {n}")
+
+    async def command_queued(self) -> None:
+        """Returns once a request or an abort waits for the held loop."""
+        for _ in range(1000):
+            if not self.engine._commands.empty():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("nothing reached the engine")
+
+    def advance(self) -> None:
+        self._permits.release()
+
+    def release(self) -> None:
+        self.core.step = self._step
+        self._permits.release(1000)
+
+
+async def test_a_request_cancelled_while_waiting_for_the_engine_is_not_billed_its_prompt(app, tenant):
+    """Every sequence of the engine is busy, so the next request waits in its queue; its client leaves there:
+    the ledger row bills no prompt tokens (nothing ran). The busy request, cancelled after it ran, is billed
+    its whole prompt."""
+    stepped = SteppedLoop(app)
+    try:
+        busy = Call(app.app, tenant["key"], "/v1/completions", body(n=MAX_NUM_SEQS, max_tokens=100, ignore_eos=True))
+        busy_task = asyncio.create_task(busy.run())
+        await stepped.after_step(1)  # admitted: its prompt ran, its samples hold every sequence
+        queued = Call(app.app, tenant["key"], "/v1/completions", body(prompt=list(range(5, 45)), max_tokens=20))
+        queued_task = asyncio.create_task(queued.run())
+        await stepped.command_queued()
+        stepped.advance()  # the loop takes the new request, which cannot run yet, and steps the busy one
+        await stepped.after_step(2)
+        assert [r.num_prompt_tokens for r in stepped.core.scheduler.waiting] == [40]
+        queued.leave()
+        await stepped.command_queued()  # its abort
+        stepped.release()
+        await queued_task
+        busy.leave()
+        await busy_task
+    finally:
+        stepped.release()
+    await settled(app)
+    rows = {r.prompt_tokens: r for r in await ledger(app, tenant)}
+    assert queued.status == 499 and busy.status == 499
+    busy_prompt = len(app.services.engine.encode(body()["prompt"]))
+    assert sorted(rows) == [0, busy_prompt], rows
+    assert rows[0].status == "aborted" and rows[0].completion_tokens == 0 and rows[0].cached_prompt_tokens == 0
+    assert rows[busy_prompt].status == "aborted"
+    await assert_nothing_held(app, tenant)
+
+
+async def test_a_request_cancelled_mid_prefill_is_billed_the_prompt_chunks_that_ran(app, tenant, monkeypatch):
+    """A 40-token prompt runs in chunks of 16; the client leaves after the first chunk: 16 prompt tokens are
+    billed, not 40."""
+    stepped = SteppedLoop(app)
+    monkeypatch.setattr(stepped.core.scheduler.config, "max_num_batched_tokens", 16)
+    try:
+        call = Call(app.app, tenant["key"], "/v1/completions", body(prompt=list(range(5, 45))))
+        task = asyncio.create_task(call.run())
+        await stepped.after_step(1)
+        call.leave()
+        await stepped.command_queued()
+        stepped.release()
+        await task
+    finally:
+        stepped.release()
+    monkeypatch.undo()
+    await settled(app)
+    (row,) = await ledger(app, tenant)
+    assert call.status == 499 and row.status == "aborted"
+    assert (row.prompt_tokens, row.completion_tokens) == (16, 0)
+    await assert_nothing_held(app, tenant)

@@ -15,6 +15,7 @@ from loraplex.platform.errors import ApiError
 from loraplex.platform.kv import RedisKV
 from loraplex.platform.migrate import upgrade_async
 from tests.e2e.server import FreshPostgres
+from tests.integration.tcp_proxy import TcpProxy
 from tests.unit.platform.test_migrations_sqlite import _diff
 
 
@@ -114,73 +115,15 @@ def test_db_upgrade_command_on_postgres(postgres_url):
         assert {"tenants", "api_keys", "alembic_version"} <= asyncio.run(tables())
 
 
-class _TcpProxy:
-    """A real TCP relay to Redis that the test can cut, to simulate Redis going away."""
-
-    def __init__(self, target: tuple[str, int]):
-        import socket
-        import threading
-
-        self.target = target
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.conns: list = []
-        self.alive = True
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        import socket
-        import threading
-
-        while self.alive:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            self.conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src, dst) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.close()
-                except OSError:
-                    pass
-
-    def cut(self) -> None:
-        import socket
-
-        self.alive = False
-        self.listener.close()
-        for c in self.conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-                c.close()
-            except OSError:
-                pass
-
-
 def test_redis_outage_fails_closed_with_503(tmp_path, redis_url):
-    from urllib.parse import urlparse
-
     from litestar.testing import TestClient
 
     from loraplex.platform.app import create_app
     from loraplex.settings import Settings
 
-    target = urlparse(redis_url)
-    proxy = _TcpProxy((target.hostname, target.port or 6379))
+    proxy = TcpProxy.to_redis(redis_url)
     keys: list[str] = []
-    settings = Settings(data_dir=str(tmp_path), redis_url=f"redis://127.0.0.1:{proxy.port}/0")
+    settings = Settings(data_dir=str(tmp_path), redis_url=proxy.redis_url)
     app = create_app(settings, start_engine=False, on_bootstrap_key=keys.append)
     with TestClient(app) as c:
         c.headers["Authorization"] = f"Bearer {keys[0]}"
@@ -190,6 +133,7 @@ def test_redis_outage_fails_closed_with_503(tmp_path, redis_url):
         r = c.post("/admin/tenants/acme/activate")
         assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
         assert r.headers["retry-after"] and c.get("/health").status_code == 200
+    proxy.close()
 
 
 

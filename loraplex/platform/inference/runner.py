@@ -3,6 +3,9 @@
 :class:`Generation` turns prepared prompts into a merged stream of per-choice deltas. Whatever ends
 it (completion, client disconnect, engine failure) its ``close`` aborts unfinished engine requests
 and records usage exactly once, on a task of its own so a cancelled HTTP task cannot skip it.
+
+Billed: the prompt tokens the engine ran (an aborted request's final delta says how many: none while it
+waited in the engine's queue, the chunks that ran of a prefill) and the completion tokens delivered.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ log = logging.getLogger(__name__)
 
 # how often a waiting stream re-checks that the engine is alive (a dead engine never hangs a stream)
 ENGINE_HEALTH_POLL_S = 0.5
+# how long the usage record waits for an aborted request's final delta (the next engine step brings it)
+ABORT_REPORT_WAIT_S = 5.0
 
 
 class EngineFailure(Exception):
@@ -54,7 +59,7 @@ class ChoiceDelta:
 @dataclass
 class _PromptState:
     request_id: str
-    num_prompt_tokens: int
+    num_prompt_tokens: int = 0  # that the engine ran, as its deltas say
     num_cached_tokens: int = 0
     finished_samples: int = 0
     done: bool = False
@@ -98,7 +103,7 @@ class Generation:
         reqs = []
         for i, ids in enumerate(self.prompts):
             rid = self.response_id if len(self.prompts) == 1 else f"{self.response_id}-{i}"
-            self._states.append(_PromptState(rid, len(ids)))
+            self._states.append(_PromptState(rid))
             reqs.append(EngineRequest(
                 request_id=rid, prompt_token_ids=ids, sampling_params=self.params,
                 lora_request=self.model.lora_request, tenant_id=self.principal.tenant_id, cache_salt=salt,
@@ -188,11 +193,14 @@ class Generation:
                 self.status = STATUS_ABORTED
             self.close()
 
-    def _observe(self, i: int, d: TokenDelta) -> None:
+    def _count_prompt(self, i: int, d: TokenDelta) -> None:
         state = self._states[i]
-        if d.num_prompt_tokens:
-            state.num_prompt_tokens = d.num_prompt_tokens
+        state.num_prompt_tokens = max(state.num_prompt_tokens, d.num_computed_prompt_tokens)
         state.num_cached_tokens = max(state.num_cached_tokens, d.num_cached_tokens)
+
+    def _observe(self, i: int, d: TokenDelta) -> None:
+        self._count_prompt(i, d)
+        state = self._states[i]
         now = time.monotonic()
         if d.first_scheduled_time and self.first_scheduled is None:
             self.first_scheduled = d.first_scheduled_time
@@ -243,6 +251,21 @@ class Generation:
             s.quota.release(self.quota_reservation)
             s.admission.release()
 
+    async def _read_abort_reports(self) -> None:
+        """The final deltas of the aborted engine requests: how much of each prompt ran. A request cancelled
+        before the engine took it has no stream, and nothing of it is billed (at most one step of it ran)."""
+        if self._streams is None:
+            return
+        aborted = [i for i, state in enumerate(self._states) if not state.done]
+        try:
+            reports = await asyncio.gather(*(self._streams[i].drain(ABORT_REPORT_WAIT_S) for i in aborted))
+        except Exception:
+            log.warning("abort reports of %s failed", self.response_id, exc_info=True)
+            return
+        for i, deltas in zip(aborted, reports):
+            for d in deltas:
+                self._count_prompt(i, d)
+
     async def _account(self, unfinished: list[str]) -> None:
         """Abort what still runs, then metrics, the limiter's settlement and the usage record."""
         s = self.services
@@ -251,6 +274,7 @@ class Generation:
                 await s.engine.abort(rid)
             except Exception:
                 log.warning("abort of %s failed", rid, exc_info=True)
+        await self._read_abort_reports()
         end = time.monotonic()
         tenant = self.principal.tenant_name
         model = s.base_model_id

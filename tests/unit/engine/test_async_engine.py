@@ -10,6 +10,7 @@ import pytest
 from loraplex import LLM, SamplingParams
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.engine_core import LLMEngine
 from loraplex.engine.protocol import EngineDeadError, EngineRequest
 from loraplex.engine.sampling_params import RequestLimitError
 
@@ -159,3 +160,48 @@ async def test_a_caller_cancelled_while_its_request_waits_for_admission_leaves_t
     after = await _collect(engine, EngineRequest("after", [1, 2], SamplingParams(max_tokens=1)))
     assert after[-1].finished and engine.is_healthy()
     assert "gone" not in engine._streams and not engine.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_aborted_request_reports_the_prompt_tokens_the_engine_ran(tiny_model, async_scheduling):
+    """What metering bills an aborted request for its prompt: nothing while it waited for admission, the
+    chunks that ran of a chunked prefill, the whole prompt once the prompt was done."""
+    engine = LLMEngine(EngineConfig(model=tiny_model["model_dir"], dtype="float32", max_num_seqs=1,
+                                    max_num_batched_tokens=16, async_scheduling=async_scheduling))
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    prompt = [1, *range(40, 79)]  # 40 tokens: prefill chunks of 16, 16 and 8
+    engine.add_request("runs", prompt, params)
+    engine.add_request("waits", [1, 50, 51], params)  # max_num_seqs=1: not admitted while "runs" runs
+    finals = {}
+
+    def run(steps: int | None = None) -> None:
+        while engine.has_unfinished_requests() and steps != 0:
+            finals.update({d.request_id: d for d in engine.step() if d.finished})
+            steps = None if steps is None else steps - 1
+
+    run(steps=1)
+    engine.abort_request("waits")
+    engine.abort_request("runs")
+    run()
+    assert finals["waits"].finish_reason == "abort" and finals["waits"].num_computed_prompt_tokens == 0
+    assert finals["runs"].finish_reason == "abort" and finals["runs"].num_computed_prompt_tokens == 16
+    assert finals["runs"].num_prompt_tokens == 40
+    engine.add_request("whole", [1, *range(100, 139)], params)
+    run()
+    assert finals["whole"].finish_reason == "length" and finals["whole"].num_computed_prompt_tokens == 40
+
+
+async def test_a_closed_stream_still_delivers_the_abort_report(tiny_model):
+    """After ``close()`` the caller can read the abort's final delta (how much of the prompt ran)."""
+    engine = AsyncEngine.from_config(EngineConfig(model=tiny_model["model_dir"], dtype="float32", max_num_seqs=1))
+    try:
+        task, _ = await _long_stream_started(engine, "busy")
+        (queued,) = await engine.add_requests([EngineRequest("queued", [1, 50, 51], SamplingParams(max_tokens=4))])
+        queued.close()
+        finals = await queued.drain(10)
+        assert [d.finish_reason for d in finals] == ["abort"] and finals[0].num_computed_prompt_tokens == 0
+        assert await queued.drain(10) == []  # done: nothing more comes
+        await engine.abort("busy")
+        await asyncio.wait_for(task, 10)
+    finally:
+        await engine.shutdown()

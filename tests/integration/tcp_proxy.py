@@ -1,0 +1,74 @@
+"""A real TCP relay to a service (Redis) that a test can cut and bring back, to simulate an outage."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from urllib.parse import urlparse
+
+
+class TcpProxy:
+    """Relays 127.0.0.1:``port`` to ``target``. ``cut()`` drops every open connection and refuses new ones
+    (each is closed at once) until ``restore()``; the port stays the same, so clients reconnect by themselves."""
+
+    def __init__(self, target: tuple[str, int]):
+        self.target = target
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.down = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @classmethod
+    def to_redis(cls, redis_url: str) -> TcpProxy:
+        target = urlparse(redis_url)
+        return cls((target.hostname, target.port or 6379))
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if self.down:
+                client.close()
+                continue
+            upstream = socket.create_connection(self.target)
+            self.conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def cut(self) -> None:
+        self.down = True
+        conns, self.conns = self.conns, []
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+                c.close()
+            except OSError:
+                pass
+
+    def restore(self) -> None:
+        self.down = False
+
+    def close(self) -> None:
+        self.cut()
+        self.listener.close()
