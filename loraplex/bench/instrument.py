@@ -108,7 +108,9 @@ def triton_compiled_kernels(prefix: str = "loraplex.kernels.") -> int:
         if not name.startswith(prefix) or module is None:
             continue
         for obj in vars(module).values():
-            fn = getattr(obj, "fn", obj)  # an autotuner or heuristics wrapper holds the JITFunction
+            # a JITFunction itself (whose .fn is the plain Python function), or an autotuner / heuristics wrapper
+            # holding one in .fn
+            fn = obj if isinstance(obj, JITFunction) else getattr(obj, "fn", None)
             if not isinstance(fn, JITFunction):
                 continue
             caches = getattr(fn, "device_caches", None)

@@ -115,3 +115,26 @@ def test_profile_decode_steps_on_the_cpu(setup):
     assert trace["num_steps"] == 2 and not trace["has_gpu_activity"]  # CPU: host operators only
     assert trace["host_ops"]["ops_per_step"] > 0
     assert run["unprofiled_step_minus_gpu_busy_us"] is None
+
+
+def _plain_kernel_body(x_ptr):  # the Python function behind the JITFunction below (never compiled here)
+    pass
+
+
+def test_compile_counter_finds_plain_jit_functions(monkeypatch):
+    """A JITFunction's own .fn is the plain Python function: the counter must take the object itself (it used to
+    look only through .fn, so it found none of our kernels and always said 0 compiles)."""
+    import sys
+    import types
+
+    from triton.runtime.jit import JITFunction
+
+    from loraplex.bench.instrument import triton_compiled_kernels
+
+    kernel = JITFunction(_plain_kernel_body)
+    module = types.ModuleType("loraplex_probe_kernels.k")
+    module.kernel = kernel
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    assert triton_compiled_kernels("loraplex_probe_kernels.") == 0
+    kernel.device_caches[0] = ({"variant-a": object(), "variant-b": object()}, None, None, None)
+    assert triton_compiled_kernels("loraplex_probe_kernels.") == 2
