@@ -142,15 +142,8 @@ def test_penalized_steps_overlap_and_count_the_token_in_flight(tiny_model):
             kw.update(temperature=0, prompt_logprobs=1 if i == 5 else None)
         params.append(SamplingParams(**kw))
 
-    def run(async_on: bool):
-        llm = LLM(tiny_model["model_dir"], dtype="float32", max_num_seqs=4, async_scheduling=async_on)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        return llm, [o.outputs[0].token_ids for o in outs]
-
-    _, want = run(False)
-    llm, got = run(True)
+    want, got = _synchronous_and_overlapped(tiny_model, params)
     assert got == want
-    assert llm.engine.num_overlapped_steps >= 10
     # the penalties had an effect: greedy with frequency penalty differs from plain greedy
     plain = LLM(tiny_model["model_dir"], dtype="float32").generate(
         [{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))
@@ -178,15 +171,8 @@ def test_token_restrictions_overlap_and_read_the_token_in_flight(tiny_model):
             kw.update(temperature=0, logit_bias={out[2]: -100, 300: 4.0}, prompt_logprobs=1 if i == 5 else None)
         params.append(SamplingParams(**kw))
 
-    def run(async_on: bool):
-        llm = LLM(tiny_model["model_dir"], dtype="float32", max_num_seqs=4, async_scheduling=async_on)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        return llm, [o.outputs[0].token_ids for o in outs]
-
-    _, want = run(False)
-    llm, got = run(True)
+    want, got = _synchronous_and_overlapped(tiny_model, params)
     assert got == want
-    assert llm.engine.num_overlapped_steps >= 10
     for i, (word, ids) in words.items():
         assert ids in encode_bad_words(tok, word) and got[i] != probe[i]
         assert not any(got[i][k:k + 2] == ids for k in range(len(got[i]) - 1))
@@ -194,3 +180,14 @@ def test_token_restrictions_overlap_and_read_the_token_in_flight(tiny_model):
         assert set(got[i]) <= set(params[i].allowed_token_ids)
     for i in range(2, len(PROMPTS), 3):
         assert got[i] != probe[i]  # the biases changed the greedy output
+
+
+def _synchronous_and_overlapped(tiny_model, params) -> tuple[list, list]:
+    """PROMPTS' output tokens with synchronous steps, then with overlapped steps (which must have overlapped)."""
+    outputs = []
+    for async_on in (False, True):
+        llm = LLM(tiny_model["model_dir"], dtype="float32", max_num_seqs=4, async_scheduling=async_on)
+        outputs.append([o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                                                      params)])
+    assert llm.engine.num_overlapped_steps >= 10
+    return outputs[0], outputs[1]
