@@ -67,6 +67,7 @@ class LoRAManager:
         self.device = torch.device(device)
         self.dtype = dtype
         self.pool = SlotPool(self.shapes, max_loras, max_lora_rank, self.device, dtype)
+        self.dense = None  # DenseLoRA (attach_dense): single-adapter steps as one GEMM per projection
         self.host_cache: HostLRUCache[HostAdapter] = HostLRUCache(max(max_cpu_loras or max_loras, max_loras))
         self._validated: ValidatedFiles[HostAdapter] = ValidatedFiles()
         self.loader = BackgroundLoader(self._load_files, num_load_workers or min(4, os.cpu_count() or 1))
@@ -322,7 +323,20 @@ class LoRAManager:
             adapter_ids = torch.unique(token_adapter_ids).tolist()
         slot_of = self.assign_slots(adapter_ids)
         token_slots = token_slots_from_ids(token_adapter_ids, slot_of)
-        return LoRAStep(self.pool, token_slots, len(slot_of), self.use_triton)
+        dense = self.dense_for(slot_of)
+        return LoRAStep(self.pool, token_slots, len(slot_of), self.use_triton, dense=dense)
+
+    def dense_for(self, slot_of: dict[int, int]):
+        """The DenseLoRA when this step (adapter id -> slot, slots assigned) takes the one-GEMM path: one adapter,
+        the path enabled (``attach_dense``), and the adapter laid out or allowed to be now; else None."""
+        if self.dense is None or len(slot_of) != 1:
+            return None
+        (slot,) = slot_of.values()
+        return self.dense if self.dense.want(slot) else None
+
+    def attach_dense(self, dense) -> None:
+        """Single-adapter steps through ``loraplex.adapters.dense.DenseLoRA`` (the model has spare columns)."""
+        self.dense = dense
 
     def assign_slots(self, adapter_ids) -> dict[int, int]:
         """Give every adapter of a step (ids, 0 = base, ignored) a GPU slot; returns adapter id -> slot.

@@ -32,17 +32,24 @@ def token_slots_from_ids(token_adapter_ids: torch.Tensor, slot_of: dict[int, int
 class LoRAStep:
     """One step's token->slot mapping and device metadata, shared by every layer and projection."""
 
-    def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool) -> None:
+    def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool,
+                 dense=None) -> None:
         self.pool = pool
         self.token_slots = token_slots  # [T] int32
         self.num_active = num_active  # distinct adapters in the step (host-known)
         self.use_triton = use_triton
+        # a DenseLoRA with this step's single adapter laid out: every projection is one GEMM (no kernels)
+        self.dense = dense if num_active == 1 else None
+        self._has_adapter = None
         self._meta = None
         self._scratch = None
         self._counters = None
         self._configs: dict[str, object] = {}
         self._chunk_ranks = None
-        if use_triton and num_active:
+        if self.dense is not None:
+            dtype = pool.a["qkv"].dtype
+            self._has_adapter = (token_slots >= 0).to(dtype)[:, None]
+        elif use_triton and num_active:
             from loraplex.kernels import lora_ops
             from loraplex.kernels.lora_expand import slice_col_align
             from loraplex.kernels.lora_meta import build_lora_meta
@@ -83,6 +90,16 @@ class LoRAStep:
     @property
     def has_adapters(self) -> bool:
         return self.num_active > 0
+
+    def linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, weight, bias)`` plus every token's adapter delta for ``proj``: one GEMM on the dense
+        path, else the base GEMM and ``add``."""
+        if self.dense is not None:
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            return self.dense.linear(layer_idx, proj, x, bias, self._has_adapter)
+        return self.add(layer_idx, proj, x, torch.nn.functional.linear(x, weight, bias))
 
     def add(self, layer_idx: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [T, N_total] += LoRA delta of x [T, K] for ``proj`` in qkv | o | gate_up | down."""

@@ -72,6 +72,7 @@ class SlotPool:
         # at least until a step waits for the fill (torch's pinned allocator also holds a buffer that an
         # in-flight copy reads)
         self._pending_fills: dict[int, tuple[torch.cuda.Event, HostAdapter]] = {}
+        self.fill_version = [0] * max_loras  # per slot, +1 on every fill or clear (copies of a slot check it)
 
     @property
     def num_bytes(self) -> int:
@@ -80,6 +81,7 @@ class SlotPool:
     def fill(self, slot: int, adapter: HostAdapter) -> None:
         """Copy an adapter into a slot: synchronous on the CPU, queued on the copy stream on CUDA."""
         assert 0 <= slot < self.max_loras and adapter.rank <= self.max_rank
+        self.fill_version[slot] += 1
         if self._copy_stream is None:
             self._write(slot, adapter.rank, _sources(adapter))
             return
@@ -152,6 +154,7 @@ class SlotPool:
     def clear(self, slot: int) -> None:
         self.wait_for_fills([slot])  # a fill still in flight would write the ranks back
         self.ranks[:, :, slot] = 0
+        self.fill_version[slot] += 1
 
     def layer_view(self, proj: str, layer: int):
         """(a [max_loras, S, R, K], bt [max_loras, R, N_total], ranks [S, max_loras]) of one layer."""

@@ -32,6 +32,9 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # host cache size; default managed by the LoRA manager
     lora_load_workers: int | None = None  # background adapter read threads; None: min(4, CPUs)
+    # single-adapter steps as one GEMM per projection (the adapter's B in spare weight columns, adapters/dense.py);
+    # costs S * max_lora_rank extra columns per base weight (about 1% at rank 16)
+    dense_single_lora: bool = False
     model_id: str | None = None  # served name; default the model directory's name
 
     def __post_init__(self) -> None:

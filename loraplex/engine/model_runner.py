@@ -47,7 +47,12 @@ class ModelRunner:
         self.hf_config = json.loads((Path(config.model) / "config.json").read_text())
         self.model_config = LlamaConfig.from_hf(self.hf_config)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
-        self.model = LlamaForCausalLM(self.model_config, self.device, self.dtype)
+        pad = None
+        if config.enable_lora and config.dense_single_lora:
+            from loraplex.adapters.dense import lora_pad
+
+            pad = lora_pad(config.max_lora_rank)
+        self.model = LlamaForCausalLM(self.model_config, self.device, self.dtype, lora_pad=pad)
         load_weights(self.model, config.model)
         self.backend = get_attention_backend(self.device)
         self.sampler = Sampler(self.device, config.seed)
@@ -185,6 +190,10 @@ class ModelRunner:
                 self.hf_config, max_loras=self.config.max_loras, max_lora_rank=self.config.max_lora_rank,
                 max_cpu_loras=self.config.max_cpu_loras, device=self.device, dtype=self.dtype,
                 num_load_workers=self.config.lora_load_workers)
+            if self.config.dense_single_lora:
+                from loraplex.adapters.dense import DenseLoRA
+
+                self.lora_manager.attach_dense(DenseLoRA(self.model, self.lora_manager.pool))
         return self.lora_manager
 
     # ---- one step ------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 (qkv bias). GQA and MQA; q|k|v and gate|up fused at load. Mirrors Hugging Face's math (RMSNorm in float32,
 rotate-half RoPE computed in float32) so float32 results match it token for token.
 
-LoRA hook: after each base projection the model calls ``lora.add(layer_idx, proj, x, out)`` (in place) with
-``proj`` in ``"qkv" | "o" | "gate_up" | "down"`` when ``lora`` is not None.
+LoRA hook: with ``lora`` (a ``LoRAStep``) each projection is ``lora.linear(layer_idx, proj, x, weight, bias)``
+with ``proj`` in ``"qkv" | "o" | "gate_up" | "down"``: the base GEMM plus every token's adapter delta.
 """
 
 from __future__ import annotations
@@ -150,22 +150,39 @@ def _param(*shape, device, dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
 
 
+def _weight(rows: int, cols: int, pad: int, device, dtype) -> nn.Parameter:
+    """A [rows, cols] weight; with ``pad`` it is the [:, :cols] view of a zeroed [rows, cols + pad] tensor whose
+    spare columns hold a LoRA adapter's B (``loraplex.adapters.dense``)."""
+    if not pad:
+        return _param(rows, cols, device=device, dtype=dtype)
+    full = torch.zeros(rows, cols + pad, device=device, dtype=dtype)
+    return nn.Parameter(full[:, :cols], requires_grad=False)
+
+
+def _linear(lora, layer: int, proj: str, x, weight, bias):
+    """The base projection plus, with ``lora``, every token's adapter delta (``LoRAStep.linear``)."""
+    if lora is None:
+        return F.linear(x, weight, bias)
+    return lora.linear(layer, proj, x, weight, bias)
+
+
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, idx: int, device, dtype):
+    def __init__(self, cfg: LlamaConfig, idx: int, device, dtype, lora_pad: dict[str, int] | None = None):
         super().__init__()
+        pad = lora_pad or {}
         self.idx = idx
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
-        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, h, device=device, dtype=dtype)
+        self.qkv_weight = _weight(self.q_size + 2 * self.kv_size, h, pad.get("qkv", 0), device, dtype)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, device=device, dtype=dtype) if cfg.qkv_bias else None
-        self.o_weight = _param(h, self.q_size, device=device, dtype=dtype)
+        self.o_weight = _weight(h, self.q_size, pad.get("o", 0), device, dtype)
         self.o_bias = _param(h, device=device, dtype=dtype) if cfg.o_bias else None
-        self.gate_up_weight = _param(2 * cfg.intermediate_size, h, device=device, dtype=dtype)
+        self.gate_up_weight = _weight(2 * cfg.intermediate_size, h, pad.get("gate_up", 0), device, dtype)
         self.gate_up_bias = _param(2 * cfg.intermediate_size, device=device, dtype=dtype) if cfg.mlp_bias else None
-        self.down_weight = _param(h, cfg.intermediate_size, device=device, dtype=dtype)
+        self.down_weight = _weight(h, cfg.intermediate_size, pad.get("down", 0), device, dtype)
         self.down_bias = _param(h, device=device, dtype=dtype) if cfg.mlp_bias else None
         self.scale = d ** -0.5
 
@@ -177,36 +194,29 @@ class LlamaLayer(nn.Module):
             x = ops.rms_norm(hidden, self.input_layernorm.weight, self.input_layernorm.eps)
         else:
             x, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, q + 2kv]
-        if lora is not None:
-            lora.add(self.idx, "qkv", x, qkv)
+        qkv = _linear(lora, self.idx, "qkv", x, self.qkv_weight, self.qkv_bias)  # [T, q + 2kv]
         num_tokens = hidden.shape[0]
         key_cache, value_cache = kv_cache
         # RoPE on q and k; k and v go into the paged cache (attention reads the new tokens' K/V from there)
         q = ops.rope_store_kv(qkv, cos, sin, key_cache, value_cache, attn, self.num_heads, self.num_kv_heads,
                               self.head_dim)
         o = attn.backend.attention(q, key_cache, value_cache, attn, self.scale).view(num_tokens, self.q_size)
-        out = F.linear(o, self.o_weight, self.o_bias)
-        if lora is not None:
-            lora.add(self.idx, "o", o, out)
+        out = _linear(lora, self.idx, "o", o, self.o_weight, self.o_bias)
         norm = self.post_attention_layernorm
         x, residual = ops.add_rms_norm(out, residual, norm.weight, norm.eps)
-        gate_up = F.linear(x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
-        if lora is not None:
-            lora.add(self.idx, "gate_up", x, gate_up)
+        gate_up = _linear(lora, self.idx, "gate_up", x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
         act = ops.silu_mul(gate_up)
-        down = F.linear(act, self.down_weight, self.down_bias)
-        if lora is not None:
-            lora.add(self.idx, "down", act, down)
+        down = _linear(lora, self.idx, "down", act, self.down_weight, self.down_bias)
         return down, residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, device, dtype, fused_ops: bool | None = None):
+    def __init__(self, cfg: LlamaConfig, device, dtype, fused_ops: bool | None = None,
+                 lora_pad: dict[str, int] | None = None):
         super().__init__()
         self.config = cfg
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaLayer(cfg, i, device, dtype) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaLayer(cfg, i, device, dtype, lora_pad) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, device=device,
                                                                    dtype=dtype)
