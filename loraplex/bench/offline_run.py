@@ -69,6 +69,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
         ModelShape,
         decode_step_bytes,
         measure_copy_bandwidth,
+        measure_h2d_bandwidth,
         measure_matmul_flops,
         roofline,
         workload_floor,
@@ -89,8 +90,10 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
     elem = torch.empty((), dtype=dtype).element_size()
     bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
     matmul_flops = measure_matmul_flops(device)
+    h2d_bandwidth = measure_h2d_bandwidth(device, nbytes=(1 << 28) if device.type == "cuda" else 1 << 22)
     result.update({"environment": environment(device), "model_dir": str(model_dir), "model_shape": vars(shape),
-                   "copy_bandwidth_Bps": bandwidth, "matmul_flops_per_s": matmul_flops, "section_wall_s": clock.walls,
+                   "copy_bandwidth_Bps": bandwidth, "matmul_flops_per_s": matmul_flops,
+                   "h2d_bandwidth_Bps": h2d_bandwidth, "section_wall_s": clock.walls,
                    "settings": {k: v for k, v in vars(args).items()
                                 if k not in ("func", "bench_parser", "report_command")}})
 
@@ -139,12 +142,25 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
             rows += run_popularities(llm, [pop], args.num_requests, args.input_len, args.output_len,
                                      args.len_dist, shape.vocab_size, adapter_dirs, seed=args.seed, floor=floor)
             add_over_base(rows)
+            add_upload_time(rows[-1], shape.lora_params_per_rank() * args.rank * elem, h2d_bandwidth)
 
     del llm
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result, offline_sections(result)
+
+
+def add_upload_time(row: dict, adapter_bytes: int, h2d_bandwidth: float) -> None:
+    """A run's adapter uploads to GPU slots (its slot loads × one adapter's bytes) and their time at the measured
+    host->device rate: a floor of its own for a run whose adapters churn (every distinct adapter is one upload),
+    paid on the copy stream beside the steps."""
+    loads = (row.get("diagnostics") or {}).get("engine", {}).get("lora_slot_loads")
+    if loads is None:
+        return
+    row["diagnostics"]["adapter_upload_bytes"] = loads * adapter_bytes
+    row["diagnostics"]["adapter_upload_s"] = loads * adapter_bytes / h2d_bandwidth
+    row["diagnostics"]["h2d_bandwidth_Bps"] = h2d_bandwidth
 
 
 def offline_sections(result: dict) -> list[tuple[str, str]]:

@@ -126,6 +126,15 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: i
     return 2 * nbytes / best
 
 
+def measure_h2d_bandwidth(device: torch.device, nbytes: int = 1 << 28, iters: int = 10) -> float:
+    """Pinned host -> device copy rate in bytes/s (the path of a GPU slot fill: one transfer per adapter); on the
+    CPU a plain copy."""
+    cuda = device.type == "cuda"
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return nbytes / time_per_call(lambda: dst.copy_(src, non_blocking=cuda), device, iters=iters, warmup=2)
+
+
 def roofline(step: StepBytes, bandwidth: float, measured_step_s: float | None = None) -> dict:
     floor = step.total / bandwidth
     out = {**asdict(step), "total_bytes": step.total, "copy_bandwidth_Bps": bandwidth, "floor_s": floor}

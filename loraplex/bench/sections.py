@@ -82,18 +82,22 @@ def time_split_table(rows: list[dict]) -> str:
         eng = d.get("engine", {})
         out.append({"popularity": r["popularity"], **d, **{f"engine_{k}": v for k, v in eng.items()},
                     "decode_ms": 1e3 * d["decode_s"] / d["decode_steps"] if d["decode_steps"] else None,
-                    "prefill_ms": 1e3 * d["prefill_s"] / d["prefill_steps"] if d["prefill_steps"] else None})
+                    "prefill_ms": 1e3 * d["prefill_s"] / d["prefill_steps"] if d["prefill_steps"] else None,
+                    "upload_gb": d["adapter_upload_bytes"] / 1e9 if "adapter_upload_bytes" in d else None})
     if not out:
         return ""
     return ("\n\nWhere each run's wall time went (time from one step's scheduling to the next's, by step kind; "
-            "\"compiles\": Triton kernel variants compiled inside the timed window):\n\n" + table(out, [
+            "\"compiles\": Triton kernel variants compiled inside the timed window; \"upload GB\": slot loads × one "
+            "adapter's bytes, and \"at H2D s\" their time at the measured pinned host->device rate, a floor of its "
+            "own beside the HBM one when adapters churn):\n\n" + table(out, [
                 ("popularity", "popularity"), ("decode_steps", "decode steps"), ("decode_s", "decode s"),
                 ("decode_ms", "ms / decode step"), ("prefill_steps", "steps with prompt tokens"),
                 ("prefill_s", "their s"), ("prefill_ms", "ms / such step"), ("triton_compiles", "compiles"),
                 ("engine_num_overlapped_steps", "overlapped steps"), ("engine_num_preemptions", "preemptions"),
                 ("engine_num_adapter_wait_steps", "steps idle for adapter reads"),
                 ("engine_adapter_wait_seconds", "their s"), ("engine_lora_host_loads", "adapter file reads"),
-                ("engine_lora_host_load_seconds", "read s"), ("engine_lora_slot_loads", "slot loads")]))
+                ("engine_lora_host_load_seconds", "read s"), ("engine_lora_slot_loads", "slot loads"),
+                ("upload_gb", "upload GB"), ("adapter_upload_s", "at H2D s")]))
 
 
 def roofline_note(rows: list[dict]) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from loraplex.cli import main
 
 
@@ -47,6 +49,20 @@ def test_bench_offline_smoke_with_peer(tmp_path):
     assert hbm["identical"] <= rows["identical"]["roofline_over_base"] <= 1
     assert all(r["roofline_over_base"] > 0 for r in rows.values())
     assert data["matmul_flops_per_s"] > 0
+    # adapter uploads: each slot load is one adapter's bytes, timed at the measured host->device rate
+    assert data["h2d_bandwidth_Bps"] > 0
+    per_adapter = None
+    for r in rows.values():
+        d = r["diagnostics"]
+        loads = d["engine"]["lora_slot_loads"]
+        assert (loads == 0) == (d["adapter_upload_bytes"] == 0)
+        if loads:
+            per_adapter = per_adapter or d["adapter_upload_bytes"] // loads
+            assert d["adapter_upload_bytes"] == loads * per_adapter
+            assert d["adapter_upload_s"] == pytest.approx(d["adapter_upload_bytes"] / data["h2d_bandwidth_Bps"])
+    # more distinct adapters than the 4 slots (--smoke): some must be uploaded inside the run
+    assert rows["distinct"]["diagnostics"]["engine"]["lora_slot_loads"] >= rows["distinct"]["num_adapters"] - 4 > 0
+    assert "upload GB" in md
     assert "roofline ÷ base" in md
     targets = {"identical": 0.97, "zipf": 0.93, "uniform": 0.90, "distinct": 0.80}
     above = [p for p, t in targets.items() if rows[p]["roofline_over_base"] < t]
