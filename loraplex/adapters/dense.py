@@ -107,11 +107,15 @@ class DenseLoRA:
         self.num_layouts += 1
 
     def linear(self, layer: int, proj: str, x: torch.Tensor, bias: torch.Tensor | None,
-               has_adapter: torch.Tensor) -> torch.Tensor:
-        """``x W^T (+ bias)`` plus the laid-out adapter's delta on rows where ``has_adapter`` [T, 1] is 1."""
+               has_adapter: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T (+ bias)`` plus the laid-out adapter's delta on rows where ``has_adapter`` [T, 1] is 1 (None:
+        on every row, as when the step has no base token; padding rows of a graph do not count)."""
         full = self.weights[proj][layer]
         k = x.shape[1]
         x_aug = torch.empty(x.shape[0], full.shape[1], dtype=x.dtype, device=x.device)
         x_aug[:, :k] = x
-        torch.mul(torch.mm(x, self.a[proj][layer].t()), has_adapter, out=x_aug[:, k:])
+        if has_adapter is None:
+            torch.mm(x, self.a[proj][layer].t(), out=x_aug[:, k:])  # y straight into the wide buffer
+        else:
+            torch.mul(torch.mm(x, self.a[proj][layer].t()), has_adapter, out=x_aug[:, k:])
         return F.linear(x_aug, full, bias)

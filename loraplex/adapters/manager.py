@@ -313,18 +313,19 @@ class LoRAManager:
         keep = wanted | {a for a in self._slot_of if self._pins.get(a)}
         return len(keep) <= self.max_loras
 
-    def prepare_step(self, token_adapter_ids: torch.Tensor, adapter_ids=None) -> LoRAStep:
+    def prepare_step(self, token_adapter_ids: torch.Tensor, adapter_ids=None, has_base: bool = True) -> LoRAStep:
         """Give every adapter of the step a slot and build the step's mapping.
 
         ``adapter_ids`` (optional) lists the step's distinct adapter ids as known on the host; without it
-        they are read from the tensor (one device->host sync).
+        they are read from the tensor (one device->host sync). ``has_base``: whether any token uses no adapter
+        (known on the host; False lets a dense single-adapter step skip its mask).
         """
         if adapter_ids is None:
             adapter_ids = torch.unique(token_adapter_ids).tolist()
         slot_of = self.assign_slots(adapter_ids)
         token_slots = token_slots_from_ids(token_adapter_ids, slot_of)
         dense = self.dense_for(slot_of)
-        return LoRAStep(self.pool, token_slots, len(slot_of), self.use_triton, dense=dense)
+        return LoRAStep(self.pool, token_slots, len(slot_of), self.use_triton, dense=dense, has_base=has_base)
 
     def dense_for(self, slot_of: dict[int, int]):
         """The DenseLoRA when this step (adapter id -> slot, slots assigned) takes the one-GEMM path: one adapter,

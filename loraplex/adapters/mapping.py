@@ -33,7 +33,7 @@ class LoRAStep:
     """One step's token->slot mapping and device metadata, shared by every layer and projection."""
 
     def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool,
-                 dense=None) -> None:
+                 dense=None, has_base: bool = True) -> None:
         self.pool = pool
         self.token_slots = token_slots  # [T] int32
         self.num_active = num_active  # distinct adapters in the step (host-known)
@@ -47,8 +47,8 @@ class LoRAStep:
         self._configs: dict[str, object] = {}
         self._chunk_ranks = None
         if self.dense is not None:
-            dtype = pool.a["qkv"].dtype
-            self._has_adapter = (token_slots >= 0).to(dtype)[:, None]
+            if has_base:  # base tokens beside the adapter's: their shrink rows are masked to 0
+                self._has_adapter = (token_slots >= 0).to(pool.a["qkv"].dtype)[:, None]
         elif use_triton and num_active:
             from loraplex.kernels import lora_ops
             from loraplex.kernels.lora_expand import slice_col_align

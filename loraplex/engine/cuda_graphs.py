@@ -94,8 +94,8 @@ class DecodeGraphRunner:
         assert batch.is_decode and batch.num_rows in self.buckets, "only padded pure-decode batches replay"
         bucket, num_seqs = batch.num_rows, batch.num_seqs
         mode = bool(slot_of)
-        if slot_of and lora_manager.dense_for(slot_of) is not None:
-            mode = DENSE  # one adapter, laid out in the base weights' spare columns
+        if slot_of and 0 not in batch.lora_ids and lora_manager.dense_for(slot_of) is not None:
+            mode = DENSE  # every sequence on one adapter, laid out in the base weights' spare columns
         key = (bucket, mode)
         if key not in self._graphs:
             self._capture(key, lora_manager)
@@ -138,8 +138,9 @@ class DecodeGraphRunner:
         if with_lora == DENSE:
             from loraplex.adapters.mapping import LoRAStep
 
+            # no token mask: every real row has the adapter (padding rows' outputs are never read)
             lora = LoRAStep(lora_manager.pool, self.token_slots[:bucket], 1, lora_manager.use_triton,
-                            dense=lora_manager.dense)
+                            dense=lora_manager.dense, has_base=False)
         elif with_lora:
             from loraplex.adapters.mapping import LoRAStep
 

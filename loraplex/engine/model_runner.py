@@ -272,6 +272,7 @@ class ModelRunner:
         if out.lora_ids:
             # the step's adapter set is known on the host: no device sync to find it
             lora = self.get_lora_manager().prepare_step(batch.token_lora_ids().to(dev, non_blocking=nb),
-                                                        adapter_ids=sorted(out.lora_ids))
+                                                        adapter_ids=sorted(out.lora_ids),
+                                                        has_base=0 in batch.lora_ids)
         self.inputs.mark_copied()  # after the last copy out of the builder's buffers
         return self.model(input_ids, positions, self.kv_caches, attn, lora)

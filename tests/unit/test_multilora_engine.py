@@ -102,12 +102,13 @@ def _record_steps(manager, engine) -> list[tuple[int, bool]]:
     steps = []
     prepare = manager.prepare_step
 
-    def recording(token_adapter_ids, adapter_ids=None):
+    def recording(token_adapter_ids, adapter_ids=None, has_base=True):
         steps.append((len(set(adapter_ids)), bool((token_adapter_ids == 0).any())))
+        assert has_base == steps[-1][1], "the host's has_base disagrees with the step's tokens"
         running = {r.lora_id for r in engine.scheduler.running if r.lora_id}
         assert running <= set(manager.pinned_adapter_ids()), "running requests' adapters must be pinned"
         kept = running & set(manager.resident_adapter_ids())
-        batch = prepare(token_adapter_ids, adapter_ids=adapter_ids)
+        batch = prepare(token_adapter_ids, adapter_ids=adapter_ids, has_base=has_base)
         assert kept <= set(manager.resident_adapter_ids()), "a running request's adapter was evicted"
         return batch
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.adapters.dense import DenseLoRA, lora_pad
 from loraplex.adapters.mapping import LoRAStep
-from loraplex.adapters.modules import PROJ_MODULES, BaseShapes
+from loraplex.adapters.modules import MODULE_INDEX, PROJ_MODULES, BaseShapes
 from loraplex.adapters.slot_pool import SlotPool
 from loraplex.engine.models.llama import LlamaConfig, LlamaForCausalLM
 from tests.conftest import adapter_dir
@@ -36,15 +36,16 @@ def _model_and_pool(seed: int):
     return model, pool
 
 
-@pytest.mark.parametrize("slot", [0, 2])
-def test_dense_linear_equals_base_gemm_plus_delta(slot):
+@pytest.mark.parametrize("slot, has_base", [(0, True), (2, True), (1, False)])
+def test_dense_linear_equals_base_gemm_plus_delta(slot, has_base):
     model, pool = _model_and_pool(seed=slot)
     dense = DenseLoRA(model, pool, min_steps_between=0)
     gen = torch.Generator().manual_seed(7)
-    tokens = torch.tensor([slot, -1, slot, slot, -1], dtype=torch.int32)  # base tokens beside the adapter's
+    # base tokens beside the adapter's (masked), or the adapter's alone (no mask: y written straight in)
+    tokens = torch.tensor([slot, -1, slot, slot, -1] if has_base else [slot] * 4, dtype=torch.int32)
     reference = LoRAStep(pool, tokens, 1, use_triton=False)
     assert dense.want(slot) and dense.num_layouts == 1
-    step = LoRAStep(pool, tokens, 1, use_triton=False, dense=dense)
+    step = LoRAStep(pool, tokens, 1, use_triton=False, dense=dense, has_base=has_base)
     names = {"qkv": "qkv_weight", "o": "o_weight", "gate_up": "gate_up_weight", "down": "down_weight"}
     for layer_idx, layer in enumerate(model.layers):
         for proj in PROJ_MODULES:
@@ -53,8 +54,11 @@ def test_dense_linear_equals_base_gemm_plus_delta(slot):
             want = reference.add(layer_idx, proj, x, F.linear(x, weight))
             got = step.linear(layer_idx, proj, x, weight)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            assert torch.allclose(got[tokens < 0], F.linear(x[tokens < 0], weight), rtol=1e-5, atol=1e-5)
-            assert not torch.allclose(got[tokens >= 0], F.linear(x[tokens >= 0], weight), atol=1e-3), proj
+            if has_base:
+                assert torch.allclose(got[tokens < 0], F.linear(x[tokens < 0], weight), rtol=1e-5, atol=1e-5)
+            lo = MODULE_INDEX[PROJ_MODULES[proj][0]]
+            if pool.ranks[layer_idx, lo:lo + len(PROJ_MODULES[proj]), slot].sum() > 0:  # the adapter targets it
+                assert not torch.allclose(got[tokens >= 0], F.linear(x[tokens >= 0], weight), atol=1e-3), proj
 
 
 def test_a_refilled_slot_is_laid_out_again_and_switches_are_rate_limited():
