@@ -17,13 +17,13 @@ adapter differs from the one laid out, at most once every ``min_steps_between`` 
 alternates adapters keeps the kernel path instead of re-laying weights every step). Off unless the engine is
 started with ``dense_single_lora``.
 
-Cost per projection: the base GEMM over K + S R columns, plus three small kernels (x into the wide buffer, the
-shrink x A^T, its mask by token), against the kernel path's shrink and expand (which reads and writes the whole
-output). Not yet measured on a GPU. Estimate for a decode step at batch 248 (8B shape): the three small kernels
-cost about as much as the two LoRA kernels they replace (~3 us each inside a graph, 128 projections a step), so
-decode should come out about even and prefill ahead (no read and write of the output); the win needs the
-producers of x (the fused RMSNorm for qkv and gate|up, SiLU-and-multiply for down) to write x and y straight into
-the wide buffer, leaving the GEMM alone per projection.
+Cost per projection: the base GEMM over K + S R columns plus the shrink ``x A^T``, written straight into the
+wide input, against the kernel path's shrink and expand (which reads and writes the whole output). The kernels
+that produce x (the fused RMSNorm before qkv and gate|up, SiLU-and-multiply before down) write it into the wide
+input themselves (``LoRAStep.input_buffer``); only o's input (the attention output) is copied in. A step with
+base tokens beside the adapter's also masks their y rows (one more small kernel). Not yet measured on a GPU: by
+estimate one small GEMM per projection (~3 us in a graph, 128 a step) against the kernel path's two kernels and
+the output's read and write.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ class DenseLoRA:
         self._steps_since_switch = min_steps_between
         self.num_layouts = 0
         self.num_dense_steps = 0  # steps that took the dense path
+        self.num_inputs_in_place = 0  # projections whose x its producer wrote into the wide input (no copy)
 
     def want(self, slot: int) -> bool:
         """Whether a step whose only adapter sits in ``slot`` should take the dense path (laying it out if
@@ -106,14 +107,25 @@ class DenseLoRA:
         self._steps_since_switch = 0
         self.num_layouts += 1
 
+    def in_features(self, layer: int, proj: str) -> int:
+        return self.weights[proj][layer].shape[1] - len(PROJ_MODULES[proj]) * self.rank
+
+    def wide_input(self, layer: int, proj: str, like: torch.Tensor) -> torch.Tensor:
+        """An empty [T, K + S R] input of ``proj`` (x in the first K columns, y after)."""
+        return torch.empty(like.shape[0], self.weights[proj][layer].shape[1], dtype=like.dtype, device=like.device)
+
     def linear(self, layer: int, proj: str, x: torch.Tensor, bias: torch.Tensor | None,
-               has_adapter: torch.Tensor | None) -> torch.Tensor:
+               has_adapter: torch.Tensor | None, x_aug: torch.Tensor | None = None) -> torch.Tensor:
         """``x W^T (+ bias)`` plus the laid-out adapter's delta on rows where ``has_adapter`` [T, 1] is 1 (None:
-        on every row, as when the step has no base token; padding rows of a graph do not count)."""
+        on every row, as when the step has no base token; padding rows of a graph do not count). ``x_aug``: a
+        ``wide_input`` whose first K columns already hold x (its producer wrote there), else x is copied in."""
         full = self.weights[proj][layer]
         k = x.shape[1]
-        x_aug = torch.empty(x.shape[0], full.shape[1], dtype=x.dtype, device=x.device)
-        x_aug[:, :k] = x
+        if x_aug is None:
+            x_aug = self.wide_input(layer, proj, x)
+            x_aug[:, :k] = x
+        else:
+            self.num_inputs_in_place += 1
         if has_adapter is None:
             torch.mm(x, self.a[proj][layer].t(), out=x_aug[:, k:])  # y straight into the wide buffer
         else:

@@ -189,11 +189,14 @@ class LlamaLayer(nn.Module):
     def forward(self, hidden, residual, cos, sin, kv_cache, attn, lora, ops: _Ops):
         """``hidden`` [T, H] is the previous layer's MLP output and ``residual`` the stream before it
         (None at the first layer, where ``hidden`` is the embedding); returns (MLP output, residual)."""
+        # with a dense single-adapter step, x is written straight into the wide input of its projection
+        buf = lora.input_buffer(self.idx, "qkv", hidden) if lora is not None else None
         if residual is None:
             residual = hidden
-            x = ops.rms_norm(hidden, self.input_layernorm.weight, self.input_layernorm.eps)
+            x = ops.rms_norm(hidden, self.input_layernorm.weight, self.input_layernorm.eps, out=buf)
         else:
-            x, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
+            x, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps,
+                                           out=buf)
         qkv = _linear(lora, self.idx, "qkv", x, self.qkv_weight, self.qkv_bias)  # [T, q + 2kv]
         num_tokens = hidden.shape[0]
         key_cache, value_cache = kv_cache
@@ -203,9 +206,11 @@ class LlamaLayer(nn.Module):
         o = attn.backend.attention(q, key_cache, value_cache, attn, self.scale).view(num_tokens, self.q_size)
         out = _linear(lora, self.idx, "o", o, self.o_weight, self.o_bias)
         norm = self.post_attention_layernorm
-        x, residual = ops.add_rms_norm(out, residual, norm.weight, norm.eps)
+        buf = lora.input_buffer(self.idx, "gate_up", out) if lora is not None else None
+        x, residual = ops.add_rms_norm(out, residual, norm.weight, norm.eps, out=buf)
         gate_up = _linear(lora, self.idx, "gate_up", x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
-        act = ops.silu_mul(gate_up)
+        buf = lora.input_buffer(self.idx, "down", gate_up) if lora is not None else None
+        act = ops.silu_mul(gate_up, out=buf)
         down = _linear(lora, self.idx, "down", act, self.down_weight, self.down_bias)
         return down, residual
 

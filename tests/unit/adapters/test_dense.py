@@ -98,6 +98,9 @@ def test_engine_dense_path_gives_the_kernel_path_tokens(tiny_model):
     dense = llm.engine.runner.lora_manager.dense
     assert dense is not None and dense.num_layouts == 2  # both adapters went through the dense path
     assert dense.num_dense_steps >= 12
+    # qkv, gate|up and down of every layer had x written into the wide input by its producer (o copies it)
+    layers = len(llm.engine.runner.model.layers)
+    assert dense.num_inputs_in_place == 3 * layers * dense.num_dense_steps
     # and the adapters matter here: the base model's tokens differ
     base = LLM(tiny_model["model_dir"], dtype="float32").generate(prompts[:1], params)
     assert base[0].outputs[0].token_ids != want[0][0][0]
