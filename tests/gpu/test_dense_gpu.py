@@ -31,5 +31,6 @@ def test_dense_single_adapter_steps_match_the_kernel_path(tiny_model):
     compared = sum(_compare(w, g, "bfloat16") for w, g in zip(want, got))
     assert compared >= 0.8 * 2 * 12 * 16  # bf16: a sequence is compared up to its first near tie
     dense = llm.engine.runner.lora_manager.dense
-    assert dense.num_layouts == 2 and dense.num_dense_steps >= 20
+    # the second batch: its prefill and its 15 decode steps, all on one adapter (the first: its prefill only)
+    assert dense.num_layouts == 2 and dense.num_dense_steps >= 16
     assert any(mode == "dense" for _, mode in llm.engine.runner.graphs.used_keys), "no dense graph replayed"
