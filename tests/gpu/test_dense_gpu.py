@@ -23,7 +23,7 @@ def test_dense_single_adapter_steps_match_the_kernel_path(tiny_model):
         llm = LLM(tiny_model["model_dir"], device="cuda", dtype="bfloat16", enable_lora=True, max_loras=4,
                   max_lora_rank=64, max_num_seqs=16, dense_single_lora=dense)
         if dense:
-            llm.engine.runner.get_lora_manager().dense.min_steps_between = 2
+            llm.engine.runner.get_lora_manager().dense.min_steps_between = 0  # switch at once
         return llm, [llm.generate(prompts, params, lora_request=mix) for mix in mixes]
 
     _, want = run(False)
@@ -31,6 +31,7 @@ def test_dense_single_adapter_steps_match_the_kernel_path(tiny_model):
     compared = sum(_compare(w, g, "bfloat16") for w, g in zip(want, got))
     assert compared >= 0.8 * 2 * 12 * 16  # bf16: a sequence is compared up to its first near tie
     dense = llm.engine.runner.lora_manager.dense
-    # the second batch: its prefill and its 15 decode steps, all on one adapter (the first: its prefill only)
+    # the first batch: its prefill (its decode steps have base sequences: kernel mode); the second: its prefill
+    # and its 15 decode steps
     assert dense.num_layouts == 2 and dense.num_dense_steps >= 16
     assert any(mode == "dense" for _, mode in llm.engine.runner.graphs.used_keys), "no dense graph replayed"
