@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from loraplex.adapters.modules import MODULE_INDEX, PROJ_MODULES
+from loraplex.adapters.modules import PROJ_MODULES
 
 WEIGHT_OF = {"qkv": "qkv_weight", "o": "o_weight", "gate_up": "gate_up_weight", "down": "down_weight"}
 
@@ -45,6 +45,7 @@ class DenseLoRA:
     def __init__(self, model, pool, min_steps_between: int = 16) -> None:
         self.pool = pool
         self.rank = pool.max_rank
+        self.pad = lora_pad(self.rank)  # spare columns per proj
         self.min_steps_between = min_steps_between
         layers = list(model.layers)
         self.weights: dict[str, list[torch.Tensor]] = {}  # proj -> per layer [N, K + S R] (the param is [:, :K])
@@ -52,8 +53,7 @@ class DenseLoRA:
             full = []
             for layer in layers:
                 w = getattr(layer, name)
-                k = w.shape[1]
-                pad = len(PROJ_MODULES[proj]) * self.rank
+                k, pad = w.shape[1], self.pad[proj]
                 assert w.stride(0) == k + pad and w.stride(1) == 1, (
                     f"{name} has no spare LoRA columns: build the model with lora_pad=lora_pad({self.rank})")
                 full.append(w.as_strided((w.shape[0], k + pad), (k + pad, 1)))
@@ -89,16 +89,15 @@ class DenseLoRA:
         pool.wait_for_fills([slot])
         rows = torch.arange(r, device=pool.ranks.device)
         for proj, mods in PROJ_MODULES.items():
-            lo = MODULE_INDEX[mods[0]]
-            ranks = pool.ranks[:, lo:lo + len(mods), slot]  # [L, S]
+            lo, hi = pool.module_range[proj]
+            ranks = pool.ranks[:, lo:hi, slot]  # [L, S]
             keep = (rows[None, None, :] < ranks[:, :, None]).to(pool.a[proj].dtype)  # [L, S, R]
             a = pool.a[proj][:, slot] * keep[..., None]  # [L, S, R, K], zeros past each rank
             self.a[proj].copy_(a.flatten(1, 2))
             bt = pool.bt[proj][:, slot] * pool.scaling[slot].to(pool.bt[proj].dtype)  # [L, R, N]
             loc = pool.slice_loc_host[proj]
             for layer, full in enumerate(self.weights[proj]):
-                k = full.shape[1] - len(mods) * r
-                block = full[:, k:]
+                block = full[:, full.shape[1] - self.pad[proj]:]
                 block.zero_()
                 for j in range(len(mods)):
                     n0, n1 = loc[j], loc[j + 1]
@@ -108,7 +107,7 @@ class DenseLoRA:
         self.num_layouts += 1
 
     def in_features(self, layer: int, proj: str) -> int:
-        return self.weights[proj][layer].shape[1] - len(PROJ_MODULES[proj]) * self.rank
+        return self.weights[proj][layer].shape[1] - self.pad[proj]
 
     def wide_input(self, layer: int, proj: str, like: torch.Tensor) -> torch.Tensor:
         """An empty [T, K + S R] input of ``proj`` (x in the first K columns, y after)."""

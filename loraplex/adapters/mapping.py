@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.adapters.modules import MODULE_INDEX, PROJ_MODULES
+from loraplex.adapters.modules import PROJ_MODULES
 from loraplex.adapters.slot_pool import SlotPool
 
 
@@ -82,7 +82,6 @@ class LoRAStep:
                 chunks = self._meta.max_chunks
                 slots = torch.nn.functional.pad(self._meta.chunk_slots.clamp(min=0), (0, -chunks % 4))
                 self._chunk_ranks = pool.ranks.index_select(2, slots)[:, :, :chunks]
-            self._module_range = {p: (MODULE_INDEX[m[0]], MODULE_INDEX[m[0]] + len(m)) for p, m in PROJ_MODULES.items()}
             self._counters = None
             if any(c.fused and c.fused_split_k > 1 for c in self._configs.values()):
                 # tickets of the fused decode kernel's last-arriver expand; every launch leaves them at 0
@@ -127,7 +126,7 @@ class LoRAStep:
         if self.use_triton:
             chunk_ranks = None
             if self._chunk_ranks is not None:
-                lo, hi = self._module_range[proj]
+                lo, hi = self.pool.module_range[proj]
                 chunk_ranks = self._chunk_ranks[layer_idx, lo:hi]
             return self._lora_apply(x, out, a, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj],
                                     self._widths[proj], self._meta, self._configs[proj], self._scratch,

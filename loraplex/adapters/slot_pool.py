@@ -60,7 +60,7 @@ class SlotPool:
                 loc.append(loc[-1] + w)
             self.slice_loc_host[p] = loc
             self.slice_loc[p] = torch.tensor(loc, dtype=torch.int32, device=self.device)
-        self._proj_module_range = {p: (MODULE_INDEX[m[0]], MODULE_INDEX[m[0]] + len(m))
+        self.module_range = {p: (MODULE_INDEX[m[0]], MODULE_INDEX[m[0]] + len(m))
                                    for p, m in PROJ_MODULES.items()}
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None  # host->device transfers only
@@ -86,29 +86,27 @@ class SlotPool:
             self._write(slot, adapter.rank, _sources(adapter))
             return
         scatter = self._scatter_stream
+        staged = None
         if isinstance(adapter, PackedAdapter):
-            nbytes = adapter.buffer.numel()
-            self._bound_staging(nbytes)
+            self._bound_staging(adapter.buffer.numel())
             with torch.cuda.stream(self._copy_stream):
                 # the PCIe transfer: needs nothing queued before it, so it starts now
                 staged = adapter.buffer.to(self.device, non_blocking=True)
                 transferred = torch.cuda.Event()
                 transferred.record(self._copy_stream)
             scatter.wait_event(transferred)
-            scatter.wait_stream(torch.cuda.current_stream(self.device))  # readers of the previous occupant
-            with torch.cuda.stream(scatter):
-                self._write(slot, adapter.rank, adapter.device_views(staged))
-                event = torch.cuda.Event()
-                event.record(scatter)
-            staged.record_stream(scatter)  # the allocator keeps it until the copies out of it have run
-            self._staged.append((event, nbytes))
-            self._staged_bytes += nbytes
+            sources = adapter.device_views(staged)
         else:
-            scatter.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(scatter):
-                self._write(slot, adapter.rank, _sources(adapter))
-                event = torch.cuda.Event()
-                event.record(scatter)
+            sources = _sources(adapter)
+        scatter.wait_stream(torch.cuda.current_stream(self.device))  # readers of the previous occupant
+        with torch.cuda.stream(scatter):
+            self._write(slot, adapter.rank, sources)
+            event = torch.cuda.Event()
+            event.record(scatter)
+        if staged is not None:
+            staged.record_stream(scatter)  # the allocator keeps it until the copies out of it have run
+            self._staged.append((event, staged.numel()))
+            self._staged_bytes += staged.numel()
         self._pending_fills[slot] = (event, adapter)
 
     def _bound_staging(self, nbytes: int) -> None:
@@ -158,7 +156,7 @@ class SlotPool:
 
     def layer_view(self, proj: str, layer: int):
         """(a [max_loras, S, R, K], bt [max_loras, R, N_total], ranks [S, max_loras]) of one layer."""
-        lo, hi = self._proj_module_range[proj]
+        lo, hi = self.module_range[proj]
         return self.a[proj][layer], self.bt[proj][layer], self.ranks[layer, lo:hi]
 
 

@@ -160,7 +160,6 @@ def add_upload_time(row: dict, adapter_bytes: int, h2d_bandwidth: float) -> None
         return
     row["diagnostics"]["adapter_upload_bytes"] = loads * adapter_bytes
     row["diagnostics"]["adapter_upload_s"] = loads * adapter_bytes / h2d_bandwidth
-    row["diagnostics"]["h2d_bandwidth_Bps"] = h2d_bandwidth
 
 
 def offline_sections(result: dict) -> list[tuple[str, str]]:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from loraplex.adapters.dense import DenseLoRA, lora_pad
+from loraplex.adapters.dense import WEIGHT_OF, DenseLoRA, lora_pad
 from loraplex.adapters.mapping import LoRAStep
 from loraplex.adapters.modules import MODULE_INDEX, PROJ_MODULES, BaseShapes
 from loraplex.adapters.slot_pool import SlotPool
@@ -46,10 +46,9 @@ def test_dense_linear_equals_base_gemm_plus_delta(slot, has_base):
     reference = LoRAStep(pool, tokens, 1, use_triton=False)
     assert dense.want(slot) and dense.num_layouts == 1
     step = LoRAStep(pool, tokens, 1, use_triton=False, dense=dense, has_base=has_base)
-    names = {"qkv": "qkv_weight", "o": "o_weight", "gate_up": "gate_up_weight", "down": "down_weight"}
     for layer_idx, layer in enumerate(model.layers):
         for proj in PROJ_MODULES:
-            weight = getattr(layer, names[proj])
+            weight = getattr(layer, WEIGHT_OF[proj])
             x = torch.randn(len(tokens), weight.shape[1], generator=gen)
             want = reference.add(layer_idx, proj, x, F.linear(x, weight))
             got = step.linear(layer_idx, proj, x, weight)
