@@ -67,7 +67,7 @@ class LoRAManager:
         self.device = torch.device(device)
         self.dtype = dtype
         self.pool = SlotPool(self.shapes, max_loras, max_lora_rank, self.device, dtype)
-        self.dense = None  # DenseLoRA (attach_dense): single-adapter steps as one GEMM per projection
+        self.merged = None  # MergedLoRA (attach_merged): single-adapter stretches on merged weights
         self.host_cache: HostLRUCache[HostAdapter] = HostLRUCache(max(max_cpu_loras or max_loras, max_loras))
         self._validated: ValidatedFiles[HostAdapter] = ValidatedFiles()
         self.loader = BackgroundLoader(self._load_files, num_load_workers or min(4, os.cpu_count() or 1))
@@ -313,31 +313,30 @@ class LoRAManager:
         keep = wanted | {a for a in self._slot_of if self._pins.get(a)}
         return len(keep) <= self.max_loras
 
-    def prepare_step(self, token_adapter_ids: torch.Tensor, adapter_ids=None, has_base: bool = True) -> LoRAStep:
+    def prepare_step(self, token_adapter_ids: torch.Tensor, adapter_ids=None,
+                     slot_of: dict[int, int] | None = None) -> LoRAStep:
         """Give every adapter of the step a slot and build the step's mapping.
 
         ``adapter_ids`` (optional) lists the step's distinct adapter ids as known on the host; without it
-        they are read from the tensor (one device->host sync). ``has_base``: whether any token uses no adapter
-        (known on the host; False lets a dense single-adapter step skip its mask).
+        they are read from the tensor (one device->host sync). ``slot_of``: the slots ``assign_slots`` already
+        gave them this step (skips assigning again).
         """
-        if adapter_ids is None:
-            adapter_ids = torch.unique(token_adapter_ids).tolist()
-        slot_of = self.assign_slots(adapter_ids)
+        if slot_of is None:
+            if adapter_ids is None:
+                adapter_ids = torch.unique(token_adapter_ids).tolist()
+            slot_of = self.assign_slots(adapter_ids)
         token_slots = token_slots_from_ids(token_adapter_ids, slot_of)
-        dense = self.dense_for(slot_of)
-        return LoRAStep(self.pool, token_slots, len(slot_of), self.use_triton, dense=dense, has_base=has_base)
+        return LoRAStep(self.pool, token_slots, len(slot_of), self.use_triton)
 
-    def dense_for(self, slot_of: dict[int, int]):
-        """The DenseLoRA when this step (adapter id -> slot, slots assigned) takes the one-GEMM path: one adapter,
-        the path enabled (``attach_dense``), and the adapter laid out or allowed to be now; else None."""
-        if self.dense is None or len(slot_of) != 1:
-            return None
-        (slot,) = slot_of.values()
-        return self.dense if self.dense.want(slot) else None
+    def attach_merged(self, merged) -> None:
+        """Single-adapter stretches on merged weights (``loraplex.adapters.merged.MergedLoRA``)."""
+        self.merged = merged
 
-    def attach_dense(self, dense) -> None:
-        """Single-adapter steps through ``loraplex.adapters.dense.DenseLoRA`` (the model has spare columns)."""
-        self.dense = dense
+    def merged_step(self, slot_of: dict[int, int] | None, has_base: bool, num_tokens: int) -> bool:
+        """Whether this step (its adapters' slots, assigned; whether any token has no adapter; its tokens) runs on
+        merged weights as the base model; merges or restores the weights first as needed. False without the
+        option."""
+        return self.merged is not None and self.merged.step(slot_of, has_base, num_tokens)
 
     def assign_slots(self, adapter_ids) -> dict[int, int]:
         """Give every adapter of a step (ids, 0 = base, ignored) a GPU slot; returns adapter id -> slot.

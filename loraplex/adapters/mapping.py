@@ -32,25 +32,17 @@ def token_slots_from_ids(token_adapter_ids: torch.Tensor, slot_of: dict[int, int
 class LoRAStep:
     """One step's token->slot mapping and device metadata, shared by every layer and projection."""
 
-    def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool,
-                 dense=None, has_base: bool = True) -> None:
+    def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool) -> None:
         self.pool = pool
         self.token_slots = token_slots  # [T] int32
         self.num_active = num_active  # distinct adapters in the step (host-known)
         self.use_triton = use_triton
-        # a DenseLoRA with this step's single adapter laid out: every projection is one GEMM (no kernels)
-        self.dense = dense if num_active == 1 else None
-        self._has_adapter = None
-        self._wide: dict[str, torch.Tensor] = {}  # proj -> the wide input handed out by input_buffer
         self._meta = None
         self._scratch = None
         self._counters = None
         self._configs: dict[str, object] = {}
         self._chunk_ranks = None
-        if self.dense is not None:
-            if has_base:  # base tokens beside the adapter's: their shrink rows are masked to 0
-                self._has_adapter = (token_slots >= 0).to(pool.a["qkv"].dtype)[:, None]
-        elif use_triton and num_active:
+        if use_triton and num_active:
             from loraplex.kernels import lora_ops
             from loraplex.kernels.lora_expand import slice_col_align
             from loraplex.kernels.lora_meta import build_lora_meta
@@ -91,27 +83,9 @@ class LoRAStep:
     def has_adapters(self) -> bool:
         return self.num_active > 0
 
-    def input_buffer(self, layer_idx: int, proj: str, like: torch.Tensor) -> torch.Tensor | None:
-        """On the dense path, the [T, K] columns of a fresh wide input of ``proj`` for the kernel that produces x
-        to write into (``linear`` then skips copying x); None otherwise. ``like``: any [T, ...] tensor of the
-        step (rows, dtype, device)."""
-        if self.dense is None:
-            return None
-        wide = self.dense.wide_input(layer_idx, proj, like)
-        self._wide[proj] = wide
-        return wide[:, :self.dense.in_features(layer_idx, proj)]
-
     def linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` plus every token's adapter delta for ``proj``: one GEMM on the dense
-        path, else the base GEMM and ``add``."""
-        if self.dense is not None:
-            wide = self._wide.pop(proj, None)
-            if wide is not None and (x.data_ptr() != wide.data_ptr() or x.stride() != wide[:, :x.shape[1]].stride()):
-                wide = None  # x was not written into it
-            if x.stride(-1) != 1:
-                x = x.contiguous()
-            return self.dense.linear(layer_idx, proj, x, bias, self._has_adapter, wide)
+        """``F.linear(x, weight, bias)`` plus every token's adapter delta for ``proj`` (the base GEMM, then ``add``)."""
         return self.add(layer_idx, proj, x, torch.nn.functional.linear(x, weight, bias))
 
     def add(self, layer_idx: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -114,9 +114,9 @@ def add_offline_args(p) -> None:
     p.add_argument("--peer-adapters", type=int, default=8)
     p.add_argument("--peer-output-len", type=int, default=None, help="default: --output-len")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dense-single-lora", action="store_true",
-                   help="engine option dense_single_lora: single-adapter steps (identical popularity, and steps of "
-                        "one adapter in others) as one GEMM per projection, the adapter's B in spare weight columns")
+    p.add_argument("--merge-single-lora", action="store_true",
+                   help="engine option merge_single_lora: while every step has one adapter and no base token "
+                        "(identical popularity), that adapter is folded into the base weights")
 
 
 def _device(args):

@@ -32,9 +32,9 @@ class EngineConfig:
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None  # host cache size; default managed by the LoRA manager
     lora_load_workers: int | None = None  # background adapter read threads; None: min(4, CPUs)
-    # single-adapter steps as one GEMM per projection (the adapter's B in spare weight columns, adapters/dense.py);
-    # costs S * max_lora_rank extra columns per base weight (about 1% at rank 16)
-    dense_single_lora: bool = False
+    # while every token of every step uses one adapter, fold it into the base weights and run the base model
+    # (adapters/merged.py); keeps a pristine copy of the projection weights on the device (about the model's size)
+    merge_single_lora: bool = False
     model_id: str | None = None  # served name; default the model directory's name
 
     def __post_init__(self) -> None:
@@ -42,6 +42,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.merge_single_lora and not self.enable_lora:
+            raise ValueError("merge_single_lora needs enable_lora")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

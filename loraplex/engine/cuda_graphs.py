@@ -31,7 +31,6 @@ from loraplex.engine.step_inputs import StepBatch
 log = logging.getLogger(__name__)
 
 BASE_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-DENSE = "dense"  # graph mode of single-adapter steps on the dense path (adapters/dense.py)
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -93,10 +92,7 @@ class DecodeGraphRunner:
         before the replay: the host may refill those buffers as soon as these copies have run, not the step."""
         assert batch.is_decode and batch.num_rows in self.buckets, "only padded pure-decode batches replay"
         bucket, num_seqs = batch.num_rows, batch.num_seqs
-        mode = bool(slot_of)
-        if slot_of and 0 not in batch.lora_ids and lora_manager.dense_for(slot_of) is not None:
-            mode = DENSE  # every sequence on one adapter, laid out in the base weights' spare columns
-        key = (bucket, mode)
+        key = (bucket, bool(slot_of))
         if key not in self._graphs:
             self._capture(key, lora_manager)
         self._load_inputs(batch, slot_of if key[1] else None)
@@ -135,13 +131,7 @@ class DecodeGraphRunner:
             query_start_loc=self.query_start_loc[:bucket + 1], seq_lens=self.seq_lens[:bucket],
             max_query_len=1, max_seq_len=None)  # None: split count from shapes, right for any context
         lora = None
-        if with_lora == DENSE:
-            from loraplex.adapters.mapping import LoRAStep
-
-            # no token mask: every real row has the adapter (padding rows' outputs are never read)
-            lora = LoRAStep(lora_manager.pool, self.token_slots[:bucket], 1, lora_manager.use_triton,
-                            dense=lora_manager.dense, has_base=False)
-        elif with_lora:
+        if with_lora:
             from loraplex.adapters.mapping import LoRAStep
 
             # built here so that, under capture, the kernel metadata is derived from the static slots
@@ -155,9 +145,7 @@ class DecodeGraphRunner:
         the smaller graphs reuse the largest one's memory. No-op without ``capture``."""
         if not self.capture_graphs:
             return
-        modes = (False,)
-        if lora_manager is not None:
-            modes = (False, True, DENSE) if lora_manager.dense is not None else (False, True)
+        modes = (False, True) if lora_manager is not None else (False,)
         for bucket in reversed(self.buckets):
             for with_lora in modes:
                 if (bucket, with_lora) not in self._graphs:

@@ -47,12 +47,7 @@ class ModelRunner:
         self.hf_config = json.loads((Path(config.model) / "config.json").read_text())
         self.model_config = LlamaConfig.from_hf(self.hf_config)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
-        pad = None
-        if config.enable_lora and config.dense_single_lora:
-            from loraplex.adapters.dense import lora_pad
-
-            pad = lora_pad(config.max_lora_rank)
-        self.model = LlamaForCausalLM(self.model_config, self.device, self.dtype, lora_pad=pad)
+        self.model = LlamaForCausalLM(self.model_config, self.device, self.dtype)
         load_weights(self.model, config.model)
         self.backend = get_attention_backend(self.device)
         self.sampler = Sampler(self.device, config.seed)
@@ -190,10 +185,10 @@ class ModelRunner:
                 self.hf_config, max_loras=self.config.max_loras, max_lora_rank=self.config.max_lora_rank,
                 max_cpu_loras=self.config.max_cpu_loras, device=self.device, dtype=self.dtype,
                 num_load_workers=self.config.lora_load_workers)
-            if self.config.dense_single_lora:
-                from loraplex.adapters.dense import DenseLoRA
+            if self.config.merge_single_lora:
+                from loraplex.adapters.merged import MergedLoRA
 
-                self.lora_manager.attach_dense(DenseLoRA(self.model, self.lora_manager.pool))
+                self.lora_manager.attach_merged(MergedLoRA(self.model, self.lora_manager.pool))
         return self.lora_manager
 
     # ---- one step ------------------------------------------------------------------------------
@@ -219,6 +214,8 @@ class ModelRunner:
         fixup, inflight = self._placeholder_fixup(out, batch, prev)
         if batch.graph_bucket is not None:
             slot_of = self.get_lora_manager().assign_slots(out.lora_ids) if out.lora_ids else None
+            if self._merged_step(slot_of, batch):
+                slot_of = None  # one adapter folded into the weights: the base graph
             # the next step's prepare() waits for these input copies only, not for this step's replay: an
             # event after the replay made the host wait for the whole step before building the next one,
             # so the GPU idled while the host prepared and launched it
@@ -226,6 +223,13 @@ class ModelRunner:
         else:
             hidden = self._run_eager(out, batch, fixup)
         return self.step_sampler.launch(out, batch, hidden, inflight)
+
+    def _merged_step(self, slot_of: dict[int, int] | None, batch: StepBatch) -> bool:
+        """Whether the step runs on merged weights (``merge_single_lora``); restores them first when it cannot."""
+        if self.lora_manager is None:
+            return False
+        has_base = batch.lora_ids is None or 0 in batch.lora_ids
+        return self.lora_manager.merged_step(slot_of, has_base, batch.num_tokens)
 
     def _placeholder_fixup(self, out: SchedulerOutput, batch: StepBatch, prev: PendingSample | None):
         """(None, None), or a function that writes the previous step's device tokens into this step's input
@@ -271,8 +275,11 @@ class ModelRunner:
         lora = None
         if out.lora_ids:
             # the step's adapter set is known on the host: no device sync to find it
-            lora = self.get_lora_manager().prepare_step(batch.token_lora_ids().to(dev, non_blocking=nb),
-                                                        adapter_ids=sorted(out.lora_ids),
-                                                        has_base=0 in batch.lora_ids)
+            manager = self.get_lora_manager()
+            slot_of = manager.assign_slots(sorted(out.lora_ids))
+            if not self._merged_step(slot_of, batch):
+                lora = manager.prepare_step(batch.token_lora_ids().to(dev, non_blocking=nb), slot_of=slot_of)
+        else:
+            self._merged_step(None, batch)
         self.inputs.mark_copied()  # after the last copy out of the builder's buffers
         return self.model(input_ids, positions, self.kv_caches, attn, lora)

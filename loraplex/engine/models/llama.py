@@ -150,15 +150,6 @@ def _param(*shape, device, dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
 
 
-def _weight(rows: int, cols: int, pad: int, device, dtype) -> nn.Parameter:
-    """A [rows, cols] weight; with ``pad`` it is the [:, :cols] view of a zeroed [rows, cols + pad] tensor whose
-    spare columns hold a LoRA adapter's B (``loraplex.adapters.dense``)."""
-    if not pad:
-        return _param(rows, cols, device=device, dtype=dtype)
-    full = torch.zeros(rows, cols + pad, device=device, dtype=dtype)
-    return nn.Parameter(full[:, :cols], requires_grad=False)
-
-
 def _linear(lora, layer: int, proj: str, x, weight, bias):
     """The base projection plus, with ``lora``, every token's adapter delta (``LoRAStep.linear``)."""
     if lora is None:
@@ -167,36 +158,32 @@ def _linear(lora, layer: int, proj: str, x, weight, bias):
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, idx: int, device, dtype, lora_pad: dict[str, int] | None = None):
+    def __init__(self, cfg: LlamaConfig, idx: int, device, dtype):
         super().__init__()
-        pad = lora_pad or {}
         self.idx = idx
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, device, dtype)
-        self.qkv_weight = _weight(self.q_size + 2 * self.kv_size, h, pad.get("qkv", 0), device, dtype)
+        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, h, device=device, dtype=dtype)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, device=device, dtype=dtype) if cfg.qkv_bias else None
-        self.o_weight = _weight(h, self.q_size, pad.get("o", 0), device, dtype)
+        self.o_weight = _param(h, self.q_size, device=device, dtype=dtype)
         self.o_bias = _param(h, device=device, dtype=dtype) if cfg.o_bias else None
-        self.gate_up_weight = _weight(2 * cfg.intermediate_size, h, pad.get("gate_up", 0), device, dtype)
+        self.gate_up_weight = _param(2 * cfg.intermediate_size, h, device=device, dtype=dtype)
         self.gate_up_bias = _param(2 * cfg.intermediate_size, device=device, dtype=dtype) if cfg.mlp_bias else None
-        self.down_weight = _weight(h, cfg.intermediate_size, pad.get("down", 0), device, dtype)
+        self.down_weight = _param(h, cfg.intermediate_size, device=device, dtype=dtype)
         self.down_bias = _param(h, device=device, dtype=dtype) if cfg.mlp_bias else None
         self.scale = d ** -0.5
 
     def forward(self, hidden, residual, cos, sin, kv_cache, attn, lora, ops: _Ops):
         """``hidden`` [T, H] is the previous layer's MLP output and ``residual`` the stream before it
         (None at the first layer, where ``hidden`` is the embedding); returns (MLP output, residual)."""
-        # with a dense single-adapter step, x is written straight into the wide input of its projection
-        buf = lora.input_buffer(self.idx, "qkv", hidden) if lora is not None else None
         if residual is None:
             residual = hidden
-            x = ops.rms_norm(hidden, self.input_layernorm.weight, self.input_layernorm.eps, out=buf)
+            x = ops.rms_norm(hidden, self.input_layernorm.weight, self.input_layernorm.eps)
         else:
-            x, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps,
-                                           out=buf)
+            x, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
         qkv = _linear(lora, self.idx, "qkv", x, self.qkv_weight, self.qkv_bias)  # [T, q + 2kv]
         num_tokens = hidden.shape[0]
         key_cache, value_cache = kv_cache
@@ -206,22 +193,19 @@ class LlamaLayer(nn.Module):
         o = attn.backend.attention(q, key_cache, value_cache, attn, self.scale).view(num_tokens, self.q_size)
         out = _linear(lora, self.idx, "o", o, self.o_weight, self.o_bias)
         norm = self.post_attention_layernorm
-        buf = lora.input_buffer(self.idx, "gate_up", out) if lora is not None else None
-        x, residual = ops.add_rms_norm(out, residual, norm.weight, norm.eps, out=buf)
+        x, residual = ops.add_rms_norm(out, residual, norm.weight, norm.eps)
         gate_up = _linear(lora, self.idx, "gate_up", x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
-        buf = lora.input_buffer(self.idx, "down", gate_up) if lora is not None else None
-        act = ops.silu_mul(gate_up, out=buf)
+        act = ops.silu_mul(gate_up)
         down = _linear(lora, self.idx, "down", act, self.down_weight, self.down_bias)
         return down, residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, device, dtype, fused_ops: bool | None = None,
-                 lora_pad: dict[str, int] | None = None):
+    def __init__(self, cfg: LlamaConfig, device, dtype, fused_ops: bool | None = None):
         super().__init__()
         self.config = cfg
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaLayer(cfg, i, device, dtype, lora_pad) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaLayer(cfg, i, device, dtype) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, device=device,
                                                                    dtype=dtype)

@@ -46,10 +46,10 @@ def test_padded_decode_path_matches_eager_with_adapters(tiny_model):
 
 
 
-def test_padded_decode_path_with_the_dense_single_adapter_mode(tiny_model):
-    """Decode steps whose sequences all use one adapter take the graph path's dense mode (no token mask: padding
-    rows' outputs are never read) and give the eager kernel path's tokens; a step with base sequences beside
-    the adapter's takes the kernel mode."""
+def test_padded_decode_path_on_merged_weights(tiny_model):
+    """Decode steps whose sequences all use one adapter run the base graph on merged weights (merge_single_lora)
+    and give the eager kernel path's tokens; a step with base sequences beside the adapter's restores the
+    weights and takes the adapters' graph."""
     lora = LoRARequest("a0", 1, adapter_dir(tiny_model, 0))
     prompts = [{"prompt_token_ids": [1] + [9 + 11 * i + j for j in range(4 + 5 * i)]} for i in range(5)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
@@ -57,16 +57,22 @@ def test_padded_decode_path_with_the_dense_single_adapter_mode(tiny_model):
     eager = _llm(tiny_model, padded=False)
     want = [eager.generate(prompts, params, lora_request=m) for m in mixes]
     llm = LLM(tiny_model["model_dir"], dtype="float32", enable_lora=True, max_loras=4, max_num_seqs=32,
-              dense_single_lora=True)
+              merge_single_lora=True)
     runner = llm.engine.runner
     runner.graphs = runner.make_graph_runner(capture=False)
-    runner.get_lora_manager().dense.min_steps_between = 0
-    got = [llm.generate(prompts, params, lora_request=m) for m in mixes]
+    merged = runner.get_lora_manager().merged
+    merged.min_steps = merged.threshold = 1
+    got = []
+    for m in mixes:
+        runner.graphs.used_keys.clear()
+        got.append(llm.generate(prompts, params, lora_request=m))
+        got_keys = {mode for _, mode in runner.graphs.used_keys}
+        # all on the adapter: the base graph only (merged); mixed: the adapters' graph (kernels)
+        assert got_keys == ({False} if m == mixes[0] else {True}), got_keys
     for w_run, g_run in zip(want, got):
         for w, g in zip(w_run, g_run):
             assert g.outputs[0].token_ids == w.outputs[0].token_ids
             for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
                 (t, v), = lw.items()
                 assert lg[t].logprob == pytest.approx(v.logprob, abs=1e-4)
-    modes = {mode for _, mode in runner.graphs.used_keys}
-    assert "dense" in modes and True in modes  # the all-adapter steps dense, the mixed ones on the kernels
+    assert merged.num_merged_steps >= 6 and merged.merged is None

@@ -100,7 +100,7 @@ def test_silu_mul_matches_twin(dtype, inter):
 
 
 def test_outputs_into_the_columns_of_a_wider_buffer():
-    """``out=``: the first columns of a wider buffer (the dense LoRA path's wide input) get exactly the normal
+    """``out=``: the first columns of a wider buffer (a caller-provided output, strided rows) get exactly the normal
     output, through the kernels and their twins; the buffer's other columns are left alone."""
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(5, 40, generator=gen)
