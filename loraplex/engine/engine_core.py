@@ -397,4 +397,7 @@ class LLMEngine:
                 "lora_load_queue_depth": manager.num_pending_loads,
                 "lora_loading_adapters": manager.num_loading_adapters,
             })
+            merged = manager.merged  # merge_single_lora: one adapter folded into the weights
+            counters.update({"lora_merges": merged.num_merges if merged else 0,
+                             "lora_merged_steps": merged.num_merged_steps if merged else 0})
         return counters

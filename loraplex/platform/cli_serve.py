@@ -37,6 +37,10 @@ def register(subparsers) -> None:
                    f"default {DEFAULTS.max_lora_rank:g})")
     p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory (env LORAPLEX_MAX_CPU_LORAS, "
                    f"default {DEFAULTS.max_cpu_loras:g})")
+    p.add_argument("--merge-single-lora", action=argparse.BooleanOptionalAction, default=None,
+                   help="while every running request uses one adapter, fold it into the weights and run the base "
+                        "model (env LORAPLEX_MERGE_SINGLE_LORA, default off; keeps a copy of the projection "
+                        "weights on the GPU)")
     p.add_argument("--device", help="auto | cpu | cuda (env LORAPLEX_DEVICE, default auto)")
     p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16 (env LORAPLEX_DTYPE, default auto)")
     p.add_argument("--max-model-len", type=int, help="context length (env LORAPLEX_MAX_MODEL_LEN, default: the "
@@ -57,7 +61,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(
         args, model=args.model, host=args.host, port=args.port, enable_lora=args.enable_lora,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-        device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        merge_single_lora=args.merge_single_lora, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=args.num_kv_blocks, drain_timeout_s=args.drain_timeout_s,
     )
 

@@ -34,7 +34,13 @@ def test_merged_single_adapter_steps_match_the_kernel_path(tiny_model):
             outs.append(llm.generate(prompts, params, lora_request=mix))
             if merge:
                 keys = {mode for _, mode in llm.engine.runner.graphs.used_keys}
-                assert keys == ({True} if mix is mixes[1] else {False}), keys  # merged: the base graphs
+                if mix is mixes[1]:
+                    # base sequences beside the adapter's: the adapters' graphs. The adapter's first use is read
+                    # in the background, so its sequences may start (and end) a few steps after the base ones:
+                    # those last steps have the adapter alone and may run merged
+                    assert True in keys, keys
+                else:
+                    assert keys == {False}, keys  # merged: the base graphs only
         return llm, outs
 
     _, want = run(False)
@@ -42,7 +48,7 @@ def test_merged_single_adapter_steps_match_the_kernel_path(tiny_model):
     compared = sum(_compare(w, g, "bfloat16") for w, g in zip(want, got))
     assert compared >= 0.8 * 3 * 12 * 16  # bf16: a sequence is compared up to its first near tie
     merged = llm.engine.runner.lora_manager.merged
-    assert merged.num_merges == 2 and merged.num_merged_steps >= 2 * 14
+    assert merged.num_merges >= 2 and merged.num_merged_steps >= 2 * 14
     llm.generate(prompts[:2], params)  # base sequences: the pristine weights back
     assert merged.merged is None
     model = llm.engine.runner.model

@@ -27,3 +27,16 @@ def test_a_misspelt_variable_is_reported_with_the_setting_it_resembles(tmp_path,
     monkeypatch.setenv("LORAPLEX_MAX_LORA", "4")
     main(["admin", "tenant", "list", "--data-dir", str(tmp_path / "none")])
     assert "ignoring LORAPLEX_MAX_LORA (did you mean LORAPLEX_MAX_LORAS?)" in caplog.text
+
+
+def test_merge_single_lora_reaches_the_engine_config_only_with_adapters_on(tmp_path):
+    from pathlib import Path
+
+    from loraplex.platform.engine_boot import engine_config
+
+    on = Settings.from_env({"LORAPLEX_MERGE_SINGLE_LORA": "true", "LORAPLEX_DEVICE": "cpu"})
+    assert engine_config(on, Path(tmp_path), "m").merge_single_lora is True
+    off = Settings.from_env({"LORAPLEX_MERGE_SINGLE_LORA": "true", "LORAPLEX_ENABLE_LORA": "false",
+                             "LORAPLEX_DEVICE": "cpu"})
+    assert engine_config(off, Path(tmp_path), "m").merge_single_lora is False
+    assert engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu"}), Path(tmp_path), "m").merge_single_lora is False
