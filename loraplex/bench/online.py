@@ -96,6 +96,20 @@ def poisson_offsets(n: int, rate: float, rng: random.Random) -> list[float]:
     return out
 
 
+def note_chunk(record: RequestRecord, chunk: dict, now: float) -> None:
+    """Account one streamed completion chunk. A chunk carries tokens when its choices list some in ``logprobs``
+    (the bench asks for ``logprobs: 0``) or have text: a token whose text is held back (part of a UTF-8
+    character, frequent with random weights) still arrives in a chunk with empty text and its logprob, so
+    TTFT and ITL time the tokens themselves, not the first visible text."""
+    if chunk.get("usage"):
+        record.output_tokens = chunk["usage"].get("completion_tokens", record.output_tokens)
+        record.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
+    if any(c.get("text") or ((c.get("logprobs") or {}).get("tokens")) for c in chunk.get("choices") or []):
+        if record.first_token is None:
+            record.first_token = now
+        record.chunk_times.append(now)
+
+
 async def _one(client, url: str, headers: dict, body: dict, record: RequestRecord) -> None:
     try:
         async with client.stream("POST", url, headers=headers, json=body) as resp:
@@ -108,15 +122,7 @@ async def _one(client, url: str, headers: dict, body: dict, record: RequestRecor
                 data = line[5:].strip()
                 if data == "[DONE]":
                     break
-                chunk = json.loads(data)
-                now = time.perf_counter()
-                if chunk.get("usage"):
-                    record.output_tokens = chunk["usage"].get("completion_tokens", record.output_tokens)
-                    record.prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
-                if any(c.get("text") for c in chunk.get("choices") or []):
-                    if record.first_token is None:
-                        record.first_token = now
-                    record.chunk_times.append(now)
+                note_chunk(record, json.loads(data), time.perf_counter())
         record.end = time.perf_counter()
         if not record.output_tokens:
             record.output_tokens = len(record.chunk_times)
@@ -144,7 +150,8 @@ async def run_online(
             delay = start + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0.0,
+            # logprobs 0: every token's chunk is sent, also when its text is held back (note_chunk)
+            body = {"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0.0, "logprobs": 0,
                     "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
             record = RequestRecord(start=time.perf_counter())
             records.append(record)

@@ -18,6 +18,7 @@ def test_online_bench_launches_a_server_and_streams_every_request(tmp_path):
     assert data["launched"] and len(data["adapters"]) == 2 and data["rate"] == 50.0
     assert summary["completed"] == 6 and summary["failed"] == 0
     assert summary["output_tokens"] == 6 * 4  # ignore_eos honoured through the API
+    assert summary["ttft_s"]["count"] == 6  # every request's first token timed, visible text or not
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         assert summary[key]["count"] > 0 and summary[key]["p50"] > 0
     assert summary["e2e_s"]["p99"] >= summary["ttft_s"]["p99"]

@@ -49,3 +49,16 @@ def test_poisson_offsets_have_the_requested_rate():
     assert offsets[0] == 0.0 and offsets == sorted(offsets)
     assert 4000 / offsets[-1] == pytest.approx(8.0, rel=0.08)
     assert poisson_offsets(3, float("inf"), random.Random(0)) == [0.0, 0.0, 0.0]
+
+
+def test_a_token_with_held_back_text_counts_as_arrived():
+    from loraplex.bench.online import note_chunk
+
+    r = RequestRecord(start=0.0)
+    note_chunk(r, {"choices": [{"index": 0, "text": "", "logprobs": {"tokens": ["\ufffd"], "token_logprobs": [-1.0]}}]},
+               0.25)
+    note_chunk(r, {"choices": [{"index": 0, "text": "", "logprobs": None}]}, 0.3)  # nothing arrived
+    note_chunk(r, {"choices": [{"index": 0, "text": "hé", "logprobs": {"tokens": ["h\u00e9"]}}]}, 0.4)
+    note_chunk(r, {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 5}}, 0.5)
+    assert r.ttft == 0.25 and r.chunk_times == [0.25, 0.4]
+    assert (r.output_tokens, r.prompt_tokens) == (2, 5)
