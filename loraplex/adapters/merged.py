@@ -39,6 +39,14 @@ from loraplex.adapters.modules import PROJ_MODULES
 WEIGHT_OF = {"qkv": "qkv_weight", "o": "o_weight", "gate_up": "gate_up_weight", "down": "down_weight"}
 
 
+def check_room(need: int, free: int, headroom: int = 1 << 30) -> None:
+    """The pristine copy must fit with ``headroom`` to spare (before the KV cache is sized from what is left)."""
+    if need + headroom > free:
+        raise ValueError(f"merge_single_lora keeps a copy of the projection weights on the GPU: {need / 2**30:.1f} GiB "
+                         f"(+{headroom / 2**30:.0f} GiB headroom) needed, {free / 2**30:.1f} GiB free; start without "
+                         "merge_single_lora or on a larger GPU")
+
+
 class MergedLoRA:
     def __init__(self, model, pool, min_steps: int = 8, max_steps: int = 1024, tokens_per_step: int = 512) -> None:
         if min_steps < 1 or max_steps < min_steps:
@@ -49,6 +57,10 @@ class MergedLoRA:
         self.threshold = min_steps
         layers = list(model.layers)
         self.weights = {proj: [getattr(layer, name) for layer in layers] for proj, name in WEIGHT_OF.items()}
+        need = sum(w.numel() * w.element_size() for ws in self.weights.values() for w in ws)
+        device = self.weights["qkv"][0].device
+        if device.type == "cuda":
+            check_room(need, torch.cuda.mem_get_info(device)[0])
         with torch.no_grad():
             self.pristine = {proj: [w.detach().clone() for w in ws] for proj, ws in self.weights.items()}
         self.merged: tuple[int, int] | None = None  # (slot, fill version) folded into the weights

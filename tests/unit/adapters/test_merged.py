@@ -148,3 +148,11 @@ def test_a_long_prompt_step_merges_at_once_and_decode_steps_wait_for_the_thresho
     merged.step(None, has_base=True)
     merged.threshold = 8
     assert [merged.step({3: 0}, has_base=False, num_tokens=64) for _ in range(8)] == [False] * 7 + [True]
+
+
+def test_a_copy_that_does_not_fit_is_refused_with_the_sizes():
+    from loraplex.adapters.merged import check_room
+
+    check_room(need=3 << 30, free=5 << 30)
+    with pytest.raises(ValueError, match=r"merge_single_lora keeps a copy .* 14.0 GiB .* 12.0 GiB free"):
+        check_room(need=14 << 30, free=12 << 30)
