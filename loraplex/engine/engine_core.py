@@ -358,6 +358,7 @@ class LLMEngine:
         active = []
         if manager is not None and hasattr(manager, "active_adapter_names"):
             active = list(manager.active_adapter_names())
+        merged = getattr(manager, "merged", None)
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.block_manager.usage, prefix_cache_hit_rate=self.block_manager.prefix_hit_rate,
@@ -371,6 +372,8 @@ class LLMEngine:
             lora_host_load_seconds=getattr(manager, "host_load_seconds", 0.0),
             num_lora_load_failures=getattr(manager, "num_load_failures", 0),
             num_lora_host_loads=getattr(manager, "num_host_loads", 0),
+            num_lora_merges=merged.num_merges if merged is not None else 0,
+            num_lora_merged_steps=merged.num_merged_steps if merged is not None else 0,
         )
 
     @property

@@ -86,6 +86,8 @@ class EngineStats:
     lora_host_load_seconds: float = 0.0  # total time spent reading and validating adapter files
     num_lora_load_failures: int = 0
     num_lora_host_loads: int = 0  # adapter files read into host memory
+    num_lora_merges: int = 0  # merge_single_lora: adapters folded into the weights
+    num_lora_merged_steps: int = 0  # steps run on merged weights
 
 
 class EngineDeadError(RuntimeError):

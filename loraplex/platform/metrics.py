@@ -52,6 +52,10 @@ class _EngineCollector(Collector):
              stats.num_lora_load_failures),
             ("loraplex:lora_host_load_seconds", "Seconds spent reading and validating adapter files.",
              stats.lora_host_load_seconds),
+            ("loraplex:lora_merges", "Adapters folded into the base weights (merge_single_lora) since start.",
+             stats.num_lora_merges),
+            ("loraplex:lora_merged_steps", "Engine steps run on merged weights since start.",
+             stats.num_lora_merged_steps),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(model, float(value))

@@ -224,7 +224,8 @@ def test_metrics_have_vllm_names_and_tenant_counters(server, tenants):
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds",
                  "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:lora_requests_info",
                  "vllm:num_preemptions_total", "loraplex:lora_slot_loads_total", "loraplex:lora_load_failures_total",
-                 "loraplex:lora_host_load_seconds_total", "loraplex:lora_load_queue_depth"):
+                 "loraplex:lora_host_load_seconds_total", "loraplex:lora_load_queue_depth",
+                 "loraplex:lora_merges_total", "loraplex:lora_merged_steps_total"):
         assert name in text, name
     assert 'loraplex_tenant_requests_total{status="completed",tenant="acme"}' in text
     assert 'loraplex_tenant_tokens_total{kind="completion",tenant="acme"}' in text

@@ -97,22 +97,24 @@ def test_mixed_adapters_and_base_requests_joining_mid_run_match_peft(tiny_model,
 
 
 def _record_steps(manager, engine) -> list[tuple[int, bool]]:
-    """(distinct adapters, any base-model token) for every step the engine runs; also checks that no
-    adapter of a running request loses its slot."""
+    """(distinct adapters, any base-model token) for every step the engine runs with adapters; also checks that
+    no adapter of a running request loses its slot when a step's adapters get theirs."""
     steps = []
-    prepare = manager.prepare_step
+    prepare, assign = manager.prepare_step, manager.assign_slots
 
-    def recording(token_adapter_ids, adapter_ids=None, has_base=True):
-        steps.append((len(set(adapter_ids)), bool((token_adapter_ids == 0).any())))
-        assert has_base == steps[-1][1], "the host's has_base disagrees with the step's tokens"
+    def recording(token_adapter_ids, adapter_ids=None, slot_of=None):
+        steps.append((len(slot_of), bool((token_adapter_ids == 0).any())))
+        return prepare(token_adapter_ids, adapter_ids=adapter_ids, slot_of=slot_of)
+
+    def assigning(adapter_ids):
         running = {r.lora_id for r in engine.scheduler.running if r.lora_id}
         assert running <= set(manager.pinned_adapter_ids()), "running requests' adapters must be pinned"
         kept = running & set(manager.resident_adapter_ids())
-        batch = prepare(token_adapter_ids, adapter_ids=adapter_ids, has_base=has_base)
+        slot_of = assign(adapter_ids)
         assert kept <= set(manager.resident_adapter_ids()), "a running request's adapter was evicted"
-        return batch
+        return slot_of
 
-    manager.prepare_step = recording
+    manager.prepare_step, manager.assign_slots = recording, assigning
     return steps
 
 

@@ -135,6 +135,8 @@ def test_engine_merged_steps_give_the_kernel_path_tokens(tiny_model):
     assert merged.merged is None  # the base batch restored the weights
     counters = llm.engine.counters
     assert (counters["lora_merges"], counters["lora_merged_steps"]) == (merged.num_merges, merged.num_merged_steps)
+    stats = llm.engine.get_stats()
+    assert (stats.num_lora_merges, stats.num_lora_merged_steps) == (merged.num_merges, merged.num_merged_steps)
     assert all(torch.equal(merged.pristine[p][i], getattr(layer, WEIGHT_OF[p]))
                for i, layer in enumerate(llm.engine.runner.model.layers) for p in WEIGHT_OF)
     # and the adapters matter here: the base model's tokens differ
