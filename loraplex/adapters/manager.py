@@ -68,6 +68,7 @@ class LoRAManager:
         self.dtype = dtype
         self.pool = SlotPool(self.shapes, max_loras, max_lora_rank, self.device, dtype)
         self.merged = None  # MergedLoRA (attach_merged): single-adapter stretches on merged weights
+        self.fuse_silu_mul = False  # gate|up's delta inside SiLU-and-multiply (engine option fuse_lora_silu_mul)
         self.host_cache: HostLRUCache[HostAdapter] = HostLRUCache(max(max_cpu_loras or max_loras, max_loras))
         self._validated: ValidatedFiles[HostAdapter] = ValidatedFiles()
         self.loader = BackgroundLoader(self._load_files, num_load_workers or min(4, os.cpu_count() or 1))
@@ -326,7 +327,7 @@ class LoRAManager:
                 adapter_ids = torch.unique(token_adapter_ids).tolist()
             slot_of = self.assign_slots(adapter_ids)
         token_slots = token_slots_from_ids(token_adapter_ids, slot_of)
-        return LoRAStep(self.pool, token_slots, len(slot_of), self.use_triton)
+        return LoRAStep(self.pool, token_slots, len(slot_of), self.use_triton, self.fuse_silu_mul)
 
     def attach_merged(self, merged) -> None:
         """Single-adapter stretches on merged weights (``loraplex.adapters.merged.MergedLoRA``)."""

@@ -32,11 +32,13 @@ def token_slots_from_ids(token_adapter_ids: torch.Tensor, slot_of: dict[int, int
 class LoRAStep:
     """One step's token->slot mapping and device metadata, shared by every layer and projection."""
 
-    def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool) -> None:
+    def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool,
+                 fuse_silu_mul: bool = False) -> None:
         self.pool = pool
         self.token_slots = token_slots  # [T] int32
         self.num_active = num_active  # distinct adapters in the step (host-known)
         self.use_triton = use_triton
+        self.fuse_silu_mul = fuse_silu_mul  # gate|up's delta added inside SiLU-and-multiply (silu_mul)
         self._meta = None
         self._scratch = None
         self._counters = None
@@ -82,6 +84,41 @@ class LoRAStep:
     @property
     def has_adapters(self) -> bool:
         return self.num_active > 0
+
+    @property
+    def fuses_silu_mul(self) -> bool:
+        """Whether the model should call ``silu_mul`` with gate|up's base output instead of ``linear`` + SiLU."""
+        return self.fuse_silu_mul and self.num_active > 0 and not (self.use_triton and self._configs["gate_up"].fused)
+
+    def silu_mul(self, layer_idx: int, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate + dg) * (up + du)`` [T, I] from gate|up's base output [T, 2I] (not modified) and its input x:
+        the shrink, then ``lora_silu_mul`` (the expand folded into SiLU-and-multiply, no write of gate|up)."""
+        a, bt, ranks = self.pool.layer_view("gate_up", layer_idx)
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if not self.use_triton:
+            from loraplex.kernels.lora_ref import lora_shrink_ref
+            from loraplex.kernels.lora_silu_mul import lora_silu_mul_ref
+
+            y = lora_shrink_ref(x, a, self.token_slots, ranks)
+            return lora_silu_mul_ref(gate_up, y, bt, self.token_slots, ranks, self.pool.scaling)
+        import triton
+
+        from loraplex.kernels.lora_shrink import lora_shrink
+        from loraplex.kernels.lora_silu_mul import lora_silu_mul
+
+        cfg = self._configs["gate_up"]
+        chunk_ranks = None
+        if self._chunk_ranks is not None and cfg.chunk_tables:
+            lo, hi = self.pool.module_range["gate_up"]
+            chunk_ranks = self._chunk_ranks[layer_idx, lo:hi]
+        parts = cfg.split_k_max or cfg.split_k
+        shrink_progs = cfg.split_k * self._meta.max_chunks
+        y = lora_shrink(x, a, ranks, self._meta, split_k=parts, progs=shrink_progs, block_r=cfg.block_r,
+                        block_k=cfg.block_k, y=self._scratch, num_warps=cfg.shrink_warps,
+                        num_stages=cfg.shrink_stages, pdl=cfg.pdl, chunk_ranks=chunk_ranks)
+        return lora_silu_mul(gate_up, y, bt, ranks, self.pool.scaling, self._meta, shrink_progs=shrink_progs,
+                             k_tiles=triton.cdiv(x.shape[1], cfg.block_k))
 
     def linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -114,6 +114,8 @@ def add_offline_args(p) -> None:
     p.add_argument("--peer-adapters", type=int, default=8)
     p.add_argument("--peer-output-len", type=int, default=None, help="default: --output-len")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fuse-lora-silu-mul", action="store_true",
+                   help="engine option fuse_lora_silu_mul: gate|up's LoRA delta added inside SiLU-and-multiply")
     p.add_argument("--merge-single-lora", action="store_true",
                    help="engine option merge_single_lora: while every step has one adapter and no base token "
                         "(identical popularity), that adapter is folded into the base weights")

@@ -109,7 +109,8 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
         llm = make_llm(model_dir, str(device), args.dtype, args.max_loras, args.rank,
                        max_num_seqs=args.max_num_seqs, max_cpu_loras=args.max_cpu_loras,
                        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-                       merge_single_lora=args.merge_single_lora)
+                       merge_single_lora=args.merge_single_lora,
+                       fuse_lora_silu_mul=args.fuse_lora_silu_mul)
     with clock("engine warm-up"):
         # compiles kernels and fills allocator pools before anything is timed: the LoRA kernels are compiled per
         # launch configuration and per integer-argument specialization (token counts divisible by 16 or not),

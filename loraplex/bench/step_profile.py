@@ -48,6 +48,8 @@ def add_step_profile_args(p) -> None:
     p.add_argument("--profile-steps", type=int, default=3, help="decode steps under torch.profiler")
     p.add_argument("--trace-dir", default=None, help="also keep each profiler trace here (.json.gz, Perfetto)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fuse-lora-silu-mul", action="store_true",
+                   help="engine option fuse_lora_silu_mul: gate|up's LoRA delta added inside SiLU-and-multiply")
     p.add_argument("--merge-single-lora", action="store_true",
                    help="engine option merge_single_lora: a single adapter's steps on merged weights")
 
@@ -187,7 +189,8 @@ def collect_step_profile(args, device) -> tuple[dict, list[tuple[str, str]]]:
     adapter_dirs = write_adapter_pool(model_dir, max(1, min(most, args.num_adapter_files)), args.rank, device) \
         if most else []
     llm = make_llm(model_dir, str(device), args.dtype, args.max_loras or max(1, most), args.rank,
-                   max_num_seqs=args.max_num_seqs, seed=args.seed, merge_single_lora=args.merge_single_lora)
+                   max_num_seqs=args.max_num_seqs, seed=args.seed, merge_single_lora=args.merge_single_lora,
+                   fuse_lora_silu_mul=args.fuse_lora_silu_mul)
     bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     log.info("step-profile: model and engine ready in %.1f s", time.perf_counter() - started)

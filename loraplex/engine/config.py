@@ -35,6 +35,9 @@ class EngineConfig:
     # while every token of every step uses one adapter, fold it into the base weights and run the base model
     # (adapters/merged.py); keeps a pristine copy of the projection weights on the device (about the model's size)
     merge_single_lora: bool = False
+    # experimental: gate|up's LoRA delta added inside SiLU-and-multiply (kernels/lora_silu_mul.py) instead of an
+    # expand that reads and writes gate|up's whole output; not yet measured on a GPU
+    fuse_lora_silu_mul: bool = False
     model_id: str | None = None  # served name; default the model directory's name
 
     def __post_init__(self) -> None:

@@ -136,7 +136,8 @@ class DecodeGraphRunner:
 
             # built here so that, under capture, the kernel metadata is derived from the static slots
             num_active = min(bucket, lora_manager.max_loras)
-            lora = LoRAStep(lora_manager.pool, self.token_slots[:bucket], num_active, lora_manager.use_triton)
+            lora = LoRAStep(lora_manager.pool, self.token_slots[:bucket], num_active, lora_manager.use_triton,
+                            lora_manager.fuse_silu_mul)
         return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, attn, lora)
 
     # ---- capture -------------------------------------------------------------------------------------

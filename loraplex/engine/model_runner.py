@@ -148,7 +148,7 @@ class ModelRunner:
 
                     manager = self.get_lora_manager()
                     slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=dev)
-                    lora = LoRAStep(manager.pool, slots, num_adapters, manager.use_triton)
+                    lora = LoRAStep(manager.pool, slots, num_adapters, manager.use_triton, manager.fuse_silu_mul)
                 hidden = self.model(ids, positions, self.kv_caches, attn, lora)
                 self.model.compute_logits(hidden[-1:])
                 runs += 1
@@ -185,6 +185,7 @@ class ModelRunner:
                 self.hf_config, max_loras=self.config.max_loras, max_lora_rank=self.config.max_lora_rank,
                 max_cpu_loras=self.config.max_cpu_loras, device=self.device, dtype=self.dtype,
                 num_load_workers=self.config.lora_load_workers)
+            self.lora_manager.fuse_silu_mul = self.config.fuse_lora_silu_mul
             if self.config.merge_single_lora:
                 from loraplex.adapters.merged import MergedLoRA
 

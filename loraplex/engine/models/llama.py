@@ -194,8 +194,11 @@ class LlamaLayer(nn.Module):
         out = _linear(lora, self.idx, "o", o, self.o_weight, self.o_bias)
         norm = self.post_attention_layernorm
         x, residual = ops.add_rms_norm(out, residual, norm.weight, norm.eps)
-        gate_up = _linear(lora, self.idx, "gate_up", x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
-        act = ops.silu_mul(gate_up)
+        if lora is not None and lora.fuses_silu_mul:  # gate|up's delta added inside SiLU-and-multiply
+            act = lora.silu_mul(self.idx, x, F.linear(x, self.gate_up_weight, self.gate_up_bias))
+        else:
+            gate_up = _linear(lora, self.idx, "gate_up", x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
+            act = ops.silu_mul(gate_up)
         down = _linear(lora, self.idx, "down", act, self.down_weight, self.down_bias)
         return down, residual
 

@@ -14,10 +14,12 @@ from triton.runtime.interpreter import InterpretedFunction
 from loraplex.adapters.mapping import LoRAStep
 from loraplex.adapters.modules import PROJ_MODULES, BaseShapes
 from loraplex.adapters.slot_pool import SlotPool
-from loraplex.kernels import lora_expand, lora_shrink
+from loraplex.kernels import lora_expand, lora_shrink, lora_silu_mul
+from loraplex.kernels.fused_ops_ref import silu_mul_ref
 
-if not isinstance(lora_shrink._lora_shrink_kernel, InterpretedFunction):
-    for module in (lora_shrink, lora_expand):
+if not isinstance(lora_shrink._lora_shrink_kernel, InterpretedFunction) or not isinstance(
+        lora_silu_mul._lora_silu_mul_kernel, InterpretedFunction):
+    for module in (lora_shrink, lora_expand, lora_silu_mul):
         importlib.reload(module)
 
 SHAPES = BaseShapes(num_layers=2, hidden_size=48, q_size=48, kv_size=16, intermediate_size=80)
@@ -42,3 +44,27 @@ def test_step_triton_path_equals_twin_path(num_tokens, num_active):
             got = triton_step.add(layer, proj, x, base.clone())
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert torch.equal(got[slots < 0], base[slots < 0])
+
+
+@pytest.mark.parametrize("num_tokens, num_active", [(6, 3), (70, 2)])
+def test_step_silu_mul_with_the_gate_up_delta_inside(num_tokens, num_active):
+    """``fuse_silu_mul``: the step's silu_mul (shrink + lora_silu_mul on the Triton path, twins otherwise) equals
+    the unfused twin path, expand into gate|up then SiLU-and-multiply, with base tokens among the adapters'."""
+    gen = torch.Generator().manual_seed(100 + num_tokens)
+    pool = SlotPool(SHAPES, max_loras=4, max_rank=24, device="cpu", dtype=torch.float32)
+    for t in (*pool.a.values(), *pool.bt.values()):
+        t.copy_(torch.randn(t.shape, generator=gen) * 0.3)
+    pool.ranks.copy_(torch.randint(0, 25, pool.ranks.shape, generator=gen, dtype=torch.int32))
+    pool.scaling.copy_(torch.rand(4, generator=gen) + 0.5)
+    slots = torch.randint(-1, num_active, (num_tokens,), generator=gen, dtype=torch.int32)
+    unfused = LoRAStep(pool, slots, num_active, use_triton=False)
+    for use_triton in (False, True):
+        step = LoRAStep(pool, slots, num_active, use_triton=use_triton, fuse_silu_mul=True)
+        assert step.fuses_silu_mul
+        for layer in range(SHAPES.num_layers):
+            x = torch.randn(num_tokens, SHAPES.proj_in("gate_up"), generator=gen)
+            gate_up = torch.randn(num_tokens, 2 * SHAPES.intermediate_size, generator=gen)
+            want = silu_mul_ref(unfused.add(layer, "gate_up", x, gate_up.clone()))
+            got = step.silu_mul(layer, x, gate_up.clone())
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not LoRAStep(pool, slots, 0, use_triton=True, fuse_silu_mul=True).fuses_silu_mul  # no adapter: plain
