@@ -9,6 +9,8 @@
 #              `loraplex serve` (embedded default: SQLite + in-process), cut short by SIGTERM at
 #              ${REPORT_TIMEOUT_S:-560} s so a partial report is still written (rc 3)
 #   profile    bench step-profile: one decode step, base and 64 distinct rank-16 adapters, with traces
+#   ab         A/B of the experimental fuse_lora_silu_mul: its GPU test, then bench offline (1,000 requests, every
+#              popularity) without and with --fuse-lora-silu-mul, and step-profile at 64 adapters with it
 #
 # Knobs (environment): ONLINE_RATE (30 req/s), ONLINE_REQUESTS (300), PEER_OUTPUT_LEN (64), BENCH_ARGS (more
 # flags for `bench all`), PROFILE_ARGS (more flags for `bench step-profile`), SMOKE=1 (tiny shapes on the CPU:
@@ -63,6 +65,18 @@ if [[ "$what" == *report* ]]; then
     rc=$?
     grep -E "bench all: .* (took|in all)|online: |offline [a-z]+: |cut short" "$out/report.log"
     echo "report: bench all exited with $rc (3: cut short, partial report written)"; status=$((status | rc))
+fi
+if [[ "$what" == *ab* ]]; then
+    python3 -m pytest tests/gpu/test_fused_silu_mul_gpu.py -q -p no:cacheprovider -o addopts="" 2>&1 | tail -3
+    for variant in plain fused; do
+        flag=(); [[ "$variant" == fused ]] && flag=(--fuse-lora-silu-mul)
+        python3 -m loraplex.cli bench offline --out-dir "$out" --num-requests 1000 --input-len 256 --output-len 128 \
+            --step-batch 64 ${flag[@]+"${flag[@]}"} ${smoke[@]+"${smoke[@]}"} > "$out/ab-$variant.log" 2>&1
+        echo "ab $variant: exit $?"; grep -E "offline [a-z]+: .*HBM floor|decode steps in" "$out/ab-$variant.log"
+    done
+    python3 -m loraplex.cli bench step-profile --out-dir "$out" --adapters 64 --fuse-lora-silu-mul \
+        ${smoke[@]+"${smoke[@]}"} > "$out/ab-profile.log" 2>&1
+    grep -E "step-profile" "$out/ab-profile.log" | grep -v "^loraplex bench"
 fi
 if [[ "$what" == *profile* ]]; then
     # shellcheck disable=SC2086  # PROFILE_ARGS is a list of flags
