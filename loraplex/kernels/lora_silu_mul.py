@@ -60,6 +60,8 @@ def _lora_silu_mul_kernel(
         t_in = offs_t < num_tokens
         slots = tl.load(token_slots_ptr + offs_t, mask=t_in, other=0)
         rows_mask = t_in & (slots < 0)
+        if tl.max(rows_mask.to(tl.int32), axis=0) == 0:
+            return  # no base row in this block (the usual case in a step full of adapters)
         share = (width + base_splits - 1) // base_splits
         share = (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         n_lo = n_split * share
