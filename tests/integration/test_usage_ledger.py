@@ -59,6 +59,25 @@ async def test_same_event_delivered_three_times_is_one_row(db_url, tmp_path):
         sink.spool.close()
 
 
+async def test_concurrent_drains_take_each_segment_once(db_url, tmp_path):
+    """The background consumer and an explicit drain (shutdown, a test settling, the replay command) may overlap:
+    each closed segment is ingested and acked by one of them, never both (a second unlink failed before)."""
+    import asyncio
+
+    async with migrated(db_url) as sessions:
+        tid = await add_tenant(sessions, "acme")
+        sink = LedgerSink(sessions, tmp_path / "spool")
+        sink.spool.open()
+        for batch in range(4):
+            for i in range(20):
+                await sink.record(event(f"b{batch}-r{i}", tid, completion=i))
+            await sink.spool.rotate()
+        written = await asyncio.gather(*(sink.drain_once() for _ in range(3)))
+        assert sum(written) == 80
+        assert len(await _rows(sessions)) == 80 and list_segments(sink.spool.directory) == []
+        sink.spool.close()
+
+
 async def test_consumer_crash_before_ack_replays_into_one_row(db_url, tmp_path):
     async with migrated(db_url) as sessions:
         tid = await add_tenant(sessions, "acme")

@@ -41,6 +41,7 @@ class LedgerSink:
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._drained = asyncio.Condition()
+        self._drain_lock = asyncio.Lock()  # one drain at a time: two would ingest and ack the same segment
         self._last_orphan_scan = float("-inf")
         self.failures = 0
 
@@ -102,7 +103,12 @@ class LedgerSink:
     # ---- consuming ----------------------------------------------------------------------------------
 
     async def drain_once(self, include_orphans: bool = False) -> int:
-        """Move every closed segment (and the in-memory backlog) into the ledger. Returns rows written."""
+        """Move every closed segment (and the in-memory backlog) into the ledger. Returns rows written. Calls
+        that overlap (the consumer, shutdown, an explicit drain) run one after the other."""
+        async with self._drain_lock:
+            return await self._drain(include_orphans)
+
+    async def _drain(self, include_orphans: bool) -> int:
         written = 0
         if self._memory_backlog:
             backlog, self._memory_backlog = self._memory_backlog, []
