@@ -102,23 +102,17 @@ class LoRAStep:
 
             y = lora_shrink_ref(x, a, self.token_slots, ranks)
             return lora_silu_mul_ref(gate_up, y, bt, self.token_slots, ranks, self.pool.scaling)
-        import triton
+        from loraplex.kernels.lora_ops import lora_silu_mul_apply
 
-        from loraplex.kernels.lora_shrink import lora_shrink
-        from loraplex.kernels.lora_silu_mul import lora_silu_mul
+        return lora_silu_mul_apply(x, gate_up, a, bt, ranks, self.pool.scaling, self._meta, self._configs["gate_up"],
+                                   self._scratch, self._layer_chunk_ranks(layer_idx, "gate_up"))
 
-        cfg = self._configs["gate_up"]
-        chunk_ranks = None
-        if self._chunk_ranks is not None and cfg.chunk_tables:
-            lo, hi = self.pool.module_range["gate_up"]
-            chunk_ranks = self._chunk_ranks[layer_idx, lo:hi]
-        parts = cfg.split_k_max or cfg.split_k
-        shrink_progs = cfg.split_k * self._meta.max_chunks
-        y = lora_shrink(x, a, ranks, self._meta, split_k=parts, progs=shrink_progs, block_r=cfg.block_r,
-                        block_k=cfg.block_k, y=self._scratch, num_warps=cfg.shrink_warps,
-                        num_stages=cfg.shrink_stages, pdl=cfg.pdl, chunk_ranks=chunk_ranks)
-        return lora_silu_mul(gate_up, y, bt, ranks, self.pool.scaling, self._meta, shrink_progs=shrink_progs,
-                             k_tiles=triton.cdiv(x.shape[1], cfg.block_k))
+    def _layer_chunk_ranks(self, layer_idx: int, proj: str) -> torch.Tensor | None:
+        """[S, max_chunks] ranks of each chunk's slot for this layer and projection (None without the tables)."""
+        if self._chunk_ranks is None:
+            return None
+        lo, hi = self.pool.module_range[proj]
+        return self._chunk_ranks[layer_idx, lo:hi]
 
     def linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,13 +129,9 @@ class LoRAStep:
         if x.stride(-1) != 1:
             x = x.contiguous()
         if self.use_triton:
-            chunk_ranks = None
-            if self._chunk_ranks is not None:
-                lo, hi = self.pool.module_range[proj]
-                chunk_ranks = self._chunk_ranks[layer_idx, lo:hi]
             return self._lora_apply(x, out, a, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj],
                                     self._widths[proj], self._meta, self._configs[proj], self._scratch,
-                                    self._counters, self._col_align[proj], chunk_ranks)
+                                    self._counters, self._col_align[proj], self._layer_chunk_ranks(layer_idx, proj))
         from loraplex.kernels.lora_ref import lora_apply_ref
 
         return lora_apply_ref(x, out, a, bt, self.token_slots, ranks, self.pool.scaling,

@@ -24,6 +24,7 @@ from loraplex.kernels.lora_expand import lora_expand
 from loraplex.kernels.lora_fused import lora_fused
 from loraplex.kernels.lora_meta import LoRAKernelMeta, max_chunks_for
 from loraplex.kernels.lora_shrink import lora_shrink
+from loraplex.kernels.lora_silu_mul import lora_silu_mul
 
 # Small programs (a few KB to tens of KB each) need many in flight to keep HBM busy: on an H200 (132 SMs)
 # the swept optimum of the decode shapes is around 8 programs per SM.
@@ -185,13 +186,38 @@ def lora_apply(
                           split_k=cfg.fused_split_k, n_splits=cfg.fused_n_splits, block_k=cfg.fused_block_k,
                           block_n=cfg.fused_block_n, y=scratch, counters=counters, num_warps=cfg.fused_warps,
                           num_stages=cfg.fused_stages, col_align=col_align)
+    y, valid = _shrink(x, lora_a, ranks, meta, cfg, scratch, chunk_ranks)
+    return lora_expand(y, lora_b, ranks, scaling, slice_loc, max_slice_width, meta, out, block_n=cfg.block_n,
+                       n_splits=cfg.expand_splits, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages,
+                       col_align=col_align, **valid, pdl=cfg.pdl, prefetch_out=cfg.prefetch_out,
+                       chunk_ranks=chunk_ranks if cfg.chunk_tables else None)
+
+
+def _shrink(x, lora_a, ranks, meta, cfg: LoRAKernelConfig, scratch, chunk_ranks) -> tuple[torch.Tensor, dict]:
+    """The shrink of ``cfg`` (split-K partials into ``scratch``) and what its consumer needs to know of it (which
+    partials are valid: ``shrink_progs``, ``k_tiles``)."""
     parts = cfg.split_k_max or cfg.split_k
     shrink_progs = cfg.split_k * meta.max_chunks
     y = lora_shrink(x, lora_a, ranks, meta, split_k=parts, progs=shrink_progs, block_r=cfg.block_r,
                     block_k=cfg.block_k, y=scratch, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages,
                     pdl=cfg.pdl, chunk_ranks=chunk_ranks if cfg.chunk_tables else None)
-    return lora_expand(y, lora_b, ranks, scaling, slice_loc, max_slice_width, meta, out, block_n=cfg.block_n,
-                       n_splits=cfg.expand_splits, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages,
-                       col_align=col_align, shrink_progs=shrink_progs, k_tiles=triton.cdiv(x.shape[1], cfg.block_k),
-                       pdl=cfg.pdl, prefetch_out=cfg.prefetch_out,
-                       chunk_ranks=chunk_ranks if cfg.chunk_tables else None)
+    return y, {"shrink_progs": shrink_progs, "k_tiles": triton.cdiv(x.shape[1], cfg.block_k)}
+
+
+def lora_silu_mul_apply(
+    x: torch.Tensor,  # [T, K], gate|up's input
+    gate_up: torch.Tensor,  # [T, 2I], gate|up's base output (not modified)
+    lora_a: torch.Tensor,  # [num_slots, 2, R, K]
+    lora_b: torch.Tensor,  # [num_slots, R, 2I]
+    ranks: torch.Tensor,  # [2, num_slots] int32
+    scaling: torch.Tensor,  # [num_slots] float32
+    meta: LoRAKernelMeta,
+    cfg: LoRAKernelConfig,  # not ``fused`` (lora_fused adds into gate_up itself)
+    scratch: torch.Tensor | None = None,
+    chunk_ranks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``silu(gate + dg) * (up + du)`` [T, I]: the shrink of ``cfg``, then ``lora_silu_mul`` in place of the expand
+    (semantics: ``lora_silu_mul.lora_silu_mul_ref``)."""
+    assert meta.block_m == cfg.block_m and not cfg.fused
+    y, valid = _shrink(x, lora_a, ranks, meta, cfg, scratch, chunk_ranks)
+    return lora_silu_mul(gate_up, y, lora_b, ranks, scaling, meta, **valid)

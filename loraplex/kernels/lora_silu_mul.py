@@ -41,6 +41,13 @@ def _silu_times(g, u, out_dtype: tl.constexpr):
     return (act.to(tl.float32) * u.to(tl.float32)).to(out_dtype)
 
 
+@triton.jit
+def _column_share(width, splits, BLOCK_N: tl.constexpr):
+    """Columns per program when ``splits`` programs share ``width``: whole BLOCK_N tiles."""
+    share = (width + splits - 1) // splits
+    return (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+
+
 @triton.jit(do_not_specialize=UNSPECIALIZED)
 def _lora_silu_mul_kernel(
     gu_ptr, y_ptr, b_ptr, act_ptr, ranks_ptr, scaling_ptr, token_slots_ptr,
@@ -62,8 +69,7 @@ def _lora_silu_mul_kernel(
         rows_mask = t_in & (slots < 0)
         if tl.max(rows_mask.to(tl.int32), axis=0) == 0:
             return  # no base row in this block (the usual case in a step full of adapters)
-        share = (width + base_splits - 1) // base_splits
-        share = (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        share = _column_share(width, base_splits, BLOCK_N)
         n_lo = n_split * share
         n_hi = tl.minimum(n_lo + share, width)
         rows = offs_t.to(tl.int64)
@@ -84,8 +90,7 @@ def _lora_silu_mul_kernel(
     slot = tl.load(chunk_slots_ptr + chunk)
     if slot < 0:
         return
-    share = (width + per_chunk - 1) // per_chunk
-    share = (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    share = _column_share(width, per_chunk, BLOCK_N)
     n_lo = n_split * share
     if n_lo >= width:
         return

@@ -25,15 +25,21 @@ if not isinstance(lora_shrink._lora_shrink_kernel, InterpretedFunction) or not i
 SHAPES = BaseShapes(num_layers=2, hidden_size=48, q_size=48, kv_size=16, intermediate_size=80)
 
 
-@pytest.mark.parametrize("num_tokens, num_active", [(6, 3), (70, 2)])  # decode-like and prefill-like regimes
-def test_step_triton_path_equals_twin_path(num_tokens, num_active):
-    gen = torch.Generator().manual_seed(num_tokens)
+def _pool_and_slots(gen: torch.Generator, num_tokens: int, num_active: int) -> tuple[SlotPool, torch.Tensor]:
+    """A pool of random adapters (mixed ranks, rank 0 included) and token slots among ``num_active`` and -1."""
     pool = SlotPool(SHAPES, max_loras=4, max_rank=24, device="cpu", dtype=torch.float32)
     for t in (*pool.a.values(), *pool.bt.values()):
         t.copy_(torch.randn(t.shape, generator=gen) * 0.3)
     pool.ranks.copy_(torch.randint(0, 25, pool.ranks.shape, generator=gen, dtype=torch.int32))
     pool.scaling.copy_(torch.rand(4, generator=gen) + 0.5)
     slots = torch.randint(-1, num_active, (num_tokens,), generator=gen, dtype=torch.int32)
+    return pool, slots
+
+
+@pytest.mark.parametrize("num_tokens, num_active", [(6, 3), (70, 2)])  # decode-like and prefill-like regimes
+def test_step_triton_path_equals_twin_path(num_tokens, num_active):
+    gen = torch.Generator().manual_seed(num_tokens)
+    pool, slots = _pool_and_slots(gen, num_tokens, num_active)
     twin = LoRAStep(pool, slots, num_active, use_triton=False)
     triton_step = LoRAStep(pool, slots, num_active, use_triton=True)
     for proj in PROJ_MODULES:
@@ -51,12 +57,7 @@ def test_step_silu_mul_with_the_gate_up_delta_inside(num_tokens, num_active):
     """``fuse_silu_mul``: the step's silu_mul (shrink + lora_silu_mul on the Triton path, twins otherwise) equals
     the unfused twin path, expand into gate|up then SiLU-and-multiply, with base tokens among the adapters'."""
     gen = torch.Generator().manual_seed(100 + num_tokens)
-    pool = SlotPool(SHAPES, max_loras=4, max_rank=24, device="cpu", dtype=torch.float32)
-    for t in (*pool.a.values(), *pool.bt.values()):
-        t.copy_(torch.randn(t.shape, generator=gen) * 0.3)
-    pool.ranks.copy_(torch.randint(0, 25, pool.ranks.shape, generator=gen, dtype=torch.int32))
-    pool.scaling.copy_(torch.rand(4, generator=gen) + 0.5)
-    slots = torch.randint(-1, num_active, (num_tokens,), generator=gen, dtype=torch.int32)
+    pool, slots = _pool_and_slots(gen, num_tokens, num_active)
     unfused = LoRAStep(pool, slots, num_active, use_triton=False)
     for use_triton in (False, True):
         step = LoRAStep(pool, slots, num_active, use_triton=use_triton, fuse_silu_mul=True)
