@@ -67,7 +67,7 @@ class LoRAManager:
         self.device = torch.device(device)
         self.dtype = dtype
         self.pool = SlotPool(self.shapes, max_loras, max_lora_rank, self.device, dtype)
-        self.merged = None  # MergedLoRA (attach_merged): single-adapter stretches on merged weights
+        self.merged = None  # MergedLoRA (engine option merge_single_lora): single-adapter stretches on merged weights
         self.fuse_silu_mul = False  # gate|up's delta inside SiLU-and-multiply (engine option fuse_lora_silu_mul)
         self.host_cache: HostLRUCache[HostAdapter] = HostLRUCache(max(max_cpu_loras or max_loras, max_loras))
         self._validated: ValidatedFiles[HostAdapter] = ValidatedFiles()
@@ -326,18 +326,11 @@ class LoRAManager:
             if adapter_ids is None:
                 adapter_ids = torch.unique(token_adapter_ids).tolist()
             slot_of = self.assign_slots(adapter_ids)
-        token_slots = token_slots_from_ids(token_adapter_ids, slot_of)
-        return LoRAStep(self.pool, token_slots, len(slot_of), self.use_triton, self.fuse_silu_mul)
+        return self.make_step(token_slots_from_ids(token_adapter_ids, slot_of), len(slot_of))
 
-    def attach_merged(self, merged) -> None:
-        """Single-adapter stretches on merged weights (``loraplex.adapters.merged.MergedLoRA``)."""
-        self.merged = merged
-
-    def merged_step(self, slot_of: dict[int, int] | None, has_base: bool, num_tokens: int) -> bool:
-        """Whether this step (its adapters' slots, assigned; whether any token has no adapter; its tokens) runs on
-        merged weights as the base model; merges or restores the weights first as needed. False without the
-        option."""
-        return self.merged is not None and self.merged.step(slot_of, has_base, num_tokens)
+    def make_step(self, token_slots: torch.Tensor, num_active: int) -> LoRAStep:
+        """A step's mapping over this manager's pool and kernel options (slots already assigned)."""
+        return LoRAStep(self.pool, token_slots, num_active, self.use_triton, self.fuse_silu_mul)
 
     def assign_slots(self, adapter_ids) -> dict[int, int]:
         """Give every adapter of a step (ids, 0 = base, ignored) a GPU slot; returns adapter id -> slot.

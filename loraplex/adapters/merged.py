@@ -72,10 +72,6 @@ class MergedLoRA:
         self.num_unmerges = 0
         self.num_merged_steps = 0
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(w.numel() * w.element_size() for ws in self.pristine.values() for w in ws)
-
     def step(self, slot_of: dict[int, int] | None, has_base: bool, num_tokens: int = 1) -> bool:
         """Called once per engine step with its adapters (adapter id -> slot, slots assigned; None or empty: no
         adapter), whether any token uses none and its token count. Merges or restores the weights as the policy says (queued on

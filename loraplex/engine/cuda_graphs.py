@@ -132,12 +132,8 @@ class DecodeGraphRunner:
             max_query_len=1, max_seq_len=None)  # None: split count from shapes, right for any context
         lora = None
         if with_lora:
-            from loraplex.adapters.mapping import LoRAStep
-
             # built here so that, under capture, the kernel metadata is derived from the static slots
-            num_active = min(bucket, lora_manager.max_loras)
-            lora = LoRAStep(lora_manager.pool, self.token_slots[:bucket], num_active, lora_manager.use_triton,
-                            lora_manager.fuse_silu_mul)
+            lora = lora_manager.make_step(self.token_slots[:bucket], min(bucket, lora_manager.max_loras))
         return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, attn, lora)
 
     # ---- capture -------------------------------------------------------------------------------------

@@ -144,11 +144,8 @@ class ModelRunner:
             for num_adapters in adapter_counts:
                 lora = None
                 if num_adapters:
-                    from loraplex.adapters.mapping import LoRAStep
-
-                    manager = self.get_lora_manager()
                     slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=dev)
-                    lora = LoRAStep(manager.pool, slots, num_adapters, manager.use_triton, manager.fuse_silu_mul)
+                    lora = self.get_lora_manager().make_step(slots, num_adapters)
                 hidden = self.model(ids, positions, self.kv_caches, attn, lora)
                 self.model.compute_logits(hidden[-1:])
                 runs += 1
@@ -189,7 +186,7 @@ class ModelRunner:
             if self.config.merge_single_lora:
                 from loraplex.adapters.merged import MergedLoRA
 
-                self.lora_manager.attach_merged(MergedLoRA(self.model, self.lora_manager.pool))
+                self.lora_manager.merged = MergedLoRA(self.model, self.lora_manager.pool)
         return self.lora_manager
 
     # ---- one step ------------------------------------------------------------------------------
@@ -227,10 +224,10 @@ class ModelRunner:
 
     def _merged_step(self, slot_of: dict[int, int] | None, batch: StepBatch) -> bool:
         """Whether the step runs on merged weights (``merge_single_lora``); restores them first when it cannot."""
-        if self.lora_manager is None:
+        merged = self.lora_manager.merged if self.lora_manager is not None else None
+        if merged is None:
             return False
-        has_base = batch.lora_ids is None or 0 in batch.lora_ids
-        return self.lora_manager.merged_step(slot_of, has_base, batch.num_tokens)
+        return merged.step(slot_of, batch.lora_ids is None or 0 in batch.lora_ids, batch.num_tokens)
 
     def _placeholder_fixup(self, out: SchedulerOutput, batch: StepBatch, prev: PendingSample | None):
         """(None, None), or a function that writes the previous step's device tokens into this step's input
