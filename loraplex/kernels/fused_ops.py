@@ -57,12 +57,10 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stri
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_norm(x, residual, weight, eps, out=None):
+def _launch_norm(x, residual, weight, eps):
     assert x.dim() == 2 and x.stride(-1) == 1, "rows must be contiguous"
     n_rows, n_cols = x.shape
-    if out is None:
-        out = torch.empty_like(x)
-    assert out.shape == x.shape and out.stride(-1) == 1, "out: rows of x's shape, contiguous along them"
+    out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else out
     res = residual if residual is not None else x
     if n_rows:
@@ -77,16 +75,14 @@ def _warps(n: int) -> int:
     return 4 if n <= 2048 else 8 if n <= 8192 else 16
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``out`` (optional): where to write, e.g. the columns of a wider buffer (row stride of its own)."""
-    return _launch_norm(x, None, weight, eps, out)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _launch_norm(x, None, weight, eps)[0]
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                 out: torch.Tensor | None = None):
-    """(norm(residual + x) * weight, residual + x) in one launch; neither input is modified. ``out`` as rms_norm."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(norm(residual + x) * weight, residual + x) in one launch; neither input is modified."""
     assert residual.shape == x.shape and residual.stride(-1) == 1
-    return _launch_norm(x, residual, weight, eps, out)
+    return _launch_norm(x, residual, weight, eps)
 
 
 @triton.jit
@@ -163,13 +159,11 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.con
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up of ``gate_up`` [T, 2I] (gate first) -> [T, I] (into ``out`` when given, as rms_norm)."""
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of ``gate_up`` [T, 2I] (gate first) -> [T, I]."""
     assert gate_up.dim() == 2 and gate_up.stride(-1) == 1 and gate_up.shape[1] % 2 == 0
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
-    if out is None:
-        out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
-    assert out.shape == (t, n) and out.stride(-1) == 1
+    out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
     if t:
         block = min(4096, triton.next_power_of_2(n))
         _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,

@@ -5,22 +5,15 @@ from __future__ import annotations
 import torch
 
 
-def _into(result: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    if out is None:
-        return result
-    return out.copy_(result)
-
-
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return _into(weight * h.to(x.dtype), out)
+    return weight * h.to(x.dtype)
 
 
-def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                     out: torch.Tensor | None = None):
+def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     hidden = residual + x
-    return rms_norm_ref(hidden, weight, eps, out), hidden
+    return rms_norm_ref(hidden, weight, eps), hidden
 
 
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -43,6 +36,6 @@ def rope_store_kv_ref(qkv, cos, sin, key_cache, value_cache, slot_mapping, num_h
     return q
 
 
-def silu_mul_ref(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
-    return _into(torch.nn.functional.silu(gate) * up, out)
+    return torch.nn.functional.silu(gate) * up
