@@ -26,6 +26,12 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     async_scheduling: bool | None = None  # overlap host work with the device's step; None: on for CUDA
     lora_max_wait_steps: int = 16  # a request kept out by the max_loras limit this long stops other admissions
+    # adapter grouping, while GPU slots cannot run out (max_loras >= max_num_seqs): within a priority, waiting
+    # requests whose adapter already runs are admitted before the others, which follow grouped by adapter (every
+    # distinct adapter in a step costs the step its weights' bytes); a request passed over lora_group_max_skips
+    # admission rounds keeps its FCFS place again
+    lora_grouping: bool = True
+    lora_group_max_skips: int = 64
     # LoRA
     enable_lora: bool = False
     max_loras: int = 8  # distinct adapters in one step (GPU slots)
@@ -49,6 +55,8 @@ class EngineConfig:
             raise ValueError("merge_single_lora needs enable_lora")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.lora_group_max_skips < 0:
+            raise ValueError(f"lora_group_max_skips must be >= 0, got {self.lora_group_max_skips}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.model_id is None and self.model:

@@ -246,26 +246,48 @@ class Scheduler:
                         req.wait_steps += 1
 
     def _waiting_order(self, active_loras: set[int], passed_over: list[Request]) -> Iterator[Request]:
-        """Waiting requests in admission order: per priority, first those that need no new adapter slot
-        (base, or an adapter running or resident; ``active_loras`` grows as requests are admitted), then the
-        others, which are collected in ``passed_over``. Aged requests and requests whose adapter is still
-        being read keep their FCFS place."""
-        adapters, max_wait = self.adapters, self.config.lora_max_wait_steps
-        held: list[Request] = []
+        """Waiting requests in admission order, per priority.
+
+        First, in FCFS order, those that need no new adapter: base requests, requests whose adapter runs
+        (``active_loras`` grows as requests are admitted), requests whose adapter is still being read (they keep
+        their place and block nobody) and aged ones. Without grouping, requests whose adapter holds a GPU slot
+        count as needing none too. Then the others (collected in ``passed_over``) grouped by adapter, in the order
+        of each adapter's oldest request: adapters that run by then first, then those holding a slot, then the
+        rest. Grouping is on while GPU slots cannot run out (``max_loras >= max_num_seqs``): deferring an adapter
+        then never costs a later step its batch, and the requests sharing one are batched together."""
+        cfg, adapters = self.config, self.adapters
+        grouping = cfg.lora_grouping and cfg.max_loras >= cfg.max_num_seqs
+        max_wait = cfg.lora_group_max_skips if grouping else cfg.lora_max_wait_steps
+        resident: dict[int, list[Request]] = {}  # adapter id -> its held requests (FCFS of the first)
+        cold: dict[int, list[Request]] = {}
         priority = None
         for req in list(self.waiting):
             if req.priority != priority:
-                yield from held
-                held.clear()
+                yield from self._held_in_order(resident, cold, active_loras)
                 priority = req.priority
             lora_id = req.lora_id
-            if (lora_id and lora_id not in active_loras and req.wait_steps < max_wait
-                    and adapters.is_ready(lora_id) and not adapters.is_resident(lora_id)):
-                held.append(req)
-                passed_over.append(req)
-            else:
+            if (not lora_id or lora_id in active_loras or req.wait_steps >= max_wait
+                    or not adapters.is_ready(lora_id)):
                 yield req
-        yield from held
+            elif adapters.is_resident(lora_id):
+                if not grouping:
+                    yield req
+                    continue
+                resident.setdefault(lora_id, []).append(req)
+                passed_over.append(req)
+            else:  # without grouping, all in one list (FCFS)
+                cold.setdefault(lora_id if grouping else 0, []).append(req)
+                passed_over.append(req)
+        yield from self._held_in_order(resident, cold, active_loras)
+
+    @staticmethod
+    def _held_in_order(resident: dict[int, list[Request]], cold: dict[int, list[Request]],
+                       active_loras: set[int]) -> Iterator[Request]:
+        """Empties both dicts: groups whose adapter runs now, then resident, then cold ones, each FCFS."""
+        groups = [(lid, resident) for lid in resident] + [(lid, cold) for lid in cold]
+        running = [g for g in groups if g[0] in active_loras]
+        for lid, held in running + [g for g in groups if g[0] not in active_loras]:
+            yield from held.pop(lid)
 
     def _preempt_lower_priority(self, req: Request, scheduled: dict[int, ScheduledRequest],
                                 preempted: list[Request], budget: int) -> int | None:

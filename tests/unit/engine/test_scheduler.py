@@ -259,3 +259,108 @@ def test_kv_waste_below_four_percent():
     mean = sum(samples) / len(samples)
     print(f"KV waste over {len(samples)} steps: mean {mean:.4%}, max {max(samples):.4%}")
     assert mean < 0.04
+
+
+class _Gate:
+    """Adapters always in host memory; ``resident`` names the ones holding a GPU slot."""
+
+    def __init__(self, resident=()):
+        self.resident = set(resident)
+
+    def poll(self, waiting):
+        list(waiting)
+        return {}
+
+    def is_ready(self, adapter_id):
+        return True
+
+    def is_resident(self, adapter_id):
+        return adapter_id in self.resident
+
+    def wait_for_load(self, timeout):
+        return False
+
+    def take_dropped(self):
+        return []
+
+
+def _grouping_scheduler(resident=(), **kw):
+    sched = make_scheduler(**{"num_blocks": 512, **kw})
+    sched.adapters = _Gate(resident)
+    return sched
+
+
+def _lora(i):
+    return LoRARequest(f"a{i}", i, "/x")
+
+
+def _admitted(sched) -> list[str]:
+    out = sched.schedule()
+    sched.update_from_output(out, fake_run(out, sched.block_manager.block_size))
+    return [s.request.request_id for s in out.scheduled if s.request.num_output_tokens <= 1]
+
+
+def test_grouping_admits_requests_of_running_adapters_first_then_groups_by_adapter():
+    sched = _grouping_scheduler(max_num_seqs=3, max_loras=4)
+    sched.add_request(make_request("x0", range(5), max_tokens=30, lora_request=_lora(1)))
+    assert _admitted(sched) == ["x0"]
+    for rid, lora in (("y1", 2), ("x1", 1), ("z1", 3), ("y2", 2), ("x2", 1)):
+        sched.add_request(make_request(rid, range(5), max_tokens=30, lora_request=_lora(lora)))
+    # two free sequences: adapter 1 runs, so its requests pass the older y1
+    assert sorted(_admitted(sched)) == ["x1", "x2"]
+    assert [r.request_id for r in sched.waiting] == ["y1", "z1", "y2"]
+    assert all(r.wait_steps == 1 for r in sched.waiting)
+
+
+def test_grouping_batches_held_requests_by_adapter_in_order_of_their_oldest():
+    sched = _grouping_scheduler(max_num_seqs=2, max_loras=2)
+    for rid, lora in (("y1", 2), ("z1", 3), ("y2", 2), ("z2", 3)):
+        sched.add_request(make_request(rid, range(5), max_tokens=4, lora_request=_lora(lora)))
+    assert _admitted(sched) == ["y1", "y2"]  # FCFS would run y1 and z1: two adapters in every step
+
+
+def test_grouping_skips_a_request_at_most_lora_group_max_skips_times():
+    sched = _grouping_scheduler(max_num_seqs=2, max_loras=2, lora_group_max_skips=3)
+    sched.add_request(make_request("x0", range(5), max_tokens=60, lora_request=_lora(1)))
+    sched.add_request(make_request("cold", range(5), max_tokens=2, lora_request=_lora(2)))
+    for i in range(1, 7):
+        sched.add_request(make_request(f"x{i}", range(5), max_tokens=2, lora_request=_lora(1)))
+    order = []
+    while sched.has_unfinished_requests():
+        order += _admitted(sched)
+    # adapter 1 keeps running, so its requests pass "cold" three times; then "cold" takes its FCFS place
+    assert order == ["x0", "x1", "x2", "x3", "cold", "x4", "x5", "x6"]
+
+
+def test_grouping_is_off_when_slots_are_scarce_or_disabled():
+    for kw in ({"max_num_seqs": 3, "max_loras": 2}, {"max_num_seqs": 3, "max_loras": 4, "lora_grouping": False}):
+        sched = _grouping_scheduler(resident={2}, **kw)
+        sched.add_request(make_request("x0", range(5), max_tokens=30, lora_request=_lora(1)))
+        _admitted(sched)
+        for rid, lora in (("y1", 2), ("x1", 1), ("x2", 1)):
+            sched.add_request(make_request(rid, range(5), max_tokens=30, lora_request=_lora(lora)))
+        # y1's adapter holds a slot: it needs no new one and keeps its FCFS place
+        assert sorted(_admitted(sched)) == ["x1", "y1"], kw
+
+
+@pytest.mark.parametrize("popularity", ["zipf", "uniform"])
+def test_grouping_cuts_adapters_per_step_and_changes_no_output(popularity):
+    rng = random.Random(3)
+    n = 120
+    if popularity == "zipf":
+        weights = [1 / (i + 1) ** 1.5 for i in range(n)]
+        loras = rng.choices(range(1, n + 1), weights=weights, k=n)
+    else:
+        loras = [rng.randrange(1, 12) for _ in range(n)]
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(5, 30))] for _ in range(n)]
+    adapter_steps, outputs = {}, {}
+    for grouping in (False, True):
+        sched = _grouping_scheduler(max_num_seqs=16, max_loras=16, num_blocks=2048, lora_grouping=grouping)
+        for i, (p, lora) in enumerate(zip(prompts, loras, strict=True)):
+            sched.add_request(make_request(i, p, max_tokens=12, lora_request=_lora(lora)))
+        counts = []
+        outputs[grouping] = run_to_completion(sched, on_step=lambda out, c=counts: c.append(len(out.lora_ids)))
+        adapter_steps[grouping] = sum(counts)
+    want = {(str(i), 0): expected_output(p, 12) for i, p in enumerate(prompts)}
+    assert outputs[False] == want and outputs[True] == want
+    assert adapter_steps[True] < 0.85 * adapter_steps[False], adapter_steps
