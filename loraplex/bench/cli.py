@@ -101,9 +101,7 @@ def add_offline_args(p) -> None:
     p.add_argument("--popularity", type=_csv, default=["base", "identical", "zipf", "uniform", "distinct"])
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (all seven projections)")
     p.add_argument("--num-adapter-files", type=int, default=16, help="adapter k reads file k %% this")
-    p.add_argument("--max-loras", type=int, default=512,
-                   help="GPU adapter slots (twice --max-num-seqs's default: the adapters of waiting requests "
-                        "upload into spare slots while the running batch decodes)")
+    p.add_argument("--max-loras", type=int, default=256, help="GPU adapter slots")
     p.add_argument("--max-cpu-loras", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -121,9 +119,9 @@ def add_offline_args(p) -> None:
     p.add_argument("--merge-single-lora", action="store_true",
                    help="engine option merge_single_lora: while every step has one adapter and no base token "
                         "(identical popularity), that adapter is folded into the base weights")
-    p.add_argument("--no-lora-grouping", dest="lora_grouping", action="store_false",
-                   help="engine option lora_grouping off: admit waiting requests FCFS instead of those whose "
-                        "adapter already runs first")
+    p.add_argument("--lora-grouping", action="store_true",
+                   help="engine option lora_grouping: admit waiting requests whose adapter already runs first, the "
+                        "others grouped by adapter (instead of FCFS)")
 
 
 def _device(args):

@@ -29,8 +29,9 @@ class EngineConfig:
     # adapter grouping, while GPU slots cannot run out (max_loras >= max_num_seqs): within a priority, waiting
     # requests whose adapter already runs are admitted before the others, which follow grouped by adapter (every
     # distinct adapter in a step costs the step its weights' bytes); a request passed over lora_group_max_skips
-    # admission rounds keeps its FCFS place again
-    lora_grouping: bool = True
+    # admission rounds keeps its FCFS place again. Off by default: on the H200 it cut adapters per decode step
+    # (zipf 46 -> 30, uniform 31 -> 8.4) but no throughput gain was shown (docs/benchmarks/H200-2026-12-02-run9.md)
+    lora_grouping: bool = False
     lora_group_max_skips: int = 64
     # LoRA
     enable_lora: bool = False
@@ -42,7 +43,7 @@ class EngineConfig:
     # (adapters/merged.py); keeps a pristine copy of the projection weights on the device (about the model's size)
     merge_single_lora: bool = False
     # experimental: gate|up's LoRA delta added inside SiLU-and-multiply (kernels/lora_silu_mul.py) instead of an
-    # expand that reads and writes gate|up's whole output; not yet measured on a GPU
+    # expand that reads and writes gate|up's whole output; measured slower on the H200 (run 9), so off
     fuse_lora_silu_mul: bool = False
     model_id: str | None = None  # served name; default the model directory's name
 

@@ -193,7 +193,7 @@ def test_request_waiting_for_its_adapter_blocks_nobody_and_keeps_its_place(tiny_
 
 
 def test_requests_needing_no_new_slot_go_first_within_a_priority_and_others_age(tiny_model, hf_config):
-    sched = _scheduler(hf_config, max_num_seqs=1, max_loras=2, lora_max_wait_steps=3, lora_grouping=False)
+    sched = _scheduler(hf_config, max_num_seqs=1, max_loras=2, lora_max_wait_steps=3)
     manager = sched.adapters
     cold, hot = _lora(tiny_model, 1, 0), _lora(tiny_model, 2, 1)
     for lora in (cold, hot):

@@ -285,7 +285,7 @@ class _Gate:
 
 
 def _grouping_scheduler(resident=(), **kw):
-    sched = make_scheduler(**{"num_blocks": 512, **kw})
+    sched = make_scheduler(**{"num_blocks": 512, "lora_grouping": True, **kw})
     sched.adapters = _Gate(resident)
     return sched
 
@@ -334,6 +334,7 @@ def test_grouping_skips_a_request_at_most_lora_group_max_skips_times():
 
 def test_grouping_is_off_when_slots_are_scarce_or_disabled():
     for kw in ({"max_num_seqs": 3, "max_loras": 2}, {"max_num_seqs": 3, "max_loras": 4, "lora_grouping": False}):
+        # (grouping asked for but slots scarce; grouping not asked for)
         sched = _grouping_scheduler(resident={2}, **kw)
         sched.add_request(make_request("x0", range(5), max_tokens=30, lora_request=_lora(1)))
         _admitted(sched)
