@@ -99,6 +99,9 @@ def add_offline_args(p) -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--len-dist", default="fixed", choices=("fixed", "uniform", "exponential"))
     p.add_argument("--popularity", type=_csv, default=["base", "identical", "zipf", "uniform", "distinct"])
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of the popularity list: each ratio is taken against its own round's base and the "
+                        "report gives the median round with the spread")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank (all seven projections)")
     p.add_argument("--num-adapter-files", type=int, default=16, help="adapter k reads file k %% this")
     p.add_argument("--max-loras", type=int, default=256, help="GPU adapter slots")

@@ -57,7 +57,8 @@ def adapter_rank_of(adapter_dirs: list[Path]) -> Callable[[int], int]:
 # engine counters whose change over a timed run the report keeps (where the time of an adapter workload went)
 DIAGNOSTIC_COUNTERS = ("num_steps", "num_overlapped_steps", "num_preemptions", "num_adapter_wait_steps",
                        "adapter_wait_seconds", "lora_slot_loads", "lora_prefetched_slot_loads", "lora_slot_evictions",
-                       "lora_host_loads", "lora_host_reuses", "lora_host_load_seconds", "prefix_cache_hit_tokens")
+                       "lora_host_loads", "lora_host_reuses", "lora_host_load_seconds", "prefix_cache_hit_tokens",
+                       "lora_merges", "lora_merged_steps")
 
 
 def run_generate(llm, requests: list[BenchRequest], adapter_dirs: list[Path],
@@ -135,9 +136,14 @@ def run_popularities(
 
 
 def add_over_base(rows: list[dict]) -> None:
-    """Each row's throughput ÷ the base row's, and (rows with a floor) the ratio the HBM roofline allows."""
-    base = next((r for r in rows if r["popularity"] == "base"), None)
+    """Each row's throughput ÷ the base row's of the same round (``round``, default 1), and (rows with a floor)
+    the ratio the HBM roofline allows."""
+    bases: dict[int, dict] = {}
     for r in rows:
+        if r["popularity"] == "base":
+            bases.setdefault(r.get("round", 1), r)
+    for r in rows:
+        base = bases.get(r.get("round", 1))
         r["over_base"] = r["output_tok_per_s"] / base["output_tok_per_s"] if base else None
         if "floor_s_per_output_token" in r:
             has = base is not None and "floor_s_per_output_token" in base
@@ -188,3 +194,28 @@ def measure_decode_step(
         "num_adapters": batch if distinct_adapters else 0, "steps_timed": len(times),
         "step_mean_s": statistics.fmean(times), "step_median_s": statistics.median(times),
     }
+
+
+def summarize_rounds(rows: list[dict]) -> list[dict]:
+    """One row per popularity from rows of several rounds (``round`` 1..N, each popularity once per round, each
+    ÷ its own round's base): the round whose ÷ base is the median (the lower of the middle two for even N; base:
+    by output tok/s), with ``rounds``, ``over_base_min`` / ``over_base_max`` and the per-round lists added. Rows
+    of one round are returned as they are."""
+    if max((r.get("round", 1) for r in rows), default=1) == 1:
+        return rows
+    by_pop: dict[str, list[dict]] = {}
+    for r in rows:
+        by_pop.setdefault(r["popularity"], []).append(r)
+    out = []
+    for pop, runs in by_pop.items():
+        ratios = [r.get("over_base") for r in runs]
+        key = "output_tok_per_s" if pop == "base" or None in ratios else "over_base"
+        ranked = sorted(runs, key=lambda r: r[key])
+        row = dict(ranked[(len(ranked) - 1) // 2])
+        row["rounds"] = len(runs)
+        row["output_tok_per_s_rounds"] = [r["output_tok_per_s"] for r in runs]
+        if None not in ratios:
+            row["over_base_rounds"] = ratios
+            row["over_base_min"], row["over_base_max"] = min(ratios), max(ratios)
+        out.append(row)
+    return out

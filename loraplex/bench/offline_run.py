@@ -139,12 +139,15 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
         return workload_floor(steps, shape, rank_of, elem, bandwidth, matmul_flops)
 
     rows = result["throughput"] = []
-    for pop in args.popularity:
-        with clock(f"offline {pop}"):
-            rows += run_popularities(llm, [pop], args.num_requests, args.input_len, args.output_len,
-                                     args.len_dist, shape.vocab_size, adapter_dirs, seed=args.seed, floor=floor)
-            add_over_base(rows)
-            add_upload_time(rows[-1], shape.lora_params_per_rank() * args.rank * elem, h2d_bandwidth)
+    repeats = max(1, getattr(args, "repeats", 1))
+    for round_no in range(1, repeats + 1):  # rounds: each popularity once, ÷ that round's base
+        for pop in args.popularity:
+            with clock(f"offline {pop}" + (f" (round {round_no})" if repeats > 1 else "")):
+                rows += run_popularities(llm, [pop], args.num_requests, args.input_len, args.output_len,
+                                         args.len_dist, shape.vocab_size, adapter_dirs, seed=args.seed, floor=floor)
+                rows[-1]["round"] = round_no
+                add_over_base(rows)
+                add_upload_time(rows[-1], shape.lora_params_per_rank() * args.rank * elem, h2d_bandwidth)
 
     del llm
     gc.collect()
