@@ -71,6 +71,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, adapters=self.runner.lora_manager)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self._token_texts: dict[int, str] = {}  # token id -> its text alone (logprob entries), at most the vocab
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer)
         self._pending: list[TokenDelta] = []  # deltas produced outside a step (errors, aborts)
         self._pinned_loras: set[int] = set()  # adapters of running requests, pinned in the LoRA manager
@@ -345,12 +346,19 @@ class LLMEngine:
         )
 
     def _logprob_entry(self, lp: TokenLogprobs) -> tuple[float, list[TopLogprob]]:
-        decode = self.tokenizer.decode
-        tops = [TopLogprob(t, v, decode([t]), rank=i + 1) for i, (t, v) in enumerate(zip(lp.top_token_ids,
-                                                                                          lp.top_logprobs))]
+        text = self._token_text
+        tops = [TopLogprob(t, v, text(t), rank=i + 1) for i, (t, v) in enumerate(zip(lp.top_token_ids,
+                                                                                      lp.top_logprobs))]
         if lp.token_id not in lp.top_token_ids:
-            tops.append(TopLogprob(lp.token_id, lp.logprob, decode([lp.token_id]), rank=lp.rank))
+            tops.append(TopLogprob(lp.token_id, lp.logprob, text(lp.token_id), rank=lp.rank))
         return lp.logprob, tops
+
+    def _token_text(self, token_id: int) -> str:
+        """One token decoded alone (a pure function of the id: cached, one tokenizer call per id ever)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     # ---- observability -------------------------------------------------------------------------
     def get_stats(self) -> EngineStats:

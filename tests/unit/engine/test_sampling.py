@@ -151,3 +151,26 @@ def test_step_sampler_gathers_rows_as_a_view_only_when_they_are_the_first_n():
     for rows in ([0, 3, 2], [0, 0, 2], [1, 2], [4], [0, 2, 1, 3]):
         got = ss._gather_rows(hidden, np.asarray(rows, dtype=np.int64))
         assert torch.equal(got, hidden[rows]), rows
+
+
+def test_logprob_entries_carry_each_tokens_own_text_decoded_once_per_id(llm):
+    """Each logprob entry names its token by the token decoded alone; the text comes from a per-id cache."""
+    engine = llm.engine
+    decode = engine.tokenizer.decode
+    engine._token_texts.clear()
+    params = SamplingParams(max_tokens=6, temperature=0, logprobs=2, ignore_eos=True)
+    prompt = {"prompt_token_ids": [1, 5, 9, 12]}
+    first = llm.generate([prompt], params)[0].outputs[0]
+    seen = set()
+    for token_id, entry in zip(first.token_ids, first.logprobs, strict=True):
+        assert token_id in entry and all(lp.decoded_token == decode([t]) for t, lp in entry.items())
+        seen |= set(entry)
+    assert set(engine._token_texts) == seen
+    # the cache is what answers: a marked entry comes back as marked, no tokenizer call in between
+    marked = first.token_ids[0]
+    engine._token_texts[marked] = "<cached>"
+    try:
+        again = llm.generate([prompt], params)[0].outputs[0]
+    finally:
+        engine._token_texts.clear()
+    assert again.token_ids == first.token_ids and again.logprobs[0][marked].decoded_token == "<cached>"
