@@ -93,6 +93,7 @@ class LoRAManager:
         self._removed: set[int] = set()
         self.num_loads = 0  # host -> GPU slot copies
         self.num_prefetched_loads = 0  # of which made ahead of the step that needed them
+        self.num_prefetch_deferrals = 0  # prefetch passes cut short because the fills' staging buffers were full
         self.num_evictions = 0  # resident adapters displaced from a slot
         self.num_host_loads = 0  # disk -> host cache reads (validation included)
         self.num_host_reuses = 0  # host cache fills served by files already validated for another id
@@ -351,7 +352,8 @@ class LoRAManager:
         """Fill slots ahead of need, once per step after the running adapters are pinned: adapters of the
         first waiting requests (``poll``'s order) that are in host memory take a free slot, or the slot of
         the least recently used adapter that no running request pins and no request of that window needs.
-        On CUDA the fills overlap the step about to run. Returns the number of fills."""
+        On CUDA the fills overlap the step about to run; the host never waits here: when the fills' staging
+        buffers are full (``SlotPool.can_fill_now``), the rest waits for a later step. Returns the number of fills."""
         window = self._lookahead[:self.max_loras]
         wanted = set(window)
         num = 0
@@ -361,6 +363,9 @@ class LoRAManager:
             adapter = self.host_cache.get(adapter_id)
             if adapter is None:
                 continue
+            if not self.pool.can_fill_now(adapter):
+                self.num_prefetch_deferrals += 1
+                break  # staging is full: the next step goes on (a fill here would stall the engine thread)
             slot = self._take_slot(avoid=wanted, strict=True)
             if slot is None:
                 break

@@ -17,8 +17,8 @@ queued on the current stream (readers of the slot's previous occupant). Each fil
 ``wait_for_fills(slots)`` makes the current stream wait for the fills of those slots only, so a fill ahead of
 need overlaps the steps before it, and a fill just in time costs its step the device-side copies (tens of
 microseconds), not the PCIe transfer (milliseconds: 84 MB for a rank-16 adapter of an 8B model). Staging
-buffers still waiting for their copies are bounded (``max_staged_bytes``): past it the host waits for the
-oldest. Tensors are filled in place and never reallocated (captured CUDA graphs read them).
+buffers still waiting for their copies are bounded (``max_staged_bytes``): past it a fill waits on the host for
+the oldest, and slot prefetch (``can_fill_now``) stops for that step instead. Tensors are filled in place and never reallocated (captured CUDA graphs read them).
 """
 
 from __future__ import annotations
@@ -108,6 +108,17 @@ class SlotPool:
             self._staged.append((event, staged.numel()))
             self._staged_bytes += staged.numel()
         self._pending_fills[slot] = (event, adapter)
+
+    def can_fill_now(self, adapter: HostAdapter) -> bool:
+        """Whether ``fill(slot, adapter)`` would queue without the host waiting for staged copies (always on the
+        CPU and for unpacked adapters). Slot prefetch asks first: a fill ahead of need must never stall the engine
+        thread, whose next step would then start late."""
+        if self._copy_stream is None or not isinstance(adapter, PackedAdapter):
+            return True
+        while self._staged and self._staged[0][0].query():
+            _, size = self._staged.popleft()
+            self._staged_bytes -= size
+        return not self._staged or self._staged_bytes + adapter.buffer.numel() <= self.max_staged_bytes
 
     def _bound_staging(self, nbytes: int) -> None:
         """Forget staging buffers whose copies have run; wait on the host for the oldest while the rest would

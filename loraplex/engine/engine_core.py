@@ -402,6 +402,7 @@ class LLMEngine:
         if manager is not None:
             counters.update({
                 "lora_slot_loads": manager.num_loads, "lora_prefetched_slot_loads": manager.num_prefetched_loads,
+                "lora_prefetch_deferrals": manager.num_prefetch_deferrals,
                 "lora_slot_evictions": manager.num_evictions, "lora_host_loads": manager.num_host_loads,
                 "lora_host_reuses": manager.num_host_reuses, "lora_load_failures": manager.num_load_failures,
                 "lora_host_load_seconds": manager.host_load_seconds,

@@ -152,3 +152,30 @@ def test_fill_transfer_does_not_wait_for_queued_steps(tiny_model, hf_config):
     pool.fill(slot, adapter)
     assert len(pool._staged) == 1 and pool._staged_bytes == adapter.buffer.numel()
     torch.cuda.synchronize()
+
+
+def test_prefetch_never_waits_on_the_host_for_staging(tiny_model, hf_config):
+    """With the staging buffers full of copies that wait behind a long-running step, slot prefetch returns at
+    once with nothing filled (a deferral), and fills once the copies have run."""
+    import time
+
+    loras = _loras(tiny_model, 3)
+    mgr = _manager(hf_config, loras)
+    pool = mgr.pool
+    first = mgr.host_cache.get(1)
+    pool.max_staged_bytes = first.buffer.numel()  # room for one staged buffer
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles on the current stream
+    pool.fill(3, first)  # staged: its copies into the slot wait behind the sleep
+    assert not pool.can_fill_now(mgr.host_cache.get(2))
+    mgr.poll([lr for lr in loras[1:]])
+    start = time.perf_counter()
+    assert mgr.prefetch_slots() == 0
+    assert time.perf_counter() - start < 0.2, "prefetch waited on the host"
+    assert mgr.num_prefetch_deferrals == 1
+    torch.cuda.synchronize()
+    assert pool.can_fill_now(mgr.host_cache.get(2))
+    filled = mgr.prefetch_slots()  # room for one buffer: the second fill waits unless the first already ran
+    torch.cuda.synchronize()
+    filled += mgr.prefetch_slots()
+    assert filled == 2 and sorted(mgr.resident_adapter_ids()) == [2, 3]

@@ -218,3 +218,37 @@ def test_host_cache_counts_copies_and_keeps_what_waiting_requests_need():
     assert sorted(cache.ids()) == [5, 6] and cache.num_evictions == 4
     cache.pop(5)
     assert cache.num_copies == 1 and 5 not in cache
+
+
+class _StagingFull(SlotPool):
+    """The CUDA staging bound stood in for on the CPU (there is no copy stream here): room for ``room`` more
+    fills, then none until ``room`` is set again (on CUDA: until the oldest staged copies have run)."""
+
+    room = 1
+
+    def can_fill_now(self, adapter) -> bool:
+        return self.room > 0
+
+    def fill(self, slot, adapter) -> None:
+        self.room -= 1
+        super().fill(slot, adapter)
+
+
+def test_prefetch_stops_instead_of_waiting_when_staging_is_full(tiny_model, hf_config):
+    mgr = _manager(hf_config, max_loras=4)
+    mgr.pool.__class__ = _StagingFull
+    reqs = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(3)]
+    for r in reqs:
+        mgr.validate_and_prefetch(r)
+    mgr.poll(reqs)
+    assert mgr.prefetch_slots() == 1 and mgr.resident_adapter_ids() == [1]
+    assert mgr.num_prefetch_deferrals == 1 and mgr.num_evictions == 0
+    assert mgr.prefetch_slots() == 0 and mgr.num_prefetch_deferrals == 2  # still full: the step goes on
+    mgr.pool.room = 5  # the staged copies have run
+    assert mgr.prefetch_slots() == 2 and sorted(mgr.resident_adapter_ids()) == [1, 2, 3]
+    assert mgr.num_prefetched_loads == 3 and mgr.num_loads == 3
+    # a step's own fills never ask: assign_slots fills even with no room (on CUDA it may wait for staging)
+    mgr.pool.room = 0
+    extra = LoRARequest("a3", 4, adapter_dir(tiny_model, 3))
+    mgr.validate_and_prefetch(extra)
+    assert mgr.assign_slots([4]) and 4 in mgr.resident_adapter_ids()
