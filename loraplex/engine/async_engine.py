@@ -50,6 +50,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # orders commands against the loop's death
         self._stopping = False
         self._stats = engine.get_stats()
+        self.loop_torch_threads: int | None = None  # torch intra-op threads of the loop thread, once it runs
         self._thread = threading.Thread(target=self._run, name="loraplex-engine-loop", daemon=True)
         self._thread.start()
 
@@ -132,6 +133,12 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            import torch
+
+            threads = self.engine.config.loop_torch_threads
+            if threads > 0:
+                torch.set_num_threads(threads)  # this thread's (OpenMP's are per thread): EngineConfig.loop_torch_threads
+            self.loop_torch_threads = torch.get_num_threads()  # as the loop thread sees it
             while not self._stopping:
                 drained = self._drain_commands()
                 if self.engine.has_unfinished_requests():

@@ -205,3 +205,21 @@ async def test_a_closed_stream_still_delivers_the_abort_report(tiny_model):
         await asyncio.wait_for(task, 10)
     finally:
         await engine.shutdown()
+
+
+@pytest.mark.parametrize("loop_threads, expected", [(1, 1), (0, 2)])
+async def test_loop_thread_sets_torch_intra_op_threads(tiny_model, loop_threads, expected):
+    """The loop thread runs torch with ``loop_torch_threads`` intra-op threads (0: whatever the process had):
+    on a 2-core CPU the same generate ran 4.5x slower in a non-main thread with 2 of them than with 1."""
+    import torch
+
+    torch.set_num_threads(2)  # the loop thread starts from the process default; with 0 it keeps it
+    eng = AsyncEngine.from_config(EngineConfig(model=tiny_model["model_dir"], dtype="float32",
+                                               loop_torch_threads=loop_threads))
+    try:
+        params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+        deltas = await _collect(eng, EngineRequest("t", [1, 40, 41], params))
+        assert sum(len(d.token_ids) for d in deltas) == 3
+        assert eng.loop_torch_threads == expected  # as seen inside the loop thread (OpenMP's setting is per thread)
+    finally:
+        await eng.shutdown()
