@@ -53,6 +53,7 @@ def engine_config(settings: Settings, model_dir: Path, model_id: str):
         enable_lora=settings.enable_lora, max_loras=settings.max_loras, max_lora_rank=settings.max_lora_rank,
         max_cpu_loras=settings.max_cpu_loras, lora_load_workers=settings.lora_load_workers,
         merge_single_lora=settings.merge_single_lora and settings.enable_lora,
+        loop_torch_threads=settings.loop_torch_threads,
     )
 
 

@@ -40,3 +40,13 @@ def test_merge_single_lora_reaches_the_engine_config_only_with_adapters_on(tmp_p
                              "LORAPLEX_DEVICE": "cpu"})
     assert engine_config(off, Path(tmp_path), "m").merge_single_lora is False
     assert engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu"}), Path(tmp_path), "m").merge_single_lora is False
+
+
+def test_loop_torch_threads_reaches_the_engine_config(tmp_path):
+    from pathlib import Path
+
+    from loraplex.platform.engine_boot import engine_config
+
+    assert engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu"}), Path(tmp_path), "m").loop_torch_threads == 1
+    four = Settings.from_env({"LORAPLEX_LOOP_TORCH_THREADS": "4", "LORAPLEX_DEVICE": "cpu"})
+    assert engine_config(four, Path(tmp_path), "m").loop_torch_threads == 4
