@@ -253,8 +253,9 @@ class Scheduler:
         their place and block nobody) and aged ones. Without grouping, requests whose adapter holds a GPU slot
         count as needing none too. Then the others (collected in ``passed_over``) grouped by adapter, in the order
         of each adapter's oldest request: adapters that run by then first, then those holding a slot, then the
-        rest. Grouping is on while GPU slots cannot run out (``max_loras >= max_num_seqs``): deferring an adapter
-        then never costs a later step its batch, and the requests sharing one are batched together."""
+        rest (without grouping: FCFS). Grouping (``lora_grouping``, off by default) applies while GPU slots cannot
+        run out (``max_loras >= max_num_seqs``): deferring an adapter then never costs a later step its batch, and
+        the requests sharing one are batched together."""
         cfg, adapters = self.config, self.adapters
         grouping = cfg.lora_grouping and cfg.max_loras >= cfg.max_num_seqs
         max_wait = cfg.lora_group_max_skips if grouping else cfg.lora_max_wait_steps
