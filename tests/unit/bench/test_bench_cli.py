@@ -127,12 +127,13 @@ def test_bench_step_profile_smoke(tmp_path):
 def test_bench_offline_smoke_repeats_rounds(tmp_path):
     out = tmp_path / "out"
     rc = main(["bench", "offline", "--smoke", "--popularity", "base,identical", "--repeats", "2", "--merge-single-lora",
-               "--work-dir", str(tmp_path / "work"), "--out-dir", str(out)])
+               "--lora-grouping", "--work-dir", str(tmp_path / "work"), "--out-dir", str(out)])
     assert rc == 0
     data, md = _report(out, "offline")
     assert [(r["popularity"], r["round"]) for r in data["throughput"]] == [
         ("base", 1), ("identical", 1), ("base", 2), ("identical", 2)]
     assert all(r["over_base"] == 1.0 for r in data["throughput"] if r["popularity"] == "base")
     assert "2 rounds of the popularity list" in md and "merged steps" in md
+    assert data["settings"]["lora_grouping"] is True and data["settings"]["repeats"] == 2
     # merge counters recorded per run: base never merges
     assert all(r["diagnostics"]["engine"]["lora_merges"] == 0 for r in data["throughput"] if r["popularity"] == "base")
