@@ -112,6 +112,7 @@ def create_app(
             lambda: services.engine.stats() if services.engine else None,
             settings.max_loras,
         )
+        services.metrics.attach_admission(lambda: services.admission.in_flight, settings.max_concurrent_requests)
         app.state.services = services
         await services.authenticator.start()
         async with sessions() as session:

@@ -73,6 +73,23 @@ class _EngineCollector(Collector):
         yield info
 
 
+class _AdmissionCollector(Collector):
+    """Inference requests admitted and not yet accounted: a request leaves only after its usage record is in
+    the sink, so 0 means every usage event of the requests so far has been recorded."""
+
+    def __init__(self, in_flight: Callable[[], int], limit: int):
+        self._in_flight, self._limit = in_flight, limit
+
+    def collect(self):
+        g = GaugeMetricFamily("loraplex:requests_in_flight",
+                              "Inference requests admitted and not yet accounted (usage recorded).")
+        g.add_metric([], float(self._in_flight()))
+        yield g
+        cap = GaugeMetricFamily("loraplex:max_concurrent_requests", "Admission cap (beyond it, a fast 503).")
+        cap.add_metric([], float(self._limit))
+        yield cap
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -111,6 +128,9 @@ class Metrics:
     def attach_engine(self, model_name: Callable[[], str], stats: Callable[[], EngineStats | None],
                       max_loras: int) -> None:
         self.registry.register(_EngineCollector(model_name, stats, max_loras))
+
+    def attach_admission(self, in_flight: Callable[[], int], limit: int) -> None:
+        self.registry.register(_AdmissionCollector(in_flight, limit))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -229,6 +229,8 @@ def test_metrics_have_vllm_names_and_tenant_counters(server, tenants):
         assert name in text, name
     assert 'loraplex_tenant_requests_total{status="completed",tenant="acme"}' in text
     assert 'loraplex_tenant_tokens_total{kind="completion",tenant="acme"}' in text
+    # the request above returned after its usage was recorded: nothing is left in flight
+    assert "loraplex:requests_in_flight 0.0" in text and "loraplex:max_concurrent_requests " in text
 
 
 def test_client_disconnect_aborts_the_engine_request(server):
@@ -256,6 +258,10 @@ def test_client_disconnect_aborts_the_engine_request(server):
 
 def test_admission_cap_gives_fast_503(server):
     """The server runs with LORAPLEX_MAX_CONCURRENT_REQUESTS=8: the 9th concurrent request is refused."""
+    t0 = time.monotonic()
+    while "loraplex:requests_in_flight 0.0" not in httpx.get(server.base_url + "/metrics").text:
+        assert time.monotonic() - t0 < 30, "an earlier test's request is still in flight"  # it would take a slot
+        time.sleep(0.05)
     t = server.create_tenant("bursty")
     model = base_model(server)
     body = {"model": model, "prompt": "go", "max_tokens": 4000, "ignore_eos": True, "stream": True}
