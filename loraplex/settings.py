@@ -47,7 +47,7 @@ class Settings:
     max_cpu_loras: int = 64
     lora_load_workers: int | None = None  # threads reading and validating adapter files; None: min(4, CPUs)
     merge_single_lora: bool = False  # fold a lone adapter into the weights (engine option; costs a weight copy)
-    loop_torch_threads: int = 1  # torch intra-op threads of the engine's loop thread; 0: torch's default
+    loop_torch_threads: int = 0  # torch intra-op threads of the engine's loop thread; 0: torch's default
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
