@@ -84,6 +84,19 @@ class LiveServer:
     def log_text(self) -> str:
         return "\n".join(self.output)
 
+    def wait_none_in_flight(self, timeout_s: float = 60.0) -> None:
+        """Until ``loraplex:requests_in_flight`` reads 0: every request admitted so far has left, its usage
+        recorded (a client that cut its stream is done before the server has accounted for it)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = httpx.get(self.base_url + "/metrics").text
+            value = next(float(line.split()[-1]) for line in text.splitlines()
+                         if line.startswith("loraplex:requests_in_flight "))
+            if value == 0:
+                return
+            assert time.monotonic() < deadline, f"{value:g} requests still in flight after {timeout_s:g} s"
+            time.sleep(0.05)
+
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM (drain), wait, return the exit code (SIGKILL after ``timeout``)."""
         if self.proc.poll() is None:

@@ -258,10 +258,7 @@ def test_client_disconnect_aborts_the_engine_request(server):
 
 def test_admission_cap_gives_fast_503(server):
     """The server runs with LORAPLEX_MAX_CONCURRENT_REQUESTS=8: the 9th concurrent request is refused."""
-    t0 = time.monotonic()
-    while "loraplex:requests_in_flight 0.0" not in httpx.get(server.base_url + "/metrics").text:
-        assert time.monotonic() - t0 < 30, "an earlier test's request is still in flight"  # it would take a slot
-        time.sleep(0.05)
+    server.wait_none_in_flight(timeout_s=30)  # an earlier test's request would take a slot
     t = server.create_tenant("bursty")
     model = base_model(server)
     body = {"model": model, "prompt": "go", "max_tokens": 4000, "ignore_eos": True, "stream": True}

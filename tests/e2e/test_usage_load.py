@@ -95,18 +95,6 @@ async def _load(server, plan: list[tuple[str, str, str, str]], cuts: list[dateti
     return results
 
 
-def _wait_none_in_flight(server, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        text = httpx.get(server.base_url + "/metrics").text
-        value = next(float(line.split()[-1]) for line in text.splitlines()
-                     if line.startswith("loraplex:requests_in_flight "))
-        if value == 0:
-            return
-        assert time.monotonic() < deadline, f"{value:g} requests still in flight after {timeout_s:g} s"
-        time.sleep(0.05)
-
-
 def _typed(row: dict) -> str:
     """The model the clients typed: the base model, or the bare name of their own adapter (an adapter's row
     carries its canonical ``<owner>/<name>@<version>``)."""
@@ -138,7 +126,7 @@ def test_thousand_concurrent_requests_export_equals_what_clients_received(server
     elapsed = time.monotonic() - t0
     # a client that cut its stream is done before the server has accounted for it (the abort's final delta
     # comes with the next engine step): the totals below are taken once no request is left in flight
-    _wait_none_in_flight(server)
+    server.wait_none_in_flight()
 
     kinds = Counter((o.kind, o.status) for o in outcomes)
     if any(o.status >= 500 for o in outcomes):
