@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from loraplex.bench.offline import summarize_rounds
 from loraplex.bench.report import table
 
 # multi-LoRA throughput ÷ base throughput on the same workload (issue 9)
@@ -52,8 +53,6 @@ def attention_section(result: dict) -> tuple[str, str]:
 
 
 def throughput_section(rows: list[dict]) -> tuple[str, str]:
-    from loraplex.bench.offline import summarize_rounds
-
     all_rows, rows = rows, summarize_rounds(rows)
     out = []
     for r in rows:
@@ -175,8 +174,6 @@ def step_section(rows: list[dict]) -> tuple[str, str]:
 
 
 def peer_section(peer: dict, rows: list[dict]) -> tuple[str, str]:
-    from loraplex.bench.offline import summarize_rounds
-
     ours = {r["popularity"]: r["output_tok_per_s"] for r in summarize_rounds(rows)}
     out = []
     for pop in ("uniform", "distinct", "zipf", "identical", "base"):
@@ -250,8 +247,6 @@ def target_rows(attn: dict | None, lora: dict | None, offline: dict | None) -> l
             base_step["roofline"]["measured_over_floor"],
             STEP_OVER_FLOOR_TARGET, higher_is_better=False,
             note=f"{base_step['step_mean_s'] * 1e3:.2f} ms vs floor {base_step['roofline']['floor_s'] * 1e3:.2f} ms")
-    from loraplex.bench.offline import summarize_rounds
-
     through = {r["popularity"]: r for r in summarize_rounds((offline or {}).get("throughput") or [])}
     for pop, target in OVER_BASE_TARGETS.items():
         if pop in through and through[pop].get("over_base") is not None:
