@@ -9,6 +9,8 @@
 #              `loraplex serve` (embedded default: SQLite + in-process), cut short by SIGTERM at
 #              ${REPORT_TIMEOUT_S:-560} s so a partial report is still written (rc 3)
 #   profile    bench step-profile: one decode step, base and 64 distinct rank-16 adapters, with traces
+#   overlap    A/B of lora_overlap_shrink: bench offline (1,000 requests; base, zipf, distinct; ${OVERLAP_REPEATS:-2}
+#              rounds) with the shrinks after the GEMMs and on a forked stream alongside them
 #   ab         A/B of the experimental fuse_lora_silu_mul: its GPU test, then bench offline (1,000 requests, every
 #              popularity) without and with --fuse-lora-silu-mul, and step-profile at 64 adapters with it
 #
@@ -77,6 +79,15 @@ if [[ "$what" == *ab* ]]; then
     python3 -m loraplex.cli bench step-profile --out-dir "$out" --adapters 64 --fuse-lora-silu-mul \
         ${smoke[@]+"${smoke[@]}"} > "$out/ab-profile.log" 2>&1
     grep -E "step-profile" "$out/ab-profile.log" | grep -v "^loraplex bench"
+fi
+if [[ "$what" == *overlap* ]]; then
+    for variant in sequential overlap; do
+        flag=(--no-lora-overlap-shrink); [[ "$variant" == overlap ]] && flag=(--lora-overlap-shrink)
+        python3 -m loraplex.cli bench offline --out-dir "$out" --num-requests 1000 --input-len 256 --output-len 128 \
+            --step-batch 0 --popularity base,zipf,distinct --repeats "${OVERLAP_REPEATS:-2}" "${flag[@]}" \
+            ${smoke[@]+"${smoke[@]}"} > "$out/overlap-$variant.log" 2>&1
+        echo "overlap $variant: exit $?"; grep -E "offline [a-z]+: |decode steps in|rounds" "$out/overlap-$variant.log"
+    done
 fi
 if [[ "$what" == *profile* ]]; then
     # shellcheck disable=SC2086  # PROFILE_ARGS is a list of flags

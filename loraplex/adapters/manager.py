@@ -69,6 +69,7 @@ class LoRAManager:
         self.pool = SlotPool(self.shapes, max_loras, max_lora_rank, self.device, dtype)
         self.merged = None  # MergedLoRA (engine option merge_single_lora): single-adapter stretches on merged weights
         self.fuse_silu_mul = False  # gate|up's delta inside SiLU-and-multiply (engine option fuse_lora_silu_mul)
+        self.overlap_shrink = False  # shrink on a forked stream alongside the base GEMM (engine option lora_overlap_shrink)
         self.host_cache: HostLRUCache[HostAdapter] = HostLRUCache(max(max_cpu_loras or max_loras, max_loras))
         self._validated: ValidatedFiles[HostAdapter] = ValidatedFiles()
         self.loader = BackgroundLoader(self._load_files, num_load_workers or min(4, os.cpu_count() or 1))
@@ -331,7 +332,7 @@ class LoRAManager:
 
     def make_step(self, token_slots: torch.Tensor, num_active: int) -> LoRAStep:
         """A step's mapping over this manager's pool and kernel options (slots already assigned)."""
-        return LoRAStep(self.pool, token_slots, num_active, self.use_triton, self.fuse_silu_mul)
+        return LoRAStep(self.pool, token_slots, num_active, self.use_triton, self.fuse_silu_mul, self.overlap_shrink)
 
     def assign_slots(self, adapter_ids) -> dict[int, int]:
         """Give every adapter of a step (ids, 0 = base, ignored) a GPU slot; returns adapter id -> slot.

@@ -3,6 +3,11 @@
 ``LoRAStep.add(layer, proj, x, out)`` runs after each fused base projection and adds every token's own
 adapter delta into ``out`` in place: Triton kernels on CUDA, the pure-torch twins elsewhere. Tokens of
 base-model requests (slot -1) are left bit-identical.
+
+``LoRAStep.linear`` (the base projection and its delta) can overlap the shrink with the base GEMM
+(``overlap_shrink``, CUDA only): the shrink reads only x, so it runs on a forked stream while the GEMM runs,
+and the expand follows both on the current stream. Both are short, memory-bound launches whose fixed latency
+then hides under the GEMM instead of adding to the step.
 """
 
 from __future__ import annotations
@@ -29,11 +34,23 @@ def token_slots_from_ids(token_adapter_ids: torch.Tensor, slot_of: dict[int, int
     return torch.where(hit, slots_t[pos], torch.full_like(slots_t[pos], -1))
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One forked stream per CUDA device for the overlapped shrinks (created once, reused by every step and graph)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _SIDE_STREAMS.get(index)
+    if stream is None:
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=torch.device("cuda", index))
+    return stream
+
+
 class LoRAStep:
     """One step's token->slot mapping and device metadata, shared by every layer and projection."""
 
     def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool,
-                 fuse_silu_mul: bool = False) -> None:
+                 fuse_silu_mul: bool = False, overlap_shrink: bool = False) -> None:
         self.pool = pool
         self.token_slots = token_slots  # [T] int32
         self.num_active = num_active  # distinct adapters in the step (host-known)
@@ -44,6 +61,8 @@ class LoRAStep:
         self._counters = None
         self._configs: dict[str, object] = {}
         self._chunk_ranks = None
+        # the shrink of ``linear`` on a forked stream, alongside the base GEMM (Triton on CUDA only)
+        self.overlap_shrink = bool(overlap_shrink and use_triton and num_active and token_slots.is_cuda)
         if use_triton and num_active:
             from loraplex.kernels import lora_ops
             from loraplex.kernels.lora_expand import slice_col_align
@@ -52,6 +71,7 @@ class LoRAStep:
             from loraplex.kernels.lora_shrink import pdl_supported
 
             self._lora_apply = lora_apply
+            self._ops = lora_ops
             self._col_align = {p: min(16, slice_col_align(pool.slice_loc_host[p])) if lora_ops.VECTORIZE_EXPAND
                                else 1 for p in PROJ_MODULES}
 
@@ -116,8 +136,33 @@ class LoRAStep:
 
     def linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``F.linear(x, weight, bias)`` plus every token's adapter delta for ``proj`` (the base GEMM, then ``add``)."""
+        """``F.linear(x, weight, bias)`` plus every token's adapter delta for ``proj``: the base GEMM, then ``add``;
+        with ``overlap_shrink``, the shrink on a forked stream while the GEMM runs, then the expand."""
+        if self.overlap_shrink and proj in self._configs and not self._configs[proj].fused:
+            return self._overlapped_linear(layer_idx, proj, x, weight, bias)
         return self.add(layer_idx, proj, x, torch.nn.functional.linear(x, weight, bias))
+
+    def _overlapped_linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+        """Fork: the shrink (x -> the step's fp32 scratch) on the side stream; the GEMM on the current one; join;
+        the expand into the GEMM's output. The fork waits for everything queued before it, so the previous
+        projection's expand (the scratch's last reader) is done before this shrink writes it, and nothing queued
+        after the join can reuse x's memory before the shrink has read it. Works under CUDA-graph capture (the
+        fork and join become graph edges)."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        a, bt, ranks = self.pool.layer_view(proj, layer_idx)
+        cfg = self._configs[proj]
+        chunk_ranks = self._layer_chunk_ranks(layer_idx, proj)
+        main = torch.cuda.current_stream(x.device)
+        side = side_stream(x.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            y, valid = self._ops.lora_shrink_apply(x, a, ranks, self._meta, cfg, self._scratch, chunk_ranks, pdl=False)
+        out = torch.nn.functional.linear(x, weight, bias)
+        main.wait_stream(side)
+        return self._ops.lora_expand_apply(y, valid, out, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj],
+                                           self._widths[proj], self._meta, cfg, self._col_align[proj], chunk_ranks)
 
     def add(self, layer_idx: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [T, N_total] += LoRA delta of x [T, K] for ``proj`` in qkv | o | gate_up | down."""

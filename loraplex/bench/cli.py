@@ -6,6 +6,8 @@ engine, the Triton interpreter for the kernels) so the harness itself is tested 
 
 from __future__ import annotations
 
+import argparse
+
 import logging
 import os
 import tempfile
@@ -122,6 +124,9 @@ def add_offline_args(p) -> None:
     p.add_argument("--merge-single-lora", action="store_true",
                    help="engine option merge_single_lora: while every step has one adapter and no base token "
                         "(identical popularity), that adapter is folded into the base weights")
+    p.add_argument("--lora-overlap-shrink", action=argparse.BooleanOptionalAction, default=None,
+                   help="engine option lora_overlap_shrink: each LoRA shrink on a forked CUDA stream alongside the "
+                        "base GEMM (default: the engine's default)")
     p.add_argument("--lora-grouping", action="store_true",
                    help="engine option lora_grouping: admit waiting requests whose adapter already runs first, the "
                         "others grouped by adapter (instead of FCFS)")

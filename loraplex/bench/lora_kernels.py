@@ -479,6 +479,79 @@ def bench_decode_steps(shapes, num_tokens: int, rank: int, device, dtype, copy_b
     return {"tokens": num_tokens, "rank": rank, "layers": shapes.num_layers, "steps": rows, "kernels": kernel_rows}
 
 
+# LoRA inside the base projections (bench_in_layer): the shrink after the GEMM on the same stream, or on a forked
+# stream alongside it (LoRAStep(overlap_shrink=True), engine option lora_overlap_shrink)
+IN_LAYER_POLICIES = (("sequential", False), ("overlap", True))
+
+
+def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: float, reps: int,
+                   mixes=STEP_MIXES) -> dict:
+    """The base projections of one decode step (32 layers x qkv, o, gate|up, down; random bf16 weights of the
+    model's shapes, distinct per layer) with and without the LoRA work, each one CUDA graph built as the engine
+    builds its decode graph (LoRAStep inside the graph). ``added_ms`` = step with LoRA - base projections alone:
+    what LoRA costs a decode step when its launches sit between the GEMMs, per policy (``IN_LAYER_POLICIES``)."""
+    from loraplex.adapters.mapping import LoRAStep
+
+    bench = _DecodeStepBench(shapes, num_tokens, rank, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(1)
+    weights = [{p: torch.empty(sum(shapes.slice_widths(p)), shapes.proj_in(p), dtype=dtype, device=device)
+                .normal_(0.0, 0.02, generator=gen) for p in bench.projs} for _ in range(shapes.num_layers)]
+    elem = torch.finfo(dtype).bits // 8
+    base_bytes = sum(w.numel() for layer in weights for w in layer.values()) * elem
+
+    def run(step) -> None:
+        for layer in range(shapes.num_layers):
+            for p in bench.projs:
+                if step is None:
+                    torch.nn.functional.linear(bench.xs[p], weights[layer][p])
+                else:
+                    step.linear(layer, p, bench.xs[p], weights[layer][p])
+
+    graph = _capture(lambda: run(None), device)
+    base_s = _replay_seconds(graph, reps)
+    del graph
+    rows = [{"policy": "base only", "mix": "—", "adapters": 0, "time_ms": base_s * 1e3, "added_ms": 0.0,
+             "base_floor_ms": base_bytes / copy_bw * 1e3, "lora_floor_ms": 0.0}]
+    log.info("IN-LAYER %s", rows[-1])
+    for name, overlap in IN_LAYER_POLICIES:
+        bench.slots.copy_(_mix_slots(num_tokens, mixes[0][1], device))
+        try:
+            graph = _capture(lambda overlap=overlap: run(LoRAStep(bench.pool, bench.slots, bench.num_active, True,
+                                                                   overlap_shrink=overlap)), device)
+        except Exception as exc:  # report the failure, keep the rest of the run
+            log.warning("in-layer policy %s failed: %s", name, str(exc).splitlines()[0][:300])
+            _sync(device)
+            continue
+        for mix, adapters in mixes:
+            adapters = min(adapters, num_tokens, bench.pool.max_loras)
+            bench.slots.copy_(_mix_slots(num_tokens, adapters, device))
+            _sync(device)
+            seconds = _replay_seconds(graph, reps)
+            lora_w, acts = bench.bytes_needed(adapters)
+            rows.append({"policy": name, "mix": mix, "adapters": adapters, "time_ms": seconds * 1e3,
+                         "added_ms": (seconds - base_s) * 1e3, "base_floor_ms": base_bytes / copy_bw * 1e3,
+                         "lora_floor_ms": (lora_w + acts) / copy_bw * 1e3})
+            log.info("IN-LAYER %s", rows[-1])
+        del graph
+    return {"tokens": num_tokens, "rank": rank, "layers": shapes.num_layers, "rows": rows}
+
+
+def _in_layer_markdown(in_layer: dict | None) -> list[str]:
+    if not in_layer:
+        return []
+    lines = ["## LoRA inside the base projections of one decode step", "",
+             f"{in_layer['tokens']} tokens, rank {in_layer['rank']}, {in_layer['layers']} layers x (q|k|v, o, gate|up, "
+             "down): the base GEMMs (random weights of the model's shapes) with the LoRA work between them, one CUDA "
+             "graph each, median replay. Added = with LoRA - base projections alone. `overlap`: each shrink on a "
+             "forked stream while its GEMM runs (engine option `lora_overlap_shrink`); `sequential`: after it.", "",
+             "| policy | workload | adapters | time (ms) | added by LoRA (ms) | LoRA floor (ms) | base floor (ms) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in in_layer["rows"]:
+        lines.append(f"| {r['policy']} | {r['mix']} | {r['adapters']} | {r['time_ms']:.3f} | {r['added_ms']:.3f} | "
+                     f"{r['lora_floor_ms']:.3f} | {r['base_floor_ms']:.3f} |")
+    return lines + [""]
+
+
 # whole-step policies of the default run: the previous kernels, the current defaults, and the current kernels with
 # one change each (attribution); "run-A" = the defaults of the first H200 run of these kernels (run D in
 # NOTES-lora.md: no per-chunk tables, gate|up expand tile 128, down at most 16 K parts)
@@ -806,6 +879,7 @@ def _markdown(payload: dict) -> str:
         lines += ["## All LoRA work of one decode step", "",
                   f"{steps['tokens']} tokens, rank {steps['rank']} on all 7 modules, {steps['layers']} layers, one "
                   f"CUDA graph. {STEPS_NOTE}", ""] + _steps_markdown(steps) + [""]
+    lines += _in_layer_markdown(payload.get("in_layer"))
     lines += _prefill_markdown(payload.get("prefill"))
     lines += ["## Per kernel (do_bench: L2 flushed, host launch time partly inside the events)", "",
               "| regime | tokens | adapters | rank | proj | kernel | split-K | time (us) | MB | GB/s | % copy BW |"
@@ -951,6 +1025,11 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps(payload, indent=2) + "\n")
         out.with_suffix(".md").write_text(_markdown(payload))
 
+    write()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    payload["in_layer"] = bench_in_layer(shapes, step_tokens, 16, device, dtype, copy_bw, reps,
+                                         mixes=STEP_MIXES if not args.smoke else (("distinct", 8), ("identical", 1)))
     write()
     if not args.skip_prefill and not args.smoke:
         payload["prefill"] = prefill_check(shapes, device, dtype, copy_bw, max(5, reps // 5), args.before_dir)

@@ -11,6 +11,8 @@ the host, so the phase times come from the unprofiled steps and the profiled ste
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import logging
 import statistics
@@ -50,6 +52,9 @@ def add_step_profile_args(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fuse-lora-silu-mul", action="store_true",
                    help="engine option fuse_lora_silu_mul: gate|up's LoRA delta added inside SiLU-and-multiply")
+    p.add_argument("--lora-overlap-shrink", action=argparse.BooleanOptionalAction, default=None,
+                   help="engine option lora_overlap_shrink: each LoRA shrink on a forked CUDA stream alongside the "
+                        "base GEMM (default: the engine's default)")
     p.add_argument("--merge-single-lora", action="store_true",
                    help="engine option merge_single_lora: a single adapter's steps on merged weights")
 
@@ -190,7 +195,7 @@ def collect_step_profile(args, device) -> tuple[dict, list[tuple[str, str]]]:
         if most else []
     llm = make_llm(model_dir, str(device), args.dtype, args.max_loras or max(1, most), args.rank,
                    max_num_seqs=args.max_num_seqs, seed=args.seed, merge_single_lora=args.merge_single_lora,
-                   fuse_lora_silu_mul=args.fuse_lora_silu_mul)
+                   fuse_lora_silu_mul=args.fuse_lora_silu_mul, lora_overlap_shrink=args.lora_overlap_shrink)
     bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     log.info("step-profile: model and engine ready in %.1f s", time.perf_counter() - started)

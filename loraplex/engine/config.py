@@ -49,6 +49,9 @@ class EngineConfig:
     # experimental: gate|up's LoRA delta added inside SiLU-and-multiply (kernels/lora_silu_mul.py) instead of an
     # expand that reads and writes gate|up's whole output; measured slower on the H200 (run 9), so off
     fuse_lora_silu_mul: bool = False
+    # the LoRA shrink of each projection on a forked CUDA stream while the base GEMM runs (LoRAStep.linear), the
+    # expand after both; CUDA only (elsewhere ignored)
+    lora_overlap_shrink: bool = False
     model_id: str | None = None  # served name; default the model directory's name
 
     def __post_init__(self) -> None:

@@ -183,6 +183,7 @@ class ModelRunner:
                 max_cpu_loras=self.config.max_cpu_loras, device=self.device, dtype=self.dtype,
                 num_load_workers=self.config.lora_load_workers)
             self.lora_manager.fuse_silu_mul = self.config.fuse_lora_silu_mul
+            self.lora_manager.overlap_shrink = self.config.lora_overlap_shrink
             if self.config.merge_single_lora:
                 from loraplex.adapters.merged import MergedLoRA
 

@@ -186,22 +186,31 @@ def lora_apply(
                           split_k=cfg.fused_split_k, n_splits=cfg.fused_n_splits, block_k=cfg.fused_block_k,
                           block_n=cfg.fused_block_n, y=scratch, counters=counters, num_warps=cfg.fused_warps,
                           num_stages=cfg.fused_stages, col_align=col_align)
-    y, valid = _shrink(x, lora_a, ranks, meta, cfg, scratch, chunk_ranks)
-    return lora_expand(y, lora_b, ranks, scaling, slice_loc, max_slice_width, meta, out, block_n=cfg.block_n,
-                       n_splits=cfg.expand_splits, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages,
-                       col_align=col_align, **valid, pdl=cfg.pdl, prefetch_out=cfg.prefetch_out,
-                       chunk_ranks=chunk_ranks if cfg.chunk_tables else None)
+    y, valid = lora_shrink_apply(x, lora_a, ranks, meta, cfg, scratch, chunk_ranks)
+    return lora_expand_apply(y, valid, out, lora_b, ranks, scaling, slice_loc, max_slice_width, meta, cfg,
+                             col_align, chunk_ranks)
 
 
-def _shrink(x, lora_a, ranks, meta, cfg: LoRAKernelConfig, scratch, chunk_ranks) -> tuple[torch.Tensor, dict]:
+def lora_shrink_apply(x, lora_a, ranks, meta, cfg: LoRAKernelConfig, scratch, chunk_ranks,
+                      pdl: bool | None = None) -> tuple[torch.Tensor, dict]:
     """The shrink of ``cfg`` (split-K partials into ``scratch``) and what its consumer needs to know of it (which
-    partials are valid: ``shrink_progs``, ``k_tiles``)."""
+    partials are valid: ``shrink_progs``, ``k_tiles``). ``pdl`` overrides ``cfg.pdl`` (a shrink on a forked stream
+    launches without it: its predecessor is an event, not the kernel before it)."""
     parts = cfg.split_k_max or cfg.split_k
     shrink_progs = cfg.split_k * meta.max_chunks
     y = lora_shrink(x, lora_a, ranks, meta, split_k=parts, progs=shrink_progs, block_r=cfg.block_r,
                     block_k=cfg.block_k, y=scratch, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages,
-                    pdl=cfg.pdl, chunk_ranks=chunk_ranks if cfg.chunk_tables else None)
+                    pdl=cfg.pdl if pdl is None else pdl, chunk_ranks=chunk_ranks if cfg.chunk_tables else None)
     return y, {"shrink_progs": shrink_progs, "k_tiles": triton.cdiv(x.shape[1], cfg.block_k)}
+
+
+def lora_expand_apply(y, valid: dict, out, lora_b, ranks, scaling, slice_loc, max_slice_width: int, meta,
+                      cfg: LoRAKernelConfig, col_align: int = 1, chunk_ranks=None) -> torch.Tensor:
+    """The expand of ``cfg``: out += scaling * y @ B, reading the partials ``lora_shrink_apply`` said are valid."""
+    return lora_expand(y, lora_b, ranks, scaling, slice_loc, max_slice_width, meta, out, block_n=cfg.block_n,
+                       n_splits=cfg.expand_splits, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages,
+                       col_align=col_align, **valid, pdl=cfg.pdl, prefetch_out=cfg.prefetch_out,
+                       chunk_ranks=chunk_ranks if cfg.chunk_tables else None)
 
 
 def lora_silu_mul_apply(
@@ -219,5 +228,5 @@ def lora_silu_mul_apply(
     """``silu(gate + dg) * (up + du)`` [T, I]: the shrink of ``cfg``, then ``lora_silu_mul`` in place of the expand
     (semantics: ``lora_silu_mul.lora_silu_mul_ref``)."""
     assert meta.block_m == cfg.block_m and not cfg.fused
-    y, valid = _shrink(x, lora_a, ranks, meta, cfg, scratch, chunk_ranks)
+    y, valid = lora_shrink_apply(x, lora_a, ranks, meta, cfg, scratch, chunk_ranks)
     return lora_silu_mul(gate_up, y, lora_b, ranks, scaling, meta, **valid)
