@@ -191,6 +191,42 @@ def add_online_args(p) -> None:
     launch.add_argument("--num-adapters", type=int, default=16, help="adapters uploaded (with --popularity)")
     launch.add_argument("--max-loras", type=int, default=64)
     launch.add_argument("--max-num-seqs", type=int, default=256)
+    launch.add_argument("--serve-env", action="append", default=[], metavar="LORAPLEX_NAME=VALUE",
+                        help="a server setting for the launched server (repeatable), e.g. "
+                             "LORAPLEX_LOOP_TORCH_THREADS=1; its data dir, address, database and Redis stay the bench's")
+
+
+LOOP_COUNTERS = ("loraplex:engine_loop_steps_total", "loraplex:engine_loop_step_seconds_total",
+                 "loraplex:engine_loop_dispatch_seconds_total")
+
+
+def loop_counters(url: str) -> dict[str, float] | None:
+    """The server's engine-loop counters from ``/metrics`` (None when it cannot be read: another server, or
+    metrics not reachable from here)."""
+    import httpx
+
+    try:
+        text = httpx.get(url.rstrip("/") + "/metrics", timeout=5.0).text
+    except httpx.HTTPError:
+        return None
+    found = {}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in LOOP_COUNTERS:
+            found[name] = found.get(name, 0.0) + float(line.split()[-1])
+    return found if len(found) == len(LOOP_COUNTERS) else None
+
+
+def loop_delta(before: dict | None, after: dict | None, wall_s: float) -> dict | None:
+    """What the server's engine loop did during the measured run: steps, time per step inside engine.step() and
+    handing out deltas, and the share of the run's wall time it was busy (the rest: waiting for work)."""
+    if not before or not after or wall_s <= 0:
+        return None
+    steps = after[LOOP_COUNTERS[0]] - before[LOOP_COUNTERS[0]]
+    step_s = after[LOOP_COUNTERS[1]] - before[LOOP_COUNTERS[1]]
+    dispatch_s = after[LOOP_COUNTERS[2]] - before[LOOP_COUNTERS[2]]
+    return {"steps": int(steps), "steps_per_s": steps / wall_s, "step_ms": step_s / steps * 1e3 if steps else None,
+            "dispatch_ms": dispatch_s / steps * 1e3 if steps else None, "busy_share": (step_s + dispatch_s) / wall_s}
 
 
 def _launch(args, device):
@@ -205,10 +241,16 @@ def _launch(args, device):
 
     model_dir = prepare_model(Namespace(model=args.model_dir, smoke=args.smoke, work_dir=args.work_dir,
                                         layers=args.layers), device)
+    env = {}
+    for item in getattr(args, "serve_env", None) or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("LORAPLEX_"):
+            raise SystemExit(f"--serve-env: expected LORAPLEX_NAME=VALUE, got {item!r}")
+        env[name] = value
     serve_args = ["--device", device.type, "--dtype", args.dtype, "--enable-lora", "--max-loras",
                   str(args.max_loras), "--max-lora-rank", str(args.rank), "--max-num-seqs", str(args.max_num_seqs)]
     started = time.perf_counter()
-    server = launch_server(model_dir, serve_args)
+    server = launch_server(model_dir, serve_args, env=env)
     server.timings["start_s"] = time.perf_counter() - started
     log.info("online: loraplex serve ready in %.1f s (pid %d, data dir %s)", server.timings["start_s"],
              server.proc.pid, server.data_dir)
@@ -254,9 +296,11 @@ def collect_online(args, device) -> dict:
                 [min(4, r.output_len) for r in reqs[:warmup]], float("inf"), seed=args.seed))
             log.info("online: %d warm-up requests in %.1f s (%d failed)", len(warm), time.perf_counter() - started,
                      sum(r.error is not None for r in warm))
+        before = loop_counters(args.url)
         records, duration = asyncio.run(run_online(
             args.url, args.api_key, models, [r.prompt_token_ids for r in reqs], [r.output_len for r in reqs],
             args.rate, seed=args.seed))
+        loop = loop_delta(before, loop_counters(args.url), duration)
     finally:
         if server is not None:
             launched = {**server.timings, **server.stop()}
@@ -271,7 +315,8 @@ def collect_online(args, device) -> dict:
     rate = args.rate if args.rate != float("inf") else "inf"  # JSON has no infinity
     return {"url": args.url, "rate": rate, "popularity": args.popularity, "adapters": adapters,
             "input_len": args.input_len, "output_len": args.output_len, "launched": server is not None,
-            "warmup_requests": getattr(args, "warmup_requests", 0), "server": launched, "summary": summary}
+            "warmup_requests": getattr(args, "warmup_requests", 0), "server": launched, "summary": summary,
+            "engine_loop": loop, "serve_env": getattr(args, "serve_env", None) or []}
 
 
 def run_online_cli(args) -> int:

@@ -219,6 +219,13 @@ def online_section(result: dict) -> tuple[str, str]:
                      if "upload_s" in server else "")
                   + f"; stopped with SIGTERM, exit code {server['exit_code']} after {server['stop_s']:.1f} s"
                   + (" (killed: it did not drain in time)" if server.get("killed") else "") + ".")
+    loop = result.get("engine_loop")
+    if loop and loop.get("steps"):
+        intro += (f"\n\nThe server's engine loop during the run (its /metrics counters): {loop['steps']:,} steps, "
+                  f"{loop['steps_per_s']:.1f} per s; {loop['step_ms']:.2f} ms per step inside the engine's step and "
+                  f"{loop['dispatch_ms']:.2f} ms handing out its deltas; busy {loop['busy_share']:.0%} of the run.")
+    if result.get("serve_env"):
+        intro += " Server settings given: " + ", ".join(f"`{e}`" for e in result["serve_env"]) + "."
     return "Online serving", intro + "\n\n" + body
 
 

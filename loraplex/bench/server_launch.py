@@ -90,17 +90,27 @@ class LaunchedServer:
         return state
 
 
-def launch_server(model_dir: Path, serve_args: list[str], ready_timeout: float = 900.0) -> LaunchedServer:
-    """``loraplex serve model_dir *serve_args`` on a free port with its own data dir; waits for ``/ready``."""
+# set by the bench itself: its own data dir and address, and no database or Redis (the embedded default)
+BENCH_OWNED = ("LORAPLEX_DATA_DIR", "LORAPLEX_HOST", "LORAPLEX_PORT", "LORAPLEX_DATABASE_URL", "LORAPLEX_REDIS_URL")
+
+
+def launch_server(model_dir: Path, serve_args: list[str], ready_timeout: float = 900.0,
+                  env: dict[str, str] | None = None) -> LaunchedServer:
+    """``loraplex serve model_dir *serve_args`` on a free port with its own data dir; waits for ``/ready``.
+    ``env``: more LORAPLEX_ settings for it (none of ``BENCH_OWNED``)."""
     import httpx
 
     port = _free_port()
     data_dir = Path(tempfile.mkdtemp(prefix="loraplex-bench-serve-"))
     # only these LORAPLEX_ settings: no database or Redis URL, so the server runs the embedded default
-    overrides = {"LORAPLEX_DATA_DIR": str(data_dir), "LORAPLEX_HOST": "127.0.0.1", "LORAPLEX_PORT": str(port)}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
-    env.update(overrides, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "serve", str(model_dir), *serve_args], env=env,
+    owned = sorted(set(env or {}) & set(BENCH_OWNED))
+    if owned:
+        raise ValueError(f"{', '.join(owned)}: set by the bench for the server it launches")
+    overrides = {"LORAPLEX_DATA_DIR": str(data_dir), "LORAPLEX_HOST": "127.0.0.1", "LORAPLEX_PORT": str(port),
+                 **(env or {})}
+    proc_env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
+    proc_env.update(overrides, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "serve", str(model_dir), *serve_args], env=proc_env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     output: list[str] = []
 

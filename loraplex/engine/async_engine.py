@@ -15,8 +15,10 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import dataclasses
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -50,6 +52,9 @@ class AsyncEngine:
         self._lock = threading.Lock()  # orders commands against the loop's death
         self._stopping = False
         self._stats = engine.get_stats()
+        self._loop_steps = 0  # the loop thread's counters (EngineStats.loop_*)
+        self._loop_step_s = 0.0
+        self._loop_dispatch_s = 0.0
         self.loop_torch_threads: int | None = None  # torch intra-op threads of the loop thread, once it runs
         self._thread = threading.Thread(target=self._run, name="loraplex-engine-loop", daemon=True)
         self._thread.start()
@@ -142,11 +147,17 @@ class AsyncEngine:
             while not self._stopping:
                 drained = self._drain_commands()
                 if self.engine.has_unfinished_requests():
-                    self._dispatch(self.engine.step())
-                    self._stats = self.engine.get_stats()
+                    started = time.perf_counter()
+                    deltas = self.engine.step()
+                    stepped = time.perf_counter()
+                    self._dispatch(deltas)
+                    self._loop_steps += 1
+                    self._loop_step_s += stepped - started
+                    self._loop_dispatch_s += time.perf_counter() - stepped
+                    self._stats = self._loop_stats()
                 else:
                     if drained:  # e.g. the last request was aborted: no step follows to refresh the stats
-                        self._stats = self.engine.get_stats()
+                        self._stats = self._loop_stats()
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
             reason: BaseException = EngineDeadError("the engine was shut down")
@@ -156,6 +167,10 @@ class AsyncEngine:
         with self._lock:
             self._dead = reason
             self._fail_everything(reason)
+
+    def _loop_stats(self) -> EngineStats:
+        return dataclasses.replace(self.engine.get_stats(), loop_steps=self._loop_steps,
+                                   loop_step_seconds=self._loop_step_s, loop_dispatch_seconds=self._loop_dispatch_s)
 
     def _drain_commands(self) -> bool:
         """Run queued commands; True when there were any."""

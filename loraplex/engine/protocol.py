@@ -88,6 +88,11 @@ class EngineStats:
     num_lora_host_loads: int = 0  # adapter files read into host memory
     num_lora_merges: int = 0  # merge_single_lora: adapters folded into the weights
     num_lora_merged_steps: int = 0  # steps run on merged weights
+    # the server's engine loop thread (AsyncEngine), since start: steps run, seconds inside engine.step() and
+    # seconds handing the steps' deltas to the callers' event loops
+    loop_steps: int = 0
+    loop_step_seconds: float = 0.0
+    loop_dispatch_seconds: float = 0.0
 
 
 class EngineDeadError(RuntimeError):

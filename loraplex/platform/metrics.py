@@ -56,6 +56,12 @@ class _EngineCollector(Collector):
              stats.num_lora_merges),
             ("loraplex:lora_merged_steps", "Engine steps run on merged weights since start.",
              stats.num_lora_merged_steps),
+            ("loraplex:engine_loop_steps", "Steps the engine loop thread ran since start.", stats.loop_steps),
+            ("loraplex:engine_loop_step_seconds", "Seconds the engine loop thread spent inside its steps.",
+             stats.loop_step_seconds),
+            ("loraplex:engine_loop_dispatch_seconds",
+             "Seconds the engine loop thread spent handing its steps' token deltas to the request handlers.",
+             stats.loop_dispatch_seconds),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(model, float(value))

@@ -225,8 +225,14 @@ def test_metrics_have_vllm_names_and_tenant_counters(server, tenants):
                  "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:lora_requests_info",
                  "vllm:num_preemptions_total", "loraplex:lora_slot_loads_total", "loraplex:lora_load_failures_total",
                  "loraplex:lora_host_load_seconds_total", "loraplex:lora_load_queue_depth",
-                 "loraplex:lora_merges_total", "loraplex:lora_merged_steps_total"):
+                 "loraplex:lora_merges_total", "loraplex:lora_merged_steps_total", "loraplex:engine_loop_steps_total",
+                 "loraplex:engine_loop_step_seconds_total", "loraplex:engine_loop_dispatch_seconds_total"):
         assert name in text, name
+    loop = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+            if line.startswith("loraplex:engine_loop_")}
+    # the request above ran at least a prefill and a decode step in the loop thread, which timed them
+    assert loop["loraplex:engine_loop_steps_total"] >= 2
+    assert loop["loraplex:engine_loop_step_seconds_total"] > 0 and loop["loraplex:engine_loop_dispatch_seconds_total"] > 0
     assert 'loraplex_tenant_requests_total{status="completed",tenant="acme"}' in text
     assert 'loraplex_tenant_tokens_total{kind="completion",tenant="acme"}' in text
     # the request above returned after its usage was recorded: nothing is left in flight

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+from loraplex.bench.server_launch import launch_server
 from loraplex.cli import main
 
 
 def test_online_bench_launches_a_server_and_streams_every_request(tmp_path):
     rc = main(["bench", "online", "--smoke", "--popularity", "uniform", "--rate", "50",
+               "--serve-env", "LORAPLEX_LOOP_TORCH_THREADS=1",
                "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")])
     (json_path,) = (tmp_path / "out").glob("online-*.json")
     data = json.loads(json_path.read_text())
@@ -22,5 +26,22 @@ def test_online_bench_launches_a_server_and_streams_every_request(tmp_path):
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         assert summary[key]["count"] > 0 and summary[key]["p50"] > 0
     assert summary["e2e_s"]["p99"] >= summary["ttft_s"]["p99"]
+    # the server's engine loop over the measured run, from its /metrics counters: it stepped for these requests
+    loop = data["engine_loop"]
+    assert loop["steps"] >= 6 and loop["step_ms"] > 0 and loop["dispatch_ms"] > 0 and 0 < loop["busy_share"] <= 1
+    assert data["serve_env"] == ["LORAPLEX_LOOP_TORCH_THREADS=1"]
     md = next((tmp_path / "out").glob("online-*.md")).read_text()
     assert "TTFT" in md and "goodput" in md and data["command"] in md
+    assert "engine loop during the run" in md and "`LORAPLEX_LOOP_TORCH_THREADS=1`" in md
+
+
+@pytest.mark.parametrize("name", ["LORAPLEX_DATABASE_URL", "LORAPLEX_PORT", "LORAPLEX_DATA_DIR"])
+def test_launched_server_keeps_the_bench_owned_settings(tmp_path, name):
+    with pytest.raises(ValueError, match=name):
+        launch_server(tmp_path, [], env={name: "x"})
+
+
+def test_serve_env_must_name_a_loraplex_setting(tmp_path):
+    with pytest.raises(SystemExit, match="LORAPLEX_NAME=VALUE"):
+        main(["bench", "online", "--smoke", "--serve-env", "PATH=/tmp", "--work-dir", str(tmp_path / "w"),
+              "--out-dir", str(tmp_path / "o")])
