@@ -50,6 +50,8 @@ class Settings:
     loop_torch_threads: int = 0  # torch intra-op threads of the engine's loop thread; 0: torch's default
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    prefill_batch_min_tokens: int = 0  # engine option: hold new prompts while decoding until this many wait; 0 = off
+    prefill_batch_max_wait_steps: int = 8  # ... or until held this many steps
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = sized from free memory

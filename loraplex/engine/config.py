@@ -37,6 +37,12 @@ class EngineConfig:
     # (zipf 46 -> 30, uniform 31 -> 8.4) but no throughput gain was shown (docs/benchmarks/H200-2026-12-02-run9.md)
     lora_grouping: bool = False
     lora_group_max_skips: int = 64
+    # prefill batching (as TGI's max-waiting-tokens): while sequences decode, new prompts wait until at least this
+    # many prompt tokens wait, or the oldest has been held prefill_batch_max_wait_steps steps, and then go in
+    # together: fewer steps carry prompt tokens (such steps run without the decode CUDA graphs). 0 = off (admit
+    # every step); a waiting request that outranks a running one is never held
+    prefill_batch_min_tokens: int = 0
+    prefill_batch_max_wait_steps: int = 8
     # LoRA
     enable_lora: bool = False
     max_loras: int = 8  # distinct adapters in one step (GPU slots)
@@ -63,6 +69,10 @@ class EngineConfig:
             raise ValueError("merge_single_lora needs enable_lora")
         if self.max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.prefill_batch_min_tokens < 0:
+            raise ValueError(f"prefill_batch_min_tokens must be >= 0, got {self.prefill_batch_min_tokens}")
+        if self.prefill_batch_max_wait_steps < 1:
+            raise ValueError(f"prefill_batch_max_wait_steps must be >= 1, got {self.prefill_batch_max_wait_steps}")
         if self.lora_group_max_skips < 0:
             raise ValueError(f"lora_group_max_skips must be >= 0, got {self.lora_group_max_skips}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -16,6 +16,10 @@ adapter slot (base model, or an adapter already running or resident) are admitte
 a request passed over that way ages like one kept out by ``max_loras`` (``wait_steps``), and once aged
 (``lora_max_wait_steps``) takes its FCFS place again, so nothing starves. When nothing can run but reads
 are in flight, the step waits briefly for one instead of spinning.
+
+Prefill batching (off by default, ``prefill_batch_min_tokens``): while sequences decode, new prompts are held
+until enough prompt tokens wait or the oldest has waited ``prefill_batch_max_wait_steps`` steps, so that fewer
+steps carry prompt tokens.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ class Scheduler:
         self.last_kv_waste = 0.0
         self.adapters = adapters
         self._failed: list[tuple[str, list[Request]]] = []  # (request id, samples) failed by an adapter read
+        self.prefill_held_steps = 0  # consecutive steps the prefill batching gate held waiting requests back
+        self.num_prefill_held_steps = 0  # since start
 
     # ---- queue management ----------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -146,7 +152,7 @@ class Scheduler:
                 budget -= num_new
                 i += 1
 
-        if not preempted:
+        if not preempted and self._prefill_gate_open():
             budget = self._admit_waiting(budget, scheduled, preempted)
 
         out = SchedulerOutput(scheduled=list(scheduled.values()), blocks_to_copy=bm.take_pending_copies(),
@@ -171,6 +177,29 @@ class Scheduler:
             self.num_adapter_wait_steps += 1
             self.adapter_wait_seconds += time.monotonic() - waited
         return out
+
+    def _prefill_gate_open(self) -> bool:
+        """Prefill batching (``prefill_batch_min_tokens``): may waiting requests be admitted this step? Always
+        when it is off, nothing waits, nothing runs (an idle GPU waits for nobody), or a waiting request
+        outranks a running one; else once enough prompt tokens wait or the gate has been shut
+        ``prefill_batch_max_wait_steps`` steps in a row."""
+        cfg = self.config
+        if cfg.prefill_batch_min_tokens <= 0 or not self.waiting or not self.running or \
+                self.waiting[0].priority < self.running[-1].priority:
+            self.prefill_held_steps = 0
+            return True
+        waiting_tokens = 0
+        for req in self.waiting:  # stops as soon as the threshold is reached
+            waiting_tokens += req.num_tokens - req.num_computed_tokens
+            if waiting_tokens >= cfg.prefill_batch_min_tokens:
+                self.prefill_held_steps = 0
+                return True
+        if self.prefill_held_steps + 1 >= cfg.prefill_batch_max_wait_steps:
+            self.prefill_held_steps = 0
+            return True
+        self.prefill_held_steps += 1
+        self.num_prefill_held_steps += 1
+        return False
 
     def _poll_adapters(self) -> None:
         for adapter_id in self.adapters.take_dropped():

@@ -54,6 +54,8 @@ def engine_config(settings: Settings, model_dir: Path, model_id: str):
         max_cpu_loras=settings.max_cpu_loras, lora_load_workers=settings.lora_load_workers,
         merge_single_lora=settings.merge_single_lora and settings.enable_lora,
         loop_torch_threads=settings.loop_torch_threads,
+        prefill_batch_min_tokens=settings.prefill_batch_min_tokens,
+        prefill_batch_max_wait_steps=settings.prefill_batch_max_wait_steps,
     )
 
 

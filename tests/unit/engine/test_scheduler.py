@@ -365,3 +365,65 @@ def test_grouping_cuts_adapters_per_step_and_changes_no_output(popularity):
     want = {(str(i), 0): expected_output(p, 12) for i, p in enumerate(prompts)}
     assert outputs[False] == want and outputs[True] == want
     assert adapter_steps[True] < 0.85 * adapter_steps[False], adapter_steps
+
+
+def _step(sched) -> set[str]:
+    """One step with the fake model; the ids of the requests it scheduled."""
+    out = sched.schedule()
+    sched.update_from_output(out, fake_run(out, 16))
+    return {s.request.request_id for s in out.scheduled}
+
+
+def test_prefill_batching_holds_small_prompts_while_decoding_until_the_wait_bound():
+    sched = make_scheduler(prefill_batch_min_tokens=100, prefill_batch_max_wait_steps=4)
+    sched.add_request(make_request("run", range(10), max_tokens=50))
+    assert _step(sched) == {"run"}  # nothing was running: admitted at once
+    sched.add_request(make_request("small", range(20), max_tokens=5))
+    steps = [_step(sched) for _ in range(4)]
+    # held 3 steps while "run" decoded; the gate opens on the 4th
+    assert steps == [{"run"}, {"run"}, {"run"}, {"run", "small"}]
+    assert sched.num_prefill_held_steps == 3 and sched.prefill_held_steps == 0
+
+def test_prefill_batching_admits_once_enough_prompt_tokens_wait_and_never_holds_an_idle_engine():
+    sched = make_scheduler(prefill_batch_min_tokens=100, prefill_batch_max_wait_steps=50)
+    sched.add_request(make_request("run", range(10), max_tokens=50))
+    _step(sched)
+    sched.add_request(make_request("a", range(60), max_tokens=5))
+    out = sched.schedule()
+    assert {s.request.request_id for s in out.scheduled} == {"run"}  # 60 < 100 tokens wait: held
+    sched.update_from_output(out, fake_run(out, 16))
+    sched.add_request(make_request("b", range(50), max_tokens=5))
+    out = sched.schedule()
+    assert {s.request.request_id for s in out.scheduled} == {"run", "a", "b"}  # 110 tokens: one prefill step
+    sched.update_from_output(out, fake_run(out, 16))
+    idle = make_scheduler(prefill_batch_min_tokens=10_000)
+    idle.add_request(make_request("x", range(5), max_tokens=2))
+    assert [s.request.request_id for s in idle.schedule().scheduled] == ["x"]
+
+
+def test_prefill_batching_never_holds_a_request_that_outranks_the_running_ones():
+    sched = make_scheduler(prefill_batch_min_tokens=1000, prefill_batch_max_wait_steps=50)
+    sched.add_request(make_request("low", range(10), max_tokens=50, priority=5))
+    _step(sched)
+    sched.add_request(make_request("urgent", range(8), max_tokens=5, priority=0))
+    assert "urgent" in {s.request.request_id for s in sched.schedule().scheduled}
+
+
+def test_prefill_batching_changes_no_output():
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1000) for _ in range(rng.randint(5, 60))] for _ in range(16)]
+    want = {(str(i), 0): expected_output(p, 12) for i, p in enumerate(prompts)}
+    for min_tokens in (0, 64, 300):
+        sched = make_scheduler(prefill_batch_min_tokens=min_tokens, prefill_batch_max_wait_steps=3)
+        pending = list(enumerate(prompts))
+        got = {}
+        while pending or sched.has_unfinished_requests():
+            if pending:  # a new request every step: a steady arrival stream
+                i, p = pending.pop(0)
+                sched.add_request(make_request(i, p, max_tokens=12))
+            out = sched.schedule()
+            for req in sched.update_from_output(out, fake_run(out, 16)):
+                if req.is_finished:
+                    got[(req.request_id, 0)] = req.output_token_ids
+        assert got == want, min_tokens
+        assert (sched.num_prefill_held_steps > 0) == (min_tokens > 0)
