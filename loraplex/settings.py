@@ -50,8 +50,16 @@ class Settings:
     loop_torch_threads: int = 0  # torch intra-op threads of the engine's loop thread; 0: torch's default
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
-    prefill_batch_min_tokens: int = 0  # engine option: hold new prompts while decoding until this many wait; 0 = off
-    prefill_batch_max_wait_steps: int = 8  # ... or until held this many steps
+    # prefill batching (engine option): while sequences decode, new prompts wait until this many prompt tokens wait
+    # or the oldest has been held prefill_batch_max_wait_steps steps; 0 = off. On for the server: on the H200
+    # (Poisson arrivals, docs/benchmarks/H200-2026-12-02-run10.md) 1024 cut TPOT p50 by 15-35% in 3 of 3 same-call
+    # pairs; the offline LLM keeps it off (its requests arrive together)
+    prefill_batch_min_tokens: int = 1024
+    # the server process's GIL switch interval (sys.setswitchinterval), ms; 0 keeps Python's (5 ms). The engine
+    # loop thread shares the GIL with the HTTP event loop: each time it gives the GIL up (waiting for the GPU) it
+    # may wait a whole interval to get it back while the event loop streams tokens
+    gil_switch_interval_ms: float = 0.0
+    prefill_batch_max_wait_steps: int = 8
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = sized from free memory

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import logging
 import socket
+import sys
 from pathlib import Path
 
 from loraplex.platform.cli import add_common, check_services, settings_from_args
@@ -71,6 +72,10 @@ def serve(args: argparse.Namespace) -> int:
     # the port and the services are checked before anything is written (a bootstrap key printed by a
     # server that then cannot listen would be lost in a log)
     sock = _bind(settings)
+    if settings.gil_switch_interval_ms < 0:
+        raise ConfigError(f"LORAPLEX_GIL_SWITCH_INTERVAL_MS must be >= 0, got {settings.gil_switch_interval_ms}")
+    if settings.gil_switch_interval_ms > 0:
+        sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
     try:
         asyncio.run(check_services(settings))
 

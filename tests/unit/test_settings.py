@@ -50,3 +50,17 @@ def test_loop_torch_threads_reaches_the_engine_config(tmp_path):
     assert engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu"}), Path(tmp_path), "m").loop_torch_threads == 0
     four = Settings.from_env({"LORAPLEX_LOOP_TORCH_THREADS": "4", "LORAPLEX_DEVICE": "cpu"})
     assert engine_config(four, Path(tmp_path), "m").loop_torch_threads == 4
+
+
+def test_prefill_batching_is_on_for_the_server_and_reaches_the_engine_config(tmp_path):
+    from pathlib import Path
+
+    from loraplex.engine.config import EngineConfig
+    from loraplex.platform.engine_boot import engine_config
+
+    default = engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu"}), Path(tmp_path), "m")
+    assert (default.prefill_batch_min_tokens, default.prefill_batch_max_wait_steps) == (1024, 8)
+    assert EngineConfig().prefill_batch_min_tokens == 0  # the engine and the offline LLM keep it off
+    custom = engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu", "LORAPLEX_PREFILL_BATCH_MIN_TOKENS": "0",
+                                              "LORAPLEX_PREFILL_BATCH_MAX_WAIT_STEPS": "3"}), Path(tmp_path), "m")
+    assert (custom.prefill_batch_min_tokens, custom.prefill_batch_max_wait_steps) == (0, 3)
