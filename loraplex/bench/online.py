@@ -197,7 +197,8 @@ def add_online_args(p) -> None:
 
 
 LOOP_COUNTERS = ("loraplex:engine_loop_steps_total", "loraplex:engine_loop_step_seconds_total",
-                 "loraplex:engine_loop_dispatch_seconds_total")
+                 "loraplex:engine_loop_dispatch_seconds_total", "loraplex:engine_loop_step_cpu_seconds_total",
+                 "loraplex:engine_device_wait_seconds_total")
 
 
 def loop_counters(url: str) -> dict[str, float] | None:
@@ -225,8 +226,18 @@ def loop_delta(before: dict | None, after: dict | None, wall_s: float) -> dict |
     steps = after[LOOP_COUNTERS[0]] - before[LOOP_COUNTERS[0]]
     step_s = after[LOOP_COUNTERS[1]] - before[LOOP_COUNTERS[1]]
     dispatch_s = after[LOOP_COUNTERS[2]] - before[LOOP_COUNTERS[2]]
-    return {"steps": int(steps), "steps_per_s": steps / wall_s, "step_ms": step_s / steps * 1e3 if steps else None,
-            "dispatch_ms": dispatch_s / steps * 1e3 if steps else None, "busy_share": (step_s + dispatch_s) / wall_s}
+    cpu_s = after[LOOP_COUNTERS[3]] - before[LOOP_COUNTERS[3]]
+    device_s = after[LOOP_COUNTERS[4]] - before[LOOP_COUNTERS[4]]
+
+    def per_step(x: float) -> float | None:
+        return x / steps * 1e3 if steps else None
+
+    # inside a step: the loop thread's own CPU time, waiting for the device, and the rest (waiting for the GIL
+    # while the HTTP event loop holds it, or for the OS to run the thread)
+    return {"steps": int(steps), "steps_per_s": steps / wall_s, "step_ms": per_step(step_s),
+            "step_cpu_ms": per_step(cpu_s), "device_wait_ms": per_step(device_s),
+            "other_wait_ms": per_step(max(0.0, step_s - cpu_s - device_s)),
+            "dispatch_ms": per_step(dispatch_s), "busy_share": (step_s + dispatch_s) / wall_s}
 
 
 def _launch(args, device):

@@ -222,8 +222,11 @@ def online_section(result: dict) -> tuple[str, str]:
     loop = result.get("engine_loop")
     if loop and loop.get("steps"):
         intro += (f"\n\nThe server's engine loop during the run (its /metrics counters): {loop['steps']:,} steps, "
-                  f"{loop['steps_per_s']:.1f} per s; {loop['step_ms']:.2f} ms per step inside the engine's step and "
-                  f"{loop['dispatch_ms']:.2f} ms handing out its deltas; busy {loop['busy_share']:.0%} of the run.")
+                  f"{loop['steps_per_s']:.1f} per s; {loop['step_ms']:.2f} ms per step inside the engine's step "
+                  + (f"(the loop thread's own CPU {loop['step_cpu_ms']:.2f} ms, waiting for the device "
+                     f"{loop['device_wait_ms']:.2f} ms, other waits {loop['other_wait_ms']:.2f} ms) "
+                     if loop.get("step_cpu_ms") is not None else "")
+                  + f"and {loop['dispatch_ms']:.2f} ms handing out its deltas; busy {loop['busy_share']:.0%} of the run.")
     if result.get("serve_env"):
         intro += " Server settings given: " + ", ".join(f"`{e}`" for e in result["serve_env"]) + "."
     return "Online serving", intro + "\n\n" + body

@@ -54,6 +54,7 @@ class AsyncEngine:
         self._stats = engine.get_stats()
         self._loop_steps = 0  # the loop thread's counters (EngineStats.loop_*)
         self._loop_step_s = 0.0
+        self._loop_step_cpu_s = 0.0
         self._loop_dispatch_s = 0.0
         self.loop_torch_threads: int | None = None  # torch intra-op threads of the loop thread, once it runs
         self._thread = threading.Thread(target=self._run, name="loraplex-engine-loop", daemon=True)
@@ -147,9 +148,10 @@ class AsyncEngine:
             while not self._stopping:
                 drained = self._drain_commands()
                 if self.engine.has_unfinished_requests():
-                    started = time.perf_counter()
+                    started, cpu = time.perf_counter(), time.thread_time()
                     deltas = self.engine.step()
                     stepped = time.perf_counter()
+                    self._loop_step_cpu_s += time.thread_time() - cpu
                     self._dispatch(deltas)
                     self._loop_steps += 1
                     self._loop_step_s += stepped - started
@@ -170,7 +172,8 @@ class AsyncEngine:
 
     def _loop_stats(self) -> EngineStats:
         return dataclasses.replace(self.engine.get_stats(), loop_steps=self._loop_steps,
-                                   loop_step_seconds=self._loop_step_s, loop_dispatch_seconds=self._loop_dispatch_s)
+                                   loop_step_seconds=self._loop_step_s, loop_step_cpu_seconds=self._loop_step_cpu_s,
+                                   loop_dispatch_seconds=self._loop_dispatch_s)
 
     def _drain_commands(self) -> bool:
         """Run queued commands; True when there were any."""

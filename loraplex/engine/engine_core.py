@@ -80,6 +80,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self._kv_waste_sum = 0.0
         self._tokens_per_second = 0.0
+        self.device_wait_seconds = 0.0  # host time spent waiting for steps' sampled tokens (the device's work)
         # overlapped steps pay off where the device runs asynchronously to the host
         # (LORAPLEX_ASYNC_SCHEDULING=0/1 decides when the config leaves it open: A/B runs and CPU tests)
         self.async_scheduling = config.async_scheduling
@@ -215,7 +216,9 @@ class LLMEngine:
     def _complete(self, out: SchedulerOutput, pending: PendingSample, deltas: list[TokenDelta],
                   provisional: bool) -> int:
         """Wait for a step's tokens, apply them, and append the deltas; returns how many samples got one."""
+        waited = time.perf_counter()
         result = pending.result()
+        self.device_wait_seconds += time.perf_counter() - waited
         extra = self._undo_provisional(out, result) if provisional else []
         touched = self.scheduler.update_from_output(out, result)
         for req in extra + touched:
@@ -382,6 +385,7 @@ class LLMEngine:
             num_lora_host_loads=getattr(manager, "num_host_loads", 0),
             num_lora_merges=merged.num_merges if merged is not None else 0,
             num_lora_merged_steps=merged.num_merged_steps if merged is not None else 0,
+            device_wait_seconds=self.device_wait_seconds,
         )
 
     @property

@@ -92,7 +92,9 @@ class EngineStats:
     # seconds handing the steps' deltas to the callers' event loops
     loop_steps: int = 0
     loop_step_seconds: float = 0.0
+    loop_step_cpu_seconds: float = 0.0  # the loop thread's own CPU time inside its steps (time.thread_time)
     loop_dispatch_seconds: float = 0.0
+    device_wait_seconds: float = 0.0  # inside the steps: waiting for the device's sampled tokens
 
 
 class EngineDeadError(RuntimeError):

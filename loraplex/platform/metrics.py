@@ -59,6 +59,11 @@ class _EngineCollector(Collector):
             ("loraplex:engine_loop_steps", "Steps the engine loop thread ran since start.", stats.loop_steps),
             ("loraplex:engine_loop_step_seconds", "Seconds the engine loop thread spent inside its steps.",
              stats.loop_step_seconds),
+            ("loraplex:engine_loop_step_cpu_seconds",
+             "CPU seconds of the engine loop thread itself inside its steps (the rest of a step is waiting: for the "
+             "device, or for the GIL).", stats.loop_step_cpu_seconds),
+            ("loraplex:engine_device_wait_seconds", "Seconds the engine's steps waited for the device's sampled tokens.",
+             stats.device_wait_seconds),
             ("loraplex:engine_loop_dispatch_seconds",
              "Seconds the engine loop thread spent handing its steps' token deltas to the request handlers.",
              stats.loop_dispatch_seconds),

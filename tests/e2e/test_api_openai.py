@@ -226,7 +226,8 @@ def test_metrics_have_vllm_names_and_tenant_counters(server, tenants):
                  "vllm:num_preemptions_total", "loraplex:lora_slot_loads_total", "loraplex:lora_load_failures_total",
                  "loraplex:lora_host_load_seconds_total", "loraplex:lora_load_queue_depth",
                  "loraplex:lora_merges_total", "loraplex:lora_merged_steps_total", "loraplex:engine_loop_steps_total",
-                 "loraplex:engine_loop_step_seconds_total", "loraplex:engine_loop_dispatch_seconds_total"):
+                 "loraplex:engine_loop_step_seconds_total", "loraplex:engine_loop_dispatch_seconds_total",
+                 "loraplex:engine_loop_step_cpu_seconds_total", "loraplex:engine_device_wait_seconds_total"):
         assert name in text, name
     loop = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
             if line.startswith("loraplex:engine_loop_")}
