@@ -331,7 +331,11 @@ def collect_online(args, device) -> dict:
 
 
 def run_online_cli(args) -> int:
+    import signal
+
     import torch
+
+    from loraplex.bench.full import CutShort, _cut_short
 
     from loraplex.bench.report import command_line, write_report
     from loraplex.bench.sections import online_section
@@ -343,7 +347,16 @@ def run_online_cli(args) -> int:
         args.num_adapters, args.max_loras, args.max_num_seqs = 2, 4, 8
         args.rate = float("inf") if args.rate == 4.0 else args.rate
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.smoke else "cpu"))
-    result = collect_online(args, device)
+    # SIGTERM (e.g. ``timeout``) unwinds like Ctrl-C, so the server this run launched is stopped, not left running
+    # on the GPU under the next run
+    previous = signal.signal(signal.SIGTERM, _cut_short)
+    try:
+        result = collect_online(args, device)
+    except CutShort as exc:
+        log.warning("online: stopped by %s; no report written", exc)
+        return 3
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     out_dir = args.out_dir or (tempfile.mkdtemp(prefix="loraplex-bench-smoke-") if args.smoke else None)
     json_path, md_path = write_report("online", result, [online_section(result)], out_dir, args)
     print(md_path.read_text())

@@ -41,3 +41,28 @@ def test_sigterm_during_the_online_part_writes_a_partial_report_and_stops_the_se
     assert set(data["section_wall_s"]) == {"attention", "model files", "online (launched loraplex serve)"}
     md = next(out.glob("issue9-*.md")).read_text()
     assert "## Cut short" in md and "## Paged attention" in md and "## Offline throughput" not in md
+
+
+def test_sigterm_stops_bench_online_and_the_server_it_launched(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loraplex.cli", "bench", "online", "--smoke", "--rate", "0.5", "--num-requests", "6",
+         "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, server_pid = [], None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            m = re.search(r"online: loraplex serve ready in .* \(pid (\d+)", line)
+            if m:
+                server_pid = int(m.group(1))
+            if server_pid and "warm-up requests" in line:  # the measured requests go out at 0.5/s from here
+                proc.send_signal(signal.SIGTERM)
+                break
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    log = "".join(lines) + rest
+    assert proc.returncode == 3, log[-3000:]
+    assert server_pid and not Path(f"/proc/{server_pid}").exists(), "the launched server outlived the bench"
+    assert "online: server stopped" in log
