@@ -7,7 +7,6 @@ engine, the Triton interpreter for the kernels) so the harness itself is tested 
 from __future__ import annotations
 
 import argparse
-
 import logging
 import os
 import tempfile

@@ -342,14 +342,10 @@ def _capture(fn, device):
     if device.type != "cuda":
         fn()
         return _Eager(fn)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()  # compile and warm up outside the capture
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    from loraplex.kernels.lora_testing import capture_cuda_graph
+
+    with torch.cuda.device(device):
+        graph = capture_cuda_graph(fn)  # compiled and warmed up outside the capture
     for _ in range(3):
         graph.replay()
     return graph

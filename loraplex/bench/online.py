@@ -336,7 +336,6 @@ def run_online_cli(args) -> int:
     import torch
 
     from loraplex.bench.full import CutShort, _cut_short
-
     from loraplex.bench.report import command_line, write_report
     from loraplex.bench.sections import online_section
 

@@ -12,7 +12,6 @@ the host, so the phase times come from the unprofiled steps and the profiled ste
 from __future__ import annotations
 
 import argparse
-
 import json
 import logging
 import statistics

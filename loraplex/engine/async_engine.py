@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import logging
 import dataclasses
+import logging
 import queue
 import threading
 import time

@@ -95,3 +95,32 @@ def make_lora_batch(
         slice_loc=torch.tensor(loc, dtype=torch.int32, device=device),
         token_slots=token_slots.to(device=device, dtype=torch.int32),
     )
+
+
+def random_slot_pool(shapes, num_slots: int, max_rank: int, device, dtype, seed: int = 0, std: float = 0.08):
+    """A ``SlotPool`` whose every slot holds random weights, real ranks drawn from 1..max_rank per slot and module
+    and scalings in [0.5, 1.5); returns it with the generator (on ``device``) that drew them, for more inputs."""
+    from loraplex.adapters.slot_pool import SlotPool
+
+    device = torch.device(device)
+    pool = SlotPool(shapes, num_slots, max_rank, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for t in (*pool.a.values(), *pool.bt.values()):
+        t.normal_(0.0, std, generator=gen)
+    pool.ranks.copy_(torch.randint(1, max_rank + 1, pool.ranks.shape, generator=gen, device=device, dtype=torch.int32))
+    pool.scaling.copy_(torch.rand(num_slots, generator=gen, device=device) + 0.5)
+    return pool, gen
+
+
+def capture_cuda_graph(fn) -> torch.cuda.CUDAGraph:
+    """``fn`` run once on a side stream (compiles kernels, warms the allocator), then captured into a CUDA graph,
+    as the engine captures its decode steps."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph

@@ -37,6 +37,19 @@ def _workload(tiny_model, num_requests: int, seed: int):
     return prompts, params, mix
 
 
+def mixed_requests(tiny_model, seed: int, num_requests: int = 40):
+    """(prompts, adapters, params): prompts of 2-120 tokens, three adapters and base requests mixed, 12 greedy
+    tokens each with logprobs (for comparing two engine configurations on the same work)."""
+    loras = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(3)]
+    gen = torch.Generator().manual_seed(seed)
+    prompts, mix = [], []
+    for i in range(num_requests):
+        length = int(torch.randint(1, 120, (1,), generator=gen))
+        prompts.append({"prompt_token_ids": [1] + torch.randint(8, 500, (length,), generator=gen).tolist()})
+        mix.append(None if i % 4 == 3 else loras[i % 3])
+    return prompts, mix, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+
+
 def _compare(eager_outs, graph_outs, dtype: str) -> int:
     """Greedy tokens equal; logprobs close. bf16 may pick the other token of a near tie (rounding moves
     with the batch shape), so a bf16 sequence is compared up to such a tie, which must be a real tie.

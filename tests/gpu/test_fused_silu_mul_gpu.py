@@ -6,23 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex import LLM, LoRARequest, SamplingParams
-from tests.conftest import adapter_dir
-from tests.gpu.test_cuda_graphs import _compare
+from loraplex import LLM
+from tests.gpu.test_cuda_graphs import _compare, mixed_requests
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_silu_mul_matches_the_unfused_path(tiny_model, dtype):
-    loras = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(3)]
-    gen = torch.Generator().manual_seed(5)
-    prompts, mix = [], []
-    for i in range(40):
-        length = int(torch.randint(1, 120, (1,), generator=gen))
-        prompts.append({"prompt_token_ids": [1] + torch.randint(8, 500, (length,), generator=gen).tolist()})
-        mix.append(None if i % 4 == 3 else loras[i % 3])
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    prompts, mix, params = mixed_requests(tiny_model, seed=5)
 
     def run(fuse: bool):
         llm = LLM(tiny_model["model_dir"], device="cuda", dtype=dtype, enable_lora=True, max_loras=4,

@@ -13,7 +13,13 @@ from loraplex.kernels import lora_expand, lora_fused, lora_meta, lora_shrink
 from loraplex.kernels.lora_meta import build_lora_meta
 from loraplex.kernels.lora_ops import choose_config, lora_apply
 from loraplex.kernels.lora_ref import lora_apply_ref
-from loraplex.kernels.lora_testing import MIXES, make_lora_batch, token_slots_for
+from loraplex.kernels.lora_testing import (
+    MIXES,
+    capture_cuda_graph,
+    make_lora_batch,
+    random_slot_pool,
+    token_slots_for,
+)
 
 TOL = {torch.bfloat16: dict(rtol=3e-2, atol=2e-2), torch.float32: dict(rtol=1e-4, atol=1e-4)}
 QKV = (4096 // 8, 1024 // 8, 1024 // 8)  # Llama-3 q|k|v widths, scaled down
@@ -313,16 +319,10 @@ def test_chained_launches_with_pdl_under_cuda_graph_replay(dtype):
     capture: equal to the twin chain, and bit-identical to the same chain launched without PDL."""
     from loraplex.adapters.mapping import LoRAStep
     from loraplex.adapters.modules import BaseShapes
-    from loraplex.adapters.slot_pool import SlotPool
 
     shapes = BaseShapes(num_layers=6, hidden_size=512, q_size=512, kv_size=128, intermediate_size=1024)
     num_tokens, slots_n = 48, 16
-    pool = SlotPool(shapes, slots_n, 16, torch.device("cuda"), dtype)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for t in (*pool.a.values(), *pool.bt.values()):
-        t.normal_(0.0, 0.08, generator=gen)
-    pool.ranks.copy_(torch.randint(1, 17, pool.ranks.shape, generator=gen, device="cuda", dtype=torch.int32))
-    pool.scaling.copy_(torch.rand(slots_n, generator=gen, device="cuda") + 0.5)
+    pool, gen = random_slot_pool(shapes, slots_n, 16, "cuda", dtype)
     slots_buf = torch.full((num_tokens,), -1, dtype=torch.int32, device="cuda")
     x0 = torch.randn(num_tokens, 512, generator=gen, device="cuda").to(dtype)
     bases = [torch.randn(num_tokens, 512, generator=gen, device="cuda").to(dtype) for _ in range(6)]
@@ -334,14 +334,7 @@ def test_chained_launches_with_pdl_under_cuda_graph_replay(dtype):
         assert all(c.pdl for c in step._configs.values()) == (torch.cuda.get_device_capability()[0] >= 9)
         _chain(step, x0, outs, bases)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph_step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_step()
+    graph = capture_cuda_graph(graph_step)
     for mix in ("identical", "distinct", "zipf", "skewed"):
         slots_buf.copy_(token_slots_for(mix, num_tokens, slots_n, cpu_gen).cuda())
         graph.replay()

@@ -10,10 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex import LLM, LoRARequest, SamplingParams
-from loraplex.kernels.lora_testing import token_slots_for
-from tests.conftest import adapter_dir
-from tests.gpu.test_cuda_graphs import _compare
+from loraplex import LLM
+from loraplex.kernels.lora_testing import capture_cuda_graph, random_slot_pool, token_slots_for
+from tests.gpu.test_cuda_graphs import _compare, mixed_requests
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -22,16 +21,10 @@ PROJS = ("qkv", "o", "gate_up", "down")
 
 def _setup(dtype):
     from loraplex.adapters.modules import BaseShapes
-    from loraplex.adapters.slot_pool import SlotPool
 
     shapes = BaseShapes(num_layers=4, hidden_size=512, q_size=512, kv_size=128, intermediate_size=1024)
     num_tokens, slots_n = 48, 16
-    pool = SlotPool(shapes, slots_n, 16, torch.device("cuda"), dtype)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for t in (*pool.a.values(), *pool.bt.values()):
-        t.normal_(0.0, 0.08, generator=gen)
-    pool.ranks.copy_(torch.randint(1, 17, pool.ranks.shape, generator=gen, device="cuda", dtype=torch.int32))
-    pool.scaling.copy_(torch.rand(slots_n, generator=gen, device="cuda") + 0.5)
+    pool, gen = random_slot_pool(shapes, slots_n, 16, "cuda", dtype)
     weights = [{p: (torch.randn(sum(shapes.slice_widths(p)), shapes.proj_in(p), generator=gen, device="cuda")
                     / shapes.proj_in(p) ** 0.5).to(dtype) for p in PROJS} for _ in range(shapes.num_layers)]
     x0 = torch.randn(num_tokens, shapes.hidden_size, generator=gen, device="cuda").to(dtype)
@@ -66,14 +59,7 @@ def test_overlapped_shrink_is_bit_identical_eager_and_under_graph_replay(dtype):
         assert step.overlap_shrink
         results["graph"] = _chain(step, shapes, weights, x0)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        graph_step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graph_step()
+    graph = capture_cuda_graph(graph_step)
     cpu_gen = torch.Generator().manual_seed(1)
     for mix in ("identical", "distinct", "zipf", "skewed"):
         slots_buf.copy_(token_slots_for(mix, num_tokens, slots_n, cpu_gen).cuda())
@@ -102,14 +88,7 @@ def test_overlap_is_off_without_adapters_and_without_triton():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_with_overlapped_shrink_matches_sequential(tiny_model, dtype):
-    loras = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(3)]
-    gen = torch.Generator().manual_seed(7)
-    prompts, mix = [], []
-    for i in range(40):
-        length = int(torch.randint(1, 120, (1,), generator=gen))
-        prompts.append({"prompt_token_ids": [1] + torch.randint(8, 500, (length,), generator=gen).tolist()})
-        mix.append(None if i % 4 == 3 else loras[i % 3])
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    prompts, mix, params = mixed_requests(tiny_model, seed=7)
 
     def run(overlap: bool):
         llm = LLM(tiny_model["model_dir"], device="cuda", dtype=dtype, enable_lora=True, max_loras=4,

@@ -11,12 +11,11 @@ import sys
 from pathlib import Path
 
 
-def test_sigterm_during_the_online_part_writes_a_partial_report_and_stops_the_server(tmp_path):
-    out = tmp_path / "out"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loraplex.cli", "bench", "all", "--smoke", "--skip-lora-kernels", "--peer", "none",
-         "--popularity", "base", "--online-rate", "1", "--work-dir", str(tmp_path / "work"), "--out-dir", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _terminate_when(args: list[str], trigger: str) -> tuple[int, str, int | None]:
+    """Run ``loraplex <args>``, send it SIGTERM at the first output line containing ``trigger`` once it has
+    launched its server; (exit code, its output, the server's pid)."""
+    proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, server_pid = [], None
     try:
         for line in proc.stdout:
@@ -24,15 +23,23 @@ def test_sigterm_during_the_online_part_writes_a_partial_report_and_stops_the_se
             m = re.search(r"online: loraplex serve ready in .* \(pid (\d+)", line)
             if m:
                 server_pid = int(m.group(1))
-            if server_pid and "online: uploaded" in line:  # the requests go out at 1/s from here: ~8 s
+            if server_pid and trigger in line:
                 proc.send_signal(signal.SIGTERM)
                 break
         rest, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
-    log = "".join(lines) + rest
-    assert proc.returncode == 3, log[-3000:]
+    return proc.returncode, "".join(lines) + rest, server_pid
+
+
+def test_sigterm_during_the_online_part_writes_a_partial_report_and_stops_the_server(tmp_path):
+    out = tmp_path / "out"
+    # the requests go out at 1/s from the upload on: ~8 s
+    rc, log, server_pid = _terminate_when(
+        ["bench", "all", "--smoke", "--skip-lora-kernels", "--peer", "none", "--popularity", "base",
+         "--online-rate", "1", "--work-dir", str(tmp_path / "work"), "--out-dir", str(out)], "online: uploaded")
+    assert rc == 3, log[-3000:]
     assert server_pid and not Path(f"/proc/{server_pid}").exists(), "the launched server outlived the bench"
     (json_path,) = out.glob("issue9-*.json")
     data = json.loads(json_path.read_text())
@@ -44,25 +51,10 @@ def test_sigterm_during_the_online_part_writes_a_partial_report_and_stops_the_se
 
 
 def test_sigterm_stops_bench_online_and_the_server_it_launched(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loraplex.cli", "bench", "online", "--smoke", "--rate", "0.5", "--num-requests", "6",
-         "--work-dir", str(tmp_path / "work"), "--out-dir", str(tmp_path / "out")],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines, server_pid = [], None
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            m = re.search(r"online: loraplex serve ready in .* \(pid (\d+)", line)
-            if m:
-                server_pid = int(m.group(1))
-            if server_pid and "warm-up requests" in line:  # the measured requests go out at 0.5/s from here
-                proc.send_signal(signal.SIGTERM)
-                break
-        rest, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    log = "".join(lines) + rest
-    assert proc.returncode == 3, log[-3000:]
+    # the measured requests go out at 0.5/s after the warm-up
+    rc, log, server_pid = _terminate_when(
+        ["bench", "online", "--smoke", "--rate", "0.5", "--num-requests", "6", "--work-dir", str(tmp_path / "work"),
+         "--out-dir", str(tmp_path / "out")], "warm-up requests")
+    assert rc == 3, log[-3000:]
     assert server_pid and not Path(f"/proc/{server_pid}").exists(), "the launched server outlived the bench"
     assert "online: server stopped" in log

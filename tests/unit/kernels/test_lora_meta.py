@@ -72,3 +72,15 @@ def test_single_launch_builder_equals_torch_builder(num_tokens, num_slots, block
         for field in ("sorted_token_ids", "chunk_slots", "chunk_starts", "chunk_lens", "num_chunks", "chunk_tokens"):
             assert torch.equal(getattr(got, field).long(), getattr(want, field).long()), field
         assert got.max_chunks == max_chunks_for(num_tokens, num_slots, block_m)
+
+
+def test_random_slot_pool_fills_every_slot_within_its_ranks():
+    from loraplex.adapters.modules import BaseShapes
+    from loraplex.kernels.lora_testing import random_slot_pool
+
+    shapes = BaseShapes(num_layers=2, hidden_size=64, q_size=64, kv_size=16, intermediate_size=128)
+    pool, gen = random_slot_pool(shapes, 4, 8, "cpu", torch.float32)
+    assert all(t.abs().sum() > 0 for t in (*pool.a.values(), *pool.bt.values()))
+    assert int(pool.ranks.min()) >= 1 and int(pool.ranks.max()) <= 8
+    assert float(pool.scaling.min()) >= 0.5 and float(pool.scaling.max()) < 1.5
+    assert isinstance(gen, torch.Generator)
