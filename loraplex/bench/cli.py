@@ -61,6 +61,8 @@ def register(subparsers) -> None:
     full.add_argument("--online-requests", type=int, default=200)
     full.add_argument("--online-adapters", type=int, default=16, help="adapters uploaded to the launched server")
     full.add_argument("--online-warmup-requests", type=int, default=4, help="sent before the measured online run")
+    full.add_argument("--online-serve-env", action="append", default=[], metavar="LORAPLEX_NAME=VALUE",
+                      help="a setting for the launched server (repeatable), as bench online --serve-env")
     full.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     full.add_argument("--slo-tpot-ms", type=float, default=100.0)
     full.set_defaults(func=_run_full, bench_parser=full, peer="hf-peft")

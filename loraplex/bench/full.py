@@ -51,7 +51,7 @@ def _online_args(args, model_dir: str) -> argparse.Namespace:
         popularity="uniform", rate=args.online_rate, num_requests=args.online_requests,
         input_len=args.input_len, output_len=args.output_len, len_dist=args.len_dist, vocab_size=None,
         slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, seed=args.seed,
-        warmup_requests=args.online_warmup_requests)
+        warmup_requests=args.online_warmup_requests, serve_env=list(getattr(args, "online_serve_env", None) or []))
 
 
 class CutShort(BaseException):

@@ -81,9 +81,12 @@ def test_bench_offline_smoke_with_peer(tmp_path):
 def test_bench_all_smoke_puts_every_target_in_one_report_with_a_launched_server(tmp_path):
     out = tmp_path / "out"
     rc = main(["bench", "all", "--smoke", "--skip-lora-kernels", "--popularity", "base,distinct", "--peer", "none",
-               "--online-rate", "20", "--work-dir", str(tmp_path / "work"), "--out-dir", str(out)])
+               "--online-rate", "20", "--online-serve-env", "LORAPLEX_PREFILL_BATCH_MIN_TOKENS=0",
+               "--work-dir", str(tmp_path / "work"), "--out-dir", str(out)])
     assert rc == 0
     data, md = _report(out, "issue9")
+    assert data["online"]["serve_env"] == ["LORAPLEX_PREFILL_BATCH_MIN_TOKENS=0"]
+    assert "`LORAPLEX_PREFILL_BATCH_MIN_TOKENS=0`" in md and "engine loop during the run" in md
     assert set(data) >= {"attention", "offline", "online", "command", "environment", "section_wall_s"}
     targets = md.split("## Targets (issue 9)")[1].split("\n## ")[0]
     for name in ("decode step ÷ HBM floor (batch 3, context ~16)", "multi-LoRA ÷ base throughput, distinct",
