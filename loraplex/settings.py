@@ -59,6 +59,9 @@ class Settings:
     # loop thread shares the GIL with the HTTP event loop: each time it gives the GIL up (waiting for the GPU) it
     # may wait a whole interval to get it back while the event loop streams tokens
     gil_switch_interval_ms: float = 0.0
+    # loraplex serve: once the engine has loaded, freeze the heap alive then out of the cyclic GC's reach
+    # (loraplex/engine/gc_heap.py; a full collection then walks ~50k objects instead of ~400k+)
+    freeze_gc: bool = True
     prefill_batch_max_wait_steps: int = 8
     max_model_len: int | None = None
     block_size: int = 16

@@ -111,6 +111,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
                        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
                        merge_single_lora=args.merge_single_lora,
                        lora_grouping=args.lora_grouping,
+                       freeze_gc=not args.smoke,  # this process exists for the run (a smoke run may be a test's)
                        lora_overlap_shrink=getattr(args, "lora_overlap_shrink", None),
                        fuse_lora_silu_mul=args.fuse_lora_silu_mul)
     with clock("engine warm-up"):

@@ -58,6 +58,10 @@ class EngineConfig:
     # the LoRA shrink of each projection on a forked CUDA stream while the base GEMM runs (LoRAStep.linear), the
     # expand after both; CUDA only (elsewhere ignored)
     lora_overlap_shrink: bool = False
+    # after the engine loads, freeze the heap alive then out of the cyclic GC's reach (engine/gc_heap.py): shorter
+    # full collections. For processes that exist to run the engine (the server and the benchmarks set it); off for
+    # a library caller, whose heap it would freeze too
+    freeze_gc: bool = False
     model_id: str | None = None  # served name; default the model directory's name
 
     def __post_init__(self) -> None:

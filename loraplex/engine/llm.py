@@ -30,6 +30,10 @@ class LLM:
             max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, **kwargs)
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+        if config.freeze_gc:
+            from loraplex.engine.gc_heap import freeze_heap
+
+            freeze_heap()
 
     def get_tokenizer(self):
         return self.engine.tokenizer

@@ -80,11 +80,14 @@ def create_app(
     start_engine: bool = True,
     run_migrations: bool = True,
     on_bootstrap_key: Callable[[str], None] | None = None,
+    freeze_gc: bool = False,
 ) -> Litestar:
     """Build the app. Without ``engine_client`` the engine is started from ``settings`` in the
     background (``/ready`` is 503 until it runs); ``start_engine=False`` serves without one.
     ``run_migrations``: upgrade the database at start (a Postgres advisory lock serialises replicas).
-    A bootstrap admin key created on first start is handed to ``on_bootstrap_key`` (shown once)."""
+    A bootstrap admin key created on first start is handed to ``on_bootstrap_key`` (shown once).
+    ``freeze_gc``: once the engine has loaded, freeze the process's heap (``loraplex serve`` only: the process
+    exists for the server; ``loraplex.engine.gc_heap``)."""
     modules = load_modules(CORE_ROUTE_MODULES) + load_modules(ROUTE_MODULES)
     handlers = [h for m in modules for h in m.route_handlers()]
     url = settings.effective_database_url
@@ -106,6 +109,7 @@ def create_app(
             limiter=RateLimiter(kv, settings), admission=Admission(settings.max_concurrent_requests),
             models=BaseModelResolver(base_model_id), base_model_id=base_model_id,
             usage=LoggingUsageSink(), server_secret=load_server_secret(settings), engine=engine_client,
+            freeze_gc=freeze_gc,
         )
         services.metrics.attach_engine(
             lambda: base_model_id,

@@ -83,7 +83,7 @@ def serve(args: argparse.Namespace) -> int:
             # stdout, once: the only time this key is ever shown
             print(f"Bootstrap admin key (shown once, store it now): {key}", flush=True)
 
-        app = create_app(settings, on_bootstrap_key=show_key)
+        app = create_app(settings, on_bootstrap_key=show_key, freeze_gc=settings.freeze_gc)
         config = uvicorn.Config(
             app, host=settings.host, port=settings.port, lifespan="on", log_config=None,
             timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)), access_log=False,

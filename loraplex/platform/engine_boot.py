@@ -10,6 +10,7 @@ import asyncio
 import logging
 from pathlib import Path
 
+from loraplex.engine.gc_heap import freeze_heap, unfreeze_heap
 from loraplex.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ async def start_engine_in_background(services) -> None:
         first = False
         services.engine, services.engine_error = engine, None
         log.info("engine ready: model %s, max_model_len %s", engine.model_id, engine.max_model_len)
+        if services.freeze_gc:
+            freeze_heap()
         healthy_since = asyncio.get_running_loop().time()
         while engine.is_healthy():
             await asyncio.sleep(_WATCH_INTERVAL_S)
@@ -102,6 +105,8 @@ async def start_engine_in_background(services) -> None:
         log.error("the engine loop died; loading a new engine in %.1f s (restart %d)", delay,
                   services.engine_restarts)
         await engine.shutdown()
+        if services.freeze_gc:
+            unfreeze_heap()  # the dead engine's objects were frozen with the rest: let the collector have them
         del engine
         _release_device_memory()
         await asyncio.sleep(delay)

@@ -43,6 +43,7 @@ class Services:
     engine: EngineClient | None = None  # None while loading
     engine_error: str | None = None  # why the engine could not start
     engine_restarts: int = 0  # engines replaced by the supervisor after their loop died
+    freeze_gc: bool = False  # loraplex serve: freeze the heap once the engine has loaded (engine/gc_heap.py)
     draining: bool = False
     extras: dict[str, object] = field(default_factory=dict)  # per-area state (e.g. "registry")
     background: set[asyncio.Task] = field(default_factory=set)

@@ -233,6 +233,8 @@ def test_metrics_have_vllm_names_and_tenant_counters(server, tenants):
             if line.startswith("loraplex:engine_loop_")}
     # the request above ran at least a prefill and a decode step in the loop thread, which timed them
     assert loop["loraplex:engine_loop_steps_total"] >= 2
+    # loraplex serve froze its start-up heap once the engine had loaded (LORAPLEX_FREEZE_GC, on by default)
+    assert "moved out of the collector's reach (gc.freeze)" in server.log_text()
     assert loop["loraplex:engine_loop_step_seconds_total"] > 0 and loop["loraplex:engine_loop_dispatch_seconds_total"] > 0
     assert 'loraplex_tenant_requests_total{status="completed",tenant="acme"}' in text
     assert 'loraplex_tenant_tokens_total{kind="completion",tenant="acme"}' in text
