@@ -63,6 +63,7 @@ class Settings:
     # (loraplex/engine/gc_heap.py; a full collection then walks ~50k objects instead of ~400k+)
     freeze_gc: bool = True
     prefill_batch_max_wait_steps: int = 8
+    prefill_batch_min_running: int = 32  # ... and only while at least this many sequences run
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = sized from free memory

@@ -43,6 +43,8 @@ class EngineConfig:
     # every step); a waiting request that outranks a running one is never held
     prefill_batch_min_tokens: int = 0
     prefill_batch_max_wait_steps: int = 8
+    # ... only while at least this many sequences run: at low load a held prompt waits for nothing
+    prefill_batch_min_running: int = 32
     # LoRA
     enable_lora: bool = False
     max_loras: int = 8  # distinct adapters in one step (GPU slots)
@@ -75,6 +77,8 @@ class EngineConfig:
             raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
         if self.prefill_batch_min_tokens < 0:
             raise ValueError(f"prefill_batch_min_tokens must be >= 0, got {self.prefill_batch_min_tokens}")
+        if self.prefill_batch_min_running < 0:
+            raise ValueError(f"prefill_batch_min_running must be >= 0, got {self.prefill_batch_min_running}")
         if self.prefill_batch_max_wait_steps < 1:
             raise ValueError(f"prefill_batch_max_wait_steps must be >= 1, got {self.prefill_batch_max_wait_steps}")
         if self.lora_group_max_skips < 0:

@@ -180,11 +180,12 @@ class Scheduler:
 
     def _prefill_gate_open(self) -> bool:
         """Prefill batching (``prefill_batch_min_tokens``): may waiting requests be admitted this step? Always
-        when it is off, nothing waits, nothing runs (an idle GPU waits for nobody), or a waiting request
-        outranks a running one; else once enough prompt tokens wait or the gate has been shut
-        ``prefill_batch_max_wait_steps`` steps in a row."""
+        when it is off, nothing waits, fewer than ``prefill_batch_min_running`` sequences run (at low load a
+        held prompt waits for nothing), or a waiting request outranks a running one; else once enough prompt
+        tokens wait or the gate has been shut ``prefill_batch_max_wait_steps`` steps in a row."""
         cfg = self.config
         if cfg.prefill_batch_min_tokens <= 0 or not self.waiting or not self.running or \
+                len(self.running) < cfg.prefill_batch_min_running or \
                 self.waiting[0].priority < self.running[-1].priority:
             self.prefill_held_steps = 0
             return True

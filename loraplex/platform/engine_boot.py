@@ -57,6 +57,7 @@ def engine_config(settings: Settings, model_dir: Path, model_id: str):
         loop_torch_threads=settings.loop_torch_threads,
         prefill_batch_min_tokens=settings.prefill_batch_min_tokens,
         prefill_batch_max_wait_steps=settings.prefill_batch_max_wait_steps,
+        prefill_batch_min_running=settings.prefill_batch_min_running,
     )
 
 

@@ -60,6 +60,7 @@ def test_prefill_batching_is_on_for_the_server_and_reaches_the_engine_config(tmp
 
     default = engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu"}), Path(tmp_path), "m")
     assert (default.prefill_batch_min_tokens, default.prefill_batch_max_wait_steps) == (1024, 8)
+    assert default.prefill_batch_min_running == 32
     assert EngineConfig().prefill_batch_min_tokens == 0  # the engine and the offline LLM keep it off
     custom = engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu", "LORAPLEX_PREFILL_BATCH_MIN_TOKENS": "0",
                                               "LORAPLEX_PREFILL_BATCH_MAX_WAIT_STEPS": "3"}), Path(tmp_path), "m")

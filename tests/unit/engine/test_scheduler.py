@@ -375,7 +375,7 @@ def _step(sched) -> set[str]:
 
 
 def test_prefill_batching_holds_small_prompts_while_decoding_until_the_wait_bound():
-    sched = make_scheduler(prefill_batch_min_tokens=100, prefill_batch_max_wait_steps=4)
+    sched = make_scheduler(prefill_batch_min_running=1, prefill_batch_min_tokens=100, prefill_batch_max_wait_steps=4)
     sched.add_request(make_request("run", range(10), max_tokens=50))
     assert _step(sched) == {"run"}  # nothing was running: admitted at once
     sched.add_request(make_request("small", range(20), max_tokens=5))
@@ -385,7 +385,7 @@ def test_prefill_batching_holds_small_prompts_while_decoding_until_the_wait_boun
     assert sched.num_prefill_held_steps == 3 and sched.prefill_held_steps == 0
 
 def test_prefill_batching_admits_once_enough_prompt_tokens_wait_and_never_holds_an_idle_engine():
-    sched = make_scheduler(prefill_batch_min_tokens=100, prefill_batch_max_wait_steps=50)
+    sched = make_scheduler(prefill_batch_min_running=1, prefill_batch_min_tokens=100, prefill_batch_max_wait_steps=50)
     sched.add_request(make_request("run", range(10), max_tokens=50))
     _step(sched)
     sched.add_request(make_request("a", range(60), max_tokens=5))
@@ -402,7 +402,7 @@ def test_prefill_batching_admits_once_enough_prompt_tokens_wait_and_never_holds_
 
 
 def test_prefill_batching_never_holds_a_request_that_outranks_the_running_ones():
-    sched = make_scheduler(prefill_batch_min_tokens=1000, prefill_batch_max_wait_steps=50)
+    sched = make_scheduler(prefill_batch_min_running=1, prefill_batch_min_tokens=1000, prefill_batch_max_wait_steps=50)
     sched.add_request(make_request("low", range(10), max_tokens=50, priority=5))
     _step(sched)
     sched.add_request(make_request("urgent", range(8), max_tokens=5, priority=0))
@@ -414,7 +414,8 @@ def test_prefill_batching_changes_no_output():
     prompts = [[rng.randrange(1000) for _ in range(rng.randint(5, 60))] for _ in range(16)]
     want = {(str(i), 0): expected_output(p, 12) for i, p in enumerate(prompts)}
     for min_tokens in (0, 64, 300):
-        sched = make_scheduler(prefill_batch_min_tokens=min_tokens, prefill_batch_max_wait_steps=3)
+        sched = make_scheduler(prefill_batch_min_running=1, prefill_batch_min_tokens=min_tokens,
+                               prefill_batch_max_wait_steps=3)
         pending = list(enumerate(prompts))
         got = {}
         while pending or sched.has_unfinished_requests():
@@ -427,3 +428,14 @@ def test_prefill_batching_changes_no_output():
                     got[(req.request_id, 0)] = req.output_token_ids
         assert got == want, min_tokens
         assert (sched.num_prefill_held_steps > 0) == (min_tokens > 0)
+
+
+def test_prefill_batching_holds_nothing_at_low_load():
+    sched = make_scheduler(prefill_batch_min_tokens=1000, prefill_batch_max_wait_steps=50, prefill_batch_min_running=3)
+    for rid in ("r1", "r2"):
+        sched.add_request(make_request(rid, range(10), max_tokens=50))
+    _step(sched)
+    sched.add_request(make_request("small", range(8), max_tokens=5))
+    assert "small" in _step(sched)  # 2 running < 3: admitted at once
+    sched.add_request(make_request("held", range(8), max_tokens=5))
+    assert "held" not in _step(sched)  # 3 running now: held (8 tokens < 1000)
