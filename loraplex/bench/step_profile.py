@@ -47,6 +47,9 @@ def add_step_profile_args(p) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="as bench offline (same CUDA-graph buckets)")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed phase by phase")
     p.add_argument("--profile-steps", type=int, default=3, help="decode steps under torch.profiler")
+    p.add_argument("--step-prompt-tokens", type=int, default=0,
+                   help="every measured step also prefills one new request of this many prompt tokens (a mixed "
+                        "step, run without the decode CUDA graphs, as a server's steps are under arrivals)")
     p.add_argument("--trace-dir", default=None, help="also keep each profiler trace here (.json.gz, Perfetto)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fuse-lora-silu-mul", action="store_true",
@@ -64,6 +67,7 @@ def _smoke(args) -> None:
     args.adapters = sorted({min(n, args.batch) for n in args.adapters})
     args.rank, args.num_adapter_files, args.max_num_seqs = min(args.rank, 8), 2, 8
     args.steps, args.profile_steps = min(args.steps, 3), min(args.profile_steps, 2)
+    args.step_prompt_tokens = min(args.step_prompt_tokens, 8)
 
 
 def _phase_summary(records: list[dict[str, float]], calls: dict[str, int]) -> list[dict]:
@@ -83,8 +87,11 @@ def _phase_summary(records: list[dict[str, float]], calls: dict[str, int]) -> li
 
 
 def profile_decode_steps(llm, batch: int, context: int, num_adapters: int, adapter_dirs: list[Path], steps: int,
-                         profile_steps: int, vocab_size: int, seed: int = 0, trace_path: Path | None = None) -> dict:
-    """Phase times of ``steps`` decode steps and the profiler summary of ``profile_steps`` more (see module doc)."""
+                         profile_steps: int, vocab_size: int, seed: int = 0, trace_path: Path | None = None,
+                         prompt_tokens: int = 0) -> dict:
+    """Phase times of ``steps`` decode steps and the profiler summary of ``profile_steps`` more (see module doc).
+    ``prompt_tokens``: before each measured step one new request of that many prompt tokens (and one output token)
+    is added, so the step also prefills it (a mixed step)."""
     import torch
 
     from loraplex import SamplingParams
@@ -107,12 +114,26 @@ def profile_decode_steps(llm, batch: int, context: int, num_adapters: int, adapt
     for rid, req, lora in zip(ids, requests, lora_requests(requests, adapter_dirs)):
         engine.add_request(rid, req.prompt_token_ids, params, lora_request=lora)
     produced = dict.fromkeys(ids, 0)
+    extra = make_requests(steps + profile_steps, prompt_tokens, 1, "base", vocab_size, seed=seed + 104729) \
+        if prompt_tokens else []
+    extra_loras = lora_requests([requests[i % batch] for i in range(len(extra))], adapter_dirs) if extra else []
+    extra_ids: list[str] = []
 
     def count(deltas) -> int:
+        """The batch's sequences that got a token (the mixed steps' new requests are not counted)."""
+        got = 0
         for d in deltas:
             if d.request_id in produced:
                 produced[d.request_id] += len(d.token_ids)
-        return sum(1 for d in deltas if d.token_ids)
+                got += bool(d.token_ids)
+        return got
+
+    def add_prompt() -> None:
+        if extra:
+            i = len(extra_ids)
+            extra_ids.append(f"step-profile-mix-{num_adapters}-{i}")
+            engine.add_request(extra_ids[-1], extra[i].prompt_token_ids,
+                               SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0), lora_request=extra_loras[i])
 
     while min(produced.values()) < 1 + warm:
         if not engine.has_unfinished_requests():
@@ -120,9 +141,11 @@ def profile_decode_steps(llm, batch: int, context: int, num_adapters: int, adapt
         count(engine.step())
     timers = PhaseTimers(engine)
     sizes = []
+    prompt_before = engine.scheduler.num_computed_prompt_tokens
     try:
         with timers.install():
             for _ in range(steps):
+                add_prompt()
                 sizes.append(count(timers.step()))
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
@@ -130,10 +153,12 @@ def profile_decode_steps(llm, batch: int, context: int, num_adapters: int, adapt
             timers.annotate = True
             with torch.profiler.profile(activities=activities) as prof:
                 for i in range(profile_steps):
+                    add_prompt()
                     with torch.profiler.record_function(f"{STEP_PREFIX}{i}"):
                         sizes.append(count(timers.step()))
+        prompt_computed = engine.scheduler.num_computed_prompt_tokens - prompt_before
     finally:
-        for rid in ids:
+        for rid in ids + extra_ids:
             engine.abort_request(rid)
         while engine.has_unfinished_requests():
             engine.step()
@@ -147,7 +172,9 @@ def profile_decode_steps(llm, batch: int, context: int, num_adapters: int, adapt
     summary = summarize_trace(trace)
     step_mean = statistics.fmean(r["step"] for r in timed)
     return {
-        "batch": batch, "context": context, "num_adapters": num_adapters, "steps_timed": len(timed),
+        "batch": batch, "context": context, "num_adapters": num_adapters, "prompt_tokens_per_step": prompt_tokens,
+        "prompt_tokens_computed": prompt_computed,  # by the measured steps (the mixed steps' new prompts)
+        "steps_timed": len(timed),
         "steps_profiled": len(profiled), "step_mean_s": step_mean,
         "step_median_s": statistics.median(r["step"] for r in timed),
         "profiled_step_mean_s": statistics.fmean(r["step"] for r in profiled) if profiled else None,
@@ -202,7 +229,8 @@ def collect_step_profile(args, device) -> tuple[dict, list[tuple[str, str]]]:
     for n in args.adapters:
         t0 = time.perf_counter()
         run = profile_decode_steps(llm, args.batch, args.context, n, adapter_dirs, args.steps, args.profile_steps,
-                                   shape.vocab_size, seed=args.seed, trace_path=_trace_path(args, n))
+                                   shape.vocab_size, seed=args.seed, trace_path=_trace_path(args, n),
+                                   prompt_tokens=args.step_prompt_tokens)
         run["label"] = _label(n, args.rank)
         ctx = round(run["mean_context"])
         step = decode_step_bytes(shape, [ctx] * args.batch, [args.rank] * min(n, args.batch), elem_bytes=elem)
@@ -229,7 +257,11 @@ def _trace_path(args, n: int) -> Path | None:
 def step_profile_sections(runs: list[dict], device) -> list[tuple[str, str]]:
     sections = []
     first = runs[0]
+    mixed = first.get("prompt_tokens_per_step") or 0
     intro = (f"{first['batch']} sequences decoding together, prompt {first['context']} tokens; "
+             + (f"every measured step also prefills a new request of {mixed} prompt tokens (mixed steps: no decode "
+                "CUDA graph; the floor counts the decode work only); " if mixed else "")
+             + 
              f"{first['steps_timed']} steps timed phase by phase, then {first['steps_profiled']} under torch.profiler. "
              "Each phase is a wrapped method of the live engine (exclusive of the phases nested in it); `other` is "
              "the rest of `LLMEngine.step()`. `sample: D2H wait + results` holds the wait for the GPU to finish the "

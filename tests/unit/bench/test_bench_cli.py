@@ -127,6 +127,18 @@ def test_bench_step_profile_smoke(tmp_path):
         assert title in md
 
 
+def test_bench_step_profile_smoke_with_mixed_steps(tmp_path):
+    out = tmp_path / "out"
+    rc = main(["bench", "step-profile", "--smoke", "--adapters", "0", "--step-prompt-tokens", "8",
+               "--work-dir", str(tmp_path / "work"), "--out-dir", str(out)])
+    assert rc == 0
+    data, md = _report(out, "step-profile")
+    (run,) = data["runs"]
+    # every measured step (3 timed + 2 profiled with --smoke) prefilled its own new 8-token request
+    assert run["prompt_tokens_per_step"] == 8 and run["prompt_tokens_computed"] == 5 * 8
+    assert "every measured step also prefills a new request of 8 prompt tokens" in md
+
+
 def test_bench_offline_smoke_repeats_rounds(tmp_path):
     out = tmp_path / "out"
     rc = main(["bench", "offline", "--smoke", "--popularity", "base,identical", "--repeats", "2", "--merge-single-lora",
