@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -27,6 +28,21 @@ from loraplex.engine.engine_core import LLMEngine, load_tokenizer
 from loraplex.engine.protocol import EngineDeadError, EngineRequest, EngineStats, TokenDelta
 
 log = logging.getLogger(__name__)
+
+
+LOOP_THREAD_OS_NAME = "lpx-engine-loop"  # as `top -H`, `ps -L` and /proc/<pid>/task/*/comm show the loop thread
+
+
+def _name_os_thread(name: str) -> None:
+    """Give the calling thread an OS-level name (Linux; best effort: elsewhere nothing happens)."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # 15 = PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass
@@ -138,6 +154,7 @@ class AsyncEngine:
             future.set_exception(EngineDeadError(f"the engine loop is not running ({self._dead!r})"))
 
     def _run(self) -> None:
+        _name_os_thread(LOOP_THREAD_OS_NAME)
         try:
             import torch
 

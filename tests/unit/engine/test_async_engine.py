@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from loraplex import LLM, SamplingParams
-from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.async_engine import LOOP_THREAD_OS_NAME, AsyncEngine
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine_core import LLMEngine
 from loraplex.engine.protocol import EngineDeadError, EngineRequest
@@ -223,3 +225,14 @@ async def test_loop_thread_sets_torch_intra_op_threads(tiny_model, loop_threads,
         assert eng.loop_torch_threads == expected  # as seen inside the loop thread (OpenMP's setting is per thread)
     finally:
         await eng.shutdown()
+
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names are read from /proc")
+async def test_the_loop_thread_has_an_os_level_name(engine):
+    comm = Path(f"/proc/self/task/{engine._thread.native_id}/comm")
+    for _ in range(100):  # the thread names itself first thing
+        if comm.read_text().strip() == LOOP_THREAD_OS_NAME:
+            break
+        await asyncio.sleep(0.01)
+    assert comm.read_text().strip() == LOOP_THREAD_OS_NAME
