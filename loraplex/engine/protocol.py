@@ -106,6 +106,9 @@ class DeltaStream(Protocol):
 
     request_id: str
 
+    @property
+    def done(self) -> bool: ...  # every sample's final delta has been read from it
+
     def __aiter__(self) -> AsyncIterator[TokenDelta]: ...
 
     async def __anext__(self) -> TokenDelta: ...

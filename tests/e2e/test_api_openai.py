@@ -295,6 +295,30 @@ def test_admission_cap_gives_fast_503(server):
             c.close()
 
 
+def test_streams_closed_together_free_their_slots_at_once(server):
+    """Eight streams dropped at the same moment, five times: each time every admission slot is back within a second
+    and every aborted request's final report reached its usage record (it once waited out a 5 s timeout when the
+    stream's reader took that report first)."""
+    server.wait_none_in_flight(timeout_s=30)
+    t = server.create_tenant("droppers")
+    body = {"model": base_model(server), "prompt": "go", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    for _ in range(5):
+        clients = [httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {t['key']}"})
+                   for _ in range(8)]
+        streams = []
+        for c in clients:
+            s = c.stream("POST", "/v1/completions", json=body)
+            r = s.__enter__()
+            streams.append((s, r.iter_lines()))
+            next(streams[-1][1])
+        for s, _ in streams:
+            s.__exit__(None, None, None)
+        for c in clients:
+            c.close()
+        server.wait_none_in_flight(timeout_s=1.0)
+    assert "abort report of" not in server.log_text()
+
+
 def _adapter_dir(server) -> Path:
     """An adapter that fits the served base model (the demo's, or the tiny model's)."""
     model_dir = Path(server.env.get("LORAPLEX_MODEL") or server.data_dir / "demo-model")

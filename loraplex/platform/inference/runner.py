@@ -89,6 +89,9 @@ class Generation:
     _closed: bool = False
     _streams: list | None = None  # the engine's DeltaStream per prompt, once admitted
     _finish_task: asyncio.Task | None = None
+    # stream(): the tasks that read each engine stream into one queue, and that queue
+    _pumps: list[asyncio.Task] = field(default_factory=list)
+    _merged: asyncio.Queue | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -144,6 +147,7 @@ class Generation:
         (when not started yet) or fails."""
         engine = self.services.engine
         queue: asyncio.Queue = asyncio.Queue()
+        self._merged = queue
         await self.start()
         streams = self._streams
 
@@ -158,6 +162,7 @@ class Generation:
                 await queue.put((i, None))
 
         tasks = [asyncio.create_task(pump(i, r), name=f"gen:{r.request_id}") for i, r in enumerate(streams)]
+        self._pumps = tasks
         open_prompts = len(streams)
         try:
             while open_prompts:
@@ -256,13 +261,28 @@ class Generation:
         before the engine took it has no stream, and nothing of it is billed (at most one step of it ran)."""
         if self._streams is None:
             return
-        aborted = [i for i, state in enumerate(self._states) if not state.done]
+        # one reader per engine stream: the pumps of stream() stop first. A pump may already have taken a final
+        # delta (it reads until cancelled, and a disconnect can close the generation before its stream()'s own
+        # cleanup runs); what it took and nobody read is in the merged queue. Reading both at once lost that
+        # delta, and the wait below then ran to its timeout.
+        for task in self._pumps:
+            task.cancel()
+        if self._pumps:
+            await asyncio.gather(*self._pumps, return_exceptions=True)
+        while self._merged is not None and not self._merged.empty():
+            i, item = self._merged.get_nowait()
+            if isinstance(item, TokenDelta):
+                self._count_prompt(i, item)
+        aborted = [i for i, state in enumerate(self._states) if not state.done and not self._streams[i].done]
         try:
             reports = await asyncio.gather(*(self._streams[i].drain(ABORT_REPORT_WAIT_S) for i in aborted))
         except Exception:
             log.warning("abort reports of %s failed", self.response_id, exc_info=True)
             return
         for i, deltas in zip(aborted, reports):
+            if not any(d.finished for d in deltas):
+                log.warning("abort report of %s not received within %.0f s: billed as far as seen",
+                            self._states[i].request_id, ABORT_REPORT_WAIT_S)
             for d in deltas:
                 self._count_prompt(i, d)
 
