@@ -47,7 +47,8 @@ class Settings:
     max_cpu_loras: int = 64
     lora_load_workers: int | None = None  # threads reading and validating adapter files; None: min(4, CPUs)
     merge_single_lora: bool = False  # fold a lone adapter into the weights (engine option; costs a weight copy)
-    loop_torch_threads: int = 0  # torch intra-op threads of the engine's loop thread; 0: torch's default
+    loop_torch_threads: int | None = None  # torch intra-op threads of the engine loop thread; 0: torch's default;
+    # unset: 1 on the CPU, torch's default on CUDA (EngineConfig.loop_torch_threads)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     # prefill batching (engine option): while sequences decode, new prompts wait until this many prompt tokens wait

@@ -159,6 +159,8 @@ class AsyncEngine:
             import torch
 
             threads = self.engine.config.loop_torch_threads
+            if threads is None:  # EngineConfig.loop_torch_threads: 1 on the CPU, torch's default elsewhere
+                threads = 1 if self.engine.runner.device.type == "cpu" else 0
             if threads > 0:
                 torch.set_num_threads(threads)  # this thread's (OpenMP's are per thread): EngineConfig.loop_torch_threads
             self.loop_torch_threads = torch.get_num_threads()  # as the loop thread sees it

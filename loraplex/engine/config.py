@@ -25,10 +25,10 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # token budget per step; default max(2048, max_model_len)
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     async_scheduling: bool | None = None  # overlap host work with the device's step; None: on for CUDA
-    # torch intra-op threads of AsyncEngine's loop thread (the server's engine); 0 leaves torch's default. On a 2-core
-    # CPU the engine ran 3-5x faster in that thread with 1 than with torch's 2, but the e2e client-disconnect test
-    # then missed its 1 s abort bound in 6 of 12 runs (0 of 12 with 0): kept at 0 until that is understood
-    loop_torch_threads: int = 0
+    # torch intra-op threads of AsyncEngine's loop thread (the server's engine); 0 leaves torch's default; None: 1 when
+    # the engine runs on the CPU (on a 2-core CPU the engine ran 3-5x faster in that thread with 1 than with torch's
+    # 2: docs/benchmarks/engine-thread-cpu.md), torch's default on CUDA (the H200 showed no clear difference: run 10)
+    loop_torch_threads: int | None = None
     lora_max_wait_steps: int = 16  # a request kept out by the max_loras limit this long stops other admissions
     # adapter grouping, while GPU slots cannot run out (max_loras >= max_num_seqs): within a priority, waiting
     # requests whose adapter already runs are admitted before the others, which follow grouped by adapter (every

@@ -47,7 +47,7 @@ def test_loop_torch_threads_reaches_the_engine_config(tmp_path):
 
     from loraplex.platform.engine_boot import engine_config
 
-    assert engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu"}), Path(tmp_path), "m").loop_torch_threads == 0
+    assert engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu"}), Path(tmp_path), "m").loop_torch_threads is None
     four = Settings.from_env({"LORAPLEX_LOOP_TORCH_THREADS": "4", "LORAPLEX_DEVICE": "cpu"})
     assert engine_config(four, Path(tmp_path), "m").loop_torch_threads == 4
 

@@ -209,10 +209,10 @@ async def test_a_closed_stream_still_delivers_the_abort_report(tiny_model):
         await engine.shutdown()
 
 
-@pytest.mark.parametrize("loop_threads, expected", [(1, 1), (0, 2)])
+@pytest.mark.parametrize("loop_threads, expected", [(1, 1), (0, 2), (None, 1)])
 async def test_loop_thread_sets_torch_intra_op_threads(tiny_model, loop_threads, expected):
-    """The loop thread runs torch with ``loop_torch_threads`` intra-op threads (0: whatever the process had):
-    on a 2-core CPU the same generate ran 4.5x slower in a non-main thread with 2 of them than with 1."""
+    """The loop thread runs torch with ``loop_torch_threads`` intra-op threads (0: whatever the process had; unset:
+    1 on the CPU): on a 2-core CPU the same generate ran 4.5x slower in a non-main thread with 2 of them than 1."""
     import torch
 
     torch.set_num_threads(2)  # the loop thread starts from the process default; with 0 it keeps it
