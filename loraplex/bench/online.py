@@ -223,11 +223,7 @@ def loop_delta(before: dict | None, after: dict | None, wall_s: float) -> dict |
     handing out deltas, and the share of the run's wall time it was busy (the rest: waiting for work)."""
     if not before or not after or wall_s <= 0:
         return None
-    steps = after[LOOP_COUNTERS[0]] - before[LOOP_COUNTERS[0]]
-    step_s = after[LOOP_COUNTERS[1]] - before[LOOP_COUNTERS[1]]
-    dispatch_s = after[LOOP_COUNTERS[2]] - before[LOOP_COUNTERS[2]]
-    cpu_s = after[LOOP_COUNTERS[3]] - before[LOOP_COUNTERS[3]]
-    device_s = after[LOOP_COUNTERS[4]] - before[LOOP_COUNTERS[4]]
+    steps, step_s, dispatch_s, cpu_s, device_s = (after[name] - before[name] for name in LOOP_COUNTERS)
 
     def per_step(x: float) -> float | None:
         return x / steps * 1e3 if steps else None

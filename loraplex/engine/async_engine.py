@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
 import queue
 import sys
@@ -190,9 +189,10 @@ class AsyncEngine:
             self._fail_everything(reason)
 
     def _loop_stats(self) -> EngineStats:
-        return dataclasses.replace(self.engine.get_stats(), loop_steps=self._loop_steps,
-                                   loop_step_seconds=self._loop_step_s, loop_step_cpu_seconds=self._loop_step_cpu_s,
-                                   loop_dispatch_seconds=self._loop_dispatch_s)
+        stats = self.engine.get_stats()  # a fresh object each call: filled in here, not copied
+        stats.loop_steps, stats.loop_step_seconds = self._loop_steps, self._loop_step_s
+        stats.loop_step_cpu_seconds, stats.loop_dispatch_seconds = self._loop_step_cpu_s, self._loop_dispatch_s
+        return stats
 
     def _drain_commands(self) -> bool:
         """Run queued commands; True when there were any."""

@@ -50,6 +50,14 @@ def mixed_requests(tiny_model, seed: int, num_requests: int = 40):
     return prompts, mix, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
 
 
+def generate_with(tiny_model, dtype: str, requests, **engine_options):
+    """(engine, outputs) of ``requests`` (``mixed_requests``) on a CUDA engine with ``engine_options``."""
+    prompts, mix, params = requests
+    llm = LLM(tiny_model["model_dir"], device="cuda", dtype=dtype, enable_lora=True, max_loras=4,
+              max_lora_rank=64, max_num_seqs=64, **engine_options)
+    return llm, llm.generate(prompts, params, lora_request=mix)
+
+
 def _compare(eager_outs, graph_outs, dtype: str) -> int:
     """Greedy tokens equal; logprobs close. bf16 may pick the other token of a near tie (rounding moves
     with the batch shape), so a bf16 sequence is compared up to such a tie, which must be a real tie.

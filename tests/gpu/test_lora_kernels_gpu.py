@@ -96,8 +96,6 @@ def test_cuda_graph_replay_with_another_batch():
     cfg = choose_config(48, 8, 8, 32, 520, max_slice_width=width)
     slots_buf = batch.token_slots.clone()
     out = batch.out.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
 
     def step():
         out.copy_(batch.out)
@@ -105,12 +103,7 @@ def test_cuda_graph_replay_with_another_batch():
         lora_apply(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
                    width, meta, cfg)
 
-    with torch.cuda.stream(stream):
-        step()  # warm-up compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_cuda_graph(step)  # warm-up compiles outside the capture
     for mix in ("identical", "distinct", "skewed"):  # other mixes than at capture
         slots_buf.copy_(token_slots_for(mix, 48, 8, gen).cuda())
         graph.replay()
@@ -205,8 +198,6 @@ def test_fused_split_k_under_cuda_graph_replay(monkeypatch):
     counters = torch.zeros(meta.max_chunks, dtype=torch.int32, device="cuda")
     scratch = torch.empty(cfg.fused_split_k, 1, 32, 16, dtype=torch.float32, device="cuda")
     out = batch.out.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
 
     def step():
         out.copy_(batch.out)
@@ -216,12 +207,7 @@ def test_fused_split_k_under_cuda_graph_replay(monkeypatch):
             lora_apply(batch.x, out, batch.lora_a, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
                        4096, m, cfg, scratch, counters)
 
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_cuda_graph(step)
     for mix in ("distinct", "identical", "skewed"):
         slots_buf.copy_(token_slots_for(mix, 32, 16, gen).cuda())
         graph.replay()

@@ -10,9 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex import LLM
 from loraplex.kernels.lora_testing import capture_cuda_graph, random_slot_pool, token_slots_for
-from tests.gpu.test_cuda_graphs import _compare, mixed_requests
+from tests.gpu.test_cuda_graphs import _compare, generate_with, mixed_requests
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -88,15 +87,11 @@ def test_overlap_is_off_without_adapters_and_without_triton():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_with_overlapped_shrink_matches_sequential(tiny_model, dtype):
-    prompts, mix, params = mixed_requests(tiny_model, seed=7)
-
-    def run(overlap: bool):
-        llm = LLM(tiny_model["model_dir"], device="cuda", dtype=dtype, enable_lora=True, max_loras=4,
-                  max_lora_rank=64, max_num_seqs=64, lora_overlap_shrink=overlap)
-        assert llm.engine.runner.graphs is not None  # decode steps replay CUDA graphs with the fork inside
-        return llm.generate(prompts, params, lora_request=mix)
-
-    compared = _compare(run(False), run(True), dtype)
+    requests = mixed_requests(tiny_model, seed=7)
+    _, sequential = generate_with(tiny_model, dtype, requests, lora_overlap_shrink=False)
+    llm, overlapped = generate_with(tiny_model, dtype, requests, lora_overlap_shrink=True)
+    assert llm.engine.runner.graphs is not None  # decode steps replay CUDA graphs with the fork inside
+    compared = _compare(sequential, overlapped, dtype)
     # the same kernels on the same inputs (the first test shows them bit-identical); bf16 leaves room for a
     # GEMM algorithm that cuBLAS might pick differently in the second engine
     assert compared >= (1.0 if dtype == "float32" else 0.9) * 40 * 12
