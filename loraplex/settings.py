@@ -63,6 +63,7 @@ class Settings:
     # loraplex serve: once the engine has loaded, freeze the heap alive then out of the cyclic GC's reach
     # (loraplex/engine/gc_heap.py; a full collection then walks ~50k objects instead of ~400k+)
     freeze_gc: bool = True
+    attention_decode_split: bool = True  # engine option (EngineConfig.attention_decode_split); off for A/B runs
     prefill_batch_max_wait_steps: int = 8
     prefill_batch_min_running: int = 32  # ... and only while at least this many sequences run
     max_model_len: int | None = None

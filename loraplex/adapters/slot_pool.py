@@ -62,6 +62,9 @@ class SlotPool:
             self.slice_loc[p] = torch.tensor(loc, dtype=torch.int32, device=self.device)
         self.module_range = {p: (MODULE_INDEX[m[0]], MODULE_INDEX[m[0]] + len(m))
                                    for p, m in PROJ_MODULES.items()}
+        # layer_view's views, made once: every eager step asks for each (projection, layer) again, and the buffers
+        # above are filled in place, never replaced
+        self._layer_views: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if cuda else None  # host->device transfers only
         self._scatter_stream = torch.cuda.Stream(self.device) if cuda else None  # staged -> slot copies
@@ -167,8 +170,12 @@ class SlotPool:
 
     def layer_view(self, proj: str, layer: int):
         """(a [max_loras, S, R, K], bt [max_loras, R, N_total], ranks [S, max_loras]) of one layer."""
-        lo, hi = self.module_range[proj]
-        return self.a[proj][layer], self.bt[proj][layer], self.ranks[layer, lo:hi]
+        views = self._layer_views.get((proj, layer))
+        if views is None:
+            lo, hi = self.module_range[proj]
+            views = self._layer_views[(proj, layer)] = (self.a[proj][layer], self.bt[proj][layer],
+                                                        self.ranks[layer, lo:hi])
+        return views
 
 
 def _sources(adapter: HostAdapter) -> dict:

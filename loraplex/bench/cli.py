@@ -128,6 +128,9 @@ def add_offline_args(p) -> None:
     p.add_argument("--lora-overlap-shrink", action=argparse.BooleanOptionalAction, default=None,
                    help="engine option lora_overlap_shrink: each LoRA shrink on a forked CUDA stream alongside the "
                         "base GEMM (default: the engine's default)")
+    p.add_argument("--attention-decode-split", action=argparse.BooleanOptionalAction, default=None,
+                   help="engine option attention_decode_split: in steps mixing decodes and prompts, the decodes through "
+                        "the split-KV decode kernel (default: the engine's default, on)")
     p.add_argument("--lora-grouping", action="store_true",
                    help="engine option lora_grouping: admit waiting requests whose adapter already runs first, the "
                         "others grouped by adapter (instead of FCFS)")

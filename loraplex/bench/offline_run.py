@@ -113,6 +113,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
                        lora_grouping=args.lora_grouping,
                        freeze_gc=not args.smoke,  # this process exists for the run (a smoke run may be a test's)
                        lora_overlap_shrink=getattr(args, "lora_overlap_shrink", None),
+                       attention_decode_split=getattr(args, "attention_decode_split", None),
                        fuse_lora_silu_mul=args.fuse_lora_silu_mul)
     with clock("engine warm-up"):
         # compiles kernels and fills allocator pools before anything is timed: the LoRA kernels are compiled per

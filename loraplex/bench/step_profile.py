@@ -59,6 +59,9 @@ def add_step_profile_args(p) -> None:
                         "base GEMM (default: the engine's default)")
     p.add_argument("--merge-single-lora", action="store_true",
                    help="engine option merge_single_lora: a single adapter's steps on merged weights")
+    p.add_argument("--attention-decode-split", action=argparse.BooleanOptionalAction, default=None,
+                   help="engine option attention_decode_split: in mixed steps, the decodes through the split-KV "
+                        "decode kernel (default: the engine's default, on)")
 
 
 def _smoke(args) -> None:
@@ -221,7 +224,8 @@ def collect_step_profile(args, device) -> tuple[dict, list[tuple[str, str]]]:
         if most else []
     llm = make_llm(model_dir, str(device), args.dtype, args.max_loras or max(1, most), args.rank,
                    max_num_seqs=args.max_num_seqs, seed=args.seed, merge_single_lora=args.merge_single_lora,
-                   fuse_lora_silu_mul=args.fuse_lora_silu_mul, lora_overlap_shrink=args.lora_overlap_shrink)
+                   fuse_lora_silu_mul=args.fuse_lora_silu_mul, lora_overlap_shrink=args.lora_overlap_shrink,
+                   attention_decode_split=args.attention_decode_split)
     bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     log.info("step-profile: model and engine ready in %.1f s", time.perf_counter() - started)

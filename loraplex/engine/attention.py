@@ -25,6 +25,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: KV length of each sequence including its new tokens
     max_query_len: int
     max_seq_len: int
+    # leading sequences with exactly one new token (the scheduler lists running sequences first): in a mixed
+    # step the Triton backend runs them through the split-KV decode kernel, the rest through the varlen kernel
+    num_decodes: int = 0
 
 
 class AttentionBackend:
@@ -67,7 +70,7 @@ class TritonAttentionBackend(AttentionBackend):
     def attention(self, query, key_cache, value_cache, meta, scale):
         return self._paged_attention(query, key_cache, value_cache, meta.block_tables, meta.query_start_loc,
                                      meta.seq_lens, scale, max_query_len=meta.max_query_len,
-                                     max_seq_len=meta.max_seq_len)
+                                     max_seq_len=meta.max_seq_len, num_decodes=meta.num_decodes)
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {

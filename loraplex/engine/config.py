@@ -64,6 +64,10 @@ class EngineConfig:
     # full collections. For processes that exist to run the engine (the server and the benchmarks set it); off for
     # a library caller, whose heap it would freeze too
     freeze_gc: bool = False
+    # in a step that mixes decodes and prompts, the leading one-token sequences run through the split-KV decode
+    # kernel and only the rest through the varlen (prefill) kernel, instead of every row through the varlen kernel
+    # (whose 16-row query tiles a decode row fills alone); off only for A/B runs
+    attention_decode_split: bool = True
     model_id: str | None = None  # served name; default the model directory's name
 
     def __post_init__(self) -> None:

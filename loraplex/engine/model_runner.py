@@ -264,7 +264,8 @@ class ModelRunner:
             block_tables=batch.block_tables.to(dev, non_blocking=nb),
             query_start_loc=batch.query_start_loc.to(dev, non_blocking=nb),
             seq_lens=batch.seq_lens.to(dev, non_blocking=nb),
-            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len)
+            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
+            num_decodes=batch.num_decodes if self.config.attention_decode_split else 0)
         input_ids = batch.input_ids.to(dev, non_blocking=nb)
         positions = batch.positions.to(dev, non_blocking=nb)
         if fixup is not None:

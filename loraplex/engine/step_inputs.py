@@ -105,6 +105,7 @@ class StepBatch:
     seq_lens: torch.Tensor  # [num_rows_seqs] int32 (0 for padding rows)
     max_query_len: int
     max_seq_len: int
+    num_decodes: int  # leading sequences with one new token each (all of them in a pure-decode step)
     lora_ids: list[int] | None  # [B] adapter id per sequence (0 = base); None when the step has no adapter
     query_lens: np.ndarray  # [B] int64
     sample_counts: list[int]  # [B] tokens to sample from each sequence's last position
@@ -218,6 +219,7 @@ class StepInputBuilder:
             slot_mapping=self._slots_t[:rows_out], block_tables=self._bt_t[:num_seqs * width].view(num_seqs, width),
             query_start_loc=self._qsl_t[:seq_rows + 1], seq_lens=self._lens_t[:seq_rows],
             max_query_len=int(query_lens.max()), max_seq_len=int(seq_lens.max()),
+            num_decodes=num_seqs if is_decode else int(np.argmax(query_lens != 1)),
             lora_ids=[r.lora_id for r in reqs] if out.lora_ids else None, query_lens=query_lens,
             sample_counts=[s.num_samples for s in sched], last_token_rows=last_rows,
             sampler_flags=flags, lora_staging=self._lora_t if self._pinned else None,

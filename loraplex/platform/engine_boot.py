@@ -58,6 +58,7 @@ def engine_config(settings: Settings, model_dir: Path, model_id: str):
         prefill_batch_min_tokens=settings.prefill_batch_min_tokens,
         prefill_batch_max_wait_steps=settings.prefill_batch_max_wait_steps,
         prefill_batch_min_running=settings.prefill_batch_min_running,
+        attention_decode_split=settings.attention_decode_split,
     )
 
 

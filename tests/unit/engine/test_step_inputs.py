@@ -59,6 +59,9 @@ def check_batch(batch, ref: dict, block_size: int) -> None:
         assert torch.equal(batch.block_tables[row, :used], ref["block_tables"][row, :used]), f"row {row}"
     assert batch.max_seq_len == int(ref["seq_lens"].max())
     assert batch.max_query_len == int((ref["query_start_loc"][1:] - ref["query_start_loc"][:-1]).max())
+    q_lens = (ref["query_start_loc"][1:] - ref["query_start_loc"][:-1]).tolist()
+    leading = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
+    assert batch.num_decodes == leading  # the rows the decode kernel may take in a mixed step
     last = ref["query_start_loc"][1:].long() - 1
     assert np.array_equal(batch.last_token_rows, last.numpy())
     if batch.graph_bucket is not None:  # padding rows: no KV write, no keys, one token each
@@ -76,7 +79,7 @@ def _random_workload(seed: int, bucket_for) -> tuple[int, int, int]:
                            max_model_len=256)
     builder = StepInputBuilder(24, 40, 256, block_size, torch.device("cpu"))
     shared = [rng.randrange(1, 500) for _ in range(12)]  # common prefix: prefix-cache admissions
-    num_padded = num_decode = num_lora = 0
+    num_padded = num_decode = num_lora = num_mixed = 0
     for step in range(400):
         if rng.random() < 0.35 and sched.num_unfinished < 40:
             prompt = (shared if rng.random() < 0.4 else []) + [rng.randrange(1, 500) for _ in range(rng.randrange(1, 30))]
@@ -95,8 +98,9 @@ def _random_workload(seed: int, bucket_for) -> tuple[int, int, int]:
         num_padded += batch.num_rows > batch.num_seqs
         num_lora += batch.lora_ids is not None
         num_decode += batch.is_decode
+        num_mixed += not batch.is_decode and batch.num_decodes > 0
         sched.update_from_output(out, fake_run(out, block_size))
-    assert num_lora > 0
+    assert num_lora > 0 and num_mixed > 0  # some mixed steps led with decodes
     return num_padded, num_decode, sched.num_preemptions + sched.block_manager.num_cow_copies
 
 
