@@ -31,6 +31,7 @@ BF16_ARGS = {
 def compile_kernel(kernel, constexprs: dict, num_warps: int, num_stages: int, args: dict = BF16_ARGS,
                    unaligned: tuple[str, ...] = ()) -> dict:
     """Compile for sm_90; integer/pointer arguments get the divisibility-by-16 Triton infers at launch."""
+    kernel = getattr(kernel, "jit_fn", kernel)  # a fast_launch wrapper: its JITFunction
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else args.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names

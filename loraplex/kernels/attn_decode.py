@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.launch import fast_launch
+
 LOG2E = 1.4426950408889634
 # defaults of the decode kernel (``loraplex bench attention --sweep`` measures the alternatives); three
 # stages also prefetch the block-table entries, not only the K/V tiles
@@ -39,6 +41,7 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
 
 
+@fast_launch
 @triton.jit
 def _decode_split_kernel(
     q_ptr,
@@ -135,6 +138,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + part_row, lse, mask=row_mask)
 
 
+@fast_launch
 @triton.jit
 def _decode_merge_kernel(
     part_out_ptr,  # [B, Hq, S, D] fp32

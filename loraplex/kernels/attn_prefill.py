@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels.attn_decode import LOG2E, dot_precision
+from loraplex.kernels.launch import fast_launch
 
 
 @triton.jit
@@ -46,6 +47,7 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["num_seqs"])
 def _prefill_kernel(
     q_ptr,

@@ -34,10 +34,12 @@ from loraplex.kernels.fused_ops_ref import (  # noqa: F401 (the twins, re-export
     rope_store_kv_ref,
     silu_mul_ref,
 )
+from loraplex.kernels.launch import fast_launch
 
 # ---- kernels --------------------------------------------------------------------------------------------
 
 
+@fast_launch
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
                      stride_res_out, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
@@ -99,6 +101,7 @@ def _rope_rows(src, cos_row, sin_row, h, d, HALF: tl.constexpr, mask):
     return (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
 
 
+@fast_launch
 @triton.jit
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                        stride_qkv, stride_cos, stride_sin, block_size, stride_cache_block, stride_cache_slot,
@@ -145,6 +148,7 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_c
     return q
 
 
+@fast_launch
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)

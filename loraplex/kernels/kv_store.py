@@ -24,7 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.launch import fast_launch
 
+
+@fast_launch
 @triton.jit
 def _store_kv_kernel(
     key_ptr,

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.launch import fast_launch
 from loraplex.kernels.lora_meta import LoRAKernelMeta
 from loraplex.kernels.lora_shrink import chunk_tables, dot_precision, gdc_wait, num_chunks_of, split_parts
 
@@ -43,6 +44,7 @@ from loraplex.kernels.lora_shrink import chunk_tables, dot_precision, gdc_wait, 
 UNSPECIALIZED = ("progs", "shrink_progs", "k_tiles", "stride_yp", "stride_ys", "stride_crs")
 
 
+@fast_launch
 @triton.jit(do_not_specialize=UNSPECIALIZED)
 def _lora_expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scaling_ptr, slice_loc_ptr,

@@ -43,10 +43,12 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.launch import fast_launch
 from loraplex.kernels.lora_meta import LoRAKernelMeta
 from loraplex.kernels.lora_shrink import dot_precision
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["per_split"])
 def _lora_fused_kernel(
     x_ptr, a_ptr, b_ptr, out_ptr, y_ptr, cnt_ptr, ranks_ptr, scaling_ptr, slice_loc_ptr,

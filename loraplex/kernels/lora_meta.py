@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.launch import fast_launch
+
 
 def max_chunks_for(num_tokens: int, num_slots: int, block_m: int) -> int:
     return -(-num_tokens // block_m) + min(num_tokens, num_slots)
@@ -128,6 +130,7 @@ def build_lora_meta_torch(token_slots: torch.Tensor, num_slots: int, block_m: in
 UNSPECIALIZED = ("T", "NUM_SLOTS", "MAX_CHUNKS")  # no variant per token count (TB, CB: one per power of 2)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=UNSPECIALIZED)
 def _lora_meta_kernel(
     slots_ptr, sorted_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr, seg_ptr,

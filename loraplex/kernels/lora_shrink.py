@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.launch import fast_launch
 from loraplex.kernels.lora_meta import LoRAKernelMeta
 
 try:  # grid dependency control (programmatic dependent launch); triton >= 3.4
@@ -62,6 +63,7 @@ def split_parts(progs, num_chunks, SPLIT_K: tl.constexpr, k_tiles):
 UNSPECIALIZED = ("progs", "stride_yp", "stride_ys", "stride_crs")
 
 
+@fast_launch
 @triton.jit(do_not_specialize=UNSPECIALIZED)
 def _lora_shrink_kernel(
     x_ptr, a_ptr, y_ptr, ranks_ptr,

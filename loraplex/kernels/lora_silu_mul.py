@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.launch import fast_launch
 from loraplex.kernels.lora_meta import LoRAKernelMeta
 from loraplex.kernels.lora_shrink import dot_precision, num_chunks_of, split_parts
 
@@ -48,6 +49,7 @@ def _column_share(width, splits, BLOCK_N: tl.constexpr):
     return (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
 
 
+@fast_launch
 @triton.jit(do_not_specialize=UNSPECIALIZED)
 def _lora_silu_mul_kernel(
     gu_ptr, y_ptr, b_ptr, act_ptr, ranks_ptr, scaling_ptr, token_slots_ptr,
