@@ -15,6 +15,7 @@ columns split ~17x finer in the expand.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -134,7 +135,7 @@ VECTORIZE_EXPAND = True
 # expand's programs are resident and past their metadata loads when the shrink ends, and the shrink starts as
 # the base projection's last blocks leave. Each kernel waits (griddepcontrol.wait) before reading what an
 # earlier launch wrote.
-USE_PDL = True
+USE_PDL = os.environ.get("LORAPLEX_LORA_PDL", "1") != "0"  # LORAPLEX_LORA_PDL=0: off (A/B and diagnosis)
 
 # Off: on the H200 (docs/benchmarks/NOTES-lora.md) every fused configuration measured slower than the
 # two-launch path for every Llama-3-8B decode projection (rank 16: 25-100% slower per projection in a CUDA

@@ -13,7 +13,7 @@ from loraplex.kernels.fused_ops_ref import add_rms_norm_ref
 from loraplex.kernels.launch import ENABLED, FastLaunchKernel
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-              pytest.mark.skipif(not ENABLED, reason="fast launch is off for this triton or environment")]
+              pytest.mark.skipif(not ENABLED, reason="fast launch is off (LORAPLEX_FAST_LAUNCH=1 turns it on)")]
 
 
 def _triton_path(x, residual, weight, eps):

@@ -58,11 +58,12 @@ def test_second_launch_of_a_key_goes_to_the_launcher_with_all_arguments_in_order
     assert call[9:] == (x, 200, 48, 0.25, True, 64)  # positional, then keyword and default constexprs in order
 
 
-@pytest.mark.parametrize("change", ["misaligned", "int_one", "not_div16", "int64", "dtype", "constexpr", "option"])
+@pytest.mark.parametrize("change", ["misaligned", "int_one", "not_div16", "int64", "dtype", "constexpr",
+                                    "constexpr_int", "option", "option_value"])
 def test_a_new_specialization_goes_through_triton(wrapped, change):
     kernel, compiled, triton_path = wrapped
     x = torch.zeros(64)
-    base = dict(args=[x, 32, 32, 0.5], kw=dict(FLAG=True))
+    base = dict(args=[x, 32, 32, 0.5], kw=dict(FLAG=True, BLOCK=32, num_warps=4))
     kernel[(1,)](*base["args"], **base["kw"])
     kernel[(1,)](*base["args"], **base["kw"])
     assert len(triton_path) == 1 and kernel.fast_launches == 1
@@ -79,12 +80,26 @@ def test_a_new_specialization_goes_through_triton(wrapped, change):
         args[0] = torch.zeros(64, dtype=torch.float16)
     elif change == "constexpr":
         kw["FLAG"] = False
+    elif change == "constexpr_int":  # same integer class (divisible by 16), another compiled kernel
+        kw["BLOCK"] = 64
+    elif change == "option":
+        kw["num_stages"] = 2
     else:
         kw["num_warps"] = 8
     kernel[(1,)](*args, **kw)
     assert len(triton_path) == 2 and kernel.fast_launches == 1
     kernel[(1,)](*args, **kw)  # and that key is cached in turn
     assert len(triton_path) == 2 and kernel.fast_launches == 2
+
+
+def test_a_positional_constexpr_is_keyed_by_value(wrapped):
+    kernel, compiled, triton_path = wrapped
+    x = torch.zeros(64)
+    kernel[(1,)](x, 32, 32, 0.5, True, 32)
+    kernel[(1,)](x, 32, 32, 0.5, True, 32)
+    kernel[(1,)](x, 32, 32, 0.5, True, 64)
+    assert len(triton_path) == 2 and kernel.fast_launches == 1
+    assert compiled.calls[0][9:] == (x, 32, 32, 0.5, True, 32)
 
 
 def test_floats_are_not_keyed_by_value_and_hooks_force_tritons_path(wrapped, monkeypatch):
