@@ -50,10 +50,10 @@ def _version_ok() -> bool:
     return (3, 3) <= (major, minor) < (4, 0)
 
 
-# Opt-in (LORAPLEX_FAST_LAUNCH=1), experimental: on the H200 (triton 3.6, run 11) the GPU tests failed with it on
-# (LoRA kernels off the twin, then illegal addresses) while the same launches of an RMSNorm kernel matched Triton's
-# path; the cause is not found yet (docs/benchmarks/H200-2026-12-02-run11.md). Off, ``fast_launch`` returns the
-# kernel itself and every launch is Triton's own.
+# Opt-in (LORAPLEX_FAST_LAUNCH=1), experimental: on the H200 (triton 3.6, run 11) the GPU tests failed with the first
+# version (keyword constexprs keyed by integer class, see the module doc); the fixed key has run on the CPU only
+# (docs/benchmarks/H200-2026-12-02-run11.md). Off, ``fast_launch`` returns the kernel itself and every launch is
+# Triton's own.
 ENABLED = (os.environ.get("LORAPLEX_FAST_LAUNCH", "0") == "1" and _knobs is not None and _version_ok()
            and os.environ.get("TRITON_INTERPRET") != "1")
 
