@@ -198,7 +198,8 @@ def add_online_args(p) -> None:
 
 LOOP_COUNTERS = ("loraplex:engine_loop_steps_total", "loraplex:engine_loop_step_seconds_total",
                  "loraplex:engine_loop_dispatch_seconds_total", "loraplex:engine_loop_step_cpu_seconds_total",
-                 "loraplex:engine_device_wait_seconds_total")
+                 "loraplex:engine_device_wait_seconds_total", "loraplex:engine_step_sequences_total",
+                 "loraplex:engine_prompt_steps_total")
 
 
 def loop_counters(url: str) -> dict[str, float] | None:
@@ -223,7 +224,8 @@ def loop_delta(before: dict | None, after: dict | None, wall_s: float) -> dict |
     handing out deltas, and the share of the run's wall time it was busy (the rest: waiting for work)."""
     if not before or not after or wall_s <= 0:
         return None
-    steps, step_s, dispatch_s, cpu_s, device_s = (after[name] - before[name] for name in LOOP_COUNTERS)
+    steps, step_s, dispatch_s, cpu_s, device_s, seqs, prompt_steps = (after[name] - before[name]
+                                                                      for name in LOOP_COUNTERS)
 
     def per_step(x: float) -> float | None:
         return x / steps * 1e3 if steps else None
@@ -233,7 +235,10 @@ def loop_delta(before: dict | None, after: dict | None, wall_s: float) -> dict |
     return {"steps": int(steps), "steps_per_s": steps / wall_s, "step_ms": per_step(step_s),
             "step_cpu_ms": per_step(cpu_s), "device_wait_ms": per_step(device_s),
             "other_wait_ms": per_step(max(0.0, step_s - cpu_s - device_s)),
-            "dispatch_ms": per_step(dispatch_s), "busy_share": (step_s + dispatch_s) / wall_s}
+            "dispatch_ms": per_step(dispatch_s), "busy_share": (step_s + dispatch_s) / wall_s,
+            # the regime the server ran in: its mean batch, and how many steps carried prompt chunks (eager steps)
+            "seqs_per_step": seqs / steps if steps else None,
+            "prompt_step_share": prompt_steps / steps if steps else None}
 
 
 def _launch(args, device):

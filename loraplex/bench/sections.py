@@ -226,7 +226,10 @@ def online_section(result: dict) -> tuple[str, str]:
                   + (f"(the loop thread's own CPU {loop['step_cpu_ms']:.2f} ms, waiting for the device "
                      f"{loop['device_wait_ms']:.2f} ms, other waits {loop['other_wait_ms']:.2f} ms) "
                      if loop.get("step_cpu_ms") is not None else "")
-                  + f"and {loop['dispatch_ms']:.2f} ms handing out its deltas; busy {loop['busy_share']:.0%} of the run.")
+                  + f"and {loop['dispatch_ms']:.2f} ms handing out its deltas; busy {loop['busy_share']:.0%} of the run."
+                  + (f" {loop['seqs_per_step']:.1f} sequences per step on average; "
+                     f"{loop['prompt_step_share']:.0%} of the steps carried prompt chunks (no decode CUDA graph)."
+                     if loop.get("seqs_per_step") is not None else ""))
     if result.get("serve_env"):
         intro += " Server settings given: " + ", ".join(f"`{e}`" for e in result["serve_env"]) + "."
     return "Online serving", intro + "\n\n" + body

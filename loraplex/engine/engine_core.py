@@ -81,6 +81,8 @@ class LLMEngine:
         self._kv_waste_sum = 0.0
         self._tokens_per_second = 0.0
         self.device_wait_seconds = 0.0  # host time spent waiting for steps' sampled tokens (the device's work)
+        self.num_step_seqs = 0  # sequences scheduled, summed over steps (÷ steps = the mean batch)
+        self.num_prompt_steps = 0  # steps with more tokens than sequences: prompt chunks (no decode CUDA graph)
         # overlapped steps pay off where the device runs asynchronously to the host
         # (LORAPLEX_ASYNC_SCHEDULING=0/1 decides when the config leaves it open: A/B runs and CPU tests)
         self.async_scheduling = config.async_scheduling
@@ -192,6 +194,9 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         out = self.scheduler.schedule()
         self._kv_waste_sum += self.scheduler.last_kv_waste
+        if out.scheduled:
+            self.num_step_seqs += len(out.scheduled)
+            self.num_prompt_steps += out.num_scheduled_tokens > len(out.scheduled)
         if self.runner.lora_manager is not None:
             self._pin_running_adapters()
         pending = self.runner.launch(out, prev[1] if prev is not None else None)
@@ -386,6 +391,7 @@ class LLMEngine:
             num_lora_merges=merged.num_merges if merged is not None else 0,
             num_lora_merged_steps=merged.num_merged_steps if merged is not None else 0,
             device_wait_seconds=self.device_wait_seconds,
+            step_seqs=self.num_step_seqs, prompt_steps=self.num_prompt_steps,
         )
 
     @property

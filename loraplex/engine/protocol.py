@@ -95,6 +95,8 @@ class EngineStats:
     loop_step_cpu_seconds: float = 0.0  # the loop thread's own CPU time inside its steps (time.thread_time)
     loop_dispatch_seconds: float = 0.0
     device_wait_seconds: float = 0.0  # inside the steps: waiting for the device's sampled tokens
+    step_seqs: int = 0  # sequences scheduled, summed over the engine's steps since start (÷ steps: the mean batch)
+    prompt_steps: int = 0  # steps that carried prompt chunks (more tokens than sequences: no decode CUDA graph)
 
 
 class EngineDeadError(RuntimeError):

@@ -32,9 +32,12 @@ def test_online_bench_launches_a_server_and_streams_every_request(tmp_path):
     # a step's time splits into the loop thread's CPU, the device wait and the rest (none can exceed the step)
     assert loop["step_cpu_ms"] > 0 and 0 <= loop["device_wait_ms"] <= loop["step_ms"]
     assert loop["other_wait_ms"] >= 0
+    # the regime: mean batch (>= 1 sequence per step) and the share of steps with prompt chunks (6 prompts ran)
+    assert loop["seqs_per_step"] >= 1 and 0 < loop["prompt_step_share"] <= 1
     assert data["serve_env"] == ["LORAPLEX_LOOP_TORCH_THREADS=1"]
     md = next((tmp_path / "out").glob("online-*.md")).read_text()
     assert "TTFT" in md and "goodput" in md and data["command"] in md
+    assert "sequences per step on average" in md
     assert "engine loop during the run" in md and "`LORAPLEX_LOOP_TORCH_THREADS=1`" in md
 
 
