@@ -62,6 +62,7 @@ def check_batch(batch, ref: dict, block_size: int) -> None:
     q_lens = (ref["query_start_loc"][1:] - ref["query_start_loc"][:-1]).tolist()
     leading = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
     assert batch.num_decodes == leading  # the rows the decode kernel may take in a mixed step
+    assert leading == q_lens.count(1)  # the scheduler lists every one-token sequence first
     last = ref["query_start_loc"][1:].long() - 1
     assert np.array_equal(batch.last_token_rows, last.numpy())
     if batch.graph_bucket is not None:  # padding rows: no KV write, no keys, one token each
