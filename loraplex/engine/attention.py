@@ -25,8 +25,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32: KV length of each sequence including its new tokens
     max_query_len: int
     max_seq_len: int
-    # leading sequences with exactly one new token (the scheduler lists running sequences first): in a mixed
-    # step the Triton backend runs them through the split-KV decode kernel, the rest through the varlen kernel
+    # leading sequences with exactly one new token (the scheduler lists them first in a step with prompt chunks):
+    # in a mixed step the Triton backend runs them through the split-KV decode kernel, the rest through the varlen
+    # kernel
     num_decodes: int = 0
 
 
