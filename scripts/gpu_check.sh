@@ -11,6 +11,11 @@
 #   profile    bench step-profile: one decode step, base and 64 distinct rank-16 adapters, with traces
 #   overlap    A/B of lora_overlap_shrink: bench offline (1,000 requests; base, zipf, distinct; ${OVERLAP_REPEATS:-2}
 #              rounds) with the shrinks after the GEMMs and on a forked stream alongside them
+#   fastlaunch the opt-in fast launch path (loraplex/kernels/launch.py): the GPU tests with LORAPLEX_FAST_LAUNCH=1,
+#              then the mixed-step profile (248 decodes + a 384-token prompt per step) with it off and on
+#   pairs      online A/B below the knee: ONLINE_PAIR_RATE (20) req/s, the server settings of each variant in
+#              ONLINE_VARIANTS (';'-separated, each a space-separated list of LORAPLEX_X=V; default: the attention
+#              split off, then the default), ONLINE_ROUNDS (2) interleaved rounds, one server each
 #   ab         A/B of the experimental fuse_lora_silu_mul: its GPU test, then bench offline (1,000 requests, every
 #              popularity) without and with --fuse-lora-silu-mul, and step-profile at 64 adapters with it
 #
@@ -79,6 +84,32 @@ if [[ "$what" == *ab* ]]; then
     python3 -m loraplex.cli bench step-profile --out-dir "$out" --adapters 64 --fuse-lora-silu-mul \
         ${smoke[@]+"${smoke[@]}"} > "$out/ab-profile.log" 2>&1
     grep -E "step-profile" "$out/ab-profile.log" | grep -v "^loraplex bench"
+fi
+if [[ "$what" == *fastlaunch* ]]; then
+    LORAPLEX_FAST_LAUNCH=1 python3 -m pytest tests/gpu -q -n "${GPU_TEST_WORKERS:-4}" -p no:cacheprovider -o addopts="" \
+        --timeout 300 > "$out/gpu-tests-fast-launch.log" 2>&1
+    rc=$?; tail -3 "$out/gpu-tests-fast-launch.log"; echo "fastlaunch: GPU tests exited with $rc"; status=$((status | rc))
+    for fast in 0 1; do
+        LORAPLEX_FAST_LAUNCH=$fast python3 -m loraplex.cli bench step-profile --out-dir "$out/fast-launch-$fast" \
+            --batch 248 --context 256 --step-prompt-tokens 384 --adapters 0,64 --steps 24 \
+            ${smoke[@]+"${smoke[@]}"} > "$out/fast-launch-$fast.log" 2>&1
+        echo "fastlaunch=$fast: step-profile exited with $?"; grep -E "step-profile (base|[0-9]+ distinct)" "$out/fast-launch-$fast.log"
+    done
+fi
+if [[ "$what" == *pairs* ]]; then
+    IFS=';' read -r -a variants <<< "${ONLINE_VARIANTS:-LORAPLEX_ATTENTION_DECODE_SPLIT=false;LORAPLEX_ATTENTION_DECODE_SPLIT=true}"
+    for round in $(seq 1 "${ONLINE_ROUNDS:-2}"); do
+        for i in "${!variants[@]}"; do
+            env_flags=()
+            for setting in ${variants[$i]}; do env_flags+=(--serve-env "$setting"); done
+            timeout -s TERM -k 15 "${ONLINE_TIMEOUT_S:-150}" python3 -m loraplex.cli bench online --launch \
+                --popularity uniform --rate "${ONLINE_PAIR_RATE:-20}" --num-requests "${ONLINE_REQUESTS:-300}" \
+                --input-len 256 --output-len 128 --slo-ttft-ms 1000 --slo-tpot-ms 100 ${env_flags[@]+"${env_flags[@]}"} \
+                --out-dir "$out/pairs-$round-$i" ${smoke[@]+"${smoke[@]}"} > "$out/pairs-$round-$i.log" 2>&1
+            echo "pairs round $round variant '${variants[$i]}': exit $?"
+            grep -E "completed in|sequences per step" "$out/pairs-$round-$i.log" | sed 's/.*bench.online: //' | cut -c1-400
+        done
+    done
 fi
 if [[ "$what" == *overlap* ]]; then
     for variant in sequential overlap; do
