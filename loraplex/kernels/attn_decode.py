@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.launch import fast_launch
 
 LOG2E = 1.4426950408889634
@@ -210,7 +211,7 @@ def paged_attention_decode(
         if max_seq_len is not None and query.is_cuda and torch.cuda.is_current_stream_capturing():
             max_seq_len = None  # a captured graph replays at other lengths: size the splits for long ones
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, query.device)
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     if num_splits > 1:
         part_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32,
                                device=query.device)
@@ -224,7 +225,7 @@ def paged_attention_decode(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), block_size,
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -232,7 +233,7 @@ def paged_attention_decode(
         _decode_merge_kernel[(batch, num_q_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-            BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+            BLOCK_S=next_power_of_2(num_splits), num_warps=4,
         )
     return out
 
@@ -271,7 +272,7 @@ def choose_num_splits(
     programs = max(1, batch * num_kv_heads)
     if programs >= 2 * num_sms:
         return 1
-    splits = max(1, min(MAX_SPLITS, triton.cdiv(4 * num_sms, programs)))
+    splits = max(1, min(MAX_SPLITS, cdiv(4 * num_sms, programs)))
     if max_seq_len is not None:
-        splits = max(1, min(splits, triton.cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
-    return triton.next_power_of_2(splits) if splits > 1 else 1
+        splits = max(1, min(splits, cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
+    return next_power_of_2(splits) if splits > 1 else 1

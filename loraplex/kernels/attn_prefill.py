@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from loraplex.kernels.attn_decode import LOG2E, dot_precision
+from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.launch import fast_launch
 
 
@@ -175,10 +176,10 @@ def paged_attention_varlen(
     if num_tokens == 0 or batch == 0:
         return out
     group = num_q_heads // num_kv_heads
-    group_p2 = triton.next_power_of_2(group)
+    group_p2 = next_power_of_2(group)
     block_q = max(1, block_m // group_p2)
     if block_q * group_p2 < 16:  # tl.dot needs >= 16 rows
-        block_q = triton.cdiv(16, group_p2)
+        block_q = cdiv(16, group_p2)
     num_tiles = num_tokens // block_q + batch
     _prefill_kernel[(num_tiles, num_kv_heads)](
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
@@ -188,7 +189,7 @@ def paged_attention_varlen(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), block_size,
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_Q=block_q, BLOCK_M=block_q * group_p2,
+        BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_Q=block_q, BLOCK_M=block_q * group_p2,
         BLOCK_N=block_n, DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )

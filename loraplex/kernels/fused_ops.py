@@ -34,6 +34,7 @@ from loraplex.kernels.fused_ops_ref import (  # noqa: F401 (the twins, re-export
     rope_store_kv_ref,
     silu_mul_ref,
 )
+from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.launch import fast_launch
 
 # ---- kernels --------------------------------------------------------------------------------------------
@@ -68,7 +69,7 @@ def _launch_norm(x, residual, weight, eps):
     if n_rows:
         _rms_norm_kernel[(n_rows,)](
             x, res, weight, out, res_out, x.stride(0), res.stride(0), out.stride(0), res_out.stride(0), n_cols,
-            eps, HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(n_cols),
+            eps, HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(n_cols),
             num_warps=_warps(n_cols))
     return out, res_out
 
@@ -139,12 +140,12 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_c
     assert key_cache.shape[2:] == (num_kv_heads, head_dim)
     q = torch.empty(t, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if t:
-        q_block = triton.next_power_of_2(num_heads * head_dim)
+        q_block = next_power_of_2(num_heads * head_dim)
         _rope_store_kernel[(t,)](
             qkv, cos, sin, q, key_cache, value_cache, slot_mapping, qkv.stride(0), cos.stride(0), sin.stride(0),
             key_cache.shape[1], key_cache.stride(0), key_cache.stride(1), NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, Q_BLOCK=q_block,
-            KV_BLOCK=triton.next_power_of_2(num_kv_heads * head_dim), num_warps=_warps(q_block))
+            KV_BLOCK=next_power_of_2(num_kv_heads * head_dim), num_warps=_warps(q_block))
     return q
 
 
@@ -169,7 +170,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     t, n = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(t, n, dtype=gate_up.dtype, device=gate_up.device)
     if t:
-        block = min(4096, triton.next_power_of_2(n))
-        _silu_mul_kernel[(t, triton.cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
+        block = min(4096, next_power_of_2(n))
+        _silu_mul_kernel[(t, cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
                                                      BLOCK=block, num_warps=_warps(block))
     return out

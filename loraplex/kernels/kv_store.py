@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.host_math import next_power_of_2
 from loraplex.kernels.launch import fast_launch
 
 
@@ -94,6 +95,6 @@ def store_kv(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_size,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK=triton.next_power_of_2(num_kv_heads * head_dim),
+        BLOCK=next_power_of_2(num_kv_heads * head_dim),
         num_warps=4,
     )

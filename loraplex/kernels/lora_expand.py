@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.launch import fast_launch
 from loraplex.kernels.lora_meta import LoRAKernelMeta
 from loraplex.kernels.lora_shrink import chunk_tables, dot_precision, gdc_wait, num_chunks_of, split_parts
@@ -199,8 +200,8 @@ def lora_expand(
         return out
     if shrink_progs is None:  # every partial valid: P = split_k for any chunk count
         shrink_progs, k_tiles = split_k * meta.max_chunks, split_k
-    block_r = max(16, triton.next_power_of_2(max_rank))
-    max_tiles = triton.cdiv(max_slice_width, block_n)
+    block_r = max(16, next_power_of_2(max_rank))
+    max_tiles = cdiv(max_slice_width, block_n)
     n_splits = max_tiles if n_splits is None else max(1, min(n_splits, max_tiles))
     progs = n_splits * meta.max_chunks
     grid = (progs, num_slices)

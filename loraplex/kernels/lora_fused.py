@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.launch import fast_launch
 from loraplex.kernels.lora_meta import LoRAKernelMeta
 from loraplex.kernels.lora_shrink import dot_precision
@@ -151,7 +152,7 @@ def _lora_fused_kernel(
 
 
 def fused_block_r(max_rank: int) -> int:
-    return max(16, triton.next_power_of_2(max_rank))
+    return max(16, next_power_of_2(max_rank))
 
 
 def lora_fused(
@@ -201,7 +202,7 @@ def lora_fused(
         if counters is None:
             counters = torch.zeros(meta.max_chunks * num_slices, dtype=torch.int32, device=x.device)
         assert counters.dtype == torch.int32 and counters.numel() >= meta.max_chunks * num_slices
-        k_per_split = triton.cdiv(triton.cdiv(k_dim, split_k), block_k) * block_k
+        k_per_split = cdiv(cdiv(k_dim, split_k), block_k) * block_k
         y_strides = y.stride()
         parts, per_split = split_k, 0
     else:
@@ -209,8 +210,8 @@ def lora_fused(
         k_per_split = k_dim
         y_strides = (0, 0, 0, 0)
         # n_splits programs over the widest slice; narrower slices use the first few of them
-        per_split = triton.cdiv(triton.cdiv(max_slice_width, max(1, n_splits)), block_n) * block_n
-        parts = triton.cdiv(max_slice_width, per_split)
+        per_split = cdiv(cdiv(max_slice_width, max(1, n_splits)), block_n) * block_n
+        parts = cdiv(max_slice_width, per_split)
     grid = (parts, meta.max_chunks, num_slices)
     _lora_fused_kernel[grid](
         x, lora_a, lora_b, out, y, counters, ranks, scaling, slice_loc,

@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.host_math import next_power_of_2
 from loraplex.kernels.launch import fast_launch
 
 
@@ -211,7 +212,7 @@ def _build_lora_meta_kernel(token_slots: torch.Tensor, num_slots: int, block_m: 
     slots = token_slots if token_slots.dtype == torch.int32 and token_slots.is_contiguous() else \
         token_slots.to(torch.int32).contiguous()
     max_chunks = max_chunks_for(num_tokens, num_slots, block_m)
-    sb = max(16, triton.next_power_of_2(num_slots))
+    sb = max(16, next_power_of_2(num_slots))
     # one allocation for every output (a single caching-allocator call; the kernel writes every entry); each
     # table starts 16-byte aligned whatever the sizes, so the kernels reading them are never compiled again
     # for another alignment (Triton specializes pointer arguments on it)
@@ -223,10 +224,10 @@ def _build_lora_meta_kernel(token_slots: torch.Tensor, num_slots: int, block_m: 
     chunk_tokens, sorted_ids, chunk_slots, chunk_starts, chunk_lens, num_chunks, seg = (
         buf[o:o + n] for o, n in zip(starts, sizes))
     chunk_tokens = chunk_tokens.view(max_chunks, block_m)
-    tb = max(16, triton.next_power_of_2(num_tokens))
+    tb = max(16, next_power_of_2(num_tokens))
     ub = max(1, min(tb, 4096 // tb, 8192 // sb))  # [TB, UB] and [SB, UB] compare tiles stay small
     ub = max(16, ub)
-    cb = max(16, min(triton.next_power_of_2(max_chunks), 8192 // max(sb, block_m)))
+    cb = max(16, min(next_power_of_2(max_chunks), 8192 // max(sb, block_m)))
     _lora_meta_kernel[(1,)](
         slots, sorted_ids, chunk_slots, chunk_starts, chunk_lens, num_chunks, seg, chunk_tokens,
         num_tokens, num_slots, max_chunks,

@@ -19,8 +19,8 @@ import os
 from dataclasses import dataclass
 
 import torch
-import triton
 
+from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.lora_expand import lora_expand
 from loraplex.kernels.lora_fused import lora_fused
 from loraplex.kernels.lora_meta import LoRAKernelMeta, max_chunks_for
@@ -78,7 +78,7 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
     ``pdl``: the caller's device supports programmatic dependent launch (``lora_shrink.pdl_supported``) and
     the policy wants it (``USE_PDL``)."""
     per_adapter = num_tokens / max(1, num_active_slots)
-    rank_pow2 = max(16, triton.next_power_of_2(max_rank))
+    rank_pow2 = max(16, next_power_of_2(max_rank))
     decode = per_adapter <= 32
     if decode:
         block_m, block_r, block_k, shrink_warps, max_split = 16, 16, 128, 2, 16
@@ -87,7 +87,7 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
         block_m, block_r, block_k, shrink_warps, max_split = 64, min(64, rank_pow2), 64, 4, 2
     chunks = max_chunks_for(num_tokens, num_slots, block_m)
     active_chunks = max(1, min(chunks, -(-num_tokens // block_m) + num_active_slots))
-    programs = active_chunks * num_slices * triton.cdiv(max_rank, block_r)
+    programs = active_chunks * num_slices * cdiv(max_rank, block_r)
     split_k = 1
     while (programs * split_k < TARGET_PROGRAMS and k_dim // (split_k * 2) >= MIN_K_PER_SPLIT
            and split_k < max_split):
@@ -96,8 +96,8 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
     if decode:
         # fewer chunks in use than planned (few adapters): each gets more K parts, of two K tiles or more (H200,
         # NOTES-lora.md: 16 parts for K = 4096; at 8, one adapter's o / gate|up / down steps were slower)
-        k_tiles = triton.cdiv(k_dim, block_k)
-        split_k_max = max(split_k, min(DECODE_SPLIT_K_MAX, max(1, triton.next_power_of_2(k_tiles) // 2)))
+        k_tiles = cdiv(k_dim, block_k)
+        split_k_max = max(split_k, min(DECODE_SPLIT_K_MAX, max(1, next_power_of_2(k_tiles) // 2)))
     block_n = 128
     if decode and max_rank <= 16 and (max_slice_width or 0) >= 8192:
         # very wide slices (gate|up: 14336): half the loop trips per expand program; H200 sweep, rank 16:
@@ -105,16 +105,16 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
         block_n = 256
     expand_splits = None
     if max_slice_width is not None:
-        tiles = triton.cdiv(max_slice_width, block_n)
+        tiles = cdiv(max_slice_width, block_n)
         target = TARGET_PROGRAMS
         if decode and max_rank <= 16:
             # H200 step sweep (CUDA graph, Llama-3-8B, rank 16, NOTES-lora.md): about 512 expand programs,
             # rounded up to a power of two, was fastest for all four projections (o and down -1.7 us per layer
             # each); at rank 64 down lost 8 us per layer with it, so larger ranks keep 1024
             target = 512
-            expand_splits = min(tiles, triton.next_power_of_2(triton.cdiv(target, active_chunks * num_slices)))
+            expand_splits = min(tiles, next_power_of_2(cdiv(target, active_chunks * num_slices)))
         else:
-            expand_splits = min(tiles, triton.cdiv(target, active_chunks * num_slices))
+            expand_splits = min(tiles, cdiv(target, active_chunks * num_slices))
     fused = {}
     if FUSED_DECODE and decode and max_slice_width is not None:
         fused = fused_decode_policy(active_chunks, num_slices, max_rank, k_dim, max_slice_width)
@@ -202,7 +202,7 @@ def lora_shrink_apply(x, lora_a, ranks, meta, cfg: LoRAKernelConfig, scratch, ch
     y = lora_shrink(x, lora_a, ranks, meta, split_k=parts, progs=shrink_progs, block_r=cfg.block_r,
                     block_k=cfg.block_k, y=scratch, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages,
                     pdl=cfg.pdl if pdl is None else pdl, chunk_ranks=chunk_ranks if cfg.chunk_tables else None)
-    return y, {"shrink_progs": shrink_progs, "k_tiles": triton.cdiv(x.shape[1], cfg.block_k)}
+    return y, {"shrink_progs": shrink_progs, "k_tiles": cdiv(x.shape[1], cfg.block_k)}
 
 
 def lora_expand_apply(y, valid: dict, out, lora_b, ranks, scaling, slice_loc, max_slice_width: int, meta,

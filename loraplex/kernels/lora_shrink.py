@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.host_math import cdiv
 from loraplex.kernels.launch import fast_launch
 from loraplex.kernels.lora_meta import LoRAKernelMeta
 
@@ -184,7 +185,7 @@ def lora_shrink(
     if num_tokens == 0 or meta.max_chunks == 0:
         return y
     progs = split_k * meta.max_chunks if progs is None else progs
-    grid = (progs, triton.cdiv(max_rank, block_r), num_slices)
+    grid = (progs, cdiv(max_rank, block_r), num_slices)
     tables = chunk_tables(meta, chunk_ranks, num_slices)
     _lora_shrink_kernel[grid](
         x, lora_a, y, ranks,
@@ -206,7 +207,7 @@ def lora_shrink(
 def shrink_split(k_dim: int, meta: LoRAKernelMeta, split_k: int, block_k: int, progs: int | None = None) -> dict:
     """What ``lora_expand`` needs to know of a ``lora_shrink`` call (which partials of y are valid)."""
     return {"shrink_progs": split_k * meta.max_chunks if progs is None else progs,
-            "k_tiles": triton.cdiv(k_dim, block_k)}
+            "k_tiles": cdiv(k_dim, block_k)}
 
 
 def chunk_tables(meta: LoRAKernelMeta, chunk_ranks: torch.Tensor | None, num_slices: int):

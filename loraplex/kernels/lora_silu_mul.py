@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.launch import fast_launch
 from loraplex.kernels.lora_meta import LoRAKernelMeta
 from loraplex.kernels.lora_shrink import dot_precision, num_chunks_of, split_parts
@@ -167,18 +168,18 @@ def lora_silu_mul(
         return act
     if shrink_progs is None:
         shrink_progs, k_tiles = split_k * meta.max_chunks, split_k
-    tiles = triton.cdiv(width, block_n)
+    tiles = cdiv(width, block_n)
     n_splits = tiles if n_splits is None else max(1, min(n_splits, tiles))
     progs = n_splits * meta.max_chunks
-    base_splits = max(1, min(tiles, 128 // max(1, triton.cdiv(num_tokens, base_block_m))))
-    grid = (progs + triton.cdiv(num_tokens, base_block_m) * base_splits,)
+    base_splits = max(1, min(tiles, 128 // max(1, cdiv(num_tokens, base_block_m))))
+    grid = (progs + cdiv(num_tokens, base_block_m) * base_splits,)
     _lora_silu_mul_kernel[grid](
         gate_up, y, lora_b, act, ranks, scaling, meta.token_slots,
         meta.sorted_token_ids, meta.chunk_slots, meta.chunk_starts, meta.chunk_lens, num_chunks_of(meta),
         progs, shrink_progs, k_tiles, num_tokens, width, base_splits,
         gate_up.stride(0), y.stride(0), y.stride(1), y.stride(2), y.stride(3), lora_b.stride(0), lora_b.stride(1),
         act.stride(0), ranks.stride(0),
-        SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=max(16, triton.next_power_of_2(max_rank)),
+        SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=max(16, next_power_of_2(max_rank)),
         BASE_BLOCK_M=base_block_m, DOT_PRECISION=dot_precision(gate_up.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
