@@ -145,9 +145,9 @@ async def test_a_caller_cancelled_while_its_request_waits_for_admission_leaves_t
         gate.wait(10)
         return step()
 
-    engine.engine.step = gated_step
     task, _ = await _long_stream_started(engine, "busy")
-    in_step.clear()
+    engine.engine.step = gated_step  # the loop's next step holds (gated before the stream started, every step of
+    # its start-up waited out the gate's 10 s)
     await asyncio.to_thread(in_step.wait, 10)
     waiting = asyncio.create_task(engine.generate(EngineRequest("gone", [1, 2, 3], SamplingParams())).__anext__())
     await asyncio.sleep(0.05)
