@@ -56,6 +56,8 @@ class Settings:
     # (Poisson arrivals, docs/benchmarks/H200-2026-12-02-run10.md) 1024 cut TPOT p50 by 15-35% in 3 of 3 same-call
     # pairs; the offline LLM keeps it off (its requests arrive together)
     prefill_batch_min_tokens: int = 1024
+    prefill_batch_max_wait_steps: int = 8
+    prefill_batch_min_running: int = 32  # ... and only while at least this many sequences run
     # the server process's GIL switch interval (sys.setswitchinterval), ms; 0 keeps Python's (5 ms). The engine
     # loop thread shares the GIL with the HTTP event loop: each time it gives the GIL up (waiting for the GPU) it
     # may wait a whole interval to get it back while the event loop streams tokens
@@ -64,8 +66,6 @@ class Settings:
     # (loraplex/engine/gc_heap.py; a full collection then walks ~50k objects instead of ~400k+)
     freeze_gc: bool = True
     attention_decode_split: bool = True  # engine option (EngineConfig.attention_decode_split); off for A/B runs
-    prefill_batch_max_wait_steps: int = 8
-    prefill_batch_min_running: int = 32  # ... and only while at least this many sequences run
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = sized from free memory

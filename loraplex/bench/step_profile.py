@@ -265,8 +265,7 @@ def step_profile_sections(runs: list[dict], device) -> list[tuple[str, str]]:
     intro = (f"{first['batch']} sequences decoding together, prompt {first['context']} tokens; "
              + (f"every measured step also prefills a new request of {mixed} prompt tokens (mixed steps: no decode "
                 "CUDA graph; the floor counts the decode work only); " if mixed else "")
-             +
-             f"{first['steps_timed']} steps timed phase by phase, then {first['steps_profiled']} under torch.profiler. "
+             + f"{first['steps_timed']} steps timed phase by phase, then {first['steps_profiled']} under torch.profiler. "
              "Each phase is a wrapped method of the live engine (exclusive of the phases nested in it); `other` is "
              "the rest of `LLMEngine.step()`. `sample: D2H wait + results` holds the wait for the GPU to finish the "
              "step (the one device→host copy) and the tokens' conversion to host lists; with overlapped steps "

@@ -196,7 +196,7 @@ class LLMEngine:
         self._kv_waste_sum += self.scheduler.last_kv_waste
         if out.scheduled:
             self.num_step_seqs += len(out.scheduled)
-            self.num_prompt_steps += out.num_scheduled_tokens > len(out.scheduled)
+            self.num_prompt_steps += out.has_prompt_chunks
         if self.runner.lora_manager is not None:
             self._pin_running_adapters()
         pending = self.runner.launch(out, prev[1] if prev is not None else None)

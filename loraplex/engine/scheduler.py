@@ -156,11 +156,13 @@ class Scheduler:
             budget = self._admit_waiting(budget, scheduled, preempted)
 
         batch = list(scheduled.values())
-        if any(s.num_new_tokens != 1 for s in batch):
+        chunks = any(s.num_new_tokens != 1 for s in batch)
+        if chunks:
             # one-token sequences first (stable): attention runs that leading run through the split-KV decode kernel
             # and only the rest through the varlen kernel (AttentionMetadata.num_decodes); rows are independent
             batch = [s for s in batch if s.num_new_tokens == 1] + [s for s in batch if s.num_new_tokens != 1]
-        out = SchedulerOutput(scheduled=batch, blocks_to_copy=bm.take_pending_copies(), preempted=preempted)
+        out = SchedulerOutput(scheduled=batch, blocks_to_copy=bm.take_pending_copies(), preempted=preempted,
+                              has_prompt_chunks=chunks)
         out.lora_ids = {s.request.lora_request.lora_int_id for s in out.scheduled
                         if s.request.lora_request is not None} - {0}
         assert len(out.lora_ids) <= self.config.max_loras

@@ -172,5 +172,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if t:
         block = min(4096, next_power_of_2(n))
         _silu_mul_kernel[(t, cdiv(n, block))](gate_up, out, gate_up.stride(0), out.stride(0), n,
-                                                     BLOCK=block, num_warps=_warps(block))
+                                              BLOCK=block, num_warps=_warps(block))
     return out

@@ -124,7 +124,7 @@ class FastLaunchKernel:
             if hasattr(kernel, "result"):  # asynchronous compilation hands back a future
                 kernel = kernel.result()
             if kernel is not None:
-                tail = tuple(n for n in self._names[len(args):])
+                tail = self._names[len(args):]
                 missing = [n for n in tail if n not in kwargs and n not in self._defaults]
                 if not missing:
                     self._cache[key] = (kernel, tail)

@@ -146,8 +146,8 @@ async def test_a_caller_cancelled_while_its_request_waits_for_admission_leaves_t
         return step()
 
     task, _ = await _long_stream_started(engine, "busy")
-    engine.engine.step = gated_step  # the loop's next step holds (gated before the stream started, every step of
-    # its start-up waited out the gate's 10 s)
+    # gated only now: gated from the start, each of the stream's first steps waited out the gate's 10 s
+    engine.engine.step = gated_step  # the loop's next step holds
     await asyncio.to_thread(in_step.wait, 10)
     waiting = asyncio.create_task(engine.generate(EngineRequest("gone", [1, 2, 3], SamplingParams())).__anext__())
     await asyncio.sleep(0.05)
@@ -225,7 +225,6 @@ async def test_loop_thread_sets_torch_intra_op_threads(tiny_model, loop_threads,
         assert eng.loop_torch_threads == expected  # as seen inside the loop thread (OpenMP's setting is per thread)
     finally:
         await eng.shutdown()
-
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread names are read from /proc")

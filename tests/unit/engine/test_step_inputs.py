@@ -95,6 +95,7 @@ def _random_workload(seed: int, bucket_for) -> tuple[int, int, int]:
         if out.is_empty:
             continue
         batch = builder.prepare(out, bucket_for)
+        assert out.has_prompt_chunks == (not batch.is_decode)
         check_batch(batch, reference_inputs(out, block_size), block_size)
         num_padded += batch.num_rows > batch.num_seqs
         num_lora += batch.lora_ids is not None
