@@ -62,6 +62,9 @@ def add_step_profile_args(p) -> None:
     p.add_argument("--attention-decode-split", action=argparse.BooleanOptionalAction, default=None,
                    help="engine option attention_decode_split: in mixed steps, the decodes through the split-KV "
                         "decode kernel (default: the engine's default, on)")
+    p.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="engine option piecewise_cuda_graphs: mixed steps replay CUDA graphs captured around "
+                        "attention (default: the engine's default, on)")
 
 
 def _smoke(args) -> None:
@@ -113,6 +116,18 @@ def profile_decode_steps(llm, batch: int, context: int, num_adapters: int, adapt
     for i, r in enumerate(requests):
         r.adapter = i % num_adapters if num_adapters else None
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    if num_adapters:
+        # read every adapter before the batch arrives: adapters load in the background, and with a cold page cache
+        # their reads paced admission, so the first admitted sequences decoded ahead and finished before the last
+        # measured step (seen on the H200)
+        loads = make_requests(num_adapters, 8, 1, "base", vocab_size, seed=seed + 31)
+        for i, r in enumerate(loads):
+            r.adapter = i
+        one = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
+        for i, (req, lora) in enumerate(zip(loads, lora_requests(loads, adapter_dirs))):
+            engine.add_request(f"step-profile-load-{num_adapters}-{i}", req.prompt_token_ids, one, lora_request=lora)
+        while engine.has_unfinished_requests():
+            engine.step()
     ids = [f"step-profile-{num_adapters}-{i}" for i in range(batch)]
     for rid, req, lora in zip(ids, requests, lora_requests(requests, adapter_dirs)):
         engine.add_request(rid, req.prompt_token_ids, params, lora_request=lora)
@@ -225,7 +240,8 @@ def collect_step_profile(args, device) -> tuple[dict, list[tuple[str, str]]]:
     llm = make_llm(model_dir, str(device), args.dtype, args.max_loras or max(1, most), args.rank,
                    max_num_seqs=args.max_num_seqs, seed=args.seed, merge_single_lora=args.merge_single_lora,
                    fuse_lora_silu_mul=args.fuse_lora_silu_mul, lora_overlap_shrink=args.lora_overlap_shrink,
-                   attention_decode_split=args.attention_decode_split)
+                   attention_decode_split=args.attention_decode_split,
+                   piecewise_cuda_graphs=args.piecewise_cuda_graphs)
     bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     log.info("step-profile: model and engine ready in %.1f s", time.perf_counter() - started)
