@@ -13,6 +13,8 @@
 #              rounds) with the shrinks after the GEMMs and on a forked stream alongside them
 #   fastlaunch the opt-in fast launch path (loraplex/kernels/launch.py): the GPU tests with LORAPLEX_FAST_LAUNCH=1,
 #              then the mixed-step profile (248 decodes + a 384-token prompt per step) with it off and on
+#   piecewise  the mixed-step profile (248 decodes + a 384-token prompt per step, base and 64 adapters) with the
+#              piecewise CUDA graphs off, then on, then on with the fast launch path (LORAPLEX_FAST_LAUNCH=1)
 #   pairs      online A/B below the knee: ONLINE_PAIR_RATE (20) req/s, the server settings of each variant in
 #              ONLINE_VARIANTS (';'-separated, each a space-separated list of LORAPLEX_X=V; default: the attention
 #              split off, then the default), ONLINE_ROUNDS (2) interleaved rounds, one server each
@@ -94,6 +96,17 @@ if [[ "$what" == *fastlaunch* ]]; then
             --batch 248 --context 256 --step-prompt-tokens 384 --adapters 0,64 --steps 24 \
             ${smoke[@]+"${smoke[@]}"} > "$out/fast-launch-$fast.log" 2>&1
         echo "fastlaunch=$fast: step-profile exited with $?"; grep -E "step-profile (base|[0-9]+ distinct)" "$out/fast-launch-$fast.log"
+    done
+fi
+if [[ "$what" == *piecewise* ]]; then
+    for variant in off on on-fast; do
+        flag=(--piecewise-cuda-graphs); [[ "$variant" == off ]] && flag=(--no-piecewise-cuda-graphs)
+        fast=0; [[ "$variant" == on-fast ]] && fast=1
+        LORAPLEX_FAST_LAUNCH=$fast timeout -k 10 "${PROFILE_TIMEOUT_S:-170}" python3 -m loraplex.cli bench step-profile --out-dir "$out/piecewise-$variant" \
+            --batch 248 --context 256 --step-prompt-tokens 384 --adapters 0,64 --steps 24 "${flag[@]}" \
+            ${smoke[@]+"${smoke[@]}"} > "$out/piecewise-$variant.log" 2>&1
+        echo "piecewise $variant: step-profile exited with $?"
+        grep -E "captured|step-profile (base|[0-9]+ distinct)" "$out/piecewise-$variant.log" | cut -c1-300
     done
 fi
 if [[ "$what" == *pairs* ]]; then

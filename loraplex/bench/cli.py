@@ -131,6 +131,9 @@ def add_offline_args(p) -> None:
     p.add_argument("--attention-decode-split", action=argparse.BooleanOptionalAction, default=None,
                    help="engine option attention_decode_split: in steps mixing decodes and prompts, the decodes through "
                         "the split-KV decode kernel (default: the engine's default, on)")
+    p.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="engine option piecewise_cuda_graphs: prefill and mixed steps replay CUDA graphs captured "
+                        "around attention (default: the engine's default, on)")
     p.add_argument("--lora-grouping", action="store_true",
                    help="engine option lora_grouping: admit waiting requests whose adapter already runs first, the "
                         "others grouped by adapter (instead of FCFS)")

@@ -114,6 +114,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
                        freeze_gc=not args.smoke,  # this process exists for the run (a smoke run may be a test's)
                        lora_overlap_shrink=getattr(args, "lora_overlap_shrink", None),
                        attention_decode_split=getattr(args, "attention_decode_split", None),
+                       piecewise_cuda_graphs=getattr(args, "piecewise_cuda_graphs", None),
                        fuse_lora_silu_mul=args.fuse_lora_silu_mul)
     with clock("engine warm-up"):
         # compiles kernels and fills allocator pools before anything is timed: the LoRA kernels are compiled per

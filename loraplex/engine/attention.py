@@ -29,6 +29,9 @@ class AttentionMetadata:
     # in a mixed step the Triton backend runs them through the split-KV decode kernel, the rest through the varlen
     # kernel
     num_decodes: int = 0
+    # query_start_loc[num_decodes:] - num_decodes (the varlen part's offsets), made once per step; None: each call
+    # makes it
+    rest_query_start_loc: torch.Tensor | None = None
 
 
 class AttentionBackend:
@@ -37,7 +40,9 @@ class AttentionBackend:
     def store_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         raise NotImplementedError
 
-    def attention(self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def attention(self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of the new tokens [T, Hq, D]; written into ``out`` (same shape) when given."""
         raise NotImplementedError
 
 
@@ -49,9 +54,12 @@ class TorchAttentionBackend(AttentionBackend):
     def store_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         store_kv_ref(key, value, key_cache, value_cache, slot_mapping)
 
-    def attention(self, query, key_cache, value_cache, meta, scale):
-        return paged_attention_ref(query, key_cache, value_cache, meta.block_tables, meta.query_start_loc,
-                                   meta.seq_lens, scale)
+    def attention(self, query, key_cache, value_cache, meta, scale, out=None):
+        result = paged_attention_ref(query, key_cache, value_cache, meta.block_tables, meta.query_start_loc,
+                                     meta.seq_lens, scale)
+        if out is None:
+            return result
+        return out.copy_(result)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -68,10 +76,11 @@ class TritonAttentionBackend(AttentionBackend):
     def store_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         self._store_kv(key, value, key_cache, value_cache, slot_mapping)
 
-    def attention(self, query, key_cache, value_cache, meta, scale):
+    def attention(self, query, key_cache, value_cache, meta, scale, out=None):
         return self._paged_attention(query, key_cache, value_cache, meta.block_tables, meta.query_start_loc,
-                                     meta.seq_lens, scale, max_query_len=meta.max_query_len,
-                                     max_seq_len=meta.max_seq_len, num_decodes=meta.num_decodes)
+                                     meta.seq_lens, scale, out=out, max_query_len=meta.max_query_len,
+                                     max_seq_len=meta.max_seq_len, num_decodes=meta.num_decodes,
+                                     rest_query_start_loc=meta.rest_query_start_loc)
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {

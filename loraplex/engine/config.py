@@ -68,6 +68,11 @@ class EngineConfig:
     # kernel and only the rest through the varlen (prefill) kernel, instead of every row through the varlen kernel
     # (whose 16-row query tiles a decode row fills alone); off only for A/B runs
     attention_decode_split: bool = True
+    # CUDA graphs for the steps that are not pure decode (prefill, mixed), captured piecewise around attention
+    # (engine/piecewise_graphs.py) for steps of up to piecewise_graph_max_tokens tokens; larger steps run eagerly.
+    # Off with enforce_eager, or alone for A/B runs
+    piecewise_cuda_graphs: bool = True
+    piecewise_graph_max_tokens: int = 2048
     model_id: str | None = None  # served name; default the model directory's name
 
     def __post_init__(self) -> None:
@@ -87,6 +92,8 @@ class EngineConfig:
             raise ValueError(f"prefill_batch_max_wait_steps must be >= 1, got {self.prefill_batch_max_wait_steps}")
         if self.lora_group_max_skips < 0:
             raise ValueError(f"lora_group_max_skips must be >= 0, got {self.lora_group_max_skips}")
+        if self.piecewise_graph_max_tokens < 1:
+            raise ValueError(f"piecewise_graph_max_tokens must be >= 1, got {self.piecewise_graph_max_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.model_id is None and self.model:

@@ -19,6 +19,7 @@ from loraplex.engine.attention import AttentionMetadata, get_attention_backend
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.cuda_graphs import DecodeGraphRunner
 from loraplex.engine.models.llama import LlamaConfig, LlamaForCausalLM
+from loraplex.engine.piecewise_graphs import PiecewiseGraphRunner
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from loraplex.engine.step_inputs import StepBatch, StepInputBuilder
@@ -59,6 +60,8 @@ class ModelRunner:
         self.lora_manager = None
         self.inputs: StepInputBuilder | None = None  # with the KV cache (needs the resolved limits)
         self.graphs: DecodeGraphRunner | None = None  # CUDA graphs of pure-decode steps (None: eager)
+        # CUDA graphs of the other steps up to piecewise_graph_max_tokens tokens, captured around attention
+        self.piecewise: PiecewiseGraphRunner | None = None
 
     # ---- KV cache ------------------------------------------------------------------------------
     def bytes_per_block(self) -> int:
@@ -96,6 +99,8 @@ class ModelRunner:
                                        cfg.block_size, self.device)
         if self.device.type == "cuda" and not cfg.enforce_eager:
             self.graphs = self.make_graph_runner(capture=True)
+            if cfg.piecewise_cuda_graphs:
+                self.piecewise = self.make_piecewise_runner(capture=True)
 
     def make_graph_runner(self, capture: bool) -> DecodeGraphRunner:
         """Decode-step graphs over this runner's model and cache; ``capture=False`` runs the same padded
@@ -103,17 +108,30 @@ class ModelRunner:
         return DecodeGraphRunner(self.model, self.kv_caches, self.backend, self.config.max_num_seqs,
                                  self.inputs.max_blocks_per_seq, self.device, capture=capture)
 
+    def make_piecewise_runner(self, capture: bool) -> PiecewiseGraphRunner:
+        """Piecewise graphs of the steps that are not pure decode, up to ``piecewise_graph_max_tokens`` tokens;
+        ``capture=False`` runs the same pieces without graphs (the CPU tests use it)."""
+        cfg = self.config
+        max_tokens = max(1, min(cfg.max_num_batched_tokens, cfg.piecewise_graph_max_tokens))
+        return PiecewiseGraphRunner(self.model, self.kv_caches, self.backend, max_tokens, self.device, capture=capture)
+
     def capture_cuda_graphs(self) -> None:
-        """Capture the decode graphs of every batch bucket now (start-up), with adapters too when LoRA is
-        enabled, so that no serving step pays for a capture."""
-        if self.graphs is None:
-            return
-        started = time.perf_counter()
-        manager = self.get_lora_manager() if self.config.enable_lora else None
-        with torch.inference_mode():
-            self.graphs.capture_all(manager)
-        log.info("captured %d decode CUDA graphs (batch buckets %s) in %.1f s", self.graphs.num_graphs,
-                 ",".join(map(str, self.graphs.buckets)), time.perf_counter() - started)
+        """Capture the decode graphs of every batch bucket and the piecewise graphs of every token bucket now
+        (start-up), with adapters too when LoRA is enabled, so that no serving step pays for a capture."""
+        manager = self.get_lora_manager() if self.config.enable_lora and self.graphs is not None else None
+        if self.graphs is not None:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                self.graphs.capture_all(manager)
+            log.info("captured %d decode CUDA graphs (batch buckets %s) in %.1f s", self.graphs.num_graphs,
+                     ",".join(map(str, self.graphs.buckets)), time.perf_counter() - started)
+        if self.piecewise is not None:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                self.piecewise.capture_all(manager)
+            log.info("captured %d piecewise CUDA graphs (%d pieces; token buckets %s) in %.1f s",
+                     self.piecewise.num_graphs, self.piecewise.num_pieces, ",".join(map(str, self.piecewise.buckets)),
+                     time.perf_counter() - started)
 
     @torch.inference_mode()
     def warmup_eager(self, force: bool = False) -> int:
@@ -219,6 +237,8 @@ class ModelRunner:
             # event after the replay made the host wait for the whole step before building the next one,
             # so the GPU idled while the host prepared and launched it
             hidden = graphs.run(batch, self.lora_manager, slot_of, fixup=fixup, inputs_queued=self.inputs.mark_copied)
+        elif self.piecewise is not None and self.piecewise.bucket_for(batch.num_tokens) is not None:
+            hidden = self._run_piecewise(out, batch, fixup)
         else:
             hidden = self._run_eager(out, batch, fixup)
         return self.step_sampler.launch(out, batch, hidden, inflight)
@@ -256,16 +276,33 @@ class ModelRunner:
 
         return apply, (dict(zip(seq_ids, src)), tokens)
 
+    def _attention_metadata(self, batch: StepBatch) -> AttentionMetadata:
+        dev = self.device
+        nb = dev.type == "cuda"
+        d = batch.num_decodes if self.config.attention_decode_split else 0
+        query_start_loc = batch.query_start_loc.to(dev, non_blocking=nb)
+        rest = None
+        if 0 < d < batch.seq_lens.shape[0]:
+            rest = query_start_loc[d:] - d  # the varlen part's offsets: once per step, not once per layer
+        return AttentionMetadata(
+            backend=self.backend, slot_mapping=batch.slot_mapping.to(dev, non_blocking=nb),
+            block_tables=batch.block_tables.to(dev, non_blocking=nb), query_start_loc=query_start_loc,
+            seq_lens=batch.seq_lens.to(dev, non_blocking=nb),
+            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len, num_decodes=d,
+            rest_query_start_loc=rest)
+
+    def _run_piecewise(self, out: SchedulerOutput, batch: StepBatch, fixup=None) -> torch.Tensor:
+        attn = self._attention_metadata(batch)
+        slot_of = self.get_lora_manager().assign_slots(sorted(out.lora_ids)) if out.lora_ids else None
+        if self._merged_step(slot_of, batch):
+            slot_of = None  # one adapter folded into the weights: the base pieces
+        return self.piecewise.run(batch, attn, self.lora_manager, slot_of, fixup=fixup,
+                                  inputs_queued=self.inputs.mark_copied)
+
     def _run_eager(self, out: SchedulerOutput, batch: StepBatch, fixup=None) -> torch.Tensor:
         dev = self.device
         nb = dev.type == "cuda"
-        attn = AttentionMetadata(
-            backend=self.backend, slot_mapping=batch.slot_mapping.to(dev, non_blocking=nb),
-            block_tables=batch.block_tables.to(dev, non_blocking=nb),
-            query_start_loc=batch.query_start_loc.to(dev, non_blocking=nb),
-            seq_lens=batch.seq_lens.to(dev, non_blocking=nb),
-            max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len,
-            num_decodes=batch.num_decodes if self.config.attention_decode_split else 0)
+        attn = self._attention_metadata(batch)
         input_ids = batch.input_ids.to(dev, non_blocking=nb)
         positions = batch.positions.to(dev, non_blocking=nb)
         if fixup is not None:

@@ -40,6 +40,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_decodes: int = 0,
+    rest_query_start_loc: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of the new tokens (see module doc).
 
@@ -48,7 +49,9 @@ def paged_attention(
     one new token each (decodes first, as the caller orders them), those run through the decode kernel and
     the rest through the varlen kernel, so decode rows do not fill 16-row query tiles alone. Otherwise
     (``None`` = unknown) the varlen kernel runs everything, which is correct for every case.
-    ``max_seq_len`` (optional, host int) only tunes the decode split count. No host-device sync.
+    ``max_seq_len`` (optional, host int) only tunes the decode split count. ``rest_query_start_loc``
+    (optional) is ``query_start_loc[num_decodes:] - num_decodes``, made once per step by a caller that runs
+    every layer with the same metadata. No host-device sync.
     """
     num_tokens = query.shape[0]
     batch = seq_lens.shape[0]
@@ -67,6 +70,8 @@ def paged_attention(
                            out=out[:d], max_seq_len=max_seq_len)
     if d < batch:
         # the remaining sequences' tokens start right after the d decode rows
-        paged_attention_varlen(query[d:], key_cache, value_cache, block_tables[d:], query_start_loc[d:] - d,
+        if rest_query_start_loc is None:
+            rest_query_start_loc = query_start_loc[d:] - d
+        paged_attention_varlen(query[d:], key_cache, value_cache, block_tables[d:], rest_query_start_loc,
                                seq_lens[d:], scale, out=out[d:])
     return out

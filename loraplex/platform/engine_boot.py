@@ -59,6 +59,7 @@ def engine_config(settings: Settings, model_dir: Path, model_id: str):
         prefill_batch_max_wait_steps=settings.prefill_batch_max_wait_steps,
         prefill_batch_min_running=settings.prefill_batch_min_running,
         attention_decode_split=settings.attention_decode_split,
+        piecewise_cuda_graphs=settings.piecewise_cuda_graphs,
     )
 
 

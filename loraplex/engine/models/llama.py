@@ -179,18 +179,28 @@ class LlamaLayer(nn.Module):
     def forward(self, hidden, residual, cos, sin, kv_cache, attn, lora, ops: _Ops):
         """``hidden`` [T, H] is the previous layer's MLP output and ``residual`` the stream before it
         (None at the first layer, where ``hidden`` is the embedding); returns (MLP output, residual)."""
+        q, residual = self.pre_attention(hidden, residual, cos, sin, kv_cache, attn, lora, ops)
+        key_cache, value_cache = kv_cache
+        o = attn.backend.attention(q, key_cache, value_cache, attn, self.scale)
+        return self.post_attention(o.view(hidden.shape[0], self.q_size), residual, lora, ops)
+
+    def pre_attention(self, hidden, residual, cos, sin, kv_cache, attn, lora, ops: _Ops):
+        """The layer up to attention: norm, q|k|v, RoPE, and k, v into the paged cache (through
+        ``attn.slot_mapping`` only). Returns (q [T, Hq, D], residual)."""
         if residual is None:
             residual = hidden
             x = ops.rms_norm(hidden, self.input_layernorm.weight, self.input_layernorm.eps)
         else:
             x, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
         qkv = _linear(lora, self.idx, "qkv", x, self.qkv_weight, self.qkv_bias)  # [T, q + 2kv]
-        num_tokens = hidden.shape[0]
         key_cache, value_cache = kv_cache
         # RoPE on q and k; k and v go into the paged cache (attention reads the new tokens' K/V from there)
         q = ops.rope_store_kv(qkv, cos, sin, key_cache, value_cache, attn, self.num_heads, self.num_kv_heads,
                               self.head_dim)
-        o = attn.backend.attention(q, key_cache, value_cache, attn, self.scale).view(num_tokens, self.q_size)
+        return q, residual
+
+    def post_attention(self, o, residual, lora, ops: _Ops):
+        """The layer after attention (``o`` [T, Hq * D]): o-projection, norm, MLP. Returns (MLP output, residual)."""
         out = _linear(lora, self.idx, "o", o, self.o_weight, self.o_bias)
         norm = self.post_attention_layernorm
         x, residual = ops.add_rms_norm(out, residual, norm.weight, norm.eps)
@@ -219,14 +229,22 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids, positions, kv_caches, attn, lora=None) -> torch.Tensor:
         # input_ids, positions: [T]; returns final hidden states [T, H]
-        hidden = F.embedding(input_ids, self.embed_tokens)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
+        hidden, cos, sin = self.embed(input_ids, positions)
         ops, residual = self.ops, None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn, lora, ops)
+        return self.final_norm(hidden, residual)
+
+    def embed(self, input_ids, positions):
+        """(embeddings [T, H], RoPE cos [T, D], sin [T, D])."""
+        hidden = F.embedding(input_ids, self.embed_tokens)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
+        return hidden, cos, sin
+
+    def final_norm(self, hidden, residual) -> torch.Tensor:
         if residual is None:  # no layers
-            return ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
-        return ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
+            return self.ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
+        return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
