@@ -78,6 +78,7 @@ class PiecewiseGraphRunner:
         self._graphs: dict[tuple[int, bool], list[torch.cuda.CUDAGraph | None]] = {}
         self._lora_steps: dict[tuple[int, bool], object] = {}
         self._pool = None
+        self._stream: torch.cuda.Stream | None = None  # the captures' side stream
         self.num_steps = 0
         self.used_keys: set[tuple[int, bool]] = set()
 
@@ -198,22 +199,27 @@ class PiecewiseGraphRunner:
         if not self.capture_graphs:
             self._graphs[key] = [None] * self.num_pieces
             return
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # compiles the Triton kernels and sets up cuBLAS outside the capture
-            lora = None
-            for i in pieces:
-                lora = self._piece(i, key, lora_manager, lora)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._pool is None:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
             self._pool = torch.cuda.graph_pool_handle()
+        stream, main = self._stream, torch.cuda.current_stream(self.device)
+        stream.wait_stream(main)
         graphs, lora = [], None
-        for i in pieces:
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: CUDA calls of other threads (pinned host copies of adapters) must not void the capture
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.stream(stream):
+            for i in pieces:  # compiles the Triton kernels and sets up cuBLAS outside the capture
                 lora = self._piece(i, key, lora_manager, lora)
-            graphs.append(graph)
+            for i in pieces:
+                # capture_begin/end, not ``torch.cuda.graph``: that one synchronizes and empties the allocator's
+                # caches for every graph, seconds over the thousands of pieces captured at start-up
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: CUDA calls of other threads (pinned host copies of adapters) must not void it
+                graph.capture_begin(self._pool, capture_error_mode="thread_local")
+                try:
+                    lora = self._piece(i, key, lora_manager, lora)
+                finally:
+                    graph.capture_end()
+                graphs.append(graph)
+        main.wait_stream(stream)
         # the LoRA step built under piece 0's capture: its metadata tensors are the ones the graphs read and write
         self._lora_steps[key] = lora
         self._graphs[key] = graphs
