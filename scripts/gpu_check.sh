@@ -14,7 +14,8 @@
 #   fastlaunch the opt-in fast launch path (loraplex/kernels/launch.py): the GPU tests with LORAPLEX_FAST_LAUNCH=1,
 #              then the mixed-step profile (248 decodes + a 384-token prompt per step) with it off and on
 #   piecewise  the mixed-step profile (248 decodes + a 384-token prompt per step, base and 64 adapters) with the
-#              piecewise CUDA graphs off, then on, then on with the fast launch path (LORAPLEX_FAST_LAUNCH=1)
+#              piecewise CUDA graphs off, then on, then on with the fast launch path (LORAPLEX_FAST_LAUNCH=1);
+#              PIECEWISE_VARIANTS picks some of "off on on-fast"
 #   pairs      online A/B below the knee: ONLINE_PAIR_RATE (20) req/s, the server settings of each variant in
 #              ONLINE_VARIANTS (';'-separated, each a space-separated list of LORAPLEX_X=V; default: the attention
 #              split off, then the default), ONLINE_ROUNDS (2) interleaved rounds, one server each
@@ -99,7 +100,7 @@ if [[ "$what" == *fastlaunch* ]]; then
     done
 fi
 if [[ "$what" == *piecewise* ]]; then
-    for variant in off on on-fast; do
+    for variant in ${PIECEWISE_VARIANTS:-off on on-fast}; do
         flag=(--piecewise-cuda-graphs); [[ "$variant" == off ]] && flag=(--no-piecewise-cuda-graphs)
         fast=0; [[ "$variant" == on-fast ]] && fast=1
         LORAPLEX_FAST_LAUNCH=$fast timeout -k 10 "${PROFILE_TIMEOUT_S:-170}" python3 -m loraplex.cli bench step-profile --out-dir "$out/piecewise-$variant" \
