@@ -127,8 +127,14 @@ class ModelRunner:
                      ",".join(map(str, self.graphs.buckets)), time.perf_counter() - started)
         if self.piecewise is not None:
             started = time.perf_counter()
-            with torch.inference_mode():
-                self.piecewise.capture_all(manager)
+            try:
+                with torch.inference_mode():
+                    self.piecewise.capture_all(manager)
+            except Exception:  # a failed capture costs those steps their graphs, not the engine
+                log.exception("capturing the piecewise CUDA graphs failed: prefill and mixed steps run eagerly")
+                self.piecewise = None
+                torch.cuda.synchronize(self.device)
+                return
             log.info("captured %d piecewise CUDA graphs (%d pieces; token buckets %s) in %.1f s",
                      self.piecewise.num_graphs, self.piecewise.num_pieces, ",".join(map(str, self.piecewise.buckets)),
                      time.perf_counter() - started)
