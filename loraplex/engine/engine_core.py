@@ -392,6 +392,7 @@ class LLMEngine:
             num_lora_merged_steps=merged.num_merged_steps if merged is not None else 0,
             device_wait_seconds=self.device_wait_seconds,
             step_seqs=self.num_step_seqs, prompt_steps=self.num_prompt_steps,
+            piecewise_graph_steps=self.runner.piecewise.num_steps if self.runner.piecewise is not None else 0,
         )
 
     @property
@@ -405,6 +406,9 @@ class LLMEngine:
             "num_computed_prompt_tokens": sched.num_computed_prompt_tokens,
             "num_generated_tokens": self.num_generated_tokens, "num_steps": sched.num_steps,
             "num_overlapped_steps": self.num_overlapped_steps,
+            # steps that replayed a decode graph, and steps that replayed piecewise graphs (prefill / mixed)
+            "num_decode_graph_steps": self.runner.graphs.num_replays if self.runner.graphs is not None else 0,
+            "num_piecewise_graph_steps": self.runner.piecewise.num_steps if self.runner.piecewise is not None else 0,
             "num_adapter_wait_steps": sched.num_adapter_wait_steps, "adapter_wait_seconds": sched.adapter_wait_seconds,
             "kv_waste_last": sched.last_kv_waste,
             "kv_waste_mean": self._kv_waste_sum / sched.num_steps if sched.num_steps else 0.0,

@@ -97,6 +97,7 @@ class EngineStats:
     device_wait_seconds: float = 0.0  # inside the steps: waiting for the device's sampled tokens
     step_seqs: int = 0  # sequences scheduled, summed over the engine's steps since start (÷ steps: the mean batch)
     prompt_steps: int = 0  # steps that carried prompt chunks (more tokens than sequences: no decode CUDA graph)
+    piecewise_graph_steps: int = 0  # of all steps, those that replayed piecewise CUDA graphs (prefill / mixed)
 
 
 class EngineDeadError(RuntimeError):

@@ -70,6 +70,9 @@ class _EngineCollector(Collector):
             ("loraplex:engine_prompt_steps",
              "Engine steps that carried prompt chunks (more tokens than sequences: run without a decode CUDA graph).",
              stats.prompt_steps),
+            ("loraplex:engine_piecewise_graph_steps",
+             "Engine steps (prefill or mixed) that replayed CUDA graphs captured piecewise around attention; the "
+             "other prompt steps ran eagerly.", stats.piecewise_graph_steps),
             ("loraplex:engine_loop_dispatch_seconds",
              "Seconds the engine loop thread spent handing its steps' token deltas to the request handlers.",
              stats.loop_dispatch_seconds),

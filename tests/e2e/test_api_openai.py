@@ -228,7 +228,8 @@ def test_metrics_have_vllm_names_and_tenant_counters(server, tenants):
                  "loraplex:lora_merges_total", "loraplex:lora_merged_steps_total", "loraplex:engine_loop_steps_total",
                  "loraplex:engine_loop_step_seconds_total", "loraplex:engine_loop_dispatch_seconds_total",
                  "loraplex:engine_loop_step_cpu_seconds_total", "loraplex:engine_device_wait_seconds_total",
-                 "loraplex:engine_step_sequences_total", "loraplex:engine_prompt_steps_total"):
+                 "loraplex:engine_step_sequences_total", "loraplex:engine_prompt_steps_total",
+                 "loraplex:engine_piecewise_graph_steps_total"):
         assert name in text, name
     loop = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
             if line.startswith("loraplex:engine_loop_")}
@@ -238,6 +239,9 @@ def test_metrics_have_vllm_names_and_tenant_counters(server, tenants):
               if line.startswith(("loraplex:engine_step_sequences", "loraplex:engine_prompt_steps"))}
     assert engine["loraplex:engine_prompt_steps_total"] >= 1  # the prompt "x" (BOS + x: two tokens, one sequence)
     assert engine["loraplex:engine_step_sequences_total"] >= loop["loraplex:engine_loop_steps_total"]
+    piecewise = [float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith("loraplex:engine_piecewise_graph_steps_total")]
+    assert piecewise == [0.0]  # the CPU runs no CUDA graph
     # loraplex serve froze its start-up heap once the engine had loaded (LORAPLEX_FREEZE_GC, on by default)
     assert "moved out of the collector's reach (gc.freeze)" in server.log_text()
     assert loop["loraplex:engine_loop_step_seconds_total"] > 0 and loop["loraplex:engine_loop_dispatch_seconds_total"] > 0

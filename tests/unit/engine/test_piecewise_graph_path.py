@@ -70,6 +70,7 @@ def test_piecewise_path_matches_eager_with_adapters_and_mixed_steps(tiny_model):
     _same(eager, got)
     pw = llm.engine.runner.piecewise
     assert pw.num_steps > 0 and pw.num_graphs == 0  # the static path ran, nothing captured
+    assert llm.engine.counters["num_piecewise_graph_steps"] == pw.num_steps == llm.engine.get_stats().piecewise_graph_steps
     buckets = {b for b, _ in pw.used_keys}
     assert 48 in buckets or 40 in buckets  # full 40-token steps, padded to their bucket
     assert any(mode for _, mode in pw.used_keys) and any(not mode for _, mode in pw.used_keys)
