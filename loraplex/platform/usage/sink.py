@@ -70,16 +70,33 @@ class LedgerSink:
         self._task = asyncio.create_task(self._run(), name="usage-consumer")
 
     async def stop(self, timeout_s: float = 10.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            await self._stop_consumer(timeout_s)
         try:
-            await asyncio.wait_for(self.drain_once(), timeout_s)
+            await asyncio.wait_for(self.drain_once(), max(0.0, deadline - loop.time()))
         except Exception as exc:  # whatever is left stays in the spool for the next start
-            log.warning("usage drain at shutdown incomplete (%s); the spool keeps the rest", exc)
+            log.warning("usage drain at shutdown incomplete (%s: %s); the spool keeps the rest",
+                        type(exc).__name__, exc)
         if self._memory_backlog:
             log.error("usage events lost at shutdown (spool and ledger both failed): %s", self._memory_backlog)
         self.spool.close()
+
+    async def _stop_consumer(self, timeout_s: float) -> None:
+        """Cancel the consumer between drains, never inside one. A drain cancelled inside its ledger write
+        leaves that connection holding SQLite's write lock (the driver's thread runs the statement on, and the
+        transaction is never ended): the final drain then waited out the busy timeout (30 s) and the last
+        requests' events stayed in the spool instead of the ledger."""
+        try:
+            await asyncio.wait_for(self._drain_lock.acquire(), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("usage consumer still writing after %.0f s at shutdown; cancelling it", timeout_s)
+            self._task.cancel()
+        else:
+            self._task.cancel()  # it waits for its next round or for this lock: no write in progress
+            self._drain_lock.release()
+        await asyncio.gather(self._task, return_exceptions=True)
 
     async def _run(self) -> None:
         backoff = self.interval_s
