@@ -19,7 +19,7 @@ def test_piecewise_graphs_match_eager_mixed_steps(tiny_model, dtype):
     requests = mixed_requests(tiny_model, seed=11, num_requests=40)
     _, eager = generate_with(tiny_model, dtype, requests, max_num_batched_tokens=96, piecewise_cuda_graphs=False)
     llm, graphs = generate_with(tiny_model, dtype, requests, max_num_batched_tokens=96,
-                                piecewise_graph_max_tokens=80)
+                                piecewise_cuda_graphs=True, piecewise_graph_max_tokens=80)
     pw = llm.engine.runner.piecewise
     assert pw is not None and pw.num_graphs == len(pw.buckets) * 2 * pw.num_pieces  # all captured at start-up
     assert pw.num_steps > 0 and {mode for _, mode in pw.used_keys} == {False, True}
@@ -40,7 +40,7 @@ def test_piecewise_graphs_prompt_logprobs(tiny_model):
     prompts, mix, _ = mixed_requests(tiny_model, seed=13, num_requests=12)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     _, eager = generate_with(tiny_model, "float32", (prompts, mix, params), piecewise_cuda_graphs=False)
-    _, graphs = generate_with(tiny_model, "float32", (prompts, mix, params))
+    _, graphs = generate_with(tiny_model, "float32", (prompts, mix, params), piecewise_cuda_graphs=True)
     for e, g in zip(eager, graphs):
         assert g.outputs[0].token_ids == e.outputs[0].token_ids
         for le, lg in zip(e.prompt_logprobs, g.prompt_logprobs):
