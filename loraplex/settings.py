@@ -66,7 +66,7 @@ class Settings:
     # (loraplex/engine/gc_heap.py; a full collection then walks ~50k objects instead of ~400k+)
     freeze_gc: bool = True
     attention_decode_split: bool = True  # engine option (EngineConfig.attention_decode_split); off for A/B runs
-    piecewise_cuda_graphs: bool = False  # engine option (EngineConfig.piecewise_cuda_graphs); opt-in for now
+    piecewise_cuda_graphs: bool = True  # engine option (EngineConfig.piecewise_cuda_graphs); off for A/B runs
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = sized from free memory

@@ -133,7 +133,7 @@ def add_offline_args(p) -> None:
                         "the split-KV decode kernel (default: the engine's default, on)")
     p.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="engine option piecewise_cuda_graphs: prefill and mixed steps replay CUDA graphs captured "
-                        "around attention (default: the engine's default, off for now)")
+                        "around attention (default: the engine's default, on)")
     p.add_argument("--lora-grouping", action="store_true",
                    help="engine option lora_grouping: admit waiting requests whose adapter already runs first, the "
                         "others grouped by adapter (instead of FCFS)")

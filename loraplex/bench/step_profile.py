@@ -64,7 +64,7 @@ def add_step_profile_args(p) -> None:
                         "decode kernel (default: the engine's default, on)")
     p.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="engine option piecewise_cuda_graphs: mixed steps replay CUDA graphs captured around "
-                        "attention (default: the engine's default, off for now)")
+                        "attention (default: the engine's default, on)")
 
 
 def _smoke(args) -> None:

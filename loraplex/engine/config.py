@@ -70,8 +70,9 @@ class EngineConfig:
     attention_decode_split: bool = True
     # CUDA graphs for the steps that are not pure decode (prefill, mixed), captured piecewise around attention
     # (engine/piecewise_graphs.py) for steps of up to piecewise_graph_max_tokens tokens; larger steps run eagerly.
-    # Opt-in until its GPU tests have run on a GPU (none could be started in the session that built it)
-    piecewise_cuda_graphs: bool = False
+    # (H200, run 12: a mixed step of 248 decodes + a 384-token prompt on 64 adapters 52.9 -> 23.7 ms; base 18.5 -> 19.4)
+    # Off with enforce_eager, or alone for A/B runs
+    piecewise_cuda_graphs: bool = True
     piecewise_graph_max_tokens: int = 2048
     model_id: str | None = None  # served name; default the model directory's name
 
