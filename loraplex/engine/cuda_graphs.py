@@ -44,7 +44,38 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return buckets
 
 
-class DecodeGraphRunner:
+class BucketedGraphs:
+    """What both graph runners share: graphs keyed by (bucket, with adapters), the bucket of a size, and capturing
+    every key at start-up. A subclass sets ``buckets`` (ascending), ``capture_graphs``, ``_graphs`` and
+    implements ``_capture(key, lora_manager)``."""
+
+    buckets: list[int]
+    capture_graphs: bool
+    _graphs: dict
+
+    def bucket_for(self, size: int) -> int | None:
+        """Smallest bucket >= size, or None when the size is larger than every bucket."""
+        for b in self.buckets:
+            if b >= size:
+                return b
+        return None
+
+    def capture_all(self, lora_manager=None) -> None:
+        """Capture every bucket now (with adapters too when a LoRA manager is given), largest first so the
+        smaller graphs reuse the largest one's memory. No-op without ``capture``."""
+        if not self.capture_graphs:
+            return
+        modes = (False, True) if lora_manager is not None else (False,)
+        for bucket in reversed(self.buckets):
+            for with_lora in modes:
+                if (bucket, with_lora) not in self._graphs:
+                    self._capture((bucket, with_lora), lora_manager)
+
+    def _capture(self, key: tuple[int, bool], lora_manager) -> None:
+        raise NotImplementedError
+
+
+class DecodeGraphRunner(BucketedGraphs):
     def __init__(self, model, kv_caches: list, backend: AttentionBackend, max_num_seqs: int,
                  max_blocks_per_seq: int, device: torch.device, capture: bool = True):
         self.model = model
@@ -73,13 +104,6 @@ class DecodeGraphRunner:
     @property
     def num_graphs(self) -> int:
         return sum(1 for g, _ in self._graphs.values() if g is not None)
-
-    def bucket_for(self, num_seqs: int) -> int | None:
-        """Smallest bucket >= num_seqs, or None when the batch is larger than every bucket."""
-        for b in self.buckets:
-            if b >= num_seqs:
-                return b
-        return None
 
     # ---- one step ------------------------------------------------------------------------------------
     def run(self, batch: StepBatch, lora_manager=None, slot_of: dict[int, int] | None = None,
@@ -137,17 +161,6 @@ class DecodeGraphRunner:
         return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, attn, lora)
 
     # ---- capture -------------------------------------------------------------------------------------
-    def capture_all(self, lora_manager=None) -> None:
-        """Capture every bucket now (with adapters too when a LoRA manager is given), largest first so
-        the smaller graphs reuse the largest one's memory. No-op without ``capture``."""
-        if not self.capture_graphs:
-            return
-        modes = (False, True) if lora_manager is not None else (False,)
-        for bucket in reversed(self.buckets):
-            for with_lora in modes:
-                if (bucket, with_lora) not in self._graphs:
-                    self._capture((bucket, with_lora), lora_manager)
-
     def _capture(self, key: tuple[int, bool], lora_manager) -> None:
         bucket = key[0]
         # padding everywhere: the warm-up runs must not write KV through slots left by an earlier step

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from loraplex.engine.attention import AttentionBackend, AttentionMetadata
+from loraplex.engine.cuda_graphs import BucketedGraphs
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def token_buckets(max_tokens: int) -> list[int]:
     return buckets
 
 
-class PiecewiseGraphRunner:
+class PiecewiseGraphRunner(BucketedGraphs):
     def __init__(self, model, kv_caches: list, backend: AttentionBackend, max_tokens: int, device: torch.device,
                  capture: bool = True):
         self.model = model
@@ -74,7 +75,8 @@ class PiecewiseGraphRunner:
         self.hidden = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=dev)
         pin = dev.type == "cuda" and torch.cuda.is_available()
         self._slots_host = torch.full((n,), -1, dtype=torch.int32, pin_memory=pin)
-        # (bucket, with adapters) -> the pieces' graphs (None without capture) and the LoRA step the pieces read
+        # (bucket, with adapters) -> the pieces' graphs (None without capture), and the LoRA step captured with them
+        # (kept alive: its metadata tensors are the ones the graphs read and write)
         self._graphs: dict[tuple[int, bool], list[torch.cuda.CUDAGraph | None]] = {}
         self._lora_steps: dict[tuple[int, bool], object] = {}
         self._pool = None
@@ -89,13 +91,6 @@ class PiecewiseGraphRunner:
     @property
     def num_graphs(self) -> int:
         return sum(1 for graphs in self._graphs.values() for g in graphs if g is not None)
-
-    def bucket_for(self, num_tokens: int) -> int | None:
-        """Smallest bucket >= num_tokens, or None when the step is larger than every bucket (it runs eagerly)."""
-        for b in self.buckets:
-            if b >= num_tokens:
-                return b
-        return None
 
     # ---- one step ------------------------------------------------------------------------------------
     def run(self, batch, attn: AttentionMetadata, lora_manager=None, slot_of: dict[int, int] | None = None,
@@ -114,8 +109,7 @@ class PiecewiseGraphRunner:
             fixup(self.input_ids)
         if inputs_queued is not None:
             inputs_queued()
-        graphs = self._graphs[key]
-        lora = self._lora_steps.get(key)
+        graphs, lora = self._graphs[key], None
         q, out = self.q[:num_tokens], self.attn_out[:num_tokens].view(num_tokens, *self.q.shape[1:])
         for i in range(self.num_pieces):
             if graphs[i] is None:
@@ -177,17 +171,6 @@ class PiecewiseGraphRunner:
         return lora
 
     # ---- capture -------------------------------------------------------------------------------------
-    def capture_all(self, lora_manager=None) -> None:
-        """Capture every bucket now (with adapters too when a LoRA manager is given), largest first. No-op
-        without ``capture``."""
-        if not self.capture_graphs:
-            return
-        modes = (False, True) if lora_manager is not None else (False,)
-        for bucket in reversed(self.buckets):
-            for with_lora in modes:
-                if (bucket, with_lora) not in self._graphs:
-                    self._capture((bucket, with_lora), lora_manager)
-
     def _capture(self, key: tuple[int, bool], lora_manager) -> None:
         bucket = key[0]
         # padding everywhere: the warm-up must not write KV through slots left by an earlier step
