@@ -19,6 +19,9 @@
 #   pairs      online A/B below the knee: ONLINE_PAIR_RATE (20) req/s, the server settings of each variant in
 #              ONLINE_VARIANTS (';'-separated, each a space-separated list of LORAPLEX_X=V; default: the attention
 #              split off, then the default), ONLINE_ROUNDS (2) interleaved rounds, one server each
+#   variants   offline A/B of engine settings: bench offline (1,000 requests, 256 in / 128 out, popularities
+#              ${OFFLINE_POPULARITY:-base,zipf,distinct}, ${OFFLINE_REPEATS:-2} rounds) once per entry of OFFLINE_VARIANTS
+#              (';'-separated lists of bench flags; default: the piecewise CUDA graphs off, then on)
 #   ab         A/B of the experimental fuse_lora_silu_mul: its GPU test, then bench offline (1,000 requests, every
 #              popularity) without and with --fuse-lora-silu-mul, and step-profile at 64 adapters with it
 #
@@ -123,6 +126,17 @@ if [[ "$what" == *pairs* ]]; then
             echo "pairs round $round variant '${variants[$i]}': exit $?"
             grep -E "completed in|sequences per step" "$out/pairs-$round-$i.log" | sed 's/.*bench.online: //' | cut -c1-400
         done
+    done
+fi
+if [[ "$what" == *variants* ]]; then
+    IFS=';' read -r -a offline_variants <<< "${OFFLINE_VARIANTS:---no-piecewise-cuda-graphs;--piecewise-cuda-graphs}"
+    for i in "${!offline_variants[@]}"; do
+        # shellcheck disable=SC2086  # each variant is a list of flags
+        python3 -m loraplex.cli bench offline --out-dir "$out/variant-$i" --num-requests 1000 --input-len 256 \
+            --output-len 128 --step-batch 0 --popularity "${OFFLINE_POPULARITY:-base,zipf,distinct}" \
+            --repeats "${OFFLINE_REPEATS:-2}" ${offline_variants[$i]} ${smoke[@]+"${smoke[@]}"} > "$out/variant-$i.log" 2>&1
+        echo "variant $i '${offline_variants[$i]}': exit $?"
+        grep -E "offline [a-z]+: |decode steps in|rounds" "$out/variant-$i.log" | cut -c1-300
     done
 fi
 if [[ "$what" == *overlap* ]]; then
