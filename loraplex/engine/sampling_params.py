@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -170,8 +171,8 @@ class SamplingParams:
             bad("stop_token_ids", f"must be a list of integers, got {self.stop_token_ids!r}")
         if self.n < 1:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if self.temperature < 0:
-            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:  # NaN fails too (it sampled token 0 at every step)
+            bad("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from loraplex import LLM, SamplingParams
+from loraplex.engine.sampling_params import SamplingParamsError
 
 
 @pytest.fixture(scope="module")
@@ -130,3 +133,11 @@ def test_take_back_removes_a_request_as_if_never_added(llm):
         deltas += engine.step()
     assert [d.index for d in deltas if d.finished] == [0]  # only the new request's one sample
     assert engine.counters["num_computed_prompt_tokens"] - computed == 4
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_temperature_that_is_not_a_finite_number_is_refused_naming_the_field(value):
+    # a NaN temperature passed `< 0` and sampled token 0 at every step (no error); inf passed too
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(temperature=value)
+    assert err.value.param == "temperature" and "finite" in str(err.value), str(err.value)
