@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -42,10 +43,11 @@ from collections.abc import Iterator
 from loraplex.engine import batch_options
 from loraplex.engine.batch_window import Line, RollingWindow
 from loraplex.engine.lora_request import LoRARequest
-from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sampling_params import SamplingParams, _is_int
 
 log = logging.getLogger(__name__)
 _NOT_AN_OBJECT = object()
+_PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 class BatchError(Exception):
@@ -213,7 +215,12 @@ def _parse(seq: int, line_no: int, raw: bytes, defaults: dict) -> Line:
         return Line(seq, line_no, rid, error=error)
     try:
         if "prompt_token_ids" in item:
-            prompt = {"prompt_token_ids": [int(t) for t in item["prompt_token_ids"]]}
+            token_ids = item["prompt_token_ids"]
+            # no int() casts: 1.7, true or "1" would run as another prompt than the line asked for
+            if not isinstance(token_ids, list) or not all(_is_int(t) for t in token_ids):
+                raise ValueError(f"prompt_token_ids: must be a list of integers (token ids), got "
+                                 f"{_short(token_ids)}")
+            prompt = {"prompt_token_ids": token_ids}
         elif isinstance(item.get("prompt"), str):
             prompt = item["prompt"]
         else:
@@ -221,13 +228,31 @@ def _parse(seq: int, line_no: int, raw: bytes, defaults: dict) -> Line:
         params = item.get("params", {})
         if not isinstance(params, dict):
             raise ValueError("'params' must be an object of SamplingParams fields")
+        unknown = sorted(params.keys() - _PARAM_FIELDS)
+        if unknown:
+            raise ValueError(f"params.{unknown[0]}: not a SamplingParams field")
         lora = item.get("lora")
-        if lora is not None and not (isinstance(lora, dict) and {"name", "id", "path"} <= lora.keys()):
-            raise ValueError("'lora' must be an object with 'name', 'id' and 'path'")
-        lora_request = LoRARequest(lora["name"], int(lora["id"]), lora["path"]) if lora else None
-        return Line(seq, line_no, rid, prompt, SamplingParams(**{**defaults, **params}), lora_request)
+        return Line(seq, line_no, rid, prompt, SamplingParams(**{**defaults, **params}),
+                    _lora_request(lora) if lora is not None else None)
     except (ValueError, TypeError) as exc:
         return Line(seq, line_no, rid, error=str(exc))
+
+
+def _lora_request(lora) -> LoRARequest:
+    if not (isinstance(lora, dict) and {"name", "id", "path"} <= lora.keys()):
+        raise ValueError("'lora' must be an object with 'name', 'id' and 'path'")
+    for key, ok, what in (("name", isinstance(lora["name"], str), "a string"),
+                          ("id", _is_int(lora["id"]) and lora["id"] >= 1, "an integer >= 1 (0 is the base model)"),
+                          ("path", isinstance(lora["path"], str), "a string (a PEFT adapter directory)")):
+        if not ok:
+            raise ValueError(f"lora.{key}: must be {what}, got {_short(lora[key])}")
+    return LoRARequest(lora["name"], lora["id"], lora["path"])
+
+
+def _short(value, limit: int = 60) -> str:
+    """A value for an error message, cut to ``limit`` characters (a line may hold a huge list)."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 # ---- output ------------------------------------------------------------------------------------------------

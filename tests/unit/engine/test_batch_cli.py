@@ -319,3 +319,31 @@ def test_enable_lora_is_spelled_like_serve(flags, want):
     assert args.enable_lora is want
     serve = build_parser().parse_args(["serve", *flags])
     assert serve.enable_lora is (want if flags else None)  # serve: None = the setting's default
+
+
+def test_mistyped_prompt_token_ids_and_lora_fields_fail_their_line_naming_the_field(tiny_model, tmp_path):
+    """prompt_token_ids of floats, booleans or strings were cast with int() (1.7 ran as token 1), a lora id of
+    1.9 ran as adapter 1, and a non-list prompt_token_ids or a lora id "abc" failed with Python's own message
+    ("'int' object is not iterable", "invalid literal for int()") naming no field; an unknown params key
+    failed with "SamplingParams.__init__() got an unexpected keyword argument"."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    adapter = {"name": "a", "path": str(tmp_path)}
+    _write_jsonl(src, [
+        {"id": "float", "prompt_token_ids": [1.7, 40]},
+        {"id": "bool", "prompt_token_ids": [True, 40]},
+        {"id": "string", "prompt_token_ids": ["1", 40]},
+        {"id": "scalar", "prompt_token_ids": 5},
+        {"id": "lora-str", "prompt": "Hi", "lora": {**adapter, "id": "abc"}},
+        {"id": "lora-float", "prompt": "Hi", "lora": {**adapter, "id": 1.9}},
+        {"id": "lora-path", "prompt": "Hi", "lora": {**adapter, "id": 1, "path": 5}},
+        {"id": "param", "prompt": "Hi", "params": {"max_tokens": 2, "temprature": 0.5}},
+        {"id": "ok", "prompt_token_ids": [1, 40]},
+    ])
+    assert _run(tiny_model, src, dst, "--max-tokens", "2", "--enable-lora") == 1
+    out = {o["id"]: o for o in map(json.loads, dst.read_text().splitlines())}
+    for rid in ("float", "bool", "string", "scalar"):
+        assert "prompt_token_ids" in out[rid].get("error", ""), out[rid]
+    for rid, field in (("lora-str", "lora.id"), ("lora-float", "lora.id"), ("lora-path", "lora.path"),
+                       ("param", "params.temprature")):
+        assert field in out[rid].get("error", ""), out[rid]
+    assert out["ok"]["outputs"][0]["token_ids"] == _greedy(tiny_model, [([1, 40], 2)])[0]
