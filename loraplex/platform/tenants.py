@@ -46,9 +46,14 @@ def validate_scopes(scopes: list[str] | None) -> list[str]:
     return scopes
 
 
+# the limit columns are 32-bit integers on PostgreSQL; SQLite would take more, so the check is here for both
+MAX_RATE_LIMIT = 2**31 - 1
+
+
 def _positive_or_none(value: int | None, param: str) -> int | None:
-    if value is not None and value < 1:
-        raise bad_request(f"{param} must be >= 1 (or null for the server default), got {value}", param=param)
+    if value is not None and not 1 <= value <= MAX_RATE_LIMIT:
+        raise bad_request(f"{param} must be between 1 and {MAX_RATE_LIMIT} (or null for the server default), "
+                          f"got {value}", param=param)
     return value
 
 

@@ -58,6 +58,11 @@ def test_admin_tenant_and_key_lifecycle_ignores_body_smuggling(client):
     r = client.put("/admin/tenants/acme/limits", json={"requests_per_minute": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "requests_per_minute"
     assert client.put("/admin/tenants/acme/limits", json={"requests_per_minute": 5}).json()["requests_per_minute"] == 5
+    for field in ("requests_per_minute", "tokens_per_minute"):  # over the database's 32-bit column: not a 500
+        r = client.put("/admin/tenants/acme/limits", json={field: 2**31})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field and "2147483647" in r.text
+        r = client.post("/admin/tenants", json={"name": "big", field: 10**20})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field
     assert client.post("/admin/tenants/acme/suspend").json()["status"] == "suspended"
     assert client.post("/admin/tenants/admin/suspend").status_code == 400
     assert client.delete(f"/admin/keys/{key['id']}").json()["revoked_at"]
