@@ -77,6 +77,9 @@ class LoRAManager:
         self._paths: dict[int, str] = {}  # adapter_id -> lora_path, to re-read after a host eviction
         self._names: dict[int, str] = {}  # adapter_id -> lora_name (stats only)
         self._loading: dict[int, _PendingLoad] = {}  # adapter_id -> the background read it waits for
+        # adapter_id -> path, for ids submitted while every loader worker was busy (no read started yet): the
+        # id is taken by that path as much as by a read in flight
+        self._queued: dict[int, str] = {}
         self._reads: dict[Hashable, list[int]] = {}  # file identity being read -> ids waiting for it
         # distinct adapters of the first waiting requests, in scheduling order (from ``poll``): read ahead,
         # kept in the host cache, filled into slots ahead of need and not evicted for another prefetch
@@ -109,9 +112,12 @@ class LoRAManager:
         clash; a bad file is reported by ``poll``."""
         adapter_id, path = lora_request.lora_int_id, str(lora_request.lora_path)
         self._check_path(adapter_id, path)
-        if (not self.is_ready(adapter_id) and adapter_id not in self._loading
-                and len(self._loading) < self.loader.num_workers):
+        if self.is_ready(adapter_id) or adapter_id in self._loading:
+            return
+        if len(self._loading) < self.loader.num_workers:
             self._start_load(adapter_id, path, lora_request.lora_name)
+        else:
+            self._queued[adapter_id] = path
 
     def validate_and_prefetch(self, lora_request) -> HostAdapter:
         """Validate and cache an adapter in host memory now. Raises AdapterError for a bad adapter."""
@@ -139,7 +145,8 @@ class LoRAManager:
         for adapter_id, lora_request in ahead.items():
             if adapter_id not in failures and not self.is_ready(adapter_id) and adapter_id not in self._loading:
                 # the registered version (a replacement under a removed id) before the request's own path
-                path = self._paths.get(adapter_id) or str(lora_request.lora_path)
+                path = (self._queued.get(adapter_id) or self._paths.get(adapter_id)
+                        or str(lora_request.lora_path))
                 self._start_load(adapter_id, path, lora_request.lora_name)
         return failures
 
@@ -167,7 +174,7 @@ class LoRAManager:
 
     def _check_path(self, adapter_id: int, path: str) -> None:
         pending = self._loading.get(adapter_id)
-        known = pending.path if pending is not None else self._paths.get(adapter_id)
+        known = pending.path if pending is not None else self._queued.get(adapter_id) or self._paths.get(adapter_id)
         if known is None or known == path:
             return
         if adapter_id not in self._removed:
@@ -179,6 +186,7 @@ class LoRAManager:
         self._forget_weights(adapter_id)  # a new version under a removed id
 
     def _start_load(self, adapter_id: int, path: str, name: str) -> None:
+        self._queued.pop(adapter_id, None)
         key = file_key(path)  # taken before the read: a file changing during it is read again next time
         shared = self._validated.get(key)
         if shared is not None:  # files already validated for another id: no read at all
@@ -226,6 +234,7 @@ class LoRAManager:
 
     def _loaded(self, adapter_id: int, path: str, name: str) -> None:
         self._loading.pop(adapter_id, None)
+        self._queued.pop(adapter_id, None)
         self._paths[adapter_id] = path
         self._names[adapter_id] = name
         self._pending_removal.discard(adapter_id)
@@ -291,6 +300,7 @@ class LoRAManager:
     def _forget_weights(self, adapter_id: int) -> None:
         self._dropped.append(adapter_id)
         self._loading.pop(adapter_id, None)  # a read still in flight is ignored for this id
+        self._queued.pop(adapter_id, None)
         self.host_cache.pop(adapter_id)
         slot = self._slot_of.pop(adapter_id, None)
         if slot is not None:

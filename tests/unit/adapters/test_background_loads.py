@@ -252,3 +252,27 @@ def test_prefetch_stops_instead_of_waiting_when_staging_is_full(tiny_model, hf_c
     extra = LoRARequest("a3", 4, adapter_dir(tiny_model, 3))
     mgr.validate_and_prefetch(extra)
     assert mgr.assign_slots([4]) and 4 in mgr.resident_adapter_ids()
+
+
+def test_an_id_queued_behind_busy_loaders_is_still_taken_by_its_path(tiny_model, hf_config):
+    """With every loader worker busy, submit queues an id without starting its read; a second request naming
+    the same id with other files used to pass (nothing recorded the first path) and then ran with the first
+    request's weights."""
+    mgr = _manager(hf_config)  # 2 load workers
+    held = hold(mgr, adapter_dir(tiny_model, 0), adapter_dir(tiny_model, 1))
+    mgr.submit(LoRARequest("a0", 1, adapter_dir(tiny_model, 0)))
+    mgr.submit(LoRARequest("a1", 2, adapter_dir(tiny_model, 1)))
+    queued = LoRARequest("a2", 3, adapter_dir(tiny_model, 2))
+    mgr.submit(queued)
+    assert mgr.num_loading_adapters == 2  # id 3's read has not started
+    with pytest.raises(AdapterError, match="another path"):
+        mgr.submit(LoRARequest("other", 3, adapter_dir(tiny_model, 1)))
+    mgr.submit(queued)  # the same path again is fine
+    held.release()
+    assert _until_ready(mgr, [queued]) == {}
+    assert mgr.host_cache.get(3).rank == tiny_model["adapters"][2]["rank"]
+    # a removed queued id may come back with other files (a new version)
+    mgr.remove_adapter(3)
+    mgr.submit(LoRARequest("v2", 3, adapter_dir(tiny_model, 3)))
+    assert _until_ready(mgr, [LoRARequest("v2", 3, adapter_dir(tiny_model, 3))]) == {}
+    assert mgr.host_cache.get(3).rank == tiny_model["adapters"][3]["rank"]
