@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from loraplex.platform.db import SessionFactory
 from loraplex.platform.usage.aggregate import Query, columns, rows
 
-MEDIA_TYPES = {"csv": "text/csv; charset=utf-8", "jsonl": "application/x-ndjson"}
+MEDIA_TYPES = {"csv": "text/csv", "jsonl": "application/x-ndjson"}  # Litestar adds "; charset=utf-8" to text/*
 
 
 def _csv_line(values: list) -> bytes:

@@ -110,3 +110,26 @@ def test_every_operation_in_the_schema_checks_key_and_scope(client):
                     assert r.status_code not in (401, 403), (method, template, scope, r.status_code, r.text)
             checked += 1
     assert checked >= 25  # the schema really lists the platform's routes
+
+
+def _media_type_params(content_type: str) -> tuple[str, list[str]]:
+    media, *params = [p.strip() for p in content_type.split(";")]
+    return media, [p.split("=", 1)[0].lower() for p in params]
+
+
+@pytest.mark.parametrize("path, media", [
+    ("/metrics", "text/plain"),
+    ("/admin/usage/export?format=csv", "text/csv"),
+    ("/admin/usage/export?format=jsonl", "application/x-ndjson"),
+])
+def test_content_types_parse_with_each_parameter_once(client, path, media):
+    """Prometheus 3 fails a scrape whose Content-Type does not parse (Go's mime.ParseMediaType refuses a
+    repeated parameter), and CSV readers pick the charset from it: 'charset' must appear at most once."""
+    r = client.get(path)
+    assert r.status_code == 200
+    got, names = _media_type_params(r.headers["content-type"])
+    assert got == media and len(names) == len(set(names)), r.headers["content-type"]
+    if media.startswith("text/"):
+        assert "charset" in names
+    if path == "/metrics":
+        assert "version" in names
