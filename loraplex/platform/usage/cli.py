@@ -66,11 +66,16 @@ def _export(args: argparse.Namespace) -> int:
         target = Path(args.output)
         partial = target.with_name(f".{target.name}.partial")
         try:
+            if target.is_dir():
+                raise IsADirectoryError(21, "is a directory")
             with open(partial, "wb") as f:
                 code = asyncio.run(_export_async(args, f))
             if code == 0:
                 os.replace(partial, target)
             return code
+        except OSError as exc:
+            print(f"error: --output {target}: cannot write it ({exc.strerror or exc})", file=sys.stderr)
+            return 2
         finally:
             partial.unlink(missing_ok=True)
     code = asyncio.run(_export_async(args, sys.stdout.buffer))
