@@ -45,9 +45,15 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         num = len(prompts)
+        if priority is not None and not isinstance(priority, (list, tuple)):
+            raise TypeError(f"priority: must be a list of integers, one per prompt, got {priority!r}")
         params = _per_prompt(sampling_params or SamplingParams(), num, "sampling_params")
         loras = _per_prompt(lora_request, num, "lora_request")
         priorities = _per_prompt(list(priority) if priority is not None else 0, num, "priority")
+        # types before anything is queued: a wrong one found inside the engine may leave a request half added
+        _check_types("sampling_params", params, SamplingParams, "SamplingParams")
+        _check_types("lora_request", loras, (LoRARequest, type(None)), "LoRARequest or None")
+        _check_types("priority", priorities, numbers.Integral, "an integer")
         outputs: dict[str, RequestOutput] = {}  # in the order of prompts
         try:
             for prompt, p, lora, prio in zip(prompts, params, loras, priorities):
@@ -97,6 +103,13 @@ class LLM:
             return prompt.get("prompt"), [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
                                           for t in prompt["prompt_token_ids"]]
         raise ValueError("each prompt must be a string or a dict with 'prompt_token_ids'")
+
+
+def _check_types(name: str, values: list, types, expected: str) -> None:
+    for i, value in enumerate(values):
+        if not isinstance(value, types) or isinstance(value, bool):
+            raise TypeError(f"{name}: must be {expected}, got {type(value).__name__} {value!r}"
+                            + (f" (prompt {i})" if len(values) > 1 else ""))
 
 
 def _per_prompt(value, num: int, name: str) -> list:

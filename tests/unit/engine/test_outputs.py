@@ -141,3 +141,24 @@ def test_temperature_that_is_not_a_finite_number_is_refused_naming_the_field(val
     with pytest.raises(SamplingParamsError) as err:
         SamplingParams(temperature=value)
     assert err.value.param == "temperature" and "finite" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"lora_request": "path/to/adapter"}, "lora_request"),
+    ({"lora_request": [None, "path/to/adapter"]}, "lora_request"),
+    ({"sampling_params": {"max_tokens": 2}}, "sampling_params"),
+    ({"priority": ["high", 0]}, "priority"),
+    ({"priority": [1.5, 0]}, "priority"),
+    ({"priority": 3}, "priority"),
+])
+def test_arguments_of_the_wrong_type_are_refused_and_leave_the_llm_usable(llm, kwargs, needle):
+    """A string lora_request (a path instead of a LoRARequest) used to be half added: the engine kept the
+    request, and every later generate() of this LLM failed with "'str' object has no attribute 'lora_int_id'"."""
+    prompts = ["Hello", "A"]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0))]
+    with pytest.raises((TypeError, ValueError)) as err:
+        llm.generate(prompts, **{"sampling_params": SamplingParams(max_tokens=4, temperature=0), **kwargs})
+    assert needle in str(err.value), str(err.value)
+    assert not llm.engine.has_unfinished_requests()
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0))]
+    assert got == want
