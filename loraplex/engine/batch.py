@@ -34,6 +34,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -43,7 +44,7 @@ from collections.abc import Iterator
 from loraplex.engine import batch_options
 from loraplex.engine.batch_window import Line, RollingWindow
 from loraplex.engine.lora_request import LoRARequest
-from loraplex.engine.sampling_params import SamplingParams, _is_int
+from loraplex.engine.sampling_params import SamplingParams, SamplingParamsError, _is_int
 
 log = logging.getLogger(__name__)
 _NOT_AN_OBJECT = object()
@@ -93,6 +94,7 @@ def run(args) -> int:
 
 def _run(args) -> int:
     started = time.monotonic()
+    _check_args(args)
     max_in_flight = args.max_in_flight if args.max_in_flight is not None else 2 * args.max_num_seqs
     if max_in_flight < 1:
         raise BatchError(f"--max-in-flight must be at least 1, got {max_in_flight}")
@@ -118,9 +120,18 @@ def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None
               reorder: int, started: float) -> int:
     from loraplex.engine.llm import LLM
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.max_model_len, enable_lora=args.enable_lora, max_loras=args.max_loras,
-              max_lora_rank=args.max_lora_rank)
+    if args.device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BatchError(f"--device {args.device}: CUDA is not available on this machine")
+    try:
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, enable_lora=args.enable_lora,
+                  max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+    except (ValueError, OSError) as exc:  # options the engine refuses, files it cannot read
+        raise BatchError(f"--model {args.model}: the engine cannot start: {_ENGINE_FIELDS.sub(_flag, str(exc))}") \
+            from None
     loaded = time.monotonic()
     num_kept, num_kept_failed = kept
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
@@ -155,6 +166,33 @@ def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None
                     num_kept + stats.num_written, reached, stats.num_dropped)
         return 128 + signum
     return 0 if stats.num_failed + num_kept_failed == 0 else 1
+
+
+# ---- arguments ---------------------------------------------------------------------------------------------
+
+# engine config fields that are flags of this command: the engine's errors name the field, the user typed the flag
+_ENGINE_FIELDS = re.compile(r"\b(max_model_len|max_num_seqs|max_loras|max_lora_rank|dtype|device)\b")
+
+
+def _flag(match: re.Match) -> str:
+    return "--" + match.group(1).replace("_", "-")
+
+
+def _check_args(args) -> None:
+    """What can be checked before OUTPUT is touched and the model loaded: one error line naming the flag."""
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        what = "is not a directory" if not os.path.isdir(args.model) else "has no config.json"
+        raise BatchError(f"--model {args.model} {what}: pass a Hugging Face model directory")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise BatchError(f"--device must be cpu or cuda (cuda:N), got {args.device!r}")
+    for flag in ("max_num_seqs", "max_loras", "max_lora_rank", "max_model_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise BatchError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
+    try:
+        SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    except SamplingParamsError as exc:
+        raise BatchError(f"--{exc.param.replace('_', '-')} {exc.detail}") from None
 
 
 # ---- input -------------------------------------------------------------------------------------------------

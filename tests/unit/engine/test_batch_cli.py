@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 import pytest
 
@@ -284,10 +285,13 @@ def test_resume_refuses_other_generation_options_naming_them(tiny_model, tmp_pat
     assert _run(tiny_model, src, dst, "--max-tokens", "4") == 0
     lines = dst.read_bytes().splitlines(keepends=True)
     dst.write_bytes(lines[0])  # as an interrupted run leaves it
+    another_model = tmp_path / "another-model"  # a model directory to the first check, refused before it loads
+    another_model.mkdir()
+    (another_model / "config.json").write_bytes((Path(tiny_model["model_dir"]) / "config.json").read_bytes())
     cases = [(["--max-tokens", "5"], "--max-tokens 5"), (["--temperature", "0.7"], "--temperature 0.7"),
              (["--seed", "1"], "--seed 1"), (["--max-model-len", "64"], "--max-model-len 64"),
              (["--dtype", "bfloat16"], '--dtype "bfloat16"'), (["--enable-lora"], "--enable-lora true"),
-             (["--model", str(tmp_path / "another-model")], "--model")]
+             (["--model", str(another_model)], "--model")]
     for flags, named in cases:
         assert _run(tiny_model, src, dst, "--resume", "--max-tokens", "4", *flags) == 2
         err = capsys.readouterr().err
@@ -347,3 +351,33 @@ def test_mistyped_prompt_token_ids_and_lora_fields_fail_their_line_naming_the_fi
                        ("param", "params.temprature")):
         assert field in out[rid].get("error", ""), out[rid]
     assert out["ok"]["outputs"][0]["token_ids"] == _greedy(tiny_model, [([1, 40], 2)])[0]
+
+
+@pytest.mark.parametrize("flags, needles", [
+    (["--model", "{tmp}/no-such-model"], ["--model", "no-such-model"]),
+    (["--model", "{tmp}"], ["--model", "config.json"]),  # a directory, but not a model
+    (["--dtype", "float64"], ["--dtype", "float64"]),
+    (["--max-model-len", "100000"], ["--max-model-len", "100000"]),
+    (["--max-model-len", "0"], ["--max-model-len"]),  # the engine started with a context of 0 tokens
+    (["--device", "tpu"], ["--device", "tpu"]),
+    (["--max-tokens", "0"], ["--max-tokens", ">= 1"]),
+    (["--temperature", "-1"], ["--temperature", ">= 0"]),
+    (["--max-num-seqs", "0"], ["--max-num-seqs"]),
+    (["--enable-lora", "--max-loras", "0"], ["--max-loras"]),
+    (["--enable-lora", "--max-lora-rank", "0"], ["--max-lora-rank"]),
+])
+def test_bad_command_options_are_one_error_line_and_exit_2(flags, needles, tiny_model, tmp_path, capsys):
+    """A model directory that does not exist, or an engine option it refuses, was a traceback with exit 1
+    (which means "some line failed"); --max-tokens 0 or --temperature -1 failed every line one by one."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [{"id": "a", "prompt": "Hi"}])
+    argv = ["batch", str(src), str(dst), "--model", tiny_model["model_dir"], *MODEL_ARGS,
+            *(f.replace("{tmp}", str(tmp_path)) for f in flags)]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = [x for x in err.splitlines() if "loraplex batch: error:" in x]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], err
+    assert not dst.exists() or dst.stat().st_size == 0
