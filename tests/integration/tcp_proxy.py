@@ -50,7 +50,13 @@ class TcpProxy:
         except OSError:
             pass
         finally:
+            # shutdown first: a bare close() neither wakes the other direction's recv() nor sends the FIN, so a
+            # client that waits for the server to hang up (asyncpg after Terminate) would wait forever
             for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
                 try:
                     s.close()
                 except OSError:
