@@ -90,3 +90,41 @@ def test_import_platform_is_stdlib():
     proc = subprocess.run([sys.executable, "-c", "import platform; print(platform.python_implementation())"],
                           cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip() in ("CPython", "PyPy")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--layers", "0"], "--layers"),  # wrote a model without layers, exit 0
+    (["--adapters", "-1"], "--adapters"),  # wrote no adapters, exit 0
+    (["--hidden-size", "65"], "--hidden-size"),  # these three were tracebacks
+    (["--heads", "4", "--kv-heads", "3"], "--kv-heads"),
+    (["--vocab-size", "10"], "--vocab-size"),
+])
+def test_cli_bad_shape_flags_are_one_error_line(flags, needle, tmp_path, capsys):
+    from loraplex.cli import main
+
+    rc = main(["demo-model", str(tmp_path / "m"), "--adapters", "1", *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("loraplex demo-model: error: ") and needle in lines[0], err
+    assert not (tmp_path / "m").exists()  # refused before anything is written
+
+
+def test_cli_never_writes_over_a_directory_that_is_not_a_demo_model(tmp_path, capsys):
+    from loraplex.cli import main
+
+    real = tmp_path / "my-model"  # someone's model: demo-model used to overwrite its weights and config
+    real.mkdir()
+    (real / "config.json").write_text('{"model_type": "llama"}')
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for target in (real, a_file):
+        rc = main(["demo-model", str(target), "--adapters", "0", "--layers", "1"])
+        err = capsys.readouterr().err
+        assert rc == 2 and "Traceback" not in err and str(target) in err, err
+    assert (real / "config.json").read_text() == '{"model_type": "llama"}' and sorted(real.iterdir()) == [
+        real / "config.json"]
+    # an empty directory, or an earlier demo model, may be written
+    (tmp_path / "empty").mkdir()
+    assert main(["demo-model", str(tmp_path / "empty"), "--adapters", "0", "--layers", "1"]) == 0
+    assert main(["demo-model", str(tmp_path / "empty"), "--adapters", "0", "--layers", "1", "--seed", "3"]) == 0
