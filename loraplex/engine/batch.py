@@ -29,6 +29,7 @@ or an OUTPUT that cannot be used.
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import dataclasses
 import json
@@ -230,6 +231,8 @@ def _scan(src) -> Iterator[tuple[int, bytes]]:
     for line_no, raw in enumerate(src, start=1):
         if isinstance(raw, str):  # a text stdin without a binary buffer
             raw = raw.encode("utf-8", "surrogateescape")
+        if line_no == 1 and raw.startswith(codecs.BOM_UTF8):  # "UTF-8 with BOM" files (Windows tools)
+            raw = raw[len(codecs.BOM_UTF8):]
         if raw.strip():
             yield line_no, raw
 

@@ -381,3 +381,13 @@ def test_bad_command_options_are_one_error_line_and_exit_2(flags, needles, tiny_
     for needle in needles:
         assert needle in lines[0], err
     assert not dst.exists() or dst.stat().st_size == 0
+
+
+def test_a_byte_order_mark_at_the_start_of_the_input_is_not_part_of_the_first_line(tiny_model, tmp_path):
+    """Files saved as "UTF-8 with BOM" (Windows editors, PowerShell 5) failed their first line as "not JSON"."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_bytes(b'\xef\xbb\xbf{"id": "first", "prompt_token_ids": [1, 40]}\r\n{"id": "second", "prompt": "\xef\xbb\xbf"}\r\n')
+    assert _run(tiny_model, src, dst, "--max-tokens", "2") == 0
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert [o["id"] for o in out] == ["first", "second"]
+    assert out[0]["outputs"][0]["token_ids"] == _greedy(tiny_model, [([1, 40], 2)])[0]
