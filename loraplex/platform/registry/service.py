@@ -247,6 +247,7 @@ class Registry:
 
     # ---- edits and deletes ----------------------------------------------------------------------
     async def update(self, principal: Principal, name: str, meta: Metadata) -> queries.Listed:
+        await events.before_revoking_change(self.kv)
         async with self.sessions() as session:
             adapter = await queries.find_own(session, principal.tenant_id, name)
             if adapter is None:
@@ -263,6 +264,7 @@ class Registry:
         """Soft delete the adapter (every version) or one version; returns the evicted ``lora_int_id``s.
 
         Rows and stored content stay, so requests already running finish; new lookups miss at once."""
+        await events.before_revoking_change(self.kv)
         now = utcnow()
         async with self.sessions() as session:
             adapter = await queries.find_own(session, principal.tenant_id, name)
