@@ -180,9 +180,34 @@ def _handle_db(request: Request, exc: Exception) -> Response[Any]:
         return error_response(400, "A parameter contains characters or a value the server cannot store.",
                               "invalid_request_error", code="invalid_value")
     if isinstance(exc, (OperationalError, InterfaceError)) or state.startswith("08"):
-        log.warning("database unavailable on %s %s: %s", request.method, request.url.path, exc)
-        return error_response(503, "The database is unavailable; retry shortly.", "server_error",
-                              code="database_unavailable", headers={"Retry-After": "2"})
+        return _database_unavailable(request, exc)
+    return _handle_internal(request, exc)
+
+
+def _database_unavailable(request: Request, exc: Exception) -> Response[Any]:
+    log.warning("database unavailable on %s %s: %r", request.method, request.url.path, exc)
+    return error_response(503, "The database is unavailable; retry shortly.", "server_error",
+                          code="database_unavailable", headers={"Retry-After": "2"})
+
+
+_DATABASE_DRIVERS = frozenset({"sqlalchemy", "asyncpg", "aiosqlite"})
+
+
+def _raised_in_database_driver(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None:
+        if str(tb.tb_frame.f_globals.get("__name__", "")).split(".")[0] in _DATABASE_DRIVERS:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _handle_os_error(request: Request, exc: Exception) -> Response[Any]:
+    """When the pool opens a connection, asyncpg raises the socket's own error (refused, reset, timed out)
+    and SQLAlchemy passes it on untranslated: the database is unreachable, a 503 like any other outage of it.
+    Any other OSError is a server fault."""
+    if _raised_in_database_driver(exc):
+        return _database_unavailable(request, exc)
     return _handle_internal(request, exc)
 
 
@@ -199,7 +224,8 @@ def exception_handlers() -> dict:
     from sqlalchemy.exc import DBAPIError
 
     return {ApiError: _handle_api_error, HTTPException: _handle_http, DBAPIError: _handle_db,
-            RedisConnectionError: _handle_redis, RedisTimeoutError: _handle_redis, Exception: _handle_internal}
+            RedisConnectionError: _handle_redis, RedisTimeoutError: _handle_redis, OSError: _handle_os_error,
+            Exception: _handle_internal}
 
 
 # declare in OpenAPI: every route can fail with these

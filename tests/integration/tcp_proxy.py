@@ -76,5 +76,10 @@ class TcpProxy:
         self.down = False
 
     def close(self) -> None:
+        """Stop listening: new connections are refused (not accepted and dropped, as after ``cut``)."""
         self.cut()
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)  # wakes the accept() (a bare close would not)
+        except OSError:
+            pass
         self.listener.close()
