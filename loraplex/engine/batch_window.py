@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
-from loraplex.engine.outputs import RequestOutput, apply_delta
+from loraplex.engine.outputs import CompletionOutput, Logprob, RequestOutput, apply_delta
 
 log = logging.getLogger(__name__)
 _OUTPUT_FIELDS = ("index", "text", "token_ids", "finish_reason", "stop_reason", "error")
@@ -117,7 +117,9 @@ class RollingWindow:
     def _finish(self, line: Line, out: RequestOutput) -> None:
         record = {"id": line.id, "num_prompt_tokens": len(out.prompt_token_ids),
                   "num_cached_tokens": out.num_cached_tokens,
-                  "outputs": [{k: v for k, v in asdict(c).items() if k in _OUTPUT_FIELDS} for c in out.outputs]}
+                  "outputs": [_output_record(c, line.params.logprobs is not None) for c in out.outputs]}
+        if line.params.prompt_logprobs is not None:
+            record["prompt_logprobs"] = [_logprob_entry(e) for e in out.prompt_logprobs or []]
         failed = any(c.finish_reason == "error" for c in out.outputs)
         num_output = sum(len(c.token_ids) for c in out.outputs)
         self._done[line.seq] = (line, _dumps(record), failed, len(out.prompt_token_ids), num_output)
@@ -142,6 +144,23 @@ class RollingWindow:
         self._in_flight.clear()
         self._done.clear()
         self.stats.num_in_flight = 0
+
+
+def _output_record(comp: CompletionOutput, with_logprobs: bool) -> dict:
+    record = {k: getattr(comp, k) for k in _OUTPUT_FIELDS}
+    if with_logprobs:  # only when the line asked for them: they are most of a line's size
+        record["logprobs"] = [_logprob_entry(e) for e in comp.logprobs or []]
+        record["cumulative_logprob"] = comp.cumulative_logprob
+    return record
+
+
+def _logprob_entry(entry: dict[int, Logprob] | None) -> dict[str, dict] | None:
+    """One position's logprobs as vLLM's API writes them: token id (a JSON key, so a string) -> its logprob,
+    rank and text."""
+    if entry is None:
+        return None
+    return {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in entry.items()}
 
 
 def _dumps(record: dict) -> bytes:

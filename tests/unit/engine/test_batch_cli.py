@@ -391,3 +391,27 @@ def test_a_byte_order_mark_at_the_start_of_the_input_is_not_part_of_the_first_li
     out = [json.loads(x) for x in dst.read_text().splitlines()]
     assert [o["id"] for o in out] == ["first", "second"]
     assert out[0]["outputs"][0]["token_ids"] == _greedy(tiny_model, [([1, 40], 2)])[0]
+
+
+def test_logprobs_and_prompt_logprobs_asked_for_in_params_are_written(tiny_model, tmp_path):
+    """params.logprobs / prompt_logprobs were accepted and run, and then left out of the output line."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompt = [1, 40, 41, 42]
+    _write_jsonl(src, [{"id": "lp", "prompt_token_ids": prompt, "params": {"logprobs": 2, "prompt_logprobs": 1}},
+                       {"id": "plain", "prompt_token_ids": prompt}])
+    assert _run(tiny_model, src, dst, "--max-tokens", "3") == 0
+    lp, plain = [json.loads(x) for x in dst.read_text().splitlines()]
+    want = LLM(tiny_model["model_dir"], dtype="float32").generate(
+        {"prompt_token_ids": prompt}, SamplingParams(max_tokens=3, temperature=0, logprobs=2, prompt_logprobs=1))[0]
+    comp = want.outputs[0]
+    got = lp["outputs"][0]
+    assert got["token_ids"] == comp.token_ids and len(got["logprobs"]) == len(comp.token_ids)
+    for entry, want_entry in zip(got["logprobs"], comp.logprobs):
+        assert {int(t) for t in entry} == set(want_entry)
+        for t, v in entry.items():
+            w = want_entry[int(t)]
+            assert v == {"logprob": pytest.approx(w.logprob), "rank": w.rank, "decoded_token": w.decoded_token}
+    assert got["cumulative_logprob"] == pytest.approx(comp.cumulative_logprob)
+    assert lp["prompt_logprobs"][0] is None and len(lp["prompt_logprobs"]) == len(prompt)
+    assert {int(t) for t in lp["prompt_logprobs"][1]} == set(want.prompt_logprobs[1])
+    assert "logprobs" not in plain["outputs"][0] and "prompt_logprobs" not in plain  # only when asked for
