@@ -8,8 +8,9 @@ ones included.
 
 Output: one line per non-blank input line, in input order: ``{"id", "outputs": [{"index", "text", "token_ids",
 "finish_reason", "stop_reason", "error"}], "num_prompt_tokens", "num_cached_tokens"}`` (plus ``logprobs`` and
-``prompt_logprobs`` where the line's params ask for them), or ``{"id", "error"}`` for a line that could not run. Each line is written whole and flushed at once, so an interrupted run leaves
-only complete lines, except perhaps a cut-short last one after a hard kill.
+``prompt_logprobs`` where the line's params ask for them), or ``{"id", "error"}`` for a line that could not run.
+Each line is written whole and flushed at once, so an interrupted run leaves only complete lines, except perhaps
+a cut-short last one after a hard kill.
 
 Lines run through a rolling window (batch_window.py): up to ``--max-in-flight`` requests in the engine at once
 (default 2 x max_num_seqs, so the scheduler always has the next request waiting), the next line added as soon
