@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import numbers
@@ -54,6 +55,7 @@ class LLM:
         _check_types("sampling_params", params, SamplingParams, "SamplingParams")
         _check_types("lora_request", loras, (LoRARequest, type(None)), "LoRARequest or None")
         _check_types("priority", priorities, numbers.Integral, "an integer")
+        params = _snapshots(params)
         outputs: dict[str, RequestOutput] = {}  # in the order of prompts
         try:
             for prompt, p, lora, prio in zip(prompts, params, loras, priorities):
@@ -103,6 +105,17 @@ class LLM:
             return prompt.get("prompt"), [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
                                           for t in prompt["prompt_token_ids"]]
         raise ValueError("each prompt must be a string or a dict with 'prompt_token_ids'")
+
+
+def _snapshots(params: list[SamplingParams]) -> list[SamplingParams]:
+    """A copy of each distinct params object, made (and validated) now. Callers reuse one SamplingParams and set
+    fields between calls, as with vLLM's; the engine caches what it derives from a params object on it (sampler
+    flags, bias arrays), which would otherwise keep the values of its first use."""
+    copies: dict[int, SamplingParams] = {}
+    for p in params:
+        if id(p) not in copies:
+            copies[id(p)] = dataclasses.replace(p)
+    return [copies[id(p)] for p in params]
 
 
 def _check_types(name: str, values: list, types, expected: str) -> None:

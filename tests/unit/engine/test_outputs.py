@@ -162,3 +162,22 @@ def test_arguments_of_the_wrong_type_are_refused_and_leave_the_llm_usable(llm, k
     assert not llm.engine.has_unfinished_requests()
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0))]
     assert got == want
+
+
+def test_a_sampling_params_changed_between_calls_samples_with_its_new_values(llm):
+    """vLLM code often reuses one SamplingParams and sets a field between calls; the sampler's flags were cached
+    on the object at its first use, so temperature 0 -> 1 kept decoding greedily, and a value set afterwards was
+    never validated."""
+    prompts = ["Hello", "A", "The"]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    greedy = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    params.temperature, params.seed = 1.0, 5
+    sampled = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    fresh = SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
+    assert sampled == [o.outputs[0].token_ids for o in llm.generate(prompts, fresh)] != greedy
+    params.logit_bias = {5: 100.0}  # the sampler's arrays follow too
+    assert all(o.outputs[0].token_ids == [5] * 6 for o in llm.generate(prompts, params))
+    params.temperature = -1.0
+    with pytest.raises(SamplingParamsError, match="^temperature: "):
+        llm.generate(prompts, params)
+    assert not llm.engine.has_unfinished_requests()
