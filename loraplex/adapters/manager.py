@@ -216,7 +216,10 @@ class LoRAManager:
                          result.adapter.rank, ",".join(result.adapter.spec.target_modules))
             else:
                 self.num_load_failures += 1
-                log.warning("adapter %s failed to load: %s", result.path, result.error)
+                # a refused adapter (AdapterError, OSError) is the user's; anything else is ours: keep its traceback
+                unexpected = not isinstance(result.error, (AdapterError, OSError))
+                log.warning("adapter %s failed to load: %s", result.path, result.error,
+                            exc_info=result.error if unexpected else None)
             served = 0
             for adapter_id in ids:
                 pending = self._loading.get(adapter_id)

@@ -9,6 +9,7 @@ buffer to the device in one transfer and scatters it into the slot with a few de
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,8 @@ import torch
 from loraplex.adapters.loader import HostAdapter, fill_layout, proj_shapes
 from loraplex.adapters.modules import MODULE_INDEX, PROJ_MODULES, BaseShapes
 from loraplex.adapters.validate import read_adapter
+
+log = logging.getLogger(__name__)
 
 _ALIGN = 64  # bytes: every segment starts aligned for any dtype and for vectorized device copies
 
@@ -57,6 +60,18 @@ def _layout(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[dic
     return layout, offset
 
 
+def host_buffer(size: int, pin_memory: bool) -> torch.Tensor:
+    """An adapter's host buffer: page-locked when asked (its upload to a slot is then an async copy); when the
+    driver refuses the page-locked allocation, a pageable one (the upload is slower, the adapter still serves)."""
+    if pin_memory:
+        try:
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as exc:  # torch.AcceleratorError: a CUDA error from cudaHostAlloc
+            log.warning("page-locked host buffer of %d bytes refused (%s): using pageable memory", size, exc,
+                        exc_info=exc)
+    return torch.empty(size, dtype=torch.uint8)
+
+
 def load_packed_adapter(adapter_id: int, path, shapes: BaseShapes, max_rank: int, *, dtype: torch.dtype,
                         pin_memory: bool, **limits) -> PackedAdapter:
     """``pack_adapter(load_adapter(...))`` in one pass: the validated tensors are copied (and cast) straight into
@@ -71,7 +86,7 @@ def load_packed_adapter(adapter_id: int, path, shapes: BaseShapes, max_rank: int
     wanted["ranks"] = ((shapes.num_layers, len(MODULE_INDEX)), torch.int32)
     wanted["scaling"] = ((1,), torch.float32)
     layout, size = _layout(wanted)
-    buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
+    buffer = host_buffer(size, pin_memory)
     views = {name: seg.view(buffer) for name, seg in layout.items()}
     a = {proj: views[f"a.{proj}"] for proj in projs}
     bt = {proj: views[f"bt.{proj}"] for proj in projs}
@@ -96,7 +111,7 @@ def pack_adapter(adapter: HostAdapter, pin_memory: bool) -> PackedAdapter:
     tensors["ranks"] = adapter.ranks
     tensors["scaling"] = torch.tensor([adapter.spec.scaling], dtype=torch.float32)
     layout, size = _layout({name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
-    buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory)
+    buffer = host_buffer(size, pin_memory)
     for name, t in tensors.items():
         layout[name].view(buffer).copy_(t)
     views = {name: seg.view(buffer) for name, seg in layout.items()}

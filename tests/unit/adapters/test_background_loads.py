@@ -276,3 +276,40 @@ def test_an_id_queued_behind_busy_loaders_is_still_taken_by_its_path(tiny_model,
     mgr.submit(LoRARequest("v2", 3, adapter_dir(tiny_model, 3)))
     assert _until_ready(mgr, [LoRARequest("v2", 3, adapter_dir(tiny_model, 3))]) == {}
     assert mgr.host_cache.get(3).rank == tiny_model["adapters"][3]["rank"]
+
+
+def test_a_refused_page_locked_buffer_falls_back_to_pageable_memory(caplog):
+    """This CPU-only torch cannot page-lock memory (the same RuntimeError path as a CUDA driver refusing
+    cudaHostAlloc): the adapter's buffer is pageable, of the asked size, and the refusal is logged."""
+    from loraplex.adapters.packed import host_buffer
+
+    with caplog.at_level("WARNING", logger="loraplex.adapters.packed"):
+        buffer = host_buffer(4096, pin_memory=True)
+    assert buffer.shape == (4096,) and buffer.dtype == torch.uint8 and not buffer.is_pinned()
+    assert any("page-locked host buffer of 4096 bytes refused" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    assert host_buffer(16, pin_memory=False).shape == (16,) and not caplog.records
+
+
+def test_an_unexpected_read_failure_is_logged_with_its_traceback(tiny_model, hf_config, tmp_path, caplog):
+    """A refused adapter is the user's error (one line); any other exception in a read is ours and keeps its
+    traceback in the log (an intermittent 'CUDA error' on the H200 was logged without the call that raised it)."""
+    mgr = _manager(hf_config)
+
+    def boom(path):
+        if path.endswith("adapter-1"):
+            raise RuntimeError("injected failure")
+
+    mgr.loader.fault_injection_before_read = boom
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_text("{not json")
+    reqs = [LoRARequest("b", 2, adapter_dir(tiny_model, 1)), LoRARequest("c", 3, str(bad))]
+    with caplog.at_level("WARNING", logger="loraplex.adapters.manager"):
+        for r in reqs:
+            mgr.submit(r)
+        failures = _until_ready(mgr, reqs)
+    assert set(failures) == {2, 3} and "injected failure" in failures[2]
+    logged = {r.getMessage().split(" failed to load")[0]: r for r in caplog.records if "failed to load" in r.getMessage()}
+    assert logged[f"adapter {adapter_dir(tiny_model, 1)}"].exc_info is not None
+    assert logged[f"adapter {bad}"].exc_info is None
