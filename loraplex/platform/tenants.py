@@ -96,6 +96,7 @@ async def set_tenant_status(session: AsyncSession, kv: KV, name_or_id: str, stat
     tenant = await get_tenant(session, name_or_id)
     if tenant.name == ADMIN_TENANT and status == TENANT_SUSPENDED:
         raise bad_request("The admin tenant cannot be suspended.", param="tenant")
+    await publish_invalidation(kv, tenant_id=tenant.id)  # before the change too: see revoke_key
     tenant.status = status
     await session.commit()
     await publish_invalidation(kv, tenant_id=tenant.id)
@@ -106,8 +107,10 @@ async def update_tenant_limits(
     session: AsyncSession, kv: KV, name_or_id: str, requests_per_minute: int | None, tokens_per_minute: int | None
 ) -> Tenant:
     tenant = await get_tenant(session, name_or_id)
-    tenant.requests_per_minute = _positive_or_none(requests_per_minute, "requests_per_minute")
-    tenant.tokens_per_minute = _positive_or_none(tokens_per_minute, "tokens_per_minute")
+    rpm = _positive_or_none(requests_per_minute, "requests_per_minute")
+    tpm = _positive_or_none(tokens_per_minute, "tokens_per_minute")
+    await publish_invalidation(kv, tenant_id=tenant.id)  # before the change too: see revoke_key
+    tenant.requests_per_minute, tenant.tokens_per_minute = rpm, tpm
     await session.commit()
     await publish_invalidation(kv, tenant_id=tenant.id)
     return tenant
@@ -164,6 +167,9 @@ async def get_key(session: AsyncSession, key_id: str, tenant_id: str | None = No
 async def revoke_key(session: AsyncSession, kv: KV, key_id: str, tenant_id: str | None = None) -> ApiKey:
     key = await get_key(session, key_id, tenant_id)
     if key.revoked_at is None:
+        # publish before the change as well as after: with Redis unreachable this fails (503) while nothing
+        # is changed yet, rather than after a commit whose invalidation then reached no replica
+        await publish_invalidation(kv, key_id=key.id)
         key.revoked_at = utcnow()
         await session.commit()
     await publish_invalidation(kv, key_id=key.id)
