@@ -97,8 +97,30 @@ class EngineConfig:
             raise ValueError(f"piecewise_graph_max_tokens must be >= 1, got {self.piecewise_graph_max_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (a prompt token and a generated one), got {self.max_model_len}")
+        self._check_device()
         if self.model_id is None and self.model:
             self.model_id = Path(self.model).resolve().name
+
+    def _check_device(self) -> None:
+        """``cpu``, ``cuda`` or ``cuda:N`` naming a GPU this process can use (a clear error, not an assertion from
+        deep inside torch, on a machine or a torch build without one)."""
+        import torch
+
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}") from exc
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                build = "a CPU-only build" if torch.version.cuda is None else "no GPU visible to this process"
+                raise ValueError(f"device {self.device!r}: CUDA is not available (torch {torch.__version__}, "
+                                 f"{build}); use device='cpu'")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(f"device {self.device!r}: this process sees {torch.cuda.device_count()} GPU(s)")
 
     def resolve(self, max_position_embeddings: int) -> None:
         """Fill the limits that depend on the model."""

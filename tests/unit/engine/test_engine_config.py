@@ -1,0 +1,39 @@
+"""EngineConfig refuses what no engine can run, with the field named: a device this process cannot use (it was a
+bare AssertionError from inside torch when the engine built its model) and a max_model_len that leaves no room
+for a prompt token and a generated one (it started, then refused every request)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.llm import LLM
+
+
+@pytest.mark.parametrize("device", ["tpu", "bogus", "cuda:x"])
+def test_an_unknown_device_is_refused(device):
+    with pytest.raises(ValueError, match=r"device must be 'cpu', 'cuda' or 'cuda:N'"):
+        EngineConfig(model="m", device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a usable GPU")
+def test_cuda_without_a_gpu_is_a_clear_error(tiny_model):
+    with pytest.raises(ValueError, match=r"device 'cuda': CUDA is not available .*use device='cpu'"):
+        LLM(tiny_model["model_dir"], device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_index_past_the_visible_ones_is_refused():
+    with pytest.raises(ValueError, match="GPU"):
+        EngineConfig(model="m", device=f"cuda:{torch.cuda.device_count()}")
+
+
+@pytest.mark.parametrize("value", [0, 1, -5])
+def test_max_model_len_below_two_is_refused(value):
+    with pytest.raises(ValueError, match=f"max_model_len must be >= 2 .*got {value}"):
+        EngineConfig(model="m", max_model_len=value)
+
+
+def test_cpu_and_a_small_max_model_len_are_accepted():
+    assert EngineConfig(model="m", device="cpu", max_model_len=2).max_model_len == 2
