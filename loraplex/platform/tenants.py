@@ -39,7 +39,14 @@ def validate_tenant_name(name: str) -> str:
 
 
 def validate_scopes(scopes: list[str] | None) -> list[str]:
-    scopes = list(dict.fromkeys(scopes or [SCOPE_INFERENCE]))
+    """None (not given) is the default scope; an explicit empty list is an error (a key with no scope can
+    call nothing)."""
+    if scopes is None:
+        return [SCOPE_INFERENCE]
+    if not scopes:
+        raise bad_request(f"scopes must name at least one scope (allowed: {list(ALL_SCOPES)}); leave the field out "
+                          f"for the default [{SCOPE_INFERENCE!r}]", param="scopes")
+    scopes = list(dict.fromkeys(scopes))
     bad = [s for s in scopes if s not in ALL_SCOPES]
     if bad:
         raise bad_request(f"Unknown scope(s) {bad}; allowed: {list(ALL_SCOPES)}", param="scopes")

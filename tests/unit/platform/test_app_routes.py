@@ -133,3 +133,13 @@ def test_content_types_parse_with_each_parameter_once(client, path, media):
         assert "charset" in names
     if path == "/metrics":
         assert "version" in names
+
+
+def test_an_empty_scope_list_is_refused_and_an_omitted_one_is_the_default(client):
+    assert client.post("/admin/tenants", json={"name": "acme"}).status_code == 201
+    r = client.post("/admin/keys", json={"tenant": "acme", "scopes": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "scopes", r.text
+    assert "at least one" in r.json()["error"]["message"]
+    assert client.get("/admin/keys", params={"tenant": "acme"}).json()["data"] == []  # nothing created
+    r = client.post("/admin/keys", json={"tenant": "acme"})
+    assert r.status_code == 201 and r.json()["scopes"] == ["inference"]
