@@ -9,7 +9,7 @@ from litestar import Request, Router, delete, get, post, put
 from litestar.params import Parameter
 
 from loraplex.platform import tenants as svc
-from loraplex.platform.auth import require_scope
+from loraplex.platform.auth import principal_of, require_scope
 from loraplex.platform.db import as_utc, utcnow
 from loraplex.platform.errors import bad_request, error_responses
 from loraplex.platform.models import SCOPE_ADMIN, TENANT_ACTIVE, TENANT_SUSPENDED, ApiKey, Tenant
@@ -172,10 +172,12 @@ async def list_keys(
 
 @delete("/keys/{key_id:str}", status_code=200, responses=_ERR, summary="Revoke an API key")
 async def revoke_key(request: Request, key_id: str = Parameter(max_length=32)) -> KeyOut:
-    """Revocation reaches every replica within a second (pub/sub invalidation of the auth cache)."""
+    """Revocation reaches every replica within a second (pub/sub invalidation of the auth cache). The key making
+    the request cannot revoke itself (409 ``own_key``): use another admin key or the CLI."""
     services = request.app.state.services
+    caller = await principal_of(request)
     async with services.sessions() as s:
-        key = await svc.revoke_key(s, services.kv, key_id)
+        key = await svc.revoke_key(s, services.kv, key_id, caller_key_id=caller.key_id)
         tenant = await svc.get_tenant(s, key.tenant_id)
         return key_out(key, tenant)
 

@@ -171,7 +171,14 @@ async def get_key(session: AsyncSession, key_id: str, tenant_id: str | None = No
     return key
 
 
-async def revoke_key(session: AsyncSession, kv: KV, key_id: str, tenant_id: str | None = None) -> ApiKey:
+async def revoke_key(session: AsyncSession, kv: KV, key_id: str, tenant_id: str | None = None, *,
+                     caller_key_id: str | None = None) -> ApiKey:
+    """``caller_key_id``: the key making an HTTP request, which may not revoke itself (an operator revoking
+    the admin key in use would lock themselves out; the CLI, which needs no key, passes None)."""
+    if caller_key_id is not None and key_id == caller_key_id:
+        raise ApiError(409, f"Key {key_id} is the key making this request and cannot revoke itself: revoke it "
+                       f"with another admin key, or with 'loraplex admin key revoke {key_id}' on the server.",
+                       param="key_id", code="own_key")
     key = await get_key(session, key_id, tenant_id)
     if key.revoked_at is None:
         # publish before the change as well as after: with Redis unreachable this fails (503) while nothing

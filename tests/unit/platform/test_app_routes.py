@@ -8,6 +8,7 @@ import pytest
 from litestar.testing import TestClient
 
 from loraplex.platform.app import create_app
+from loraplex.platform.auth import parse_key
 from loraplex.settings import Settings
 
 
@@ -143,3 +144,18 @@ def test_an_empty_scope_list_is_refused_and_an_omitted_one_is_the_default(client
     assert client.get("/admin/keys", params={"tenant": "acme"}).json()["data"] == []  # nothing created
     r = client.post("/admin/keys", json={"tenant": "acme"})
     assert r.status_code == 201 and r.json()["scopes"] == ["inference"]
+
+
+def test_the_admin_key_cannot_revoke_itself_over_http(client):
+    own_id = parse_key(client.headers["Authorization"].removeprefix("Bearer "))
+    r = client.delete(f"/admin/keys/{own_id}")
+    assert r.status_code == 409, r.text
+    err = r.json()["error"]
+    assert err["param"] == "key_id" and own_id in err["message"] and err["code"] == "own_key"
+    assert "another admin key" in err["message"] and "loraplex admin key revoke" in err["message"]
+    assert client.get("/admin/tenants").status_code == 200  # still works: nothing was revoked
+    # another admin key may revoke it (the operator is not locked out: the new key remains)
+    other = client.post("/admin/keys", json={"tenant": "admin", "scopes": ["admin"]}).json()
+    r = client.delete(f"/admin/keys/{own_id}", headers={"Authorization": f"Bearer {other['key']}"})
+    assert r.status_code == 200 and r.json()["revoked_at"]
+    assert client.get("/admin/tenants").status_code == 401
