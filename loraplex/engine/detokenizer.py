@@ -76,6 +76,10 @@ class IncrementalDetokenizer:
         self.output_text = self.output_text[:pos + len(s)] if include_stop_str_in_output else self.output_text[:pos]
         return s
 
+    def drop_last_text(self) -> None:
+        """Forget the text the last ``append`` added (the caller has not sent any of it)."""
+        self.output_text = self.output_text[:self._new_text_start]
+
     def streamable_text_len(self, finished: bool) -> int:
         """How much of ``output_text`` may be sent now."""
         if finished:

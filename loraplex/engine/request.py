@@ -157,9 +157,11 @@ class Request:
         if num_out >= params.min_tokens:
             last = self.token_ids[-1]
             if not params.ignore_eos and last in self.eos_token_ids:
+                self._drop_stop_token_text()
                 return RequestStatus.FINISHED_STOPPED
             if params.stop_token_ids and last in params.stop_token_ids:
                 self.stop_reason = last
+                self._drop_stop_token_text()
                 return RequestStatus.FINISHED_STOPPED
             if params.stop and self.detokenizer is not None:
                 matched = self.detokenizer.check_stop_strings(params.stop, params.include_stop_str_in_output)
@@ -171,3 +173,10 @@ class Request:
         if num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _drop_stop_token_text(self) -> None:
+        """The token that stopped the sequence (EOS or a stop token id) stays in ``token_ids`` but adds no text,
+        unless ``include_stop_str_in_output`` (vLLM's rule). It is the newest token and no delta has sent its text
+        yet (deltas are made after the stop checks)."""
+        if self.detokenizer is not None and not self.sampling_params.include_stop_str_in_output:
+            self.detokenizer.drop_last_text()

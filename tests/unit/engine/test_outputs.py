@@ -181,3 +181,54 @@ def test_a_sampling_params_changed_between_calls_samples_with_its_new_values(llm
     with pytest.raises(SamplingParamsError, match="^temperature: "):
         llm.generate(prompts, params)
     assert not llm.engine.has_unfinished_requests()
+
+
+def _greedy(llm, max_tokens: int, **kw):
+    return llm.generate("Hello", SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **kw))[0].outputs[0]
+
+
+def _visible_new_token(llm, token_ids: list[int]) -> int:
+    """The index of the first token that appears there for the first time and adds text of its own."""
+    text_of = [_greedy(llm, k).text for k in range(1, len(token_ids) + 1)]
+    return next(k for k in range(1, len(token_ids)) if token_ids[k] not in token_ids[:k] and text_of[k] != text_of[k - 1])
+
+
+def test_the_stop_token_that_ends_a_sequence_adds_no_text(llm):
+    """vLLM keeps the stop token's id in token_ids but not its text (unless include_stop_str_in_output): its
+    text was left at the end of the output."""
+    t = _greedy(llm, 20).token_ids
+    k = _visible_new_token(llm, t)
+    before, with_stop = _greedy(llm, k).text, _greedy(llm, k + 1).text
+    out = _greedy(llm, 20, stop_token_ids=[t[k]])
+    assert out.token_ids == t[:k + 1] and out.finish_reason == "stop" and out.stop_reason == t[k]
+    assert out.text == before != with_stop
+    assert _greedy(llm, 20, stop_token_ids=[t[k]], include_stop_str_in_output=True).text == with_stop
+
+
+def test_eos_that_ends_a_sequence_adds_no_text_even_with_special_tokens_shown(llm):
+    tok = llm.get_tokenizer()
+    eos = tok.eos_token_id
+    assert eos in llm.engine.eos_token_ids
+    forced = SamplingParams(max_tokens=5, temperature=0, logit_bias={eos: 100.0}, skip_special_tokens=False)
+    out = llm.generate("Hello", forced)[0].outputs[0]
+    assert out.token_ids == [eos] and out.finish_reason == "stop" and out.text == ""
+    forced.include_stop_str_in_output = True
+    assert llm.generate("Hello", forced)[0].outputs[0].text == tok.eos_token
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_no_delta_carries_the_stop_tokens_text(tiny_model, async_scheduling):
+    """The HTTP server streams the engine's deltas as they come: the stop token's text must never be sent, and
+    the deltas add up to the final text."""
+    llm = LLM(tiny_model["model_dir"], dtype="float32", async_scheduling=async_scheduling)
+    t = _greedy(llm, 20).token_ids
+    k = _visible_new_token(llm, t)
+    want = _greedy(llm, k).text
+    engine = llm.engine
+    engine.add_request("s", llm.get_tokenizer().encode("Hello"),
+                       SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop_token_ids=[t[k]]))
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += [d for d in engine.step() if d.request_id == "s"]
+    assert [i for d in deltas for i in d.token_ids] == t[:k + 1] and deltas[-1].finish_reason == "stop"
+    assert "".join(d.text for d in deltas) == want
