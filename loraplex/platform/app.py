@@ -27,6 +27,7 @@ from loraplex.platform.auth import Authenticator
 from loraplex.platform.db import is_sqlite, make_engine, make_session_factory
 from loraplex.platform.errors import exception_handlers
 from loraplex.platform.hooks import BaseModelResolver, LoggingUsageSink
+from loraplex.platform.json_body import JsonBodyRequest
 from loraplex.platform.kv import make_kv
 from loraplex.platform.limits import Admission, RateLimiter
 from loraplex.platform.metrics import Metrics
@@ -157,6 +158,7 @@ def create_app(
         route_handlers=handlers,
         lifespan=[lifespan],
         exception_handlers=exception_handlers(),
+        request_class=JsonBodyRequest,  # a number out of range in a JSON body names its field
         openapi_config=OpenAPIConfig(
             title="Loraplex", version=__version__, path="/schema",
             description="Multi-tenant LoRA serving: OpenAI-compatible API, adapters, admin.",

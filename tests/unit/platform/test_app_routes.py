@@ -159,3 +159,21 @@ def test_the_admin_key_cannot_revoke_itself_over_http(client):
     r = client.delete(f"/admin/keys/{own_id}", headers={"Authorization": f"Bearer {other['key']}"})
     assert r.status_code == 200 and r.json()["revoked_at"]
     assert client.get("/admin/tenants").status_code == 401
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", b'{"model": "m", "prompt": "a", "temperature": 1e309}', "temperature"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "a"}], "top_p": -1e400}',
+     "top_p"),
+    ("/v1/completions", b'{"model": "m", "prompt": "a", "logit_bias": {"5": 1, "7": 2E+999}}', "logit_bias.7"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "a"}, '
+                             b'{"role": "user", "content": [{"type": "text", "x": 1e999}]}]}',
+     "messages[1].content[0].x"),
+    ("/admin/tenants", b'{"name": "acme", "requests_per_minute": 1e999}', "requests_per_minute"),
+])
+def test_a_json_number_out_of_range_names_its_field(client, path, body, param):
+    r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert err["param"] == param and "out of range" in err["message"] and param in err["message"], err
