@@ -31,6 +31,28 @@ def _adapter_names(requests) -> list[str]:
     return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
 
 
+def check_type(name: str, value, types, expected: str, where: str = "") -> None:
+    """TypeError naming the argument unless ``value`` is one of ``types``; never a bool (not taken for a number)."""
+    if not isinstance(value, types) or isinstance(value, bool):
+        raise TypeError(f"{name}: must be {expected}, got {type(value).__name__} {value!r}{where}")
+
+
+def _check_argument_types(request_id, prompt_token_ids, sampling_params, lora_request, cache_salt, priority,
+                          arrival_time, prompt) -> None:
+    """``add_request``'s arguments, checked before anything changes: a wrong type found later (e.g. a path
+    string as lora_request, read by the adapter manager) left the request half added."""
+    check_type("request_id", request_id, str, "a string")
+    if isinstance(prompt_token_ids, (str, bytes, dict)) or not hasattr(prompt_token_ids, "__len__"):
+        raise TypeError(f"prompt_token_ids: must be a list of token ids, got {type(prompt_token_ids).__name__} "
+                        f"{prompt_token_ids!r:.100}")
+    check_type("sampling_params", sampling_params, SamplingParams, "SamplingParams")
+    check_type("lora_request", lora_request, (LoRARequest, type(None)), "a LoRARequest or None")
+    check_type("cache_salt", cache_salt, (str, type(None)), "a string or None")
+    check_type("priority", priority, numbers.Integral, "an integer")
+    check_type("arrival_time", arrival_time, (numbers.Real, type(None)), "a number (time.monotonic()) or None")
+    check_type("prompt", prompt, (str, type(None)), "a string or None")
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
@@ -113,6 +135,8 @@ class LLMEngine:
         """Queue a request. Bad input raises ValueError; an adapter that fails to load fails only this
         request (its deltas say finish_reason "error"). Returns at once: the adapter is read in the
         background and the scheduler admits the request once it is in host memory."""
+        _check_argument_types(request_id, prompt_token_ids, sampling_params, lora_request, cache_salt, priority,
+                              arrival_time, prompt)
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt must contain at least one token")
         vocab = self.runner.model_config.vocab_size

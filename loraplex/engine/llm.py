@@ -9,7 +9,7 @@ import numbers
 from collections.abc import Sequence
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.engine_core import LLMEngine
+from loraplex.engine.engine_core import LLMEngine, check_type
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import CompletionOutput, RequestOutput, apply_delta
 from loraplex.engine.sampling_params import SamplingParams
@@ -120,9 +120,7 @@ def _snapshots(params: list[SamplingParams]) -> list[SamplingParams]:
 
 def _check_types(name: str, values: list, types, expected: str) -> None:
     for i, value in enumerate(values):
-        if not isinstance(value, types) or isinstance(value, bool):
-            raise TypeError(f"{name}: must be {expected}, got {type(value).__name__} {value!r}"
-                            + (f" (prompt {i})" if len(values) > 1 else ""))
+        check_type(name, value, types, expected, f" (prompt {i})" if len(values) > 1 else "")
 
 
 def _per_prompt(value, num: int, name: str) -> list:

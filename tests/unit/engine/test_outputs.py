@@ -232,3 +232,37 @@ def test_no_delta_carries_the_stop_tokens_text(tiny_model, async_scheduling):
         deltas += [d for d in engine.step() if d.request_id == "s"]
     assert [i for d in deltas for i in d.token_ids] == t[:k + 1] and deltas[-1].finish_reason == "stop"
     assert "".join(d.text for d in deltas) == want
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"lora_request": "path/to/adapter"}, "lora_request"),
+    ({"lora_request": {"lora_name": "a", "lora_int_id": 1, "lora_path": "p"}}, "lora_request"),
+    ({"sampling_params": {"max_tokens": 2}}, "sampling_params"),
+    ({"sampling_params": None}, "sampling_params"),
+    ({"prompt_token_ids": None}, "prompt_token_ids"),
+    ({"prompt_token_ids": "Hello"}, "prompt_token_ids"),
+    ({"request_id": 7}, "request_id"),
+    ({"priority": "high"}, "priority"),
+    ({"priority": 1.5}, "priority"),
+    ({"priority": True}, "priority"),
+    ({"cache_salt": b"salt"}, "cache_salt"),
+    ({"arrival_time": "now"}, "arrival_time"),
+    ({"prompt": ["Hello"]}, "prompt"),
+])
+def test_engine_add_request_refuses_arguments_of_the_wrong_type_and_stays_usable(llm, kwargs, needle):
+    """A string lora_request was half added: the request stayed in the scheduler (its error handler read
+    ``lora_request.lora_name`` and raised itself), and every later step failed."""
+    engine = llm.engine
+    ids = llm.get_tokenizer().encode("Hello")
+    params = SamplingParams(max_tokens=4, temperature=0)
+    want = llm.generate("Hello", params)[0].outputs[0].token_ids
+    with pytest.raises((TypeError, ValueError)) as err:
+        engine.add_request(**{"request_id": "typed", "prompt_token_ids": ids, "sampling_params": params, **kwargs})
+    assert needle in str(err.value), str(err.value)
+    assert not engine.has_unfinished_requests()
+    engine.add_request("typed", ids, params)  # the id was not taken
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    assert [t for d in deltas for t in d.token_ids] == want
+    assert llm.generate("Hello", params)[0].outputs[0].token_ids == want
