@@ -70,6 +70,9 @@ class LoRAManager:
         self.merged = None  # MergedLoRA (engine option merge_single_lora): single-adapter stretches on merged weights
         self.fuse_silu_mul = False  # gate|up's delta inside SiLU-and-multiply (engine option fuse_lora_silu_mul)
         self.overlap_shrink = False  # shrink on a forked stream alongside the base GEMM (engine option lora_overlap_shrink)
+        # steps of at least this many tokens run the LoRA work before the base GEMM (engine option
+        # lora_expand_first_min_tokens; 0: never)
+        self.expand_first_min_tokens = 0
         self.host_cache: HostLRUCache[HostAdapter] = HostLRUCache(max(max_cpu_loras or max_loras, max_loras))
         self._validated: ValidatedFiles[HostAdapter] = ValidatedFiles()
         self.loader = BackgroundLoader(self._load_files, num_load_workers or min(4, os.cpu_count() or 1))
@@ -330,7 +333,7 @@ class LoRAManager:
         return len(keep) <= self.max_loras
 
     def prepare_step(self, token_adapter_ids: torch.Tensor, adapter_ids=None,
-                     slot_of: dict[int, int] | None = None) -> LoRAStep:
+                     slot_of: dict[int, int] | None = None, has_base_tokens: bool = True) -> LoRAStep:
         """Give every adapter of the step a slot and build the step's mapping.
 
         ``adapter_ids`` (optional) lists the step's distinct adapter ids as known on the host; without it
@@ -341,11 +344,13 @@ class LoRAManager:
             if adapter_ids is None:
                 adapter_ids = torch.unique(token_adapter_ids).tolist()
             slot_of = self.assign_slots(adapter_ids)
-        return self.make_step(token_slots_from_ids(token_adapter_ids, slot_of), len(slot_of))
+        return self.make_step(token_slots_from_ids(token_adapter_ids, slot_of), len(slot_of), has_base_tokens)
 
-    def make_step(self, token_slots: torch.Tensor, num_active: int) -> LoRAStep:
-        """A step's mapping over this manager's pool and kernel options (slots already assigned)."""
-        return LoRAStep(self.pool, token_slots, num_active, self.use_triton, self.fuse_silu_mul, self.overlap_shrink)
+    def make_step(self, token_slots: torch.Tensor, num_active: int, has_base_tokens: bool = True) -> LoRAStep:
+        """A step's mapping over this manager's pool and kernel options (slots already assigned);
+        ``has_base_tokens`` (host-known; True when unknown) whether some token of the step has no adapter."""
+        return LoRAStep(self.pool, token_slots, num_active, self.use_triton, self.fuse_silu_mul, self.overlap_shrink,
+                        self.expand_first_min_tokens, has_base_tokens)
 
     def assign_slots(self, adapter_ids) -> dict[int, int]:
         """Give every adapter of a step (ids, 0 = base, ignored) a GPU slot; returns adapter id -> slot.

@@ -50,7 +50,8 @@ class LoRAStep:
     """One step's token->slot mapping and device metadata, shared by every layer and projection."""
 
     def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool,
-                 fuse_silu_mul: bool = False, overlap_shrink: bool = False) -> None:
+                 fuse_silu_mul: bool = False, overlap_shrink: bool = False, expand_first_min_tokens: int = 0,
+                 has_base_tokens: bool = True) -> None:
         self.pool = pool
         self.token_slots = token_slots  # [T] int32
         self.num_active = num_active  # distinct adapters in the step (host-known)
@@ -63,6 +64,11 @@ class LoRAStep:
         self._chunk_ranks = None
         # the shrink of ``linear`` on a forked stream, alongside the base GEMM (Triton on CUDA only)
         self.overlap_shrink = bool(overlap_shrink and use_triton and num_active and token_slots.is_cuda)
+        # steps of at least this many tokens (0: never) run the LoRA work before the base GEMM, which accumulates
+        # into the expand's output (``_expand_first_linear``); rows without an adapter then need zeros first
+        self.expand_first = bool(expand_first_min_tokens and use_triton and num_active
+                                 and token_slots.shape[0] >= expand_first_min_tokens)
+        self.has_base_tokens = has_base_tokens  # host-known: False lets the output start uninitialized
         if use_triton and num_active:
             from loraplex.kernels import lora_ops
             from loraplex.kernels.lora_expand import slice_col_align
@@ -138,9 +144,30 @@ class LoRAStep:
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` plus every token's adapter delta for ``proj``: the base GEMM, then ``add``;
         with ``overlap_shrink``, the shrink on a forked stream while the GEMM runs, then the expand."""
+        if self.expand_first and bias is None and proj in self._configs and not self._configs[proj].fused:
+            return self._expand_first_linear(layer_idx, proj, x, weight)
         if self.overlap_shrink and proj in self._configs and not self._configs[proj].fused:
             return self._overlapped_linear(layer_idx, proj, x, weight, bias)
         return self.add(layer_idx, proj, x, torch.nn.functional.linear(x, weight, bias))
+
+    def _expand_first_linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The LoRA work first, then the base GEMM accumulating into its result: the shrink, the expand *writing*
+        ``out`` (the delta; zeros in slices an adapter does not target), then ``out += x @ W^T`` (cuBLAS with
+        beta = 1, whose epilogue reads ``out``). The usual order (GEMM, then an expand that reads and rewrites
+        ``out``) moves the projection's output through memory twice more; in a large step the GEMM is
+        compute-bound and its epilogue's read is nearly free. Rows of tokens without an adapter start at zero."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        a, bt, ranks = self.pool.layer_view(proj, layer_idx)
+        cfg = self._configs[proj]
+        chunk_ranks = self._layer_chunk_ranks(layer_idx, proj)
+        alloc = torch.zeros if self.has_base_tokens else torch.empty
+        out = alloc(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        y, valid = self._ops.lora_shrink_apply(x, a, ranks, self._meta, cfg, self._scratch, chunk_ranks)
+        self._ops.lora_expand_apply(y, valid, out, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj],
+                                    self._widths[proj], self._meta, cfg, self._col_align[proj], chunk_ranks,
+                                    accumulate=False)
+        return out.addmm_(x, weight.t())
 
     def _overlapped_linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
                            bias: torch.Tensor | None) -> torch.Tensor:

@@ -128,6 +128,10 @@ def add_offline_args(p) -> None:
     p.add_argument("--lora-overlap-shrink", action=argparse.BooleanOptionalAction, default=None,
                    help="engine option lora_overlap_shrink: each LoRA shrink on a forked CUDA stream alongside the "
                         "base GEMM (default: the engine's default)")
+    p.add_argument("--lora-expand-first-min-tokens", type=int, default=None,
+                   help="engine option lora_expand_first_min_tokens: steps of at least this many tokens run the LoRA "
+                        "work before the base GEMM, which accumulates into its output (0: never; default: the "
+                        "engine's default)")
     p.add_argument("--attention-decode-split", action=argparse.BooleanOptionalAction, default=None,
                    help="engine option attention_decode_split: in steps mixing decodes and prompts, the decodes through "
                         "the split-KV decode kernel (default: the engine's default, on)")

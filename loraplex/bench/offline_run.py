@@ -113,6 +113,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
                        lora_grouping=args.lora_grouping,
                        freeze_gc=not args.smoke,  # this process exists for the run (a smoke run may be a test's)
                        lora_overlap_shrink=getattr(args, "lora_overlap_shrink", None),
+                       lora_expand_first_min_tokens=getattr(args, "lora_expand_first_min_tokens", None),
                        attention_decode_split=getattr(args, "attention_decode_split", None),
                        piecewise_cuda_graphs=getattr(args, "piecewise_cuda_graphs", None),
                        fuse_lora_silu_mul=args.fuse_lora_silu_mul)

@@ -60,6 +60,10 @@ class EngineConfig:
     # the LoRA shrink of each projection on a forked CUDA stream while the base GEMM runs (LoRAStep.linear), the
     # expand after both; CUDA only (elsewhere ignored)
     lora_overlap_shrink: bool = False
+    # steps of at least this many tokens (0: never) run each projection's LoRA shrink and a write-only expand before
+    # the base GEMM, which then accumulates into that output (cuBLAS beta = 1): one pass less over every projection's
+    # output (LoRAStep._expand_first_linear). CUDA only. Off until measured on a GPU
+    lora_expand_first_min_tokens: int = 0
     # after the engine loads, freeze the heap alive then out of the cyclic GC's reach (engine/gc_heap.py): shorter
     # full collections. For processes that exist to run the engine (the server and the benchmarks set it); off for
     # a library caller, whose heap it would freeze too
@@ -93,6 +97,8 @@ class EngineConfig:
             raise ValueError(f"prefill_batch_max_wait_steps must be >= 1, got {self.prefill_batch_max_wait_steps}")
         if self.lora_group_max_skips < 0:
             raise ValueError(f"lora_group_max_skips must be >= 0, got {self.lora_group_max_skips}")
+        if self.lora_expand_first_min_tokens < 0:
+            raise ValueError(f"lora_expand_first_min_tokens must be >= 0, got {self.lora_expand_first_min_tokens}")
         if self.piecewise_graph_max_tokens < 1:
             raise ValueError(f"piecewise_graph_max_tokens must be >= 1, got {self.piecewise_graph_max_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -208,6 +208,7 @@ class ModelRunner:
                 num_load_workers=self.config.lora_load_workers)
             self.lora_manager.fuse_silu_mul = self.config.fuse_lora_silu_mul
             self.lora_manager.overlap_shrink = self.config.lora_overlap_shrink
+            self.lora_manager.expand_first_min_tokens = self.config.lora_expand_first_min_tokens
             if self.config.merge_single_lora:
                 from loraplex.adapters.merged import MergedLoRA
 
@@ -321,7 +322,10 @@ class ModelRunner:
             manager = self.get_lora_manager()
             slot_of = manager.assign_slots(sorted(out.lora_ids))
             if not self._merged_step(slot_of, batch):
-                lora = manager.prepare_step(batch.token_lora_ids().to(dev, non_blocking=nb), slot_of=slot_of)
+                # some sequence without an adapter (its rows must start at zero in the write-first order)
+                has_base = 0 in batch.lora_ids
+                lora = manager.prepare_step(batch.token_lora_ids().to(dev, non_blocking=nb), slot_of=slot_of,
+                                            has_base_tokens=has_base)
         else:
             self._merged_step(None, batch)
         self.inputs.mark_copied()  # after the last copy out of the builder's buffers

@@ -8,6 +8,12 @@ r = rank[s, l] > 0, column n of slice s (slice_loc[s] <= n < slice_loc[s+1]):
 
 Rows of slot -1 tokens and slices an adapter does not target are never written (bit-identical).
 
+``accumulate=False`` (the write-first order of large steps, ``LoRAStep`` with ``expand_first_min_tokens``): out is
+not read; every row of a token with an adapter gets ``cast(scaling[l] * sum_j y_t[j] * B[l, j, n])``, zeros in the
+slices its adapter does not target; rows of slot -1 tokens are still never written (the caller zeroes them). The
+base GEMM then accumulates into out (beta = 1), so the projection's output is read once, by the GEMM's epilogue,
+instead of once more by the expand.
+
 Shape:
     y          [SPLIT_K, S, T, R] float32      shrink partials (P of them valid: ``split_parts`` of the shrink)
     lora_b     [num_slots, R, N_total]         B transposed: rank rows packed first, columns contiguous
@@ -58,7 +64,7 @@ def _lora_expand_kernel(
     stride_rs, stride_crs,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr, COL_ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
-    PREFETCH_OUT: tl.constexpr = True, CHUNK_TABLES: tl.constexpr = False,
+    PREFETCH_OUT: tl.constexpr = True, CHUNK_TABLES: tl.constexpr = False, ACCUMULATE: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     sl = tl.program_id(1)
@@ -83,8 +89,9 @@ def _lora_expand_kernel(
         tok = tl.zeros((BLOCK_M,), dtype=tl.int32)
     if slot < 0:
         return
-    if rank == 0:
-        return
+    if ACCUMULATE:
+        if rank == 0:
+            return  # (written: a rank-0 slice masks every y and B load to zero, so its rows get zeros)
     n_begin = tl.load(slice_loc_ptr + sl)
     n_end = tl.load(slice_loc_ptr + sl + 1)
     if COL_ALIGN > 1:
@@ -125,7 +132,16 @@ def _lora_expand_kernel(
         p_mask = (offs_m * 0 + p) < parts
         ys += tl.load(y_ptrs + p * stride_yp, mask=y_mask & p_mask[:, None], other=0.0)
     ys = ys.to(b_ptr.dtype.element_ty)
-    if PREFETCH_OUT:
+    if not ACCUMULATE:
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            offs_n = n0 + offs_bn
+            n_mask = offs_n < n_hi
+            b = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn, mask=r_mask[:, None] & n_mask[None, :],
+                        other=0.0)
+            acc = tl.dot(ys, b, input_precision=DOT_PRECISION) * scale
+            tl.store(o_rows + offs_n[None, :].to(tl.int64) * stride_on, acc.to(out_ptr.dtype.element_ty),
+                     mask=m_mask[:, None] & n_mask[None, :])
+    elif PREFETCH_OUT:
         # out is read-modify-written per tile; its load is not pipelined by the compiler, so the next tile's
         # load is issued one trip ahead (its latency overlaps this trip's B load, dot and store)
         nxt = tl.load(o_rows + (n_lo + offs_bn)[None, :].to(tl.int64) * stride_on,
@@ -183,6 +199,7 @@ def lora_expand(
     pdl: bool = False,
     prefetch_out: bool = True,
     chunk_ranks: torch.Tensor | None = None,  # [S, max_chunks] int32 (with meta.chunk_tokens: per-chunk tables)
+    accumulate: bool = True,  # False: write the delta (zeros in untargeted slices), out not read (module doc)
 ) -> torch.Tensor:
     split_k, num_slices, num_tokens, max_rank = y.shape
     num_slots, b_rank, n_total = lora_b.shape
@@ -217,7 +234,7 @@ def lora_expand(
         ranks.stride(0), tables[1].stride(0),
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         DOT_PRECISION=dot_precision(out.dtype), COL_ALIGN=col_align, USE_PDL=pdl, PREFETCH_OUT=prefetch_out,
-        CHUNK_TABLES=tables[0] is not meta.chunk_slots,
+        CHUNK_TABLES=tables[0] is not meta.chunk_slots, ACCUMULATE=accumulate,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return out

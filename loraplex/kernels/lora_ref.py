@@ -52,6 +52,7 @@ def lora_expand_ref(
     scaling: torch.Tensor,  # [num_slots] float32
     slice_loc: list[int] | torch.Tensor,  # [S + 1] column offsets of the slices in out
     out: torch.Tensor,  # [T, N_total], updated in place
+    accumulate: bool = True,
 ) -> torch.Tensor:
     """Semantics: for every token t with slot l = token_slots[t] >= 0 and slice s with r = rank[s, l] > 0,
     columns n in [slice_loc[s], slice_loc[s+1]):
@@ -60,6 +61,9 @@ def lora_expand_ref(
 
     The product runs in float32 and is added once. Rows of tokens with slot -1 are not touched
     (bit-identical), nor are slices an adapter does not target.
+
+    ``accumulate=False``: out is not read; those rows get ``cast(scaling[l] * sum_j ...)``, and zeros in the
+    slices their adapter does not target (rank 0); rows of slot -1 tokens are still not touched.
     """
     loc = slice_loc.tolist() if torch.is_tensor(slice_loc) else list(slice_loc)
     rank_table = ranks.tolist()
@@ -67,11 +71,14 @@ def lora_expand_ref(
     for slot, rows in _slot_rows(token_slots):
         for s in range(len(loc) - 1):
             r = rank_table[s][slot]
-            if not r:
-                continue
             lo, hi = loc[s], loc[s + 1]
+            if not r:
+                if not accumulate:
+                    out[rows, lo:hi] = 0
+                continue
             delta = (y[s, rows, :r] @ lora_b[slot, :r, lo:hi].float()) * scales[slot]
-            out[rows, lo:hi] = (out[rows, lo:hi].float() + delta).to(out.dtype)
+            base = out[rows, lo:hi].float() if accumulate else 0.0
+            out[rows, lo:hi] = (base + delta).to(out.dtype)
     return out
 
 

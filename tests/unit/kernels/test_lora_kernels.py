@@ -197,3 +197,35 @@ def test_launch_policy_by_regime():
     assert down.split_k_max == 32 and down.parts_max == 32  # 112 K tiles: parts of >= 2 tiles, at most 32
     assert prefill.block_m == 64 and prefill.split_k_max == prefill.split_k and not prefill.prefetch_out
     assert choose_config(64, 64, 64, 64, 4096, 2, 14336).block_n == 128  # the wide tile was measured at rank 16
+
+
+@pytest.mark.parametrize("mix", ["distinct", "zipf", "identical"])
+@pytest.mark.parametrize("prefetch_out", [True, False])
+def test_write_only_expand_writes_every_adapter_row_and_no_base_row(mix, prefetch_out):
+    """``accumulate=False`` (the write-first order): out is not read; every row of a token with an adapter gets the
+    delta (zeros in the slice its adapter skips), whatever out held; slot -1 rows are not touched. out starts as
+    NaN, so a row or column the kernel misses, or a read of out, shows up."""
+    batch = make_lora_batch(70, K_DIM, QKV, max_rank=16, mix=mix, seed=11)
+    assert (batch.token_slots < 0).any() and (batch.ranks == 0).any()
+    meta = build_lora_meta(batch.token_slots, batch.lora_a.shape[0], 16)
+    y = lora_shrink.lora_shrink(batch.x, batch.lora_a, batch.ranks, meta, split_k=2, block_r=16, block_k=32)
+    out = torch.full_like(batch.out, float("nan"))
+    lora_expand.lora_expand(y, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc, batch.max_slice_width,
+                            meta, out, block_n=32, n_splits=2, prefetch_out=prefetch_out, accumulate=False,
+                            **lora_shrink.shrink_split(batch.x.shape[1], meta, 2, 32))
+    y_ref = lora_shrink_ref(batch.x, batch.lora_a, batch.token_slots, batch.ranks)
+    ref = lora_expand_ref(y_ref, batch.lora_b, batch.token_slots, batch.ranks, batch.scaling, batch.slice_loc,
+                          torch.full_like(batch.out, float("nan")), accumulate=False)
+    rows = batch.token_slots >= 0
+    assert torch.isnan(out[~rows]).all(), "slot -1 rows must not be written"
+    assert not torch.isnan(out[rows]).any(), "every column of every adapter row must be written"
+    torch.testing.assert_close(out[rows], ref[rows], **TOL[out.dtype])
+    skipped = (batch.ranks[1, batch.token_slots.clamp(min=0)] == 0) & rows  # rows whose adapter skips slice 1
+    if skipped.any():
+        assert torch.equal(out[skipped, 48:64], torch.zeros_like(out[skipped, 48:64]))
+    # the write-only delta plus the base output equals the accumulating expand
+    summed = out.clone()
+    summed[rows] += batch.out[rows]
+    summed[~rows] = batch.out[~rows]
+    _, _, acc_ref = _run_both(batch)
+    torch.testing.assert_close(summed, acc_ref, **TOL[out.dtype])

@@ -69,3 +69,35 @@ def test_step_silu_mul_with_the_gate_up_delta_inside(num_tokens, num_active):
             got = step.silu_mul(layer, x, gate_up.clone())
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert not LoRAStep(pool, slots, 0, use_triton=True, fuse_silu_mul=True).fuses_silu_mul  # no adapter: plain
+
+
+@pytest.mark.parametrize("with_base_tokens", [True, False])
+def test_expand_first_linear_equals_gemm_then_expand(with_base_tokens):
+    """``expand_first_min_tokens``: a step at least that large runs shrink, write-only expand, then the base GEMM
+    accumulating into it (``out.addmm_``); same result as GEMM then the accumulating expand, for every projection,
+    ranks mixed (rank-0 slices included), with and without tokens that carry no adapter."""
+    gen = torch.Generator().manual_seed(7 + with_base_tokens)
+    num_tokens, num_active = 70, 3
+    pool, slots = _pool_and_slots(gen, num_tokens, num_active)
+    if not with_base_tokens:
+        slots = slots.clamp(min=0)
+    assert bool((slots < 0).any()) == with_base_tokens and bool((pool.ranks[:, :, :num_active] == 0).any())
+    plain = LoRAStep(pool, slots, num_active, use_triton=True)
+    first = LoRAStep(pool, slots, num_active, use_triton=True, expand_first_min_tokens=64,
+                     has_base_tokens=with_base_tokens)
+    assert first.expand_first and not plain.expand_first
+    assert not LoRAStep(pool, slots, num_active, use_triton=True, expand_first_min_tokens=71).expand_first
+    assert not LoRAStep(pool, slots, num_active, use_triton=False, expand_first_min_tokens=1).expand_first
+    for proj in PROJ_MODULES:
+        x = torch.randn(num_tokens, SHAPES.proj_in(proj), generator=gen)
+        weight = torch.randn(sum(SHAPES.slice_widths(proj)), SHAPES.proj_in(proj), generator=gen) * 0.2
+        for layer in range(SHAPES.num_layers):
+            want = plain.linear(layer, proj, x, weight)
+            got = first.linear(layer, proj, x, weight)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+            if with_base_tokens:
+                torch.testing.assert_close(got[slots < 0], x[slots < 0] @ weight.t(), rtol=1e-5, atol=1e-5)
+    bias = torch.randn(sum(SHAPES.slice_widths("o")), generator=gen)  # with a bias: the usual order
+    x = torch.randn(num_tokens, SHAPES.proj_in("o"), generator=gen)
+    weight = torch.randn(sum(SHAPES.slice_widths("o")), SHAPES.proj_in("o"), generator=gen) * 0.2
+    torch.testing.assert_close(first.linear(0, "o", x, weight, bias), plain.linear(0, "o", x, weight, bias))
