@@ -71,3 +71,48 @@ async def test_a_change_that_cannot_be_announced_is_refused(change, tmp_path, ti
             assert not await _resolves(a, user, model)
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("upload", ["new_name", "new_version"])
+async def test_an_upload_that_cannot_be_announced_is_refused(upload, tmp_path, tiny_model, pg_url, redis_url):
+    """An upload committed while the stamp could not be renewed left another replica's cached "not found"
+    (or its cached older version) in Redis for up to 60 s once Redis answered again."""
+    await upgrade_async(pg_url)
+    proxy = TcpProxy.to_redis(redis_url)
+    keys: list[str] = []
+    model_dir = tiny_model["model_dir"]
+    try:
+        async with _replica(tmp_path, model_dir, pg_url, proxy.redis_url, keys=keys) as a, \
+                _replica(tmp_path, model_dir, pg_url, redis_url, keys=keys) as b:
+            b.admin_key = a.admin_key
+            owner = await a.tenant("acme")
+            first, second = adapter_files(tiny_model, 0), adapter_files(tiny_model, 1)
+            if upload == "new_version":
+                r = await a.upload(owner, "bot", config=first[0], weights=first[1])
+                assert r.status_code == 201, r.text
+            # replica B caches its lookup: a miss, or version 1
+            assert await _resolves(b, owner, "bot") == (upload == "new_version")
+            digests = a.store_digests()
+
+            proxy.cut()
+            r = await a.upload(owner, "bot", config=second[0], weights=second[1])
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "service_unavailable" and r.headers["retry-after"]
+            proxy.restore()
+            # nothing stored: no new version (not even a failed one), no new content in the store
+            got = await b.client.get("/v1/adapters/bot", headers=b.headers(owner))
+            if upload == "new_name":
+                assert got.status_code == 404, got.text
+            else:
+                assert [v["version"] for v in got.json()["versions"]] == [1], got.text
+            assert a.store_digests() == digests
+
+            r = await a.upload(owner, "bot", config=second[0], weights=second[1])  # the retry, Redis back
+            assert r.status_code == 201, r.text
+            version = r.json()["version"]
+            got = await b.client.get("/v1/models/bot", headers=b.headers(owner))  # B sees it at once
+            assert got.status_code == 200, got.text
+            r = await b.client.get("/v1/adapters/bot", headers=b.headers(owner))
+            assert r.json()["latest_version"] == version == (2 if upload == "new_version" else 1)
+    finally:
+        proxy.close()

@@ -32,20 +32,21 @@ async def bump_generation(kv: KV) -> None:
     await kv.set(GENERATION_KEY, new_id())
 
 
-async def before_revoking_change(kv: KV) -> None:
-    """Call before committing a change that takes access away (a delete, an edit of visibility or sharing).
+async def before_change(kv: KV) -> None:
+    """Call before committing any change a cached lookup could contradict: an upload (a name that missed, or
+    an older version, would keep resolving), a delete, an edit of visibility or sharing.
 
     Renews the generation, so the change fails closed (the KV's error: a 503) while nothing is committed yet.
     Committed without a renewal, the cached lookups stay in the KV (it is unreachable, not emptied) and every
-    replica keeps resolving what was taken away for up to the cache TTL once it answers again. The renewal
-    after the commit (``_announce``) drops what was cached in between.
+    replica keeps resolving the old state for up to the cache TTL once it answers again. The renewal after
+    the commit (``_announce``) drops what was cached in between.
     """
     await bump_generation(kv)
 
 
 async def _announce(kv: KV, kind: str, lora_int_ids: list[int], model: str) -> None:
-    # the database change is already committed: a KV outage must not turn it into an error (changes that take
-    # access away checked the KV just before, see before_revoking_change). Cached lookups then expire by their
+    # the database change is already committed: a KV outage must not turn it into an error (every change
+    # checked the KV just before, see before_change). Cached lookups then expire by their
     # TTL, and a replica's engine drops a deleted adapter at the latest when its host cache evicts it (a
     # deleted adapter no longer resolves, so no new request can use it).
     try:

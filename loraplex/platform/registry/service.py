@@ -125,6 +125,8 @@ class Registry:
         if self.base_config() is None:
             raise ApiError(503, "The base model is still being prepared; retry shortly.", type="server_error",
                            code="model_loading", headers={"Retry-After": "5"})
+        # Redis unreachable: a 503 before anything is read or written (events.before_change)
+        await events.before_change(self.kv)
         with self.slots.hold(principal.tenant_id):
             return await self._upload(request, principal)
 
@@ -147,6 +149,7 @@ class Registry:
                 pending = await self._begin(principal, validate_adapter_name(form.fields.get("name")))
             await self._set_status(pending, STATUS_VALIDATING)
             adapter_dir = await asyncio.to_thread(self._assemble, form, work)
+            await events.before_change(self.kv)  # again: Redis may have gone while the body came in
             return pending, await self._finish(principal, pending, adapter_dir, meta)
         except BaseException as exc:
             if pending is not None:
@@ -247,7 +250,7 @@ class Registry:
 
     # ---- edits and deletes ----------------------------------------------------------------------
     async def update(self, principal: Principal, name: str, meta: Metadata) -> queries.Listed:
-        await events.before_revoking_change(self.kv)
+        await events.before_change(self.kv)
         async with self.sessions() as session:
             adapter = await queries.find_own(session, principal.tenant_id, name)
             if adapter is None:
@@ -264,7 +267,7 @@ class Registry:
         """Soft delete the adapter (every version) or one version; returns the evicted ``lora_int_id``s.
 
         Rows and stored content stay, so requests already running finish; new lookups miss at once."""
-        await events.before_revoking_change(self.kv)
+        await events.before_change(self.kv)
         now = utcnow()
         async with self.sessions() as session:
             adapter = await queries.find_own(session, principal.tenant_id, name)
