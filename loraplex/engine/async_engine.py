@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import queue
 import sys
@@ -23,8 +24,9 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.engine_core import LLMEngine, load_tokenizer
+from loraplex.engine.engine_core import LLMEngine, check_type, load_tokenizer
 from loraplex.engine.protocol import EngineDeadError, EngineRequest, EngineStats, TokenDelta
+from loraplex.engine.sampling_params import SamplingParams, snapshots
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +87,15 @@ class AsyncEngine:
         ``RequestLimitError`` naming the field), it raises here, before any delta exists, and nothing of the
         group stays in the engine. Returns one open stream per request, in order."""
         self._check_alive()
+        for r in requests:
+            check_type("sampling_params", r.sampling_params, SamplingParams, "SamplingParams")
+        # each request runs its params as they are now, whatever the caller sets on its objects later
+        requests = [dataclasses.replace(r, sampling_params=p)
+                    for r, p in zip(requests, snapshots([r.sampling_params for r in requests]))]
         loop = asyncio.get_running_loop()
         streams = [_Stream(loop, asyncio.Queue(), r.sampling_params.n) for r in requests]
         added = concurrent.futures.Future()
-        self._send(("add", list(requests), streams, added))
+        self._send(("add", requests, streams, added))
         await asyncio.wrap_future(added)  # cancelled before the loop takes it: the loop adds nothing
         return [RequestStream(self, r.request_id, s) for r, s in zip(requests, streams)]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import numbers
@@ -12,7 +11,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine_core import LLMEngine, check_type
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import CompletionOutput, RequestOutput, apply_delta
-from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.sampling_params import SamplingParams, snapshots
 
 Prompt = str | dict
 log = logging.getLogger(__name__)
@@ -55,7 +54,8 @@ class LLM:
         _check_types("sampling_params", params, SamplingParams, "SamplingParams")
         _check_types("lora_request", loras, (LoRARequest, type(None)), "LoRARequest or None")
         _check_types("priority", priorities, numbers.Integral, "an integer")
-        params = _snapshots(params)
+        # what runs is each params object as it is now (the caller may change and reuse it)
+        params = snapshots(params)
         outputs: dict[str, RequestOutput] = {}  # in the order of prompts
         try:
             for prompt, p, lora, prio in zip(prompts, params, loras, priorities):
@@ -105,17 +105,6 @@ class LLM:
             return prompt.get("prompt"), [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
                                           for t in prompt["prompt_token_ids"]]
         raise ValueError("each prompt must be a string or a dict with 'prompt_token_ids'")
-
-
-def _snapshots(params: list[SamplingParams]) -> list[SamplingParams]:
-    """A copy of each distinct params object, made (and validated) now. Callers reuse one SamplingParams and set
-    fields between calls, as with vLLM's; the engine caches what it derives from a params object on it (sampler
-    flags, bias arrays), which would otherwise keep the values of its first use."""
-    copies: dict[int, SamplingParams] = {}
-    for p in params:
-        if id(p) not in copies:
-            copies[id(p)] = dataclasses.replace(p)
-    return [copies[id(p)] for p in params]
 
 
 def _check_types(name: str, values: list, types, expected: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -93,6 +94,23 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         self.validate()
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_snapshot"):
+            raise AttributeError(f"{name}: this SamplingParams is a snapshot the engine runs and cannot change; "
+                                 "set the field on the object you passed in, for the next request")
+        super().__setattr__(name, value)
+
+    def snapshot(self) -> SamplingParams:
+        """A validated copy, read-only, made now: what the engine runs and derives its cached state from
+        (``sampler_flags``, the sampler's bias arrays), so a caller may change and reuse its own object. A
+        snapshot is its own snapshot, so passing one on costs nothing; making one copies its lists (once per request,
+        never per token)."""
+        if self.__dict__.get("_snapshot"):
+            return self
+        copy = dataclasses.replace(self)  # __init__: the lists copied, logit_bias rebuilt, everything validated
+        copy.__dict__["_snapshot"] = True
+        return copy
 
     @property
     def greedy(self) -> bool:
@@ -206,6 +224,16 @@ class SamplingParams:
                 bad("allowed_token_ids", f"must be a list of integers, got {self.allowed_token_ids!r}")
             if min(self.allowed_token_ids) < 0:
                 bad("allowed_token_ids", f"token ids must be >= 0, got {min(self.allowed_token_ids)}")
+
+
+def snapshots(params: Sequence[SamplingParams]) -> list[SamplingParams]:
+    """``p.snapshot()`` of each, one per distinct object (requests sharing a params object share its snapshot,
+    and so the sampler's arrays made from it)."""
+    copies: dict[int, SamplingParams] = {}
+    for p in params:
+        if id(p) not in copies:
+            copies[id(p)] = p.snapshot()
+    return [copies[id(p)] for p in params]
 
 
 def _logit_bias(value) -> dict[int, float]:

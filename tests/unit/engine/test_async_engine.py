@@ -14,7 +14,7 @@ from loraplex.engine.async_engine import LOOP_THREAD_OS_NAME, AsyncEngine
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine_core import LLMEngine
 from loraplex.engine.protocol import EngineDeadError, EngineRequest
-from loraplex.engine.sampling_params import RequestLimitError
+from loraplex.engine.sampling_params import RequestLimitError, SamplingParamsError
 
 
 @pytest.fixture
@@ -235,3 +235,26 @@ async def test_the_loop_thread_has_an_os_level_name(engine):
             break
         await asyncio.sleep(0.01)
     assert comm.read_text().strip() == LOOP_THREAD_OS_NAME
+
+
+async def test_a_sampling_params_changed_between_requests_samples_with_its_new_values(engine):
+    """The server, or a client of the engine, may reuse one SamplingParams: each request runs it as it was when
+    the request was added (the sampler's flags and bias arrays were cached on it at its first use)."""
+    def tokens(deltas):
+        return [t for d in deltas for t in d.token_ids]
+
+    prompt = [1, 40, 41]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    greedy = tokens(await _collect(engine, EngineRequest("g", prompt, params)))
+    params.temperature, params.seed = 1.0, 5
+    sampled = tokens(await _collect(engine, EngineRequest("s", prompt, params)))
+    fresh = SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
+    assert sampled == tokens(await _collect(engine, EngineRequest("f", prompt, fresh))) != greedy
+    params.logit_bias = {5: 100.0}
+    (stream,) = await engine.add_requests([EngineRequest("b", prompt, params)])
+    params.logit_bias = {6: 100.0}  # after the call: that request keeps what it was added with
+    assert tokens([d async for d in stream]) == [5] * 6
+    params.temperature = -1.0
+    with pytest.raises(SamplingParamsError, match="^temperature: "):
+        await engine.add_requests([EngineRequest("bad", prompt, params)])
+    assert engine.is_healthy() and not engine.engine.has_unfinished_requests()

@@ -266,3 +266,32 @@ def test_engine_add_request_refuses_arguments_of_the_wrong_type_and_stays_usable
         deltas += engine.step()
     assert [t for d in deltas for t in d.token_ids] == want
     assert llm.generate("Hello", params)[0].outputs[0].token_ids == want
+
+
+def _engine_tokens(engine, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+    engine.add_request(request_id, prompt_token_ids, params)
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += engine.step()
+    return [t for d in deltas if d.request_id == request_id for t in d.token_ids]
+
+
+def test_engine_add_request_samples_a_changed_sampling_params_with_its_new_values(llm):
+    """Like LLM.generate, LLMEngine.add_request reads the params as they are at the call: the sampler's flags
+    and bias arrays were cached on the object at its first use (temperature 0 -> 1 kept decoding greedily, a
+    logit_bias set or changed later was ignored), and a value set later was never validated."""
+    engine = llm.engine
+    ids = llm.get_tokenizer().encode("Hello")
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    greedy = _engine_tokens(engine, "p0", ids, params)
+    params.temperature, params.seed = 1.0, 5
+    fresh = SamplingParams(max_tokens=6, temperature=1.0, seed=5, ignore_eos=True)
+    assert _engine_tokens(engine, "p1", ids, params) == _engine_tokens(engine, "p2", ids, fresh) != greedy
+    params.logit_bias = {5: 100.0}
+    assert _engine_tokens(engine, "p3", ids, params) == [5] * 6
+    params.logit_bias = {6: 100.0}
+    assert _engine_tokens(engine, "p4", ids, params) == [6] * 6
+    params.temperature = -1.0
+    with pytest.raises(SamplingParamsError, match="^temperature: "):
+        engine.add_request("p5", ids, params)
+    assert not engine.has_unfinished_requests()

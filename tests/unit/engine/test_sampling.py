@@ -174,3 +174,25 @@ def test_logprob_entries_carry_each_tokens_own_text_decoded_once_per_id(llm):
     finally:
         engine._token_texts.clear()
     assert again.token_ids == first.token_ids and again.logprobs[0][marked].decoded_token == "<cached>"
+
+
+def test_a_snapshot_is_a_validated_read_only_copy_shared_by_the_requests_of_one_object():
+    """What the engine runs (and caches its sampler flags and bias arrays on): a caller's later change to its own
+    object never reaches it, and a snapshot passed on again is not copied again."""
+    from loraplex.engine.sampling_params import SamplingParamsError, snapshots
+
+    params = SamplingParams(temperature=0.5, stop=["x"], logit_bias={"5": 1.0})
+    snap = params.snapshot()
+    assert snap == params and snap is not params and snap.snapshot() is snap
+    params.temperature = 0.0
+    params.stop.append("y")
+    params.logit_bias[6] = 2.0
+    assert (snap.temperature, snap.stop, snap.logit_bias) == (0.5, ["x"], {5: 1.0})
+    with pytest.raises(AttributeError, match="^temperature: "):
+        snap.temperature = 1.0
+    params.top_p = 2.0
+    with pytest.raises(SamplingParamsError, match="^top_p: "):
+        params.snapshot()
+    a, b = SamplingParams(), SamplingParams()
+    got = snapshots([a, b, a, snap])
+    assert got[0] is got[2] and got[1] is not got[0] and got[3] is snap and got[0] == a
