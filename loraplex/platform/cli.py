@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import importlib
+import math
 import os
 import re
+import sys
 
 from loraplex.settings import ConfigError, Settings
 
@@ -23,6 +26,47 @@ EXTRA_CLI_MODULES = (
     "loraplex.platform.registry.cli",
     "loraplex.platform.usage.cli",
 )
+
+
+# the largest count any flag takes (C int in torch and the kernels; a Postgres integer column)
+MAX_FLAG_INT = 2**31 - 1
+
+
+class FlagError(ConfigError):
+    """A flag value no run could use (a port over 65535, a negative timeout, an unknown revision).
+
+    Platform commands print it as one ``error:`` line naming the flag and the limit and exit 2 (a usage
+    error), before anything is changed; see :func:`flag_checked`."""
+
+
+def flag_checked(func):
+    """Wrap a command's ``func``: a :class:`FlagError` is one ``error:`` line and exit code 2."""
+
+    @functools.wraps(func)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return func(args)
+        except FlagError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def check_int(flag: str, value: int | None, least: int, most: int = MAX_FLAG_INT, note: str = "") -> None:
+    """``least <= value <= most`` (None: not given), else a FlagError naming ``flag``."""
+    if value is not None and not least <= value <= most:
+        raise FlagError(f"{flag} must be at least {least} and at most {most}{note}, got {value}")
+
+
+def check_seconds(flag: str, value: float | None, *, zero_ok: bool, most: float) -> None:
+    """A finite number of seconds, more than 0 (or at least 0 with ``zero_ok``) and at most ``most``."""
+    if value is None:
+        return
+    low_ok = value >= 0 if zero_ok else value > 0
+    if not (math.isfinite(value) and low_ok and value <= most):
+        low = "at least 0" if zero_ok else "more than 0"
+        raise FlagError(f"{flag} must be {low} and at most {most:g} seconds, got {value:g}")
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -164,7 +208,7 @@ def register(subparsers) -> None:
     up = db_sub.add_parser("upgrade", help="apply Alembic migrations (to head)")
     add_common(up)
     up.add_argument("--revision", default="heads", help="target revision (default: heads)")
-    up.set_defaults(func=_db_upgrade)
+    up.set_defaults(func=flag_checked(_db_upgrade))
     cli_admin.register(subparsers)
     for path in EXTRA_CLI_MODULES:
         try:
@@ -180,12 +224,38 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     from loraplex.platform import migrate
 
     settings = settings_from_args(args)
-    prepare_data_dir(settings)
-    asyncio.run(check_database(settings.effective_database_url))
     url = settings.effective_database_url
-    migrate.upgrade(url, args.revision)
+    _check_revision(url, args.revision)  # before the data dir or the database is touched
+    from alembic.util import CommandError  # (after alembic's logging is quieted)
+
+    prepare_data_dir(settings)
+    asyncio.run(check_database(url))
+    try:
+        migrate.upgrade(url, args.revision)
+    except CommandError as exc:  # a relative target (+N) the database's state cannot reach
+        raise FlagError(f"--revision {args.revision}: {exc}") from None
     if args.revision in ("head", "heads"):
         print(f"database at {migrate.redact(url)} is at the latest revision ({', '.join(sorted(migrate.current_heads(url)))})")
     else:
         print(f"database at {migrate.redact(url)} is at revision {args.revision}")
     return 0
+
+
+def _check_revision(url: str, revision: str) -> None:
+    """An absolute target must name a known revision (relative ones, ``+N``, depend on the database)."""
+    from loraplex.platform import migrate
+
+    if not revision.strip():
+        raise FlagError("--revision must not be empty (default: heads)")
+    config = migrate.alembic_config(url)  # before any alembic import: it quiets alembic's import-time log lines
+    if revision.startswith("+"):
+        return
+    from alembic.script import ScriptDirectory
+    from alembic.util import CommandError
+
+    script = ScriptDirectory.from_config(config)
+    try:
+        script.get_revisions(revision)
+    except CommandError as exc:
+        known = ", ".join(sorted(s.revision for s in script.walk_revisions()))
+        raise FlagError(f"--revision {revision}: {exc} (known: heads, base, {known})") from None

@@ -12,11 +12,21 @@ import asyncio
 import contextlib
 import errno
 import logging
+import math
+import re
 import socket
 import sys
 from pathlib import Path
 
-from loraplex.platform.cli import add_common, check_services, settings_from_args
+from loraplex.platform.cli import (
+    FlagError,
+    add_common,
+    check_int,
+    check_seconds,
+    check_services,
+    flag_checked,
+    settings_from_args,
+)
 from loraplex.settings import ConfigError, Settings
 
 log = logging.getLogger(__name__)
@@ -51,7 +61,7 @@ def register(subparsers) -> None:
                    "from free memory)")
     p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight requests "
                    f"(env LORAPLEX_DRAIN_TIMEOUT_S, default {DEFAULTS.drain_timeout_s:g})")
-    p.set_defaults(func=serve)
+    p.set_defaults(func=flag_checked(serve))
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -66,14 +76,13 @@ def serve(args: argparse.Namespace) -> int:
         num_kv_blocks=args.num_kv_blocks, drain_timeout_s=args.drain_timeout_s,
     )
 
+    check_serve_settings(settings)
     if settings.model and not Path(settings.model).is_dir():
         raise ConfigError(f"model directory {settings.model} does not exist (MODEL / LORAPLEX_MODEL: a "
                           "Llama-family Hugging Face directory; leave it out for the demo model)")
     # the port and the services are checked before anything is written (a bootstrap key printed by a
     # server that then cannot listen would be lost in a log)
     sock = _bind(settings)
-    if settings.gil_switch_interval_ms < 0:
-        raise ConfigError(f"LORAPLEX_GIL_SWITCH_INTERVAL_MS must be >= 0, got {settings.gil_switch_interval_ms}")
     if settings.gil_switch_interval_ms > 0:
         sys.setswitchinterval(settings.gil_switch_interval_ms / 1e3)
     try:
@@ -94,6 +103,43 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         sock.close()
     return 0 if server.started else 1
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAX_DRAIN_TIMEOUT_S = 86400.0
+# the least each count may be (the engine's own checks, made before anything starts)
+_COUNTS = {"max_loras": 1, "max_lora_rank": 1, "max_cpu_loras": 1, "max_num_seqs": 1, "max_model_len": 2,
+           "num_kv_blocks": 1}
+
+
+def _flag(field: str) -> str:
+    """How the operator sets ``field``: its flag and its environment variable."""
+    return f"--{field.replace('_', '-')} / LORAPLEX_{field.upper()}"
+
+
+def check_serve_settings(settings: Settings) -> None:
+    """Every value ``serve`` takes from flags or the environment, before the port is bound or anything is
+    written (an engine refusing its options once started left a server that never got ready, after
+    printing the bootstrap admin key). A FlagError names the flag and the limit."""
+    check_int(_flag("port"), settings.port, 0, 65535, " (0: any free port)")
+    for field, least in _COUNTS.items():
+        check_int(_flag(field), getattr(settings, field), least)
+    check_seconds(_flag("drain_timeout_s"), settings.drain_timeout_s, zero_ok=True, most=MAX_DRAIN_TIMEOUT_S)
+    if not (math.isfinite(settings.gil_switch_interval_ms) and 0 <= settings.gil_switch_interval_ms <= 1000):
+        raise FlagError(f"LORAPLEX_GIL_SWITCH_INTERVAL_MS must be at least 0 and at most 1000, "
+                        f"got {settings.gil_switch_interval_ms:g}")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", settings.device):
+        raise FlagError(f"{_flag('device')} must be auto, cpu, cuda or cuda:N, got {settings.device!r}")
+    if settings.dtype not in DTYPES:
+        raise FlagError(f"{_flag('dtype')} must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
+    from loraplex.platform.engine_boot import demo_model_dir, engine_config
+
+    try:  # the engine's own checks (a CUDA device this machine has, ...), without loading anything
+        engine_config(settings, Path(settings.model or demo_model_dir(settings)), "check")
+    except ValueError as exc:
+        message = str(exc)
+        field = next((f for f in ("device", *_COUNTS) if message.startswith(f)), "device")
+        raise FlagError(f"{_flag(field)}: {message}") from None
 
 
 def _bind(settings: Settings) -> socket.socket:

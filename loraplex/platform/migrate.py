@@ -41,7 +41,16 @@ def migrations_dir() -> Path:
     raise RuntimeError("Alembic migrations not found (neither ./migrations nor loraplex.migrations_pkg)")
 
 
+def _quiet_alembic() -> None:
+    import logging
+
+    # alembic's per-step INFO lines (some at import) are noise for CLI users and server logs
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
 def alembic_config(url: str):
+    _quiet_alembic()
     from alembic.config import Config
 
     cfg = Config()
@@ -53,11 +62,7 @@ def alembic_config(url: str):
 
 def upgrade(url: str, revision: str = HEAD) -> None:
     """Run migrations up to ``revision`` (blocking; call from a thread when inside an event loop)."""
-    import logging
-
-    # alembic's per-step INFO lines (some at import) are noise for CLI users and server logs
-    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-        logging.getLogger("alembic").setLevel(logging.WARNING)
+    _quiet_alembic()
     from alembic import command
 
     command.upgrade(alembic_config(url), revision)

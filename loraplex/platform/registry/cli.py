@@ -14,9 +14,11 @@ from pathlib import Path
 
 from loraplex.adapters.config_check import CONFIG_NAME
 from loraplex.adapters.validate import WEIGHTS_NAME
+from loraplex.platform.cli import FlagError, check_seconds, flag_checked
 from loraplex.platform.registry.models import VISIBILITIES
 
 ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".zip")
+MAX_TIMEOUT_S = 86400.0
 
 
 def register(subparsers) -> None:
@@ -30,20 +32,21 @@ def register(subparsers) -> None:
     up.add_argument("--visibility", choices=VISIBILITIES)
     up.add_argument("--share-with", action="append", default=[], metavar="TENANT",
                     help="tenant to share with (repeatable; implies --visibility shared)")
-    up.set_defaults(func=run, action=_upload)
+    up.set_defaults(func=flag_checked(run), action=_upload)
 
     ls = sub.add_parser("list", help="adapters you own or may use")
-    ls.set_defaults(func=run, action=_list)
+    ls.set_defaults(func=flag_checked(run), action=_list)
 
     rm = sub.add_parser("delete", help="delete an adapter, or one version with NAME@N")
     rm.add_argument("name")
-    rm.set_defaults(func=run, action=_delete)
+    rm.set_defaults(func=flag_checked(run), action=_delete)
 
     for parser in (up, ls, rm):
         parser.add_argument("--url", help="server URL (env LORAPLEX_URL; default http://LORAPLEX_HOST:LORAPLEX_PORT)")
         parser.add_argument("--api-key", help="API key (env LORAPLEX_API_KEY)")
         parser.add_argument("--json", action="store_true", help="print the server's JSON")
-        parser.add_argument("--timeout", type=float, default=600.0, help="seconds (default 600)")
+        parser.add_argument("--timeout", type=float, default=600.0,
+                            help=f"seconds (default 600, at most {MAX_TIMEOUT_S:g})")
 
 
 class CliError(Exception):
@@ -77,6 +80,18 @@ def _check(response) -> dict:
             message = response.text[:500]
         raise CliError(f"HTTP {response.status_code}: {message}")
     return response.json()
+
+
+def _check_flags(args) -> None:
+    """Before any file is opened or the server is called: a FlagError naming the flag and the limit."""
+    check_seconds("--timeout", args.timeout, zero_ok=False, most=MAX_TIMEOUT_S)
+    url = args.url or os.environ.get("LORAPLEX_URL")
+    if url and not url.startswith(("http://", "https://")):
+        where = "--url" if args.url else "LORAPLEX_URL"
+        raise FlagError(f"{where} must start with http:// or https://, got {url[:200]!r}")
+    path = getattr(args, "path", None)
+    if path is not None and not Path(path).exists():
+        raise FlagError(f"PATH {path} does not exist (an adapter directory or a .tar.gz/.tgz/.zip archive)")
 
 
 def _upload(args) -> dict:
@@ -137,6 +152,7 @@ def _show(args, out: dict) -> None:
 def run(args) -> int:
     import httpx
 
+    _check_flags(args)
     try:
         out = args.action(args)
     except httpx.TransportError as exc:  # no server there, or it went away

@@ -162,3 +162,76 @@ def test_admin_errors_name_the_flag_the_operator_typed(argv, flag, api_field, tm
         assert api_field not in line, err
     rc, out, _ = run(capsys, "admin", "key", "list", "--data-dir", data, "--json")
     assert rc == 0 and json.loads(out) == []  # nothing was created behind the error
+
+
+def assert_flag_error(rc: int, err: str, *needles: str) -> None:
+    """A flag value no command can use: one ``error:`` line naming the flag and the limit, exit 2."""
+    assert rc == 2, err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for needle in needles:
+        assert needle in lines[0], err
+
+
+@pytest.mark.parametrize("revision, needles", [
+    ("nonexist", ["--revision", "nonexist", "0004_shares_by_name"]),
+    ("", ["--revision", "empty"]),
+    ("+99", ["--revision", "+99"]),
+])
+def test_db_upgrade_to_an_unknown_revision_is_one_line(revision, needles, tmp_path):
+    data = tmp_path / "data"
+    # a process of its own: alembic's import-time log lines would go to the real stderr
+    proc = subprocess.run([sys.executable, "-m", "loraplex.cli", "db", "upgrade", "--revision", revision,
+                           "--data-dir", str(data)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert_flag_error(proc.returncode, proc.stderr, *needles)
+    assert proc.stdout == ""
+    if revision != "+99":  # known to be wrong before the database is even opened: nothing created
+        assert not data.exists()
+
+
+@pytest.mark.parametrize("args, env, needles", [
+    (["--port", "99999"], {}, ["--port", "65535", "99999"]),
+    (["--port", "-1"], {}, ["--port", "65535"]),
+    ([], {"LORAPLEX_PORT": "70000"}, ["LORAPLEX_PORT", "65535"]),
+    (["--max-loras", "0"], {}, ["--max-loras", "at least 1"]),
+    (["--max-loras", "99999999999999999999"], {}, ["--max-loras", "2147483647"]),
+    (["--max-lora-rank", "-4"], {}, ["--max-lora-rank", "at least 1"]),
+    (["--max-cpu-loras", "0"], {}, ["--max-cpu-loras", "at least 1"]),
+    (["--max-num-seqs", "0"], {}, ["--max-num-seqs", "at least 1"]),
+    (["--max-model-len", "1"], {}, ["--max-model-len", "at least 2"]),
+    (["--num-kv-blocks", "0"], {}, ["--num-kv-blocks", "at least 1"]),
+    (["--drain-timeout-s", "-1"], {}, ["--drain-timeout-s"]),
+    (["--drain-timeout-s", "nan"], {}, ["--drain-timeout-s"]),
+    (["--drain-timeout-s", "inf"], {}, ["--drain-timeout-s"]),
+    (["--device", "tpu"], {}, ["--device", "tpu"]),
+    (["--dtype", "float8"], {}, ["--dtype", "float8", "bfloat16"]),
+])
+def test_serve_refuses_impossible_flags_before_anything_starts(args, env, needles, tmp_path, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    proc = serve(tmp_path, *args)
+    assert_flag_error(proc.returncode, proc.stderr, *needles)
+    assert "Bootstrap admin key" not in proc.stdout
+    assert not (tmp_path / "d").exists()  # no data dir, database or demo model
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--timeout", "-5"], ["--timeout", "-5"]),
+    (["--timeout", "0"], ["--timeout"]),
+    (["--timeout", "nan"], ["--timeout"]),
+    (["--timeout", "1e300"], ["--timeout", "86400"]),
+    (["--url", "127.0.0.1:8000"], ["--url", "http://"]),
+])
+def test_adapter_upload_checks_its_flags_first(args, needles, tmp_path, capsys):
+    rc, out, err = run(capsys, "adapter", "upload", "bot", str(tmp_path / "missing"), "--api-key", "lpx-x",
+                       "--url", f"http://127.0.0.1:{closed_port()}", *args)
+    assert_flag_error(rc, err, *needles)
+    assert out == ""
+
+
+def test_adapter_upload_of_a_missing_path_names_it(tmp_path, capsys):
+    missing = tmp_path / "missing"
+    rc, _, err = run(capsys, "adapter", "upload", "bot", str(missing), "--api-key", "lpx-x",
+                     "--url", f"http://127.0.0.1:{closed_port()}")
+    assert_flag_error(rc, err, str(missing), "does not exist")
