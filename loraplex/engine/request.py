@@ -149,6 +149,16 @@ class Request:
         if self.detokenizer is not None:
             self.detokenizer.append(token_id)
 
+    @property
+    def min_tokens_ban(self) -> tuple[int, ...]:
+        """The tokens that would end this sequence (EOS unless ignore_eos, stop_token_ids): the sampler bans them
+        while fewer than ``min_tokens`` have been generated (empty without min_tokens)."""
+        params = self.sampling_params
+        if not params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else tuple(self.eos_token_ids)
+        return tuple(sorted({*eos, *(params.stop_token_ids or ())}))
+
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Stop conditions after a new token, in vLLM's order. Sets ``stop_reason``."""
         params = self.sampling_params

@@ -20,6 +20,7 @@ from loraplex.engine.sampling_params import (
     SAMPLE_LOGIT_BIAS,
     SAMPLE_LOGPROBS,
     SAMPLE_MIN_P,
+    SAMPLE_MIN_TOKENS,
     SAMPLE_PENALTIES,
     SAMPLE_RANDOM,
     SAMPLE_SEEDED,
@@ -28,8 +29,9 @@ from loraplex.engine.sampling_params import (
 )
 
 _MASK = float("-inf")
-_BIASED = SAMPLE_LOGIT_BIAS | SAMPLE_BAD_WORDS
-_ROW_DETAILS = SAMPLE_PENALTIES | SAMPLE_SEEDED | SAMPLE_BAD_WORDS  # features that read ``SampleRow``s
+_BIASED = SAMPLE_LOGIT_BIAS | SAMPLE_BAD_WORDS | SAMPLE_MIN_TOKENS
+# features that read ``SampleRow``s
+_ROW_DETAILS = SAMPLE_PENALTIES | SAMPLE_SEEDED | SAMPLE_BAD_WORDS | SAMPLE_MIN_TOKENS
 
 
 @dataclass
@@ -43,6 +45,9 @@ class SampleRow:
     # ``inflight_tokens`` device tensor passed to ``sample``
     inflight_src: int | None = None
     bad_words_token_ids: Sequence[Sequence[int]] = ()  # the request's ``bad_words`` as token sequences
+    # the tokens that would end the sequence (EOS unless ignore_eos, stop_token_ids): banned while
+    # num_output_tokens < params.min_tokens, as in vLLM
+    stop_token_ids: Sequence[int] = ()
 
 
 @dataclass
@@ -137,6 +142,10 @@ class Sampler:
                             to_device(np.concatenate(bias_values), torch.float32, dev))
         if rows is not None:
             self._ban_bad_words(flat, vocab, [rows[i] for i in idx], inflight_tokens)
+            early = [j * vocab + t for j, i in enumerate(idx) if rows[i].num_output_tokens < params[i].min_tokens
+                     for t in rows[i].stop_token_ids]
+            if early:  # min_tokens not reached: nothing that would end the sequence may be sampled
+                flat.index_fill_(0, to_device(early, torch.int64, dev), _MASK)
         rows_t = to_device(idx, torch.int64, dev)
         return logits.index_copy(0, rows_t, logits.index_select(0, rows_t) + bias)
 

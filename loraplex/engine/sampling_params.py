@@ -19,6 +19,7 @@ SAMPLE_LOGPROBS = 32
 SAMPLE_PROMPT_LOGPROBS = 64  # runner work: logits of prompt positions
 SAMPLE_LOGIT_BIAS = 128  # allowed_token_ids or logit_bias: a bias row made from the params alone
 SAMPLE_BAD_WORDS = 256  # bad_words: bans that depend on the newest output tokens
+SAMPLE_MIN_TOKENS = 512  # min_tokens: EOS and stop_token_ids banned until that many output tokens
 
 MAX_LOGIT_BIAS = 100.0  # logit_bias values lie in [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS] (OpenAI's range)
 
@@ -139,6 +140,8 @@ class SamplingParams:
             flags |= SAMPLE_LOGIT_BIAS
         if self.bad_words:
             flags |= SAMPLE_BAD_WORDS
+        if self.min_tokens:
+            flags |= SAMPLE_MIN_TOKENS
         return flags
 
     def bad_words_token_ids(self, encode: Callable[[str], list[int]]) -> list[list[int]]:

@@ -132,7 +132,8 @@ class StepSampler:
         sampled = self.sampler.sample(logits, [r.sampling_params for r in reqs],
                                       lambda: [SampleRow(r.sampling_params, r.index, r.num_output_tokens,
                                                          self._prompt_array(r), r.output_token_ids,
-                                                         src_of.get(r.seq_id), r.bad_words_token_ids)
+                                                         src_of.get(r.seq_id), r.bad_words_token_ids,
+                                                         r.min_tokens_ban)
                                                for r in reqs],
                                       flags, inflight_tokens)
         n = row_idx.size
@@ -231,7 +232,8 @@ class StepSampler:
         def rows() -> list[SampleRow]:
             index = sample_index or [r.index for r in sample_reqs]
             return [SampleRow(r.sampling_params, i, r.num_output_tokens, self._prompt_array(r), r.output_token_ids,
-                              src_of.get(r.seq_id), r.bad_words_token_ids) for r, i in zip(sample_reqs, index)]
+                              src_of.get(r.seq_id), r.bad_words_token_ids, r.min_tokens_ban)
+                    for r, i in zip(sample_reqs, index)]
 
         out = self.sampler.sample(logits, [r.sampling_params for r in sample_reqs], rows, flags, inflight_tokens)
         # one device->host copy for the tokens and their logprobs (float64 holds any token id exactly)

@@ -47,10 +47,37 @@ def test_eos_and_stop_token_ids_and_min_tokens(llm):
     out = llm.generate("Hello", SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[t[3]]))[0].outputs[0]
     first = t.index(t[3])
     assert out.token_ids == t[:first + 1] and out.stop_reason == t[3] and out.finish_reason == "stop"
-    later = [i for i, x in enumerate(t) if x == t[3] and i >= 8]
     out = llm.generate("Hello", SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[t[3]],
                                                min_tokens=8))[0].outputs[0]
-    assert len(out.token_ids) == (later[0] + 1 if later else 20)
+    # the stop token is not sampled before min_tokens (vLLM bans it), then ends the sequence where it comes
+    assert t[3] not in out.token_ids[:8] and out.token_ids[:3] == t[:3] and out.token_ids[3] != t[3]
+    assert t[3] not in out.token_ids[:-1]
+    assert (out.finish_reason, out.token_ids[-1]) == ("stop", t[3]) or (out.finish_reason, len(out.token_ids)) == ("length", 20)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_min_tokens_bans_eos_and_stop_tokens_until_reached(tiny_model, async_scheduling):
+    """EOS (unless ignore_eos) and stop_token_ids cannot be sampled before min_tokens output tokens, as in vLLM;
+    here both are favoured by +100 logit_bias, so without min_tokens they would come first."""
+    llm = LLM(tiny_model["model_dir"], dtype="float32", async_scheduling=async_scheduling)
+    eos = llm.get_tokenizer().eos_token_id
+    free = llm.generate("Hello", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0].token_ids
+    stop = free[1]
+    cases = [(dict(logit_bias={eos: 100.0}), eos), (dict(logit_bias={stop: 100.0}, stop_token_ids=[stop]), stop)]
+    for kw, ender in cases:
+        first = llm.generate("Hello", SamplingParams(max_tokens=12, temperature=0, **kw))[0].outputs[0]
+        assert first.token_ids == [ender] and first.finish_reason == "stop"
+        for min_tokens in (1, 4):
+            outs = llm.generate(["Hello", "The river"], SamplingParams(max_tokens=12, temperature=0, min_tokens=min_tokens,
+                                                                       **kw))
+            for o in outs:
+                ids = o.outputs[0].token_ids
+                assert len(ids) == min_tokens + 1 and ids[-1] == ender and ender not in ids[:-1], (kw, ids)
+                assert o.outputs[0].finish_reason == "stop"
+    # ignore_eos: EOS is not what ends the sequence, so min_tokens leaves it alone
+    out = llm.generate("Hello", SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, min_tokens=3,
+                                               logit_bias={eos: 100.0}))[0].outputs[0]
+    assert out.token_ids == [eos] * 5
 
 
 def test_bad_requests_raise_clear_errors(llm):
