@@ -1,7 +1,12 @@
 """``lora_expand_first_min_tokens`` on CUDA: large steps run each projection's shrink and a write-only expand, then
-the base GEMM accumulates into that output (cuBLAS, beta = 1). Checked against the usual order (GEMM, then the
-accumulating expand) on every projection in fp32 and bf16, eagerly and under CUDA-graph replay with other adapter
-mixes than at capture; then the engine end to end with the option on for every step against it off."""
+the base GEMM accumulates into that output (cuBLAS, beta = 1).
+
+The order of the roundings differs from the usual path (GEMM rounded, then the delta added and rounded again;
+here the delta rounded, then added inside the GEMM's epilogue), so results are not bit-identical. fp32: equal to
+the usual order within fp32 noise, eagerly and under CUDA-graph replay with other adapter mixes than at capture,
+and the engine's greedy tokens equal. bf16: at least as close to an fp32 reference as the usual order is (run 13
+found a bf16 chain of 8 projections differing by more than an absolute 3e-2, as two roundings can, so a direct
+comparison is not the right check)."""
 
 from __future__ import annotations
 
@@ -11,22 +16,24 @@ import torch
 from loraplex.kernels.lora_testing import capture_cuda_graph, token_slots_for
 from tests.gpu.test_cuda_graphs import _compare, generate_with, mixed_requests
 from tests.gpu.test_lora_overlap_gpu import _chain, _setup
+from tests.gpu.test_merged_gpu import _errors
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-TOL = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=3e-2, atol=3e-2)}
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_expand_first_equals_the_usual_order_eager_and_under_graph_replay(dtype):
+def _step(pool, slots_buf, active, **kw):
     from loraplex.adapters.mapping import LoRAStep
 
-    shapes, pool, weights, x0, slots_buf, num_tokens, slots_n = _setup(dtype)
+    return LoRAStep(pool, slots_buf, active, use_triton=True, **kw)
+
+
+def test_expand_first_fp32_equals_the_usual_order_eager_and_under_graph_replay():
+    shapes, pool, weights, x0, slots_buf, num_tokens, slots_n = _setup(torch.float32)
     active = min(num_tokens, slots_n)
     results = {}
 
     def graph_step():
-        step = LoRAStep(pool, slots_buf, active, use_triton=True, expand_first_min_tokens=1)  # zeros: base rows
+        step = _step(pool, slots_buf, active, expand_first_min_tokens=1)  # as captured: base rows start at zero
         assert step.expand_first
         results["graph"] = _chain(step, shapes, weights, x0)
 
@@ -38,23 +45,63 @@ def test_expand_first_equals_the_usual_order_eager_and_under_graph_replay(dtype)
         graph.replay()
         torch.cuda.synchronize()
         got = [o.clone() for o in results["graph"]]
-        has_base = bool((slots < 0).any())
-        eager = _chain(LoRAStep(pool, slots_buf, active, use_triton=True, expand_first_min_tokens=1,
-                                has_base_tokens=has_base), shapes, weights, x0)
-        usual = _chain(LoRAStep(pool, slots_buf, active, use_triton=True), shapes, weights, x0)
-        torch.cuda.synchronize()
+        eager = _chain(_step(pool, slots_buf, active, expand_first_min_tokens=1,
+                             has_base_tokens=bool((slots < 0).any())), shapes, weights, x0)
+        usual = _chain(_step(pool, slots_buf, active), shapes, weights, x0)
         for i, (g, e, u) in enumerate(zip(got, eager, usual)):
-            torch.testing.assert_close(e, u, **TOL[dtype], msg=f"{mix} eager {i}")
-            torch.testing.assert_close(g, u, **TOL[dtype], msg=f"{mix} graph {i}")
-        base_only = _chain(LoRAStep(pool, slots_buf, 0, use_triton=True), shapes, weights, x0)
-        assert not torch.allclose(base_only[0], usual[0], **TOL[dtype])  # the delta is really there
+            torch.testing.assert_close(e, u, rtol=1e-4, atol=1e-4, msg=lambda m, i=i, mix=mix: f"{mix} eager {i}: {m}")
+            torch.testing.assert_close(g, u, rtol=1e-4, atol=1e-4, msg=lambda m, i=i, mix=mix: f"{mix} graph {i}: {m}")
+        base_only = _chain(_step(pool, slots_buf, 0), shapes, weights, x0)
+        assert not torch.allclose(base_only[0], usual[0], rtol=1e-3, atol=1e-3)  # the delta is really there
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_with_expand_first_matches_the_usual_order(tiny_model, dtype):
+def test_expand_first_bf16_is_as_accurate_as_the_usual_order():
+    shapes, pool, weights, x0, slots_buf, num_tokens, slots_n = _setup(torch.bfloat16)
+    pool32, w32 = _upcast(pool), [{p: w.float() for p, w in d.items()} for d in weights]
+    active = min(num_tokens, slots_n)
+    cpu_gen = torch.Generator().manual_seed(4)
+    for mix in ("identical", "distinct", "zipf", "skewed"):
+        slots = token_slots_for(mix, num_tokens, slots_n, cpu_gen).cuda()
+        slots_buf.copy_(slots)
+        ref = _chain(_step(pool32, slots_buf, active), shapes, w32, x0.float())
+        usual = _chain(_step(pool, slots_buf, active), shapes, weights, x0)
+        first = _chain(_step(pool, slots_buf, active, expand_first_min_tokens=1,
+                             has_base_tokens=bool((slots < 0).any())), shapes, weights, x0)
+        for i, (r, u, f) in enumerate(zip(ref, usual, first)):
+            err_u = (u.float() - r).abs()
+            err_f = (f.float() - r).abs()
+            assert err_f.mean() <= 1.25 * err_u.mean() + 1e-4, (mix, i, err_f.mean().item(), err_u.mean().item())
+            assert err_f.max() <= 2 * err_u.max() + 1e-2, (mix, i, err_f.max().item(), err_u.max().item())
+
+
+def _upcast(pool):
+    """A float32 copy of a bf16 slot pool (the same adapters, exactly)."""
+    from loraplex.adapters.slot_pool import SlotPool
+
+    up = SlotPool(pool.shapes, pool.max_loras, pool.max_rank, pool.device, torch.float32)
+    for name in ("a", "bt"):
+        for p, t in getattr(pool, name).items():
+            getattr(up, name)[p].copy_(t.float())
+    up.ranks.copy_(pool.ranks)
+    up.scaling.copy_(pool.scaling)
+    return up
+
+
+def test_engine_with_expand_first_fp32_matches_the_usual_order(tiny_model):
     requests = mixed_requests(tiny_model, seed=11)
-    _, usual = generate_with(tiny_model, dtype, requests)
-    llm, first = generate_with(tiny_model, dtype, requests, lora_expand_first_min_tokens=1)
+    _, usual = generate_with(tiny_model, "float32", requests)
+    llm, first = generate_with(tiny_model, "float32", requests, lora_expand_first_min_tokens=1)
     assert llm.engine.runner.lora_manager.expand_first_min_tokens == 1
-    compared = _compare(usual, first, dtype)
-    assert compared >= (1.0 if dtype == "float32" else 0.9) * 40 * 12
+    assert _compare(usual, first, "float32") == 40 * 12
+
+
+def test_engine_with_expand_first_bf16_is_as_accurate_as_the_usual_order(tiny_model):
+    requests = mixed_requests(tiny_model, seed=11)
+    _, ref = generate_with(tiny_model, "float32", requests)
+    _, usual = generate_with(tiny_model, "bfloat16", requests)
+    _, first = generate_with(tiny_model, "bfloat16", requests, lora_expand_first_min_tokens=1)
+    err_u, err_f = _errors(ref, usual), _errors(ref, first)
+    assert len(err_f) >= 0.5 * 40 * 12 and len(err_u) >= 0.5 * 40 * 12
+    mean_u, mean_f = sum(err_u) / len(err_u), sum(err_f) / len(err_f)
+    assert mean_f <= 1.5 * mean_u + 0.01, (mean_f, mean_u)
+    assert max(err_f) <= 2 * max(err_u) + 0.05, (max(err_f), max(err_u))

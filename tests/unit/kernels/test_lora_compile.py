@@ -30,7 +30,8 @@ def compile_here(kernel: str, ptr_types: dict[str, str], constexprs: dict, runti
     """AOT-compile ``module.kernel`` (names under loraplex.kernels) for sm_90; run by ``_compile`` in a child."""
     module, name = kernel.split(".")
     fn = triton.runtime.jit.JITFunction(getattr(importlib.import_module(f"loraplex.kernels.{module}"), name).fn)
-    constexprs = dict(constexprs)
+    # constexpr parameters the caller leaves out take their defaults, as a launch that omits them does
+    constexprs = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **constexprs}
     attrs = None
     if runtime_hints:
         # what the JIT launcher knows at run time: unit inner strides, 16-divisible pointers, strides and K
@@ -72,7 +73,12 @@ def test_kernels_compile_for_sm90_in_bf16(regime):
                       {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"},
                       dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=128, BLOCK_R=64, DOT_PRECISION="tf32", COL_ALIGN=8,
                            USE_PDL=False, PREFETCH_OUT=True, CHUNK_TABLES=False), num_warps=4)
-    for compiled in (shrink, expand):
+    write_only = _compile("lora_expand._lora_expand_kernel",
+                          {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"},
+                          dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=128, BLOCK_R=64, DOT_PRECISION="tf32",
+                               COL_ALIGN=8, USE_PDL=False, PREFETCH_OUT=False, CHUNK_TABLES=False, ACCUMULATE=False),
+                          num_warps=4)
+    for compiled in (shrink, expand, write_only):
         assert compiled["cubin"] and "mma" in compiled["ptx"]  # tensor-core dots, not scalar loops
         assert compiled["shared"] <= 100 * 1024
         assert "griddepcontrol" not in compiled["ptx"]  # programmatic dependent launch only when asked
