@@ -132,16 +132,7 @@ def _lora_expand_kernel(
         p_mask = (offs_m * 0 + p) < parts
         ys += tl.load(y_ptrs + p * stride_yp, mask=y_mask & p_mask[:, None], other=0.0)
     ys = ys.to(b_ptr.dtype.element_ty)
-    if not ACCUMULATE:
-        for n0 in range(n_lo, n_hi, BLOCK_N):
-            offs_n = n0 + offs_bn
-            n_mask = offs_n < n_hi
-            b = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn, mask=r_mask[:, None] & n_mask[None, :],
-                        other=0.0)
-            acc = tl.dot(ys, b, input_precision=DOT_PRECISION) * scale
-            tl.store(o_rows + offs_n[None, :].to(tl.int64) * stride_on, acc.to(out_ptr.dtype.element_ty),
-                     mask=m_mask[:, None] & n_mask[None, :])
-    elif PREFETCH_OUT:
+    if PREFETCH_OUT and ACCUMULATE:
         # out is read-modify-written per tile; its load is not pipelined by the compiler, so the next tile's
         # load is issued one trip ahead (its latency overlaps this trip's B load, dot and store)
         nxt = tl.load(o_rows + (n_lo + offs_bn)[None, :].to(tl.int64) * stride_on,
@@ -167,8 +158,9 @@ def _lora_expand_kernel(
             acc = tl.dot(ys, b, input_precision=DOT_PRECISION) * scale
             o_ptrs = o_rows + offs_n[None, :].to(tl.int64) * stride_on
             o_mask = m_mask[:, None] & n_mask[None, :]
-            base = tl.load(o_ptrs, mask=o_mask, other=0.0)
-            tl.store(o_ptrs, (base.to(tl.float32) + acc).to(base.dtype), mask=o_mask)
+            if ACCUMULATE:  # read-modify-write (accumulate=False: out is not read)
+                acc += tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+            tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def slice_col_align(slice_loc: list[int]) -> int:
