@@ -21,6 +21,8 @@ the padding logic is exercised everywhere.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 
 import torch
@@ -42,6 +44,23 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
         b += 64
     buckets.append(max_num_seqs)
     return buckets
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic GC collected first, then off while graphs are captured: a collection inside a capture could
+    free objects of anything in the process (another engine's pinned adapter buffers, tensors used on other
+    streams), and the CUDA calls such frees make (events recorded on the capturing stream, for one) must not join
+    or void a capture. (``torch.cuda.graph`` collects before each capture for the same reason; the piecewise
+    runner captures thousands of pieces with ``capture_begin`` directly.)"""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class BucketedGraphs:
@@ -66,10 +85,16 @@ class BucketedGraphs:
         if not self.capture_graphs:
             return
         modes = (False, True) if lora_manager is not None else (False,)
-        for bucket in reversed(self.buckets):
-            for with_lora in modes:
-                if (bucket, with_lora) not in self._graphs:
-                    self._capture((bucket, with_lora), lora_manager)
+        with gc_paused():
+            for bucket in reversed(self.buckets):
+                for with_lora in modes:
+                    if (bucket, with_lora) not in self._graphs:
+                        self._capture((bucket, with_lora), lora_manager)
+
+    def capture(self, key: tuple[int, bool], lora_manager) -> None:
+        """Capture one key now (a key ``capture_all`` did not capture, first met in a step)."""
+        with gc_paused():
+            self._capture(key, lora_manager)
 
     def _capture(self, key: tuple[int, bool], lora_manager) -> None:
         raise NotImplementedError
@@ -118,7 +143,7 @@ class DecodeGraphRunner(BucketedGraphs):
         bucket, num_seqs = batch.num_rows, batch.num_seqs
         key = (bucket, bool(slot_of))
         if key not in self._graphs:
-            self._capture(key, lora_manager)
+            self.capture(key, lora_manager)
         self._load_inputs(batch, slot_of if key[1] else None)
         if fixup is not None:
             fixup(self.input_ids)

@@ -103,7 +103,7 @@ class PiecewiseGraphRunner(BucketedGraphs):
         assert bucket is not None, f"{num_tokens} tokens: more than the largest bucket {self.max_tokens}"
         key = (bucket, bool(slot_of))
         if key not in self._graphs:
-            self._capture(key, lora_manager)
+            self.capture(key, lora_manager)
         self._load_inputs(batch, bucket, slot_of if key[1] else None)
         if fixup is not None:
             fixup(self.input_ids)
