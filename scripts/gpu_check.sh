@@ -22,6 +22,9 @@
 #   variants   offline A/B of engine settings: bench offline (1,000 requests, 256 in / 128 out, popularities
 #              ${OFFLINE_POPULARITY:-base,zipf,distinct}, ${OFFLINE_REPEATS:-2} rounds) once per entry of OFFLINE_VARIANTS
 #              (';'-separated lists of bench flags; default: the piecewise CUDA graphs off, then on)
+#   inlayer    the LoRA work between the base GEMMs of the model's projections (32 layers, one CUDA graph each): a
+#              decode step (64 tokens) and steps of ${INLAYER_TOKENS:-2048,8192} tokens, orders sequential / overlap /
+#              expand-first (engine option lora_expand_first_min_tokens): which order costs least, per step size
 #   ab         A/B of the experimental fuse_lora_silu_mul: its GPU test, then bench offline (1,000 requests, every
 #              popularity) without and with --fuse-lora-silu-mul, and step-profile at 64 adapters with it
 #
@@ -127,6 +130,11 @@ if [[ "$what" == *pairs* ]]; then
             grep -E "completed in|sequences per step" "$out/pairs-$round-$i.log" | sed 's/.*bench.online: //' | cut -c1-400
         done
     done
+fi
+if [[ "$what" == *inlayer* ]]; then
+    python3 -m loraplex.bench.lora_kernels --in-layer-only --in-layer-tokens "${INLAYER_TOKENS:-2048,8192}" \
+        --reps "${INLAYER_REPS:-50}" --out "$out/lora_in_layer.json" ${smoke[@]+"${smoke[@]}"} > "$out/inlayer.log" 2>&1
+    echo "inlayer: exit $?"; grep -E "^\| (base only|sequential|overlap|expand-first) " "$out/lora_in_layer.md"
 fi
 if [[ "$what" == *variants* ]]; then
     IFS=';' read -r -a offline_variants <<< "${OFFLINE_VARIANTS:---no-piecewise-cuda-graphs;--piecewise-cuda-graphs}"

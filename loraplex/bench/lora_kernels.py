@@ -475,20 +475,26 @@ def bench_decode_steps(shapes, num_tokens: int, rank: int, device, dtype, copy_b
     return {"tokens": num_tokens, "rank": rank, "layers": shapes.num_layers, "steps": rows, "kernels": kernel_rows}
 
 
-# LoRA inside the base projections (bench_in_layer): the shrink after the GEMM on the same stream, or on a forked
-# stream alongside it (LoRAStep(overlap_shrink=True), engine option lora_overlap_shrink)
-IN_LAYER_POLICIES = (("sequential", False), ("overlap", True))
+# LoRA inside the base projections (bench_in_layer), as LoRAStep options: the shrink after the GEMM on the same
+# stream, or on a forked stream alongside it (engine option lora_overlap_shrink), or the write-first order (shrink
+# and a write-only expand, then the GEMM accumulating into that output: engine option lora_expand_first_min_tokens;
+# every token carries an adapter in these mixes)
+IN_LAYER_POLICIES = (("sequential", {}), ("overlap", {"overlap_shrink": True}),
+                     ("expand-first", {"expand_first_min_tokens": 1, "has_base_tokens": False}))
+# prefill-sized in-layer runs (--in-layer-tokens above the decode step's): adapters among the step's tokens
+PREFILL_IN_LAYER_MIXES = (("32 adapters", 32), ("8 adapters", 8))
 
 
 def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: float, reps: int,
-                   mixes=STEP_MIXES) -> dict:
-    """The base projections of one decode step (32 layers x qkv, o, gate|up, down; random bf16 weights of the
-    model's shapes, distinct per layer) with and without the LoRA work, each one CUDA graph built as the engine
-    builds its decode graph (LoRAStep inside the graph). ``added_ms`` = step with LoRA - base projections alone:
-    what LoRA costs a decode step when its launches sit between the GEMMs, per policy (``IN_LAYER_POLICIES``)."""
+                   mixes=STEP_MIXES, num_slots: int | None = None) -> dict:
+    """The base projections of one step (32 layers x qkv, o, gate|up, down; random bf16 weights of the model's
+    shapes, distinct per layer) with and without the LoRA work, each one CUDA graph built as the engine builds its
+    graphs (LoRAStep inside the graph). ``added_ms`` = step with LoRA - base projections alone: what LoRA costs a
+    step when its launches sit between the GEMMs, per policy (``IN_LAYER_POLICIES``). ``num_slots``: the pool's
+    slots (default one per token: a decode step's distinct adapters)."""
     from loraplex.adapters.mapping import LoRAStep
 
-    bench = _DecodeStepBench(shapes, num_tokens, rank, device, dtype)
+    bench = _DecodeStepBench(shapes, num_tokens, rank, device, dtype, num_slots=num_slots)
     gen = torch.Generator(device=device).manual_seed(1)
     weights = [{p: torch.empty(sum(shapes.slice_widths(p)), shapes.proj_in(p), dtype=dtype, device=device)
                 .normal_(0.0, 0.02, generator=gen) for p in bench.projs} for _ in range(shapes.num_layers)]
@@ -509,11 +515,11 @@ def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: f
     rows = [{"policy": "base only", "mix": "—", "adapters": 0, "time_ms": base_s * 1e3, "added_ms": 0.0,
              "base_floor_ms": base_bytes / copy_bw * 1e3, "lora_floor_ms": 0.0}]
     log.info("IN-LAYER %s", rows[-1])
-    for name, overlap in IN_LAYER_POLICIES:
+    for name, options in IN_LAYER_POLICIES:
         bench.slots.copy_(_mix_slots(num_tokens, mixes[0][1], device))
         try:
-            graph = _capture(lambda overlap=overlap: run(LoRAStep(bench.pool, bench.slots, bench.num_active, True,
-                                                                   overlap_shrink=overlap)), device)
+            graph = _capture(lambda options=options: run(LoRAStep(bench.pool, bench.slots, bench.num_active, True,
+                                                                   **options)), device)
         except Exception as exc:  # report the failure, keep the rest of the run
             log.warning("in-layer policy %s failed: %s", name, str(exc).splitlines()[0][:300])
             _sync(device)
@@ -535,11 +541,13 @@ def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: f
 def _in_layer_markdown(in_layer: dict | None) -> list[str]:
     if not in_layer:
         return []
-    lines = ["## LoRA inside the base projections of one decode step", "",
+    lines = [f"## LoRA inside the base projections of one step of {in_layer['tokens']} tokens", "",
              f"{in_layer['tokens']} tokens, rank {in_layer['rank']}, {in_layer['layers']} layers x (q|k|v, o, gate|up, "
              "down): the base GEMMs (random weights of the model's shapes) with the LoRA work between them, one CUDA "
              "graph each, median replay. Added = with LoRA - base projections alone. `overlap`: each shrink on a "
-             "forked stream while its GEMM runs (engine option `lora_overlap_shrink`); `sequential`: after it.", "",
+             "forked stream while its GEMM runs (engine option `lora_overlap_shrink`); `sequential`: after it; "
+             "`expand-first`: shrink and a write-only expand, then the GEMM accumulating into that output (engine "
+             "option `lora_expand_first_min_tokens`).", "",
              "| policy | workload | adapters | time (ms) | added by LoRA (ms) | LoRA floor (ms) | base floor (ms) |",
              "|---|---|---|---|---|---|---|"]
     for r in in_layer["rows"]:
@@ -876,6 +884,8 @@ def _markdown(payload: dict) -> str:
                   f"{steps['tokens']} tokens, rank {steps['rank']} on all 7 modules, {steps['layers']} layers, one "
                   f"CUDA graph. {STEPS_NOTE}", ""] + _steps_markdown(steps) + [""]
     lines += _in_layer_markdown(payload.get("in_layer"))
+    for more in payload.get("in_layer_more") or []:
+        lines += _in_layer_markdown(more)
     lines += _prefill_markdown(payload.get("prefill"))
     lines += ["## Per kernel (do_bench: L2 flushed, host launch time partly inside the events)", "",
               "| regime | tokens | adapters | rank | proj | kernel | split-K | time (us) | MB | GB/s | % copy BW |"
@@ -944,6 +954,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-two-launch", action="store_true",
                         help="with --sweep: also sweep the two-launch shrink / expand (slow: ~190 configs per shape)")
     parser.add_argument("--skip-prefill", action="store_true", help="decode shapes only")
+    parser.add_argument("--in-layer-tokens", default="",
+                        help="more token counts (comma-separated) for the in-layer benchmark, e.g. 8192: prefill-sized "
+                             "steps with 32 and 8 adapters (the decode step's count always runs)")
+    parser.add_argument("--in-layer-only", action="store_true",
+                        help="only the in-layer benchmark (the decode step's and --in-layer-tokens)")
     parser.add_argument("--step-sweep-mode", choices=("fused", "two-launch"), default="fused",
                         help="with --step-sweep: which configurations to try at rank 16 (rank 64 tries the 3 best)")
     parser.add_argument("--step-variants", action="store_true",
@@ -1008,14 +1023,16 @@ def main(argv: list[str] | None = None) -> int:
         out.with_suffix(".md").write_text(_variants_markdown(payload))
         log.info("wrote %s", out)
         return 0
-    steps = bench_decode_steps(shapes, step_tokens, 16, device, dtype, copy_bw, reps, STEP_POLICIES, args.before_dir,
-                               profile=not args.no_profile and device.type == "cuda",
-                               mixes=STEP_MIXES if not args.smoke else (("distinct", 8), ("identical", 1)))
-    default_distinct = next(r for r in steps["steps"] if r["policy"] == "default")
     payload = {"command": command, "environment": env, "smoke": args.smoke, "shapes": dataclasses.asdict(shapes),
-               "copy_bandwidth_gb_s": copy_bw / 1e9, "kernels": [], "decode_steps": steps,
-               # the distinct-adapter step of the default policy (the issue-9 target row)
-               "decode_step": {**default_distinct, "cuda_graph": device.type == "cuda"}}
+               "copy_bandwidth_gb_s": copy_bw / 1e9, "kernels": []}
+    if not args.in_layer_only:
+        steps = bench_decode_steps(shapes, step_tokens, 16, device, dtype, copy_bw, reps, STEP_POLICIES,
+                                   args.before_dir, profile=not args.no_profile and device.type == "cuda",
+                                   mixes=STEP_MIXES if not args.smoke else (("distinct", 8), ("identical", 1)))
+        default_distinct = next(r for r in steps["steps"] if r["policy"] == "default")
+        payload["decode_steps"] = steps
+        # the distinct-adapter step of the default policy (the issue-9 target row)
+        payload["decode_step"] = {**default_distinct, "cuda_graph": device.type == "cuda"}
 
     def write() -> None:  # after each part: a run cut short still leaves what it measured
         out.write_text(json.dumps(payload, indent=2) + "\n")
@@ -1027,6 +1044,17 @@ def main(argv: list[str] | None = None) -> int:
     payload["in_layer"] = bench_in_layer(shapes, step_tokens, 16, device, dtype, copy_bw, reps,
                                          mixes=STEP_MIXES if not args.smoke else (("distinct", 8), ("identical", 1)))
     write()
+    for tokens in (int(t) for t in args.in_layer_tokens.split(",") if t.strip()):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        slots = max(a for _, a in PREFILL_IN_LAYER_MIXES)
+        payload.setdefault("in_layer_more", []).append(bench_in_layer(
+            shapes, tokens, 16, device, dtype, copy_bw, max(3, reps // 10), mixes=PREFILL_IN_LAYER_MIXES,
+            num_slots=min(tokens, slots)))
+        write()
+    if args.in_layer_only:
+        log.info("wrote %s and %s", out, out.with_suffix(".md"))
+        return 0
     if not args.skip_prefill and not args.smoke:
         payload["prefill"] = prefill_check(shapes, device, dtype, copy_bw, max(5, reps // 5), args.before_dir)
         write()
