@@ -71,13 +71,18 @@ async def revoke_key(request: Request, key_id: str = Parameter(max_length=32)) -
     p = session.principal
     await form_of(request, session)
     services = request.app.state.services
+    back = _BACK_RE.search(request.headers.get("referer", ""))
+    target = f"/console/tenants/{back.group(1)}" if back else "/console/keys"
+    if p.is_admin and key_id == p.key_id:
+        # as over HTTP (409 own_key): the operator's own admin key would lock the console out
+        return redirect(request, target, error=f"Key {key_id} is the admin key of this session and was not revoked: "
+                                               f"sign in with another admin key, or run 'loraplex admin key revoke "
+                                               f"{key_id}' on the server.")
     async with services.sessions() as s:
         # a tenant's lookup is scoped to itself: another tenant's key id is a 404 like an unknown one
         key = await svc.revoke_key(s, services.kv, key_id, None if p.is_admin else p.tenant_id)
     note = " That was the key of this session: sign in again." if key.id == p.key_id else ""
     # revoked from a tenant's page: go back there
-    back = _BACK_RE.search(request.headers.get("referer", ""))
-    target = f"/console/tenants/{back.group(1)}" if back else "/console/keys"
     return redirect(request, target, flash=f"Key {key.id} revoked; it stops working within a second.{note}")
 
 

@@ -122,3 +122,25 @@ async def test_session_store_outage_fails_closed_with_503(capp):
     assert page.status_code == 503 and "session store is unavailable" in page.text
     assert api.status_code == 503 and api.json()["error"]["code"] == "session_store_unavailable"
     assert (await capp.c.get("/console/keys")).status_code == 200
+
+
+async def test_an_admin_session_cannot_revoke_its_own_key_but_a_tenant_can(capp):
+    """As over HTTP (409 own_key): revoking the admin key of the session would lock the operator out of the
+    console, so it is refused with a message and nothing changes; a tenant may still revoke its own key (its
+    session ends, the operator can issue another)."""
+    await sign_in(capp.c, capp.admin_key)
+    admin_id = capp.admin_key.split("-")[1]
+    token = await csrf_of(capp.c)
+    r = await capp.c.post(f"/console/keys/{admin_id}/revoke", data={"_csrf": token}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/console/keys"
+    page = await capp.c.get("/console/keys")
+    assert page.status_code == 200 and f"Key {admin_id} is the admin key of this session and was not revoked" in page.text
+    admin = {"Authorization": f"Bearer {capp.admin_key}"}
+    assert (await capp.c.get("/admin/tenants", headers=admin)).status_code == 200  # still valid
+    key, key_id = await capp.tenant("acme")
+    capp.c.cookies.clear()
+    await sign_in(capp.c, key)
+    token = await csrf_of(capp.c)
+    r = await capp.c.post(f"/console/keys/{key_id}/revoke", data={"_csrf": token}, follow_redirects=False)
+    assert r.status_code == 303
+    assert (await capp.c.get("/v1/models", headers={"Authorization": f"Bearer {key}"})).status_code == 401
