@@ -164,9 +164,7 @@ class LoRAStep:
         alloc = torch.zeros if self.has_base_tokens else torch.empty
         out = alloc(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         y, valid = self._ops.lora_shrink_apply(x, a, ranks, self._meta, cfg, self._scratch, chunk_ranks)
-        self._ops.lora_expand_apply(y, valid, out, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj],
-                                    self._widths[proj], self._meta, cfg, self._col_align[proj], chunk_ranks,
-                                    accumulate=False)
+        self._expand(proj, y, valid, out, bt, ranks, cfg, chunk_ranks, accumulate=False)
         return out.addmm_(x, weight.t())
 
     def _overlapped_linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
@@ -188,8 +186,15 @@ class LoRAStep:
             y, valid = self._ops.lora_shrink_apply(x, a, ranks, self._meta, cfg, self._scratch, chunk_ranks, pdl=False)
         out = torch.nn.functional.linear(x, weight, bias)
         main.wait_stream(side)
+        return self._expand(proj, y, valid, out, bt, ranks, cfg, chunk_ranks)
+
+    def _expand(self, proj: str, y, valid: dict, out: torch.Tensor, bt, ranks, cfg, chunk_ranks,
+                accumulate: bool = True) -> torch.Tensor:
+        """The expand of one layer's ``proj`` from a shrink's partials ``y`` into ``out`` (``lora_expand_apply``
+        with this step's pool, metadata and column hints)."""
         return self._ops.lora_expand_apply(y, valid, out, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj],
-                                           self._widths[proj], self._meta, cfg, self._col_align[proj], chunk_ranks)
+                                           self._widths[proj], self._meta, cfg, self._col_align[proj], chunk_ranks,
+                                           accumulate=accumulate)
 
     def add(self, layer_idx: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [T, N_total] += LoRA delta of x [T, K] for ``proj`` in qkv | o | gate_up | down."""
