@@ -122,11 +122,6 @@ def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None
               reorder: int, started: float) -> int:
     from loraplex.engine.llm import LLM
 
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise BatchError(f"--device {args.device}: CUDA is not available on this machine")
     try:
         llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed,
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, enable_lora=args.enable_lora,

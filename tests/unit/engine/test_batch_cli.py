@@ -7,6 +7,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.cli import main
@@ -360,6 +361,8 @@ def test_mistyped_prompt_token_ids_and_lora_fields_fail_their_line_naming_the_fi
     (["--max-model-len", "100000"], ["--max-model-len", "100000"]),
     (["--max-model-len", "0"], ["--max-model-len"]),  # the engine started with a context of 0 tokens
     (["--device", "tpu"], ["--device", "tpu"]),
+    pytest.param(["--device", "cuda"], ["--device", "CUDA is not available"],
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")),
     (["--max-tokens", "0"], ["--max-tokens", ">= 1"]),
     (["--temperature", "-1"], ["--temperature", ">= 0"]),
     (["--max-num-seqs", "0"], ["--max-num-seqs"]),
