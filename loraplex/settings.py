@@ -67,6 +67,7 @@ class Settings:
     freeze_gc: bool = True
     attention_decode_split: bool = True  # engine option (EngineConfig.attention_decode_split); off for A/B runs
     piecewise_cuda_graphs: bool = True  # engine option (EngineConfig.piecewise_cuda_graphs); off for A/B runs
+    lora_expand_first_min_tokens: int = 2048  # engine option (EngineConfig.lora_expand_first_min_tokens); 0: never
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # None = sized from free memory

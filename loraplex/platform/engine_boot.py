@@ -60,6 +60,7 @@ def engine_config(settings: Settings, model_dir: Path, model_id: str):
         prefill_batch_min_running=settings.prefill_batch_min_running,
         attention_decode_split=settings.attention_decode_split,
         piecewise_cuda_graphs=settings.piecewise_cuda_graphs,
+        lora_expand_first_min_tokens=settings.lora_expand_first_min_tokens,
     )
 
 

@@ -65,3 +65,17 @@ def test_prefill_batching_is_on_for_the_server_and_reaches_the_engine_config(tmp
     custom = engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu", "LORAPLEX_PREFILL_BATCH_MIN_TOKENS": "0",
                                               "LORAPLEX_PREFILL_BATCH_MAX_WAIT_STEPS": "3"}), Path(tmp_path), "m")
     assert (custom.prefill_batch_min_tokens, custom.prefill_batch_max_wait_steps) == (0, 3)
+
+
+def test_lora_expand_first_min_tokens_reaches_the_engine_config(tmp_path):
+    from pathlib import Path
+
+    from loraplex.platform.engine_boot import engine_config
+
+    default = engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu"}), Path(tmp_path), "m")
+    assert default.lora_expand_first_min_tokens == 2048
+    off = Settings.from_env({"LORAPLEX_LORA_EXPAND_FIRST_MIN_TOKENS": "0", "LORAPLEX_DEVICE": "cpu"})
+    assert engine_config(off, Path(tmp_path), "m").lora_expand_first_min_tokens == 0
+    with pytest.raises(ValueError, match="lora_expand_first_min_tokens must be >= 0"):
+        engine_config(Settings.from_env({"LORAPLEX_LORA_EXPAND_FIRST_MIN_TOKENS": "-1", "LORAPLEX_DEVICE": "cpu"}),
+                      Path(tmp_path), "m")
