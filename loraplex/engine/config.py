@@ -34,7 +34,8 @@ class EngineConfig:
     # requests whose adapter already runs are admitted before the others, which follow grouped by adapter (every
     # distinct adapter in a step costs the step its weights' bytes); a request passed over lora_group_max_skips
     # admission rounds keeps its FCFS place again. Off by default: on the H200 it cut adapters per decode step
-    # (zipf 46 -> 30, uniform 31 -> 8.4) but no throughput gain was shown (docs/benchmarks/H200-2026-12-02-run9.md)
+    # (zipf 46 -> 30, uniform 31 -> 8.4) for +1.7% offline throughput (run 14; run 9 showed none), and it favours
+    # tenants whose adapters already run, against per-tenant fairness (docs/benchmarks/H200-2026-12-02-run14.md)
     lora_grouping: bool = False
     lora_group_max_skips: int = 64
     # prefill batching (as TGI's max-waiting-tokens): while sequences decode, new prompts wait until at least this
