@@ -88,6 +88,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
         adapter_dirs = write_adapter_pool(model_dir, num_files, args.rank, device)
     dtype = getattr(torch, args.dtype)
     elem = torch.empty((), dtype=dtype).element_size()
+    kv_elem = 1 if getattr(args, "kv_cache_dtype", None) in ("fp8", "fp8_e4m3") else elem  # the floors' KV bytes
     bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
     matmul_flops = measure_matmul_flops(device)
     h2d_bandwidth = measure_h2d_bandwidth(device, nbytes=(1 << 28) if device.type == "cuda" else 1 << 22)
@@ -116,6 +117,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
                        lora_expand_first_min_tokens=getattr(args, "lora_expand_first_min_tokens", None),
                        attention_decode_split=getattr(args, "attention_decode_split", None),
                        piecewise_cuda_graphs=getattr(args, "piecewise_cuda_graphs", None),
+                       kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
                        fuse_lora_silu_mul=args.fuse_lora_silu_mul)
     with clock("engine warm-up"):
         # compiles kernels and fills allocator pools before anything is timed: the LoRA kernels are compiled per
@@ -133,7 +135,8 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
                                            shape.vocab_size, adapter_dirs, distinct_adapters=distinct)
                 ctx = round(step["mean_context"])
                 ranks = [args.rank] * args.step_batch if distinct else []
-                step_bytes = decode_step_bytes(shape, [ctx] * args.step_batch, ranks, elem_bytes=elem)
+                step_bytes = decode_step_bytes(shape, [ctx] * args.step_batch, ranks, elem_bytes=elem,
+                                               kv_elem_bytes=kv_elem)
                 step["roofline"] = roofline(step_bytes, bandwidth, step["step_mean_s"])
                 step["label"] = label
                 steps.append(step)
@@ -141,7 +144,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
     rank_of = adapter_rank_of(adapter_dirs)
 
     def floor(steps):
-        return workload_floor(steps, shape, rank_of, elem, bandwidth, matmul_flops)
+        return workload_floor(steps, shape, rank_of, elem, bandwidth, matmul_flops, kv_elem_bytes=kv_elem)
 
     rows = result["throughput"] = []
     repeats = max(1, getattr(args, "repeats", 1))

@@ -45,6 +45,7 @@ from collections.abc import Iterator
 
 from loraplex.engine import batch_options
 from loraplex.engine.batch_window import Line, RollingWindow
+from loraplex.engine.config import KV_CACHE_DTYPES
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.sampling_params import SamplingParams, SamplingParamsError, _is_int
 
@@ -64,6 +65,9 @@ def register(subparsers) -> None:
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV-cache element type: auto (the model's dtype) | fp8 (float8 e4m3, half the memory per "
+                        "token of bf16)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
@@ -123,7 +127,7 @@ def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None
     from loraplex.engine.llm import LLM
 
     try:
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, seed=args.seed,
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
                   max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, enable_lora=args.enable_lora,
                   max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     except (ValueError, OSError) as exc:  # options the engine refuses, files it cannot read
@@ -180,6 +184,8 @@ def _check_args(args) -> None:
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         what = "is not a directory" if not os.path.isdir(args.model) else "has no config.json"
         raise BatchError(f"--model {args.model} {what}: pass a Hugging Face model directory")
+    if args.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise BatchError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {args.kv_cache_dtype!r}")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
         raise BatchError(f"--device must be cpu or cuda (cuda:N), got {args.device!r}")
     for flag in ("max_num_seqs", "max_loras", "max_lora_rank", "max_model_len"):

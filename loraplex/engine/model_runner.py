@@ -64,9 +64,14 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphRunner | None = None
 
     # ---- KV cache ------------------------------------------------------------------------------
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's element type (``EngineConfig.kv_cache_dtype``; "auto": the model's dtype)."""
+        return torch.float8_e4m3fn if self.config.kv_cache_dtype in ("fp8", "fp8_e4m3") else self.dtype
+
     def bytes_per_block(self) -> int:
         mc = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * mc.num_layers * self.config.block_size * mc.num_kv_heads * mc.head_dim * elem
 
     def plan_num_blocks(self) -> int:
@@ -92,8 +97,8 @@ class ModelRunner:
         # Zeroed on CUDA: a kernel that masks the tail of a block still multiplies its values by 0, and
         # 0 * NaN garbage is NaN. The CPU reference slices exactly, so the host skips the memset and RSS.
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty
-        self.kv_caches = [(alloc(shape, device=self.device, dtype=self.dtype),
-                           alloc(shape, device=self.device, dtype=self.dtype)) for _ in range(mc.num_layers)]
+        self.kv_caches = [(alloc(shape, device=self.device, dtype=self.kv_dtype),
+                           alloc(shape, device=self.device, dtype=self.kv_dtype)) for _ in range(mc.num_layers)]
         cfg = self.config
         self.inputs = StepInputBuilder(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
                                        cfg.block_size, self.device)
@@ -229,6 +234,8 @@ class ModelRunner:
         if out.blocks_to_copy:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*out.blocks_to_copy))
             for key_cache, value_cache in self.kv_caches:
+                if key_cache.element_size() == 1:  # fp8: copy the bytes (index_put has no float8 kernel everywhere)
+                    key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
                 key_cache[dst] = key_cache[src]
                 value_cache[dst] = value_cache[src]
         if out.is_empty:

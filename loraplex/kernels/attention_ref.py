@@ -3,7 +3,8 @@
 KV cache layout (per layer): ``key_cache``/``value_cache`` are ``[num_blocks, block_size, num_kv_heads,
 head_dim]``. A sequence's KV lives in the blocks listed by its row of ``block_tables``; token ``t`` of a
 sequence sits in block ``block_tables[b, t // block_size]`` at offset ``t % block_size``. The engine
-addresses a cache slot as ``slot = block_id * block_size + offset``.
+addresses a cache slot as ``slot = block_id * block_size + offset``. The cache may be float8 e4m3
+(``EngineConfig.kv_cache_dtype="fp8"``, scale 1): stores saturate at +-448, reads convert to fp32.
 """
 
 from __future__ import annotations
@@ -25,8 +26,18 @@ def store_kv_ref(
     num_blocks, block_size = key_cache.shape[:2]
     flat_k = key_cache.view(num_blocks * block_size, *key_cache.shape[2:])
     flat_v = value_cache.view(num_blocks * block_size, *value_cache.shape[2:])
-    flat_k[slots] = key[valid].to(key_cache.dtype)
-    flat_v[slots] = value[valid].to(value_cache.dtype)
+    flat_k[slots] = to_cache_dtype(key[valid], key_cache.dtype)
+    flat_v[slots] = to_cache_dtype(value[valid], value_cache.dtype)
+
+
+FP8_MAX = 448.0  # largest finite float8 e4m3fn
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the cache stores it: float8 e4m3 saturates at +-448 (a plain cast may give NaN past it)."""
+    if dtype == torch.float8_e4m3fn:
+        return x.float().clamp(-FP8_MAX, FP8_MAX).to(dtype)
+    return x.to(dtype)
 
 
 def paged_attention_ref(

@@ -17,14 +17,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from loraplex.kernels import attn_decode, attn_prefill, kv_store
+from loraplex.kernels import attn_decode, attn_prefill, fused_ops, kv_store
 
 HOPPER = GPUTarget("cuda", 90, 32)
 BF16_ARGS = {
     "q_ptr": "*bf16", "key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16", "out_ptr": "*bf16",
     "key_ptr": "*bf16", "value_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
     "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
-    "qk_scale": "fp32",
+    "qk_scale": "fp32", "qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "q_out_ptr": "*bf16",
+    "slot_ptr": "*i64",
 }
 
 
@@ -64,15 +65,35 @@ def cases() -> list[tuple[str, object, dict, int, int, bool]]:
     return out
 
 
+FP8_ARGS = {**BF16_ARGS, "key_cache_ptr": "*fp8e4nv", "value_cache_ptr": "*fp8e4nv"}
+
+
+def fp8_cases() -> list[tuple[str, object, dict, int, int, bool]]:
+    """The kernels that touch the cache, over a float8 e4m3 cache (``kv_cache_dtype="fp8"``), GQA 4."""
+    out = []
+    for label, kernel, constexprs, warps, stages, must_pipeline in cases():
+        if label in ("decode g=4 splits=1", "decode g=4 splits=4", "prefill g=4"):
+            out.append((f"{label} fp8 KV", kernel, constexprs, warps, stages, must_pipeline))
+        elif label == "store_kv":
+            out.append(("store_kv fp8 KV", kernel, {**constexprs, "FP8": True}, warps, stages, False))
+    for fp8 in (False, True):  # the fused RoPE + KV store of the engine's layers (kernels/fused_ops.py)
+        out.append((f"rope_store{' fp8 KV' if fp8 else ''}", fused_ops._rope_store_kernel,
+                    {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "Q_BLOCK": 4096, "KV_BLOCK": 1024,
+                     "FP8": fp8}, 8, 2, False))
+    return out
+
+
 def main() -> int:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the interpreter replaces the compiler", file=sys.stderr)
         return 2
     failed = 0
-    for label, kernel, constexprs, warps, stages, must_pipeline in cases():
+    runs = [(case, BF16_ARGS) for case in cases()]
+    runs += [(case, FP8_ARGS if "fp8" in case[0] else BF16_ARGS) for case in fp8_cases()]
+    for (label, kernel, constexprs, warps, stages, must_pipeline), args in runs:
         unaligned = ("num_seqs",) if kernel is attn_prefill._prefill_kernel else ()
         try:
-            info = compile_kernel(kernel, constexprs, warps, stages, unaligned=unaligned)
+            info = compile_kernel(kernel, constexprs, warps, stages, args=args, unaligned=unaligned)
         except Exception as exc:
             print(f"FAIL {label}: {type(exc).__name__}: {exc}")
             failed += 1

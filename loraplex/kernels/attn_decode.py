@@ -22,7 +22,8 @@ Grid ``(B, Hkv, S)``: one program per (sequence, KV head, split) reads each K/V 
 whole GQA group; the group's query heads are the rows of the ``tl.dot`` (padded to 16 rows). ``S`` is
 fixed by the host from shapes (batch, heads and, when the caller knows it, the longest context), never
 from device values, so a CUDA graph captured at one batch size replays correctly for any contexts.
-FP8 KV would scale the ``k``/``v`` tiles after their loads (per-tensor scales as two more arguments).
+A float8 e4m3 cache (scale 1) is read as such and its tiles converted to the query's dtype after the loads
+(exact), so the dots and the softmax are those of a 16-bit cache; only the stored values were rounded.
 """
 
 from __future__ import annotations
@@ -109,12 +110,12 @@ def _decode_split_kernel(
             key_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks
             + kv_head * stride_kh + d[None, :],
             mask=kv_mask, other=0.0,
-        )
+        ).to(q.dtype)  # a float8 cache: exact in 16-bit, so the dots run as for a 16-bit cache
         v = tl.load(
             value_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs
             + kv_head * stride_vh + d[None, :],
             mask=kv_mask, other=0.0,
-        )
+        ).to(q.dtype)  # a float8 cache: exact in 16-bit, so the dots run as for a 16-bit cache
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has >= 1 valid key
@@ -197,7 +198,8 @@ def paged_attention_decode(
     assert cache_head_dim == head_dim and value_cache.shape == key_cache.shape
     assert num_q_heads % num_kv_heads == 0, f"Hq {num_q_heads} not a multiple of Hkv {num_kv_heads}"
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
-    assert key_cache.dtype == value_cache.dtype == query.dtype, "FP8 KV is not supported yet"
+    assert key_cache.dtype == value_cache.dtype and key_cache.dtype in (query.dtype, torch.float8_e4m3fn), (
+        f"KV cache {key_cache.dtype} / {value_cache.dtype} with query {query.dtype}")
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == batch
     assert block_tables.stride(1) == 1
     assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,) and seq_lens.is_contiguous()

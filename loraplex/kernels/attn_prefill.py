@@ -121,12 +121,12 @@ def _prefill_kernel(
             key_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks
             + kv_head * stride_kh + d[None, :],
             mask=kv_mask, other=0.0,
-        )
+        ).to(q.dtype)  # a float8 cache: exact in 16-bit, so the dots run as for a 16-bit cache
         v = tl.load(
             value_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs
             + kv_head * stride_vh + d[None, :],
             mask=kv_mask, other=0.0,
-        )
+        ).to(q.dtype)  # a float8 cache: exact in 16-bit, so the dots run as for a 16-bit cache
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(t_mask[None, :] & (t[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -165,7 +165,8 @@ def paged_attention_varlen(
     assert cache_head_dim == head_dim and value_cache.shape == key_cache.shape
     assert num_q_heads % num_kv_heads == 0, f"Hq {num_q_heads} not a multiple of Hkv {num_kv_heads}"
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
-    assert key_cache.dtype == value_cache.dtype == query.dtype, "FP8 KV is not supported yet"
+    assert key_cache.dtype == value_cache.dtype and key_cache.dtype in (query.dtype, torch.float8_e4m3fn), (
+        f"KV cache {key_cache.dtype} / {value_cache.dtype} with query {query.dtype}")
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == batch and block_tables.stride(1) == 1
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (batch + 1,)
     assert query_start_loc.is_contiguous() and seq_lens.is_contiguous()

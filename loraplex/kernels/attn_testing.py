@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.kernels.attention_ref import to_cache_dtype
+
 
 @dataclass
 class PagedBatch:
@@ -38,8 +40,10 @@ def make_paged_batch(
     seed: int = 0,
     spare_blocks: int = 3,
     shuffle: bool = True,
+    kv_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
-    """Sequence b has ``seq_lens[b]`` keys, the last ``query_lens[b]`` of them new (queried)."""
+    """Sequence b has ``seq_lens[b]`` keys, the last ``query_lens[b]`` of them new (queried); the cache is
+    ``kv_dtype`` (default ``dtype``; float8 e4m3 as the engine stores it, saturating)."""
     assert len(seq_lens) == len(query_lens)
     assert all(0 <= q <= n for q, n in zip(query_lens, seq_lens))
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -54,8 +58,9 @@ def make_paged_batch(
         block_tables[b, :nb] = order[used : used + nb].to(torch.int32)
         used += nb
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    key_cache = torch.randn(shape, generator=gen).to(dtype)
-    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
+    key_cache = to_cache_dtype(torch.randn(shape, generator=gen).to(dtype), kv_dtype)
+    value_cache = to_cache_dtype(torch.randn(shape, generator=gen).to(dtype), kv_dtype)
     num_tokens = sum(query_lens)
     query = torch.randn((num_tokens, num_q_heads, head_dim), generator=gen).to(dtype)
     query_start_loc = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.fp8 import round_to_e4m3
 from loraplex.kernels.fused_ops_ref import (  # noqa: F401 (the twins, re-exported next to their kernels)
     add_rms_norm_ref,
     rms_norm_ref,
@@ -107,7 +108,7 @@ def _rope_rows(src, cos_row, sin_row, h, d, HALF: tl.constexpr, mask):
 def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
                        stride_qkv, stride_cos, stride_sin, block_size, stride_cache_block, stride_cache_slot,
                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr):
+                       Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, FP8: tl.constexpr = False):
     t = tl.program_id(0).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
     row = qkv_ptr + t * stride_qkv
@@ -125,6 +126,9 @@ def _rope_store_kernel(qkv_ptr, cos_ptr, sin_ptr, q_out_ptr, key_cache_ptr, valu
         k = _rope_rows(row + NUM_HEADS * HEAD_DIM, cos_row, sin_row, j // HEAD_DIM, j % HEAD_DIM, HALF, kvmask)
         v = tl.load(row + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + j, mask=kvmask, other=0.0)
         dst = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_slot + j
+        if FP8:  # float8 e4m3 cache (scale 1): saturate at +-448
+            k = round_to_e4m3(k).to(k.dtype)  # e4m3 values are exact in 16 bits
+            v = round_to_e4m3(v).to(v.dtype)
         tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=kvmask)
         tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=kvmask)
 
@@ -145,7 +149,8 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_c
             qkv, cos, sin, q, key_cache, value_cache, slot_mapping, qkv.stride(0), cos.stride(0), sin.stride(0),
             key_cache.shape[1], key_cache.stride(0), key_cache.stride(1), NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, Q_BLOCK=q_block,
-            KV_BLOCK=next_power_of_2(num_kv_heads * head_dim), num_warps=_warps(q_block))
+            KV_BLOCK=next_power_of_2(num_kv_heads * head_dim), FP8=key_cache.dtype == torch.float8_e4m3fn,
+            num_warps=_warps(q_block))
     return q
 
 

@@ -14,8 +14,8 @@ Shape:
     slot_mapping:             [T] int32 or int64
 
 One program per token copies its ``Hkv * D`` values of K and of V. Offsets into the cache are int64
-(a 100 GB cache overflows int32). An FP8 cache would multiply by ``1 / k_scale`` before the store;
-that is the only change this kernel needs for it.
+(a 100 GB cache overflows int32). Into a float8 e4m3 cache (scale 1, ``FP8=True``) the values are rounded
+to e4m3 first, saturating at +-448 as the twin does (``kernels/fp8.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.fp8 import round_to_e4m3
 from loraplex.kernels.host_math import next_power_of_2
 from loraplex.kernels.launch import fast_launch
 
@@ -47,6 +48,7 @@ def _store_kv_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two >= NUM_KV_HEADS * HEAD_DIM
+    FP8: tl.constexpr = False,  # float8 e4m3 cache: saturate at +-448
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t).to(tl.int64)
@@ -63,6 +65,9 @@ def _store_kv_kernel(
     dst = block_id * stride_cache_block + offset * stride_cache_slot + head * stride_cache_head + d
     k = tl.load(key_ptr + src_k, mask=mask)
     v = tl.load(value_ptr + src_v, mask=mask)
+    if FP8:
+        k = round_to_e4m3(k).to(k.dtype)  # e4m3 values are exact in 16 bits
+        v = round_to_e4m3(v).to(v.dtype)
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -82,6 +87,7 @@ def store_kv(
         f"cache heads/dim {tuple(key_cache.shape[2:])} != key {(num_kv_heads, head_dim)}"
     )
     assert key_cache.is_contiguous() and value_cache.is_contiguous(), "KV cache must be contiguous"
+    assert key_cache.dtype == value_cache.dtype
     assert key.stride(2) == 1 and value.stride(2) == 1, "last dim of key/value must be contiguous"
     assert slot_mapping.shape == (num_tokens,), f"slot_mapping {tuple(slot_mapping.shape)} != ({num_tokens},)"
     assert slot_mapping.dtype in (torch.int32, torch.int64)
@@ -95,6 +101,6 @@ def store_kv(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_size,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK=next_power_of_2(num_kv_heads * head_dim),
+        BLOCK=next_power_of_2(num_kv_heads * head_dim), FP8=key_cache.dtype == torch.float8_e4m3fn,
         num_warps=4,
     )

@@ -18,6 +18,7 @@ import socket
 import sys
 from pathlib import Path
 
+from loraplex.engine.config import KV_CACHE_DTYPES
 from loraplex.platform.cli import (
     FlagError,
     add_common,
@@ -57,6 +58,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-model-len", type=int, help="context length (env LORAPLEX_MAX_MODEL_LEN, default: the "
                    "model's)")
     p.add_argument("--max-num-seqs", type=int, help=f"requests in one step (env LORAPLEX_MAX_NUM_SEQS, default {DEFAULTS.max_num_seqs:g})")
+    p.add_argument("--kv-cache-dtype",
+                   help="KV-cache element type (env LORAPLEX_KV_CACHE_DTYPE, default auto: the model's dtype; fp8: "
+                        "float8 e4m3, half the memory per token of bf16)")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (env LORAPLEX_NUM_KV_BLOCKS, default: sized "
                    "from free memory)")
     p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight requests "
@@ -72,7 +76,7 @@ def serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(
         args, model=args.model, host=args.host, port=args.port, enable_lora=args.enable_lora,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-        merge_single_lora=args.merge_single_lora, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        merge_single_lora=args.merge_single_lora, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=args.num_kv_blocks, drain_timeout_s=args.drain_timeout_s,
     )
 
@@ -132,13 +136,17 @@ def check_serve_settings(settings: Settings) -> None:
         raise FlagError(f"{_flag('device')} must be auto, cpu, cuda or cuda:N, got {settings.device!r}")
     if settings.dtype not in DTYPES:
         raise FlagError(f"{_flag('dtype')} must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
+    if settings.kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise FlagError(f"{_flag('kv_cache_dtype')} must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                        f"{settings.kv_cache_dtype!r} (an INT8 KV cache is not built)")
     from loraplex.platform.engine_boot import demo_model_dir, engine_config
 
     try:  # the engine's own checks (a CUDA device this machine has, ...), without loading anything
         engine_config(settings, Path(settings.model or demo_model_dir(settings)), "check")
     except ValueError as exc:
         message = str(exc)
-        field = next((f for f in ("device", *_COUNTS) if message.startswith(f)), "device")
+        fields = ("device", "kv_cache_dtype", "lora_expand_first_min_tokens", *_COUNTS)
+        field = next((f for f in fields if message.startswith(f)), "device")
         raise FlagError(f"{_flag(field)}: {message}") from None
 
 

@@ -79,3 +79,16 @@ def test_lora_expand_first_min_tokens_reaches_the_engine_config(tmp_path):
     with pytest.raises(ValueError, match="lora_expand_first_min_tokens must be >= 0"):
         engine_config(Settings.from_env({"LORAPLEX_LORA_EXPAND_FIRST_MIN_TOKENS": "-1", "LORAPLEX_DEVICE": "cpu"}),
                       Path(tmp_path), "m")
+
+
+def test_kv_cache_dtype_reaches_the_engine_config_and_a_bad_one_is_named(tmp_path):
+    from pathlib import Path
+
+    from loraplex.platform.engine_boot import engine_config
+
+    assert engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu"}), Path(tmp_path), "m").kv_cache_dtype == "auto"
+    fp8 = Settings.from_env({"LORAPLEX_KV_CACHE_DTYPE": "fp8", "LORAPLEX_DEVICE": "cpu"})
+    assert engine_config(fp8, Path(tmp_path), "m").kv_cache_dtype == "fp8"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got 'int8'"):
+        engine_config(Settings.from_env({"LORAPLEX_KV_CACHE_DTYPE": "int8", "LORAPLEX_DEVICE": "cpu"}),
+                      Path(tmp_path), "m")

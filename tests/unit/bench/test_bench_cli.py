@@ -152,3 +152,17 @@ def test_bench_offline_smoke_repeats_rounds(tmp_path):
     assert data["settings"]["lora_grouping"] is True and data["settings"]["repeats"] == 2
     # merge counters recorded per run: base never merges
     assert all(r["diagnostics"]["engine"]["lora_merges"] == 0 for r in data["throughput"] if r["popularity"] == "base")
+
+
+def test_bench_offline_smoke_over_an_fp8_kv_cache_counts_one_byte_per_cached_value(tmp_path):
+    kv_bytes = {}
+    for kv in ("auto", "fp8"):
+        out = tmp_path / kv
+        assert main(["bench", "offline", "--smoke", "--popularity", "base", "--kv-cache-dtype", kv,
+                     "--work-dir", str(tmp_path / "work"), "--out-dir", str(out)]) == 0
+        data, _ = _report(out, "offline")
+        assert f"--kv-cache-dtype {kv}" in data["command"]
+        row = data["throughput"][0]
+        assert row["output_tokens"] == row["num_requests"] * 4
+        kv_bytes[kv] = row["roofline"]["kv_bytes"]
+    assert kv_bytes["auto"] == 4 * kv_bytes["fp8"] > 0  # the smoke model runs in fp32 on the CPU

@@ -85,3 +85,10 @@ def test_a_prefill_step_is_compute_bound_and_a_decode_step_memory_bound():
     assert both["floor_s"] == pytest.approx(prefill_compute + decode_hbm)
     assert both["num_compute_bound_steps"] == 1 and both["hbm_floor_s"] == only_hbm["floor_s"]
     assert only_hbm["flops"] is None and both["flops"] == step_flops(SHAPE, 8192, 8) + step_flops(SHAPE, 64, 64)
+
+
+def test_an_fp8_cache_halves_the_kv_bytes_of_the_floor_only():
+    bf16 = decode_step_bytes(SHAPE, [1024] * 64, [16] * 8)
+    fp8 = decode_step_bytes(SHAPE, [1024] * 64, [16] * 8, kv_elem_bytes=1)
+    assert fp8.kv * 2 == bf16.kv == 64 * 1024 * 128 * 1024  # 64 KiB per token (KERNELS.md)
+    assert (fp8.weights, fp8.lora) == (bf16.weights, bf16.lora)

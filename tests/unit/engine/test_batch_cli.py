@@ -418,3 +418,22 @@ def test_logprobs_and_prompt_logprobs_asked_for_in_params_are_written(tiny_model
     assert lp["prompt_logprobs"][0] is None and len(lp["prompt_logprobs"]) == len(prompt)
     assert {int(t) for t in lp["prompt_logprobs"][1]} == set(want.prompt_logprobs[1])
     assert "logprobs" not in plain["outputs"][0] and "prompt_logprobs" not in plain  # only when asked for
+
+
+def test_kv_cache_dtype_flag_reaches_the_engine(tiny_model, tmp_path, capsys):
+    """``--kv-cache-dtype fp8`` gives the tokens of an fp8 LLM; an unknown value is a one-line flag error."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt_token_ids": [1] + list(range(60, 90))}) + "\n")
+    rc = main(["batch", str(src), str(dst), "--model", tiny_model["model_dir"], "--dtype", "float32",
+               "--kv-cache-dtype", "fp8", "--max-tokens", "6"])
+    assert rc == 0
+    got = json.loads(dst.read_text())["outputs"][0]["token_ids"]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    want = LLM(tiny_model["model_dir"], dtype="float32", kv_cache_dtype="fp8").generate(
+        {"prompt_token_ids": [1] + list(range(60, 90))}, params)[0].outputs[0].token_ids
+    assert got == want
+    dst.unlink()
+    rc = main(["batch", str(src), str(dst), "--model", tiny_model["model_dir"], "--kv-cache-dtype", "int8"])
+    assert rc != 0 and not dst.exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("--kv-cache-dtype must be one of auto, fp8, fp8_e4m3, got 'int8'"), err

@@ -1,0 +1,132 @@
+"""A float8 e4m3 KV cache on CUDA (``kv_cache_dtype="fp8"``): the compiled store and attention kernels against
+the twins with bf16 queries, and the engine (CUDA graphs, piecewise graphs, prefix cache, forks) against the CPU
+engine over the same fp8 cache."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from loraplex import LLM, SamplingParams
+from loraplex.kernels.attention_ref import paged_attention_ref, store_kv_ref, to_cache_dtype
+from loraplex.kernels.attn_testing import make_paged_batch
+from loraplex.kernels.fused_ops import rope_store_kv
+from loraplex.kernels.fused_ops_ref import rope_store_kv_ref
+from loraplex.kernels.kv_store import store_kv
+from loraplex.kernels.paged_attention import paged_attention, paged_attention_decode
+
+DEV, FP8 = "cuda", torch.float8_e4m3fn
+KV_HEADS, HEAD_DIM, BLOCK = 8, 128, 16
+TOL = dict(rtol=2e-2, atol=1e-2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_triton():
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(tl.cdiv, InterpretedFunction):
+        pytest.skip("triton was imported with TRITON_INTERPRET=1: run tests/gpu in its own pytest process")
+
+
+def _batch(seq_lens, query_lens, group, seed):
+    pb = make_paged_batch(seq_lens, query_lens, KV_HEADS * group, KV_HEADS, HEAD_DIM, BLOCK, dtype=torch.bfloat16,
+                          device=DEV, seed=seed, kv_dtype=FP8)
+    pb.query = (pb.query.float() * 3.0).to(torch.bfloat16)  # peaked attention: O(1) outputs
+    return pb
+
+
+def _ref(pb):
+    return paged_attention_ref(pb.query, pb.key_cache, pb.value_cache, pb.block_tables, pb.query_start_loc,
+                               pb.seq_lens, pb.scale)
+
+
+@pytest.mark.parametrize("group", [1, 4, 8])
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+def test_decode_over_fp8_cache(group, num_splits):
+    seq_lens = [1, 17, 1023, 4099, 20_001]
+    pb = _batch(seq_lens, [1] * len(seq_lens), group, seed=group)
+    out = paged_attention_decode(pb.query, pb.key_cache, pb.value_cache, pb.block_tables, pb.seq_lens, pb.scale,
+                                 num_splits=num_splits)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), _ref(pb).float(), **TOL)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_prefill_chunk_and_mixed_over_fp8_cache(group):
+    seq_lens, query_lens = [300, 1, 5000, 777, 64], [1, 1, 1, 777, 40]
+    pb = _batch(seq_lens, query_lens, group, seed=10 + group)
+    want = _ref(pb).float()
+    for kw in ({}, {"num_decodes": 3, "max_seq_len": 5000}):
+        out = paged_attention(pb.query, pb.key_cache, pb.value_cache, pb.block_tables, pb.query_start_loc,
+                              pb.seq_lens, pb.scale, **kw)
+        torch.testing.assert_close(out.float(), want, **TOL)
+
+
+def test_stores_into_fp8_equal_the_twins_bit_for_bit():
+    gen = torch.Generator().manual_seed(3)
+    t, heads, num_blocks = 37, 32, 64
+    key = (torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen) * 40).to(torch.bfloat16).to(DEV)  # some past 448
+    value = torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16).to(DEV)
+    slots = torch.randperm(num_blocks * BLOCK, generator=gen)[:t].to(DEV)
+    slots[5] = -1
+    shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
+    kc, vc = torch.zeros(shape, dtype=FP8, device=DEV), torch.zeros(shape, dtype=FP8, device=DEV)
+    want_k, want_v = kc.clone(), vc.clone()
+    store_kv_ref(key, value, want_k, want_v, slots)
+    store_kv(key, value, kc, vc, slots)
+    assert torch.equal(kc.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
+    assert kc.float().abs().max() == 448.0
+
+    qkv = torch.randn(t, (heads + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(torch.bfloat16).to(DEV)
+    angles = (torch.rand(t, HEAD_DIM // 2, generator=gen) * 6).to(DEV)
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    kc.zero_(), vc.zero_(), want_k.zero_(), want_v.zero_()
+    q = rope_store_kv(qkv, cos, sin, kc, vc, slots, heads, KV_HEADS, HEAD_DIM)
+    want_q = rope_store_kv_ref(qkv, cos, sin, want_k, want_v, slots, heads, KV_HEADS, HEAD_DIM)
+    torch.testing.assert_close(q.float(), want_q.float(), **TOL)
+    assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
+    torch.testing.assert_close(kc.float(), want_k.float(), rtol=0.07, atol=1e-2)  # RoPE computed twice
+
+
+def test_to_cache_dtype_on_cuda_equals_the_cpu_cast():
+    x = torch.randn(100_000) * 100
+    assert torch.equal(to_cache_dtype(x.to(DEV), FP8).cpu().view(torch.uint8),
+                       to_cache_dtype(x, FP8).view(torch.uint8))
+
+
+def _prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(8, 512) for _ in range(n)] for n in (1, 5, 16, 17, 40, 77, 130, 300)]
+
+
+def test_cuda_fp8_engine_gives_the_cpu_fp8_engines_greedy_tokens(tiny_model):
+    """float32 compute over the same fp8 cache: the Triton kernels (graphs on) against the CPU twins."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts(4)]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    cuda = LLM(tiny_model["model_dir"], device="cuda", dtype="float32", kv_cache_dtype="fp8",
+               max_num_batched_tokens=64)
+    cpu = LLM(tiny_model["model_dir"], device="cpu", dtype="float32", kv_cache_dtype="fp8",
+              max_num_batched_tokens=64)
+    assert cuda.engine.runner.kv_caches[0][0].dtype == FP8
+    for a, b in zip(cuda.generate(prompts, params), cpu.generate(prompts, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_bf16_fp8_engine_graphs_equal_eager_at_one_byte_per_value(tiny_model):
+    prompts = [{"prompt_token_ids": p} for p in _prompts(5)]
+    params = SamplingParams(n=2, max_tokens=20, temperature=0.8, seed=3, ignore_eos=True, logprobs=1)
+    kw = dict(device="cuda", dtype="bfloat16", kv_cache_dtype="fp8", max_model_len=512)
+    graphs = LLM(tiny_model["model_dir"], **kw)
+    eager = LLM(tiny_model["model_dir"], enforce_eager=True, **kw)
+    for x, y in zip(graphs.generate(prompts, params), eager.generate(prompts, params)):
+        for cx, cy in zip(x.outputs, y.outputs):
+            assert len(cx.token_ids) == 20 and cx.token_ids[:1] == cy.token_ids[:1]
+            assert all(v.logprob == v.logprob for entry in cx.logprobs for v in entry.values())  # no NaN
+    runner = graphs.engine.runner
+    mc = runner.model_config
+    assert runner.bytes_per_block() == 2 * mc.num_layers * runner.config.block_size * mc.num_kv_heads * mc.head_dim

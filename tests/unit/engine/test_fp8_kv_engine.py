@@ -1,0 +1,103 @@
+"""The engine over a float8 e4m3 KV cache (``kv_cache_dtype="fp8"``) on the CPU (the twins store and read it as
+the Triton kernels do; tests/unit/kernels/test_fp8_kv.py holds those to the twins): the cache's type and size,
+closeness to the unquantized engine, copy-on-write of forked samples, prefix caching and LoRA."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from loraplex import LLM, SamplingParams
+from loraplex.engine.config import EngineConfig
+from tests.conftest import adapter_dir
+
+FP8 = torch.float8_e4m3fn
+
+
+def _prompts(seed: int = 3) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(8, 512) for _ in range(n)] for n in (3, 17, 40, 90)]
+
+
+@pytest.fixture(scope="module")
+def fp8_llm(tiny_model):
+    return LLM(tiny_model["model_dir"], dtype="float32", kv_cache_dtype="fp8", max_num_batched_tokens=32,
+               enable_lora=True, max_loras=2, seed=5)
+
+
+def test_config_accepts_fp8_names_and_rejects_others():
+    for name in ("auto", "fp8", "fp8_e4m3"):
+        assert EngineConfig(kv_cache_dtype=name).kv_cache_dtype == name
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got 'int8'.*INT8"):
+        EngineConfig(kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="got 'fp16'"):
+        EngineConfig(kv_cache_dtype="fp16")
+
+
+def test_fp8_cache_holds_four_times_the_blocks_of_fp32_in_the_same_memory(tiny_model):
+    counts = {}
+    for kv in ("auto", "fp8"):
+        llm = LLM(tiny_model["model_dir"], dtype="float32", kv_cache_dtype=kv, kv_cache_memory_gb=0.001,
+                  max_model_len=256)
+        runner = llm.engine.runner
+        assert runner.kv_caches[0][0].dtype == (FP8 if kv == "fp8" else torch.float32)
+        assert runner.kv_caches[0][1].dtype == runner.kv_caches[0][0].dtype
+        counts[kv] = llm.engine.block_manager.num_blocks
+    assert counts["fp8"] // counts["auto"] == 4  # 1 byte per value against fp32's 4 (bf16 on a GPU: 2)
+
+
+def test_prompt_logprobs_stay_close_to_the_unquantized_engine(tiny_model, fp8_llm):
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    exact = LLM(tiny_model["model_dir"], dtype="float32", max_num_batched_tokens=32).generate(prompts, params)
+    quant = fp8_llm.generate(prompts, params)
+
+    def logprobs(outs):
+        return torch.tensor([next(iter(d.values())).logprob for o in outs for d in o.prompt_logprobs[1:]])
+
+    diff = (logprobs(exact) - logprobs(quant)).abs()
+    assert diff.numel() == sum(len(p) - 1 for p in _prompts())
+    # the stored K/V are rounded (3 mantissa bits): the logprobs move, by little (measured mean 0.085, max 0.54 on
+    # this random model, whose logprobs are ~-7.4)
+    assert 0 < diff.mean() < 0.25 and diff.max() < 1.5, (diff.mean(), diff.max())
+    first_tokens = [o.outputs[0].token_ids[0] for o in exact], [o.outputs[0].token_ids[0] for o in quant]
+    assert sum(a == b for a, b in zip(*first_tokens)) >= 3, first_tokens
+
+
+def test_forked_samples_copy_the_fp8_block_they_share(fp8_llm):
+    engine = fp8_llm.engine
+    prompt = [1] + list(range(40, 80))  # 41 tokens: 2 full blocks + 9 in a third
+    engine.add_request("n3", prompt, SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7, ignore_eos=True))
+    copies = engine.block_manager.num_cow_copies
+    for _ in range(4):  # the prompt in two chunks (32-token steps), the fork, then the copies
+        engine.step()
+        if engine.block_manager.num_cow_copies > copies:
+            break
+    samples = engine.scheduler.samples["n3"]
+    third = [s.block_ids[2] for s in samples]  # each sample wrote into the shared partial block: copy-on-write
+    assert len(set(third)) == 3
+    for key_cache, value_cache in engine.runner.kv_caches:
+        for cache in (key_cache, value_cache):
+            rows = cache.view(torch.uint8)[third, :9]  # the prompt's 9 tokens in each copy: the same bytes
+            assert torch.equal(rows[0], rows[1]) and torch.equal(rows[0], rows[2])
+            assert rows.any()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_prefix_cache_hit_and_adapters_over_fp8(tiny_model, fp8_llm):
+    from loraplex import LoRARequest
+
+    prompt = {"prompt_token_ids": _prompts(9)[3]}
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    lora = LoRARequest("a0", 1, adapter_dir(tiny_model, 0))
+    first = fp8_llm.generate(prompt, params, lora_request=lora)[0].outputs[0].token_ids
+    hits = fp8_llm.engine.block_manager.num_prefix_hit_tokens
+    again = fp8_llm.generate(prompt, params, lora_request=lora)[0].outputs[0].token_ids
+    assert fp8_llm.engine.block_manager.num_prefix_hit_tokens >= hits + 80  # the prompt's 5 full blocks
+    assert again == first  # the cached fp8 prefix gives the tokens the fresh prefill gave
+    base = fp8_llm.generate(prompt, params)[0].outputs[0].token_ids
+    assert base != first  # the adapter ran (the same prompt without it generates otherwise)
