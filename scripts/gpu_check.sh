@@ -4,7 +4,7 @@
 # the first argument names (comma-separated; default tests,lora,attention). Results land in ${OUT:-./gpu-out}.
 #
 #   tests      GPU tests                        lora       LoRA kernel microbenchmark
-#   attention  paged attention vs SDPA (sweep)  engine     a short engine run (bench offline)
+#   attention  paged attention vs SDPA (sweep; and over an fp8 cache) engine     a short engine run (bench offline)
 #   report     the issue-9 report: bench all with the HF + PEFT peer and an online run through a launched
 #              `loraplex serve` (embedded default: SQLite + in-process), cut short by SIGTERM at
 #              ${REPORT_TIMEOUT_S:-560} s so a partial report is still written (rc 3)
@@ -65,7 +65,7 @@ if [[ "$what" == *lora* ]]; then
     python3 -m loraplex.bench.lora_kernels --out "$out/lora_kernels_h200.json" 2>&1 | tail -12
 fi
 if [[ "$what" == *attention* ]]; then
-    python3 -m loraplex.cli bench attention --sweep --out-dir "$out" ${smoke[@]+"${smoke[@]}"} 2>&1 | tail -14
+    python3 -m loraplex.cli bench attention --sweep --fp8-kv --out-dir "$out" ${smoke[@]+"${smoke[@]}"} 2>&1 | tail -14
 fi
 if [[ "$what" == *report* ]]; then
     # the launched server needs the platform: fail now rather than after minutes of offline runs

@@ -47,8 +47,11 @@ def _paged_from_contiguous(k: torch.Tensor, v: torch.Tensor, block_size: int, se
 def bench_decode_case(
     batch: int, ctx: int, device: torch.device, dtype: torch.dtype, bandwidth: float,
     num_q_heads: int = 32, num_kv_heads: int = 8, head_dim: int = 128, block_size: int = 16,
-    iters: int = 20, sweep: bool = False, warmup: int = 3,
+    iters: int = 20, sweep: bool = False, warmup: int = 3, fp8_kv: bool = False,
 ) -> dict:
+    """One decode case; with ``fp8_kv`` the paged kernel is also timed over a float8 e4m3 copy of the same cache
+    (``kv_cache_dtype="fp8"``: half the bytes), against the same SDPA over the 16-bit contiguous K/V."""
+    from loraplex.kernels.attention_ref import to_cache_dtype
     from loraplex.kernels.paged_attention import choose_num_splits, paged_attention_decode
 
     gen = torch.Generator(device=device).manual_seed(ctx)
@@ -81,6 +84,18 @@ def bench_decode_case(
         "paged_frac_copy_bw": kv_bytes / t_paged / bandwidth, "sdpa_frac_copy_bw": kv_bytes / t_sdpa / bandwidth,
         "max_abs_err_vs_sdpa": max_err,
     }
+    if fp8_kv:
+        key8, value8 = to_cache_dtype(key_cache, torch.float8_e4m3fn), to_cache_dtype(value_cache, torch.float8_e4m3fn)
+
+        def paged_fp8():
+            return paged_attention_decode(query, key8, value8, block_tables, seq_lens, scale, out=out)
+
+        row["fp8_max_abs_err_vs_sdpa"] = (paged_fp8().float() - ref).abs().max().item()
+        t_fp8 = time_per_call(paged_fp8, device, iters=iters, warmup=warmup)
+        fp8_bytes = kv_bytes // k.element_size()
+        row.update({"paged_fp8_s": t_fp8, "paged_fp8_over_sdpa_speed": t_sdpa / t_fp8,
+                    "paged_fp8_over_paged_speed": t_paged / t_fp8, "fp8_kv_bytes": fp8_bytes,
+                    "paged_fp8_frac_copy_bw": fp8_bytes / t_fp8 / bandwidth})
     if sweep:
         row["sweep_best"] = _sweep(paged, device, iters, ref)
         row["best_over_sdpa_speed"] = t_sdpa / row["sweep_best"]["paged_s"]
@@ -141,14 +156,15 @@ def bench_prefill_case(
 def run_attention_bench(
     device: torch.device, batch: int = 64, contexts: tuple[int, ...] = (1024, 2048, 4096),
     dtype: torch.dtype = torch.bfloat16, iters: int = 20, sweep: bool = False, bandwidth: float | None = None,
-    warmup: int = 3, prefill: tuple[int, int] | None = (8, 2048), **shape,
+    warmup: int = 3, prefill: tuple[int, int] | None = (8, 2048), fp8_kv: bool = False, **shape,
 ) -> dict:
     """Decode cases at ``contexts``; plus, with ``prefill = (num_seqs, query_len)``, one fresh prefill case."""
     from loraplex.bench.roofline import measure_copy_bandwidth
 
     if bandwidth is None:
         bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
-    rows = [bench_decode_case(batch, ctx, device, dtype, bandwidth, iters=iters, sweep=sweep, warmup=warmup, **shape)
+    rows = [bench_decode_case(batch, ctx, device, dtype, bandwidth, iters=iters, sweep=sweep, warmup=warmup,
+                              fp8_kv=fp8_kv, **shape)
             for ctx in contexts]
     result = {"copy_bandwidth_Bps": bandwidth, "decode": rows}
     if prefill:

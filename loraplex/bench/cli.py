@@ -40,6 +40,8 @@ def register(subparsers) -> None:
     att.add_argument("--contexts", type=_csv_ints, default=(1024, 2048, 4096), help="comma-separated")
     att.add_argument("--iters", type=int, default=50)
     att.add_argument("--sweep", action="store_true", help="also try tile/split configs; report the fastest")
+    att.add_argument("--fp8-kv", action="store_true",
+                     help="also time the decode kernel over a float8 e4m3 copy of each cache (kv_cache_dtype=fp8)")
     att.set_defaults(func=_run_attention, bench_parser=att)
 
     off = sub.add_parser("offline", help="throughput by adapter popularity, decode step vs roofline, HF+PEFT peer")
@@ -172,10 +174,11 @@ def _run_attention(args) -> int:
 
     if args.smoke:
         result = run_attention_bench(device, batch=2, contexts=(37, 100), dtype=torch.float32, iters=1,
-                                     warmup=0, prefill=(2, 20), num_q_heads=8, num_kv_heads=2, head_dim=32)
+                                     warmup=0, prefill=(2, 20), num_q_heads=8, num_kv_heads=2, head_dim=32,
+                                     fp8_kv=args.fp8_kv)
     else:
         result = run_attention_bench(device, batch=args.batch, contexts=args.contexts, iters=args.iters,
-                                     sweep=args.sweep)
+                                     sweep=args.sweep, fp8_kv=args.fp8_kv)
     result["environment"] = environment(device)
     json_path, md_path = write_report("attention", result, [attention_section(result)], _out_dir(args), args)
     print(md_path.read_text())

@@ -43,6 +43,14 @@ def attention_section(result: dict) -> tuple[str, str]:
     bw = result["copy_bandwidth_Bps"] / 1e12
     intro = (f"Measured device copy bandwidth (read + write): {bw:.2f} TB/s. KV bytes per call = "
              "2 · batch · context · Hkv · D · 2 B; the paged kernel reads blocks in random order.")
+    fp8 = [r for r in result["decode"] if "paged_fp8_s" in r]
+    if fp8:
+        rows = [{**r, "fp8_us": r["paged_fp8_s"] * 1e6, "paged_us": r["paged_s"] * 1e6} for r in fp8]
+        body += ("\n\nThe same decode cases over a float8 e4m3 cache (`kv_cache_dtype=\"fp8\"`: one byte per cached value, half of bf16; "
+                 "SDPA still reads the 16-bit K/V):\n\n") + table(rows, [
+            ("batch", "batch"), ("context", "context"), ("fp8_us", "paged fp8 µs"), ("paged_us", "paged 16-bit µs"),
+            ("paged_fp8_over_paged_speed", "fp8 speed ÷ 16-bit"), ("paged_fp8_over_sdpa_speed", "fp8 speed ÷ SDPA"),
+            ("paged_fp8_frac_copy_bw", "fp8 bytes ÷ copy BW"), ("fp8_max_abs_err_vs_sdpa", "max abs err vs SDPA")])
     if result.get("prefill"):
         rows = [{**r, "paged_ms": r["paged_s"] * 1e3, "sdpa_ms": r["sdpa_s"] * 1e3} for r in result["prefill"]]
         body += "\n\nFresh causal prefill (no target; for reference), same layouts:\n\n" + table(rows, [

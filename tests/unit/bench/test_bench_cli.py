@@ -23,6 +23,16 @@ def test_bench_attention_smoke_agrees_with_sdpa(tmp_path):
     assert [r["context"] for r in data["decode"]] == [37, 100]
     assert all(r["max_abs_err_vs_sdpa"] < 1e-4 for r in data["decode"] + data["prefill"])
     assert "SDPA" in md and data["command"] in md
+    assert "paged_fp8_s" not in data["decode"][0] and "float8" not in md
+
+
+def test_bench_attention_smoke_times_the_decode_kernel_over_an_fp8_cache_too(tmp_path):
+    assert main(["bench", "attention", "--smoke", "--fp8-kv", "--out-dir", str(tmp_path)]) == 0
+    data, md = _report(tmp_path, "attention")
+    for r in data["decode"]:
+        assert r["paged_fp8_s"] > 0 and r["fp8_kv_bytes"] * 4 == r["kv_bytes"]  # fp32 smoke: 4 bytes -> 1
+        assert 0 < r["fp8_max_abs_err_vs_sdpa"] < 0.15  # the rounding of the stored K/V, nothing more
+    assert "float8 e4m3 cache" in md
 
 
 def test_bench_offline_smoke_with_peer(tmp_path):
