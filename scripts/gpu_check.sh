@@ -4,7 +4,8 @@
 # the first argument names (comma-separated; default tests,lora,attention). Results land in ${OUT:-./gpu-out}.
 #
 #   tests      GPU tests                        lora       LoRA kernel microbenchmark
-#   attention  paged attention vs SDPA (sweep; and over an fp8 cache) engine     a short engine run (bench offline)
+#   attention  paged attention vs SDPA (sweep)     engine     a short engine run (bench offline)
+#              and the decode kernel over an fp8 KV cache (--fp8-kv)
 #   report     the issue-9 report: bench all with the HF + PEFT peer and an online run through a launched
 #              `loraplex serve` (embedded default: SQLite + in-process), cut short by SIGTERM at
 #              ${REPORT_TIMEOUT_S:-560} s so a partial report is still written (rc 3)
