@@ -113,8 +113,9 @@ class LLMEngine:
             self.async_scheduling = env != "0" if env is not None else self.runner.device.type == "cuda"
         self._inflight: tuple[SchedulerOutput, PendingSample] | None = None  # a step left running
         self.num_overlapped_steps = 0
-        log.info("engine ready: %s on %s (%s), %d KV blocks of %d, max_model_len %d", config.model,
-                 config.device, self.runner.dtype, num_blocks, config.block_size, config.max_model_len)
+        log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s, %.2f GB), max_model_len %d",
+                 config.model, config.device, self.runner.dtype, num_blocks, config.block_size, self.runner.kv_dtype,
+                 num_blocks * self.runner.bytes_per_block() / 1e9, config.max_model_len)
 
     def _warmup(self) -> None:
         """Compile the eager path's kernels at start-up (CUDA): an optimization, so a failure is logged and
@@ -421,6 +422,9 @@ class LLMEngine:
             device_wait_seconds=self.device_wait_seconds,
             step_seqs=self.num_step_seqs, prompt_steps=self.num_prompt_steps,
             piecewise_graph_steps=self.runner.piecewise.num_steps if self.runner.piecewise is not None else 0,
+            num_kv_blocks=self.block_manager.num_blocks, block_size=self.config.block_size,
+            kv_cache_dtype=str(self.runner.kv_dtype).removeprefix("torch."),
+            enable_prefix_caching=self.block_manager.enable_prefix_caching,
         )
 
     @property

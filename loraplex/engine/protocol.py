@@ -98,6 +98,11 @@ class EngineStats:
     step_seqs: int = 0  # sequences scheduled, summed over the engine's steps since start (÷ steps: the mean batch)
     prompt_steps: int = 0  # steps that carried prompt chunks (more tokens than sequences: no decode CUDA graph)
     piecewise_graph_steps: int = 0  # of all steps, those that replayed piecewise CUDA graphs (prefill / mixed)
+    # the KV cache as configured (vllm:cache_config_info)
+    num_kv_blocks: int = 0
+    block_size: int = 0
+    kv_cache_dtype: str = ""  # the element type: bfloat16, float8_e4m3fn, ...
+    enable_prefix_caching: bool = True
 
 
 class EngineDeadError(RuntimeError):

@@ -89,6 +89,13 @@ class _EngineCollector(Collector):
             "vllm:lora_requests_info", "LoRA adapters of running and waiting requests (value: scrape time).",
             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
+        cache = GaugeMetricFamily(
+            "vllm:cache_config_info", "The KV cache as configured (value 1).",
+            labels=["block_size", "cache_dtype", "num_gpu_blocks", "enable_prefix_caching"],
+        )
+        cache.add_metric([str(stats.block_size), stats.kv_cache_dtype, str(stats.num_kv_blocks),
+                          str(stats.enable_prefix_caching)], 1.0)
+        yield cache
         # as in vLLM: the adapters requests are using now, not the ones merely resident in GPU slots
         info.add_metric([str(self._max_loras), ",".join(stats.running_adapters), ",".join(stats.waiting_adapters)],
                         time.time())

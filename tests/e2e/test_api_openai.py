@@ -223,7 +223,7 @@ def test_metrics_have_vllm_names_and_tenant_counters(server, tenants):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds",
                  "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:lora_requests_info",
-                 "vllm:num_preemptions_total", "loraplex:lora_slot_loads_total", "loraplex:lora_load_failures_total",
+                 "vllm:cache_config_info", "vllm:num_preemptions_total", "loraplex:lora_slot_loads_total", "loraplex:lora_load_failures_total",
                  "loraplex:lora_host_load_seconds_total", "loraplex:lora_load_queue_depth",
                  "loraplex:lora_merges_total", "loraplex:lora_merged_steps_total", "loraplex:engine_loop_steps_total",
                  "loraplex:engine_loop_step_seconds_total", "loraplex:engine_loop_dispatch_seconds_total",

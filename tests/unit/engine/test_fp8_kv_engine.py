@@ -101,3 +101,16 @@ def test_prefix_cache_hit_and_adapters_over_fp8(tiny_model, fp8_llm):
     assert again == first  # the cached fp8 prefix gives the tokens the fresh prefill gave
     base = fp8_llm.generate(prompt, params)[0].outputs[0].token_ids
     assert base != first  # the adapter ran (the same prompt without it generates otherwise)
+
+
+def test_stats_and_metrics_show_the_cache_type(fp8_llm):
+    from loraplex.platform.metrics import Metrics
+
+    stats = fp8_llm.engine.get_stats()
+    assert stats.kv_cache_dtype == "float8_e4m3fn" and stats.block_size == 16
+    assert stats.num_kv_blocks == fp8_llm.engine.block_manager.num_blocks > 0
+    metrics = Metrics()
+    metrics.attach_engine(lambda: "tiny", fp8_llm.engine.get_stats, max_loras=2)
+    info = [line for line in metrics.render().decode().splitlines() if line.startswith("vllm:cache_config_info")]
+    assert len(info) == 1 and 'cache_dtype="float8_e4m3fn"' in info[0] and info[0].endswith(" 1.0")
+    assert f'num_gpu_blocks="{stats.num_kv_blocks}"' in info[0] and 'block_size="16"' in info[0]
