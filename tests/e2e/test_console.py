@@ -109,6 +109,8 @@ def test_walk_through(server, browser, globex, tiny_model):
     page.wait_for_selector("#engine[data-updated]", state="attached")
     assert "running" in page.inner_text("[data-testid=engine-state]")
     assert page.inner_text("[data-testid=num-waiting]").strip().isdigit()
+    note = page.inner_text("[data-testid=kv-cache-note]").strip()  # the cache's size and type (the CPU server: float32)
+    assert note.startswith("of ") and note.endswith(" blocks, float32"), note
     shot(page, "overview")
     # a form post without the CSRF token (what a cross-site form would send) is refused
     assert page.request.post(base + "/console/tenants", form={"name": "csrf-probe"}).status == 403

@@ -22,6 +22,7 @@ class EngineView:
     num_running: int = 0
     num_waiting: int = 0
     kv_cache_pct: float = 0.0
+    kv_cache_note: str = ""  # e.g. "of 4,096 blocks, float8_e4m3fn"
     prefix_hit_pct: float = 0.0
     tokens_per_second: float = 0.0
     num_preemptions: int = 0
@@ -46,7 +47,9 @@ def engine_view(request: Request, session: Session) -> EngineView:
     return EngineView(
         state="running" if engine.is_healthy() else "unhealthy",
         num_running=stats.num_running, num_waiting=stats.num_waiting,
-        kv_cache_pct=100.0 * stats.kv_cache_usage, prefix_hit_pct=100.0 * stats.prefix_cache_hit_rate,
+        kv_cache_pct=100.0 * stats.kv_cache_usage,
+        kv_cache_note=f"of {stats.num_kv_blocks:,} blocks, {stats.kv_cache_dtype}" if stats.num_kv_blocks else "",
+        prefix_hit_pct=100.0 * stats.prefix_cache_hit_rate,
         tokens_per_second=stats.tokens_per_second, num_preemptions=stats.num_preemptions,
         num_lora_loads=stats.num_lora_loads, num_lora_evictions=stats.num_lora_evictions,
         max_loras=services.settings.max_loras, num_resident=len(names), resident=visible,
