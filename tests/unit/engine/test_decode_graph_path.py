@@ -10,8 +10,9 @@ from loraplex import LLM, LoRARequest, SamplingParams
 from tests.conftest import adapter_dir
 
 
-def _llm(tiny_model, padded: bool) -> LLM:
-    llm = LLM(tiny_model["model_dir"], dtype="float32", enable_lora=True, max_loras=4, max_num_seqs=32)
+def _llm(tiny_model, padded: bool, kv_cache_dtype: str = "auto") -> LLM:
+    llm = LLM(tiny_model["model_dir"], dtype="float32", enable_lora=True, max_loras=4, max_num_seqs=32,
+              kv_cache_dtype=kv_cache_dtype)
     runner = llm.engine.runner
     assert runner.graphs is None  # no CUDA graphs on the CPU
     if padded:
@@ -19,15 +20,16 @@ def _llm(tiny_model, padded: bool) -> LLM:
     return llm
 
 
-def test_padded_decode_path_matches_eager_with_adapters(tiny_model):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_padded_decode_path_matches_eager_with_adapters(tiny_model, kv_cache_dtype):
     loras = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(3)]
     # 7 sequences (between the buckets 4 and 8); adapters finish first, so the last steps have none
     mix = [loras[0], loras[1], None, loras[2], loras[0], None, None]
     prompts = [{"prompt_token_ids": [1] + [7 + 13 * i + j for j in range(5 + 9 * i)]} for i in range(len(mix))]
     params = [SamplingParams(max_tokens=4 + 3 * i, temperature=0, ignore_eos=True, logprobs=0)
               for i in range(len(mix))]
-    eager = _llm(tiny_model, padded=False).generate(prompts, params, lora_request=mix)
-    padded_llm = _llm(tiny_model, padded=True)
+    eager = _llm(tiny_model, False, kv_cache_dtype).generate(prompts, params, lora_request=mix)
+    padded_llm = _llm(tiny_model, True, kv_cache_dtype)
     padded = padded_llm.generate(prompts, params, lora_request=mix)
     for e, p in zip(eager, padded):
         assert p.outputs[0].token_ids == e.outputs[0].token_ids

@@ -62,10 +62,11 @@ def _same(want, got):
             assert lg[t].logprob == pytest.approx(v.logprob, abs=1e-4)
 
 
-def test_piecewise_path_matches_eager_with_adapters_and_mixed_steps(tiny_model):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_piecewise_path_matches_eager_with_adapters_and_mixed_steps(tiny_model, kv_cache_dtype):
     prompts, params, mix = _workload(tiny_model)
-    eager = _llm(tiny_model, piecewise=False).generate(prompts, params, lora_request=mix)
-    llm = _llm(tiny_model, piecewise=True)
+    eager = _llm(tiny_model, piecewise=False, kv_cache_dtype=kv_cache_dtype).generate(prompts, params, lora_request=mix)
+    llm = _llm(tiny_model, piecewise=True, kv_cache_dtype=kv_cache_dtype)
     got = llm.generate(prompts, params, lora_request=mix)
     _same(eager, got)
     pw = llm.engine.runner.piecewise
