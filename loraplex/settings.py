@@ -70,7 +70,7 @@ class Settings:
     lora_expand_first_min_tokens: int = 2048  # engine option (EngineConfig.lora_expand_first_min_tokens); 0: never
     max_model_len: int | None = None
     block_size: int = 16
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 (EngineConfig.kv_cache_dtype)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | int8 (EngineConfig.kv_cache_dtype)
     num_kv_blocks: int | None = None  # None = sized from free memory
     gpu_memory_utilization: float = 0.85
     # platform limits

@@ -140,7 +140,7 @@ def add_offline_args(p) -> None:
     p.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="engine option piecewise_cuda_graphs: prefill and mixed steps replay CUDA graphs captured "
                         "around attention (default: the engine's default, on)")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3"), default=None,
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "int8"), default=None,
                    help="engine option kv_cache_dtype (default: the engine's default, auto = the model's dtype)")
     p.add_argument("--lora-grouping", action="store_true",
                    help="engine option lora_grouping: admit waiting requests whose adapter already runs first, the "

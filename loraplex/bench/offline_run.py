@@ -88,7 +88,8 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
         adapter_dirs = write_adapter_pool(model_dir, num_files, args.rank, device)
     dtype = getattr(torch, args.dtype)
     elem = torch.empty((), dtype=dtype).element_size()
-    kv_elem = 1 if getattr(args, "kv_cache_dtype", None) in ("fp8", "fp8_e4m3") else elem  # the floors' KV bytes
+    kv_name = getattr(args, "kv_cache_dtype", None)  # the floors' KV bytes per value (int8: + its row scale)
+    kv_elem = 1 if kv_name in ("fp8", "fp8_e4m3") else 1 + 4 / shape.head_dim if kv_name == "int8" else elem
     bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
     matmul_flops = measure_matmul_flops(device)
     h2d_bandwidth = measure_h2d_bandwidth(device, nbytes=(1 << 28) if device.type == "cuda" else 1 << 22)

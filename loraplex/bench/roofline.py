@@ -76,11 +76,12 @@ class StepBytes:
 
 def step_bytes(
     shape: ModelShape, num_tokens: int, context_tokens: int, adapter_ranks: list[int], elem_bytes: int = 2,
-    targets: tuple[str, ...] = PROJECTIONS, kv_elem_bytes: int | None = None,
+    targets: tuple[str, ...] = PROJECTIONS, kv_elem_bytes: float | None = None,
 ) -> StepBytes:
     """Bytes any engine step reads: ``num_tokens`` embedding rows, the KV of ``context_tokens`` tokens summed over
     the batch (each sequence's context including this step's tokens), ``adapter_ranks`` per *distinct* adapter.
-    ``kv_elem_bytes``: bytes per cached K/V value (1 for an fp8 cache; default ``elem_bytes``)."""
+    ``kv_elem_bytes``: bytes per cached K/V value (1 for an fp8 cache, 1 + 4 / head_dim for int8 with its row
+    scales; default ``elem_bytes``)."""
     lm_head = shape.vocab_size * shape.hidden_size
     embed_rows = num_tokens * shape.hidden_size
     weights = (shape.num_layers * shape.layer_params() + lm_head + embed_rows + shape.hidden_size) * elem_bytes
@@ -91,7 +92,7 @@ def step_bytes(
 
 def decode_step_bytes(
     shape: ModelShape, context_lens: list[int], adapter_ranks: list[int], elem_bytes: int = 2,
-    targets: tuple[str, ...] = PROJECTIONS, kv_elem_bytes: int | None = None,
+    targets: tuple[str, ...] = PROJECTIONS, kv_elem_bytes: float | None = None,
 ) -> StepBytes:
     """Bytes one decode step reads: ``context_lens`` per sequence, ``adapter_ranks`` per *distinct* active adapter."""
     return step_bytes(shape, len(context_lens), sum(context_lens), adapter_ranks, elem_bytes, targets, kv_elem_bytes)
@@ -146,7 +147,7 @@ def roofline(step: StepBytes, bandwidth: float, measured_step_s: float | None = 
 
 
 def workload_floor(steps: list, shape: ModelShape, rank_of, elem_bytes: int, bandwidth: float,
-                   flops_per_s: float | None = None, kv_elem_bytes: int | None = None) -> dict:
+                   flops_per_s: float | None = None, kv_elem_bytes: float | None = None) -> dict:
     """The floor of a whole run, step by step as the engine scheduled it.
 
     ``steps``: ``instrument.StepRecord``s (tokens, summed context, distinct adapter ids, sampled rows);

@@ -1,7 +1,7 @@
 """Attention metadata built once per step, and the backend that stores KV and runs paged attention.
 
-Backends share one interface (the kernels' signatures): ``store_kv(key, value, key_cache, value_cache,
-slot_mapping)`` and ``attention(query, key_cache, value_cache, metadata, scale)``. The CPU path calls the
+Backends share one interface: ``store_kv(key, value, kv, slot_mapping)`` and ``attention(query, kv, metadata,
+scale)``, ``kv`` a layer's ``LayerKV`` (its key/value caches and, for an INT8 cache, their row scales). The CPU path calls the
 pure-torch reference twins in ``loraplex.kernels.attention_ref``; a Triton backend for CUDA registers
 itself in ``ATTENTION_BACKENDS`` under ``"triton"`` and is preferred on CUDA when present.
 """
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.engine.kv_cache import LayerKV
 from loraplex.kernels.attention_ref import paged_attention_ref, store_kv_ref
 
 
@@ -37,10 +38,10 @@ class AttentionMetadata:
 class AttentionBackend:
     name = "base"
 
-    def store_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
+    def store_kv(self, key, value, kv: LayerKV, slot_mapping) -> None:
         raise NotImplementedError
 
-    def attention(self, query, key_cache, value_cache, meta: AttentionMetadata, scale: float,
+    def attention(self, query, kv: LayerKV, meta: AttentionMetadata, scale: float,
                   out: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of the new tokens [T, Hq, D]; written into ``out`` (same shape) when given."""
         raise NotImplementedError
@@ -51,12 +52,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def store_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        store_kv_ref(key, value, key_cache, value_cache, slot_mapping)
+    def store_kv(self, key, value, kv, slot_mapping) -> None:
+        store_kv_ref(key, value, kv.key, kv.value, slot_mapping, **kv.scales)
 
-    def attention(self, query, key_cache, value_cache, meta, scale, out=None):
-        result = paged_attention_ref(query, key_cache, value_cache, meta.block_tables, meta.query_start_loc,
-                                     meta.seq_lens, scale)
+    def attention(self, query, kv, meta, scale, out=None):
+        result = paged_attention_ref(query, kv.key, kv.value, meta.block_tables, meta.query_start_loc,
+                                     meta.seq_lens, scale, **kv.scales)
         if out is None:
             return result
         return out.copy_(result)
@@ -73,14 +74,14 @@ class TritonAttentionBackend(AttentionBackend):
 
         self._store_kv, self._paged_attention = store_kv, paged_attention
 
-    def store_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
-        self._store_kv(key, value, key_cache, value_cache, slot_mapping)
+    def store_kv(self, key, value, kv, slot_mapping) -> None:
+        self._store_kv(key, value, kv.key, kv.value, slot_mapping, **kv.scales)
 
-    def attention(self, query, key_cache, value_cache, meta, scale, out=None):
-        return self._paged_attention(query, key_cache, value_cache, meta.block_tables, meta.query_start_loc,
+    def attention(self, query, kv, meta, scale, out=None):
+        return self._paged_attention(query, kv.key, kv.value, meta.block_tables, meta.query_start_loc,
                                      meta.seq_lens, scale, out=out, max_query_len=meta.max_query_len,
                                      max_seq_len=meta.max_seq_len, num_decodes=meta.num_decodes,
-                                     rest_query_start_loc=meta.rest_query_start_loc)
+                                     rest_query_start_loc=meta.rest_query_start_loc, **kv.scales)
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {

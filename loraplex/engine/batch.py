@@ -67,7 +67,7 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV-cache element type: auto (the model's dtype) | fp8 (float8 e4m3, half the memory per "
-                        "token of bf16)")
+                        "token of bf16) | int8 (int8 with a scale per token and KV head)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)

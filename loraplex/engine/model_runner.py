@@ -18,6 +18,7 @@ import torch
 from loraplex.engine.attention import AttentionMetadata, get_attention_backend
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.cuda_graphs import DecodeGraphRunner
+from loraplex.engine.kv_cache import LayerKV
 from loraplex.engine.models.llama import LlamaConfig, LlamaForCausalLM
 from loraplex.engine.piecewise_graphs import PiecewiseGraphRunner
 from loraplex.engine.sampler import Sampler
@@ -56,7 +57,7 @@ class ModelRunner:
                                         max_rows=config.max_num_seqs)
         pin = self.device.type == "cuda" and torch.cuda.is_available()
         self._fixup_host = torch.zeros(2, config.max_num_seqs, dtype=torch.int64, pin_memory=pin)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[LayerKV] = []
         self.lora_manager = None
         self.inputs: StepInputBuilder | None = None  # with the KV cache (needs the resolved limits)
         self.graphs: DecodeGraphRunner | None = None  # CUDA graphs of pure-decode steps (None: eager)
@@ -67,12 +68,17 @@ class ModelRunner:
     @property
     def kv_dtype(self) -> torch.dtype:
         """The KV cache's element type (``EngineConfig.kv_cache_dtype``; "auto": the model's dtype)."""
-        return torch.float8_e4m3fn if self.config.kv_cache_dtype in ("fp8", "fp8_e4m3") else self.dtype
+        name = self.config.kv_cache_dtype
+        if name == "int8":
+            return torch.int8
+        return torch.float8_e4m3fn if name in ("fp8", "fp8_e4m3") else self.dtype
 
     def bytes_per_block(self) -> int:
+        """K and V of one block over all layers (and an INT8 cache's fp32 scale per token and KV head)."""
         mc = self.model_config
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * mc.num_layers * self.config.block_size * mc.num_kv_heads * mc.head_dim * elem
+        per_head = mc.head_dim * elem + (4 if self.kv_dtype == torch.int8 else 0)
+        return 2 * mc.num_layers * self.config.block_size * mc.num_kv_heads * per_head
 
     def plan_num_blocks(self) -> int:
         cfg = self.config
@@ -97,8 +103,15 @@ class ModelRunner:
         # Zeroed on CUDA: a kernel that masks the tail of a block still multiplies its values by 0, and
         # 0 * NaN garbage is NaN. The CPU reference slices exactly, so the host skips the memset and RSS.
         alloc = torch.zeros if self.device.type == "cuda" else torch.empty
-        self.kv_caches = [(alloc(shape, device=self.device, dtype=self.kv_dtype),
-                           alloc(shape, device=self.device, dtype=self.kv_dtype)) for _ in range(mc.num_layers)]
+        int8 = self.kv_dtype == torch.int8
+
+        def layer() -> LayerKV:
+            kv = [alloc(shape, device=self.device, dtype=self.kv_dtype) for _ in range(2)]
+            if int8:  # one fp32 scale per (token, KV head) row; zeros (not garbage) under masked-out keys
+                kv += [torch.zeros(shape[:3], device=self.device, dtype=torch.float32) for _ in range(2)]
+            return LayerKV(*kv)
+
+        self.kv_caches = [layer() for _ in range(mc.num_layers)]
         cfg = self.config
         self.inputs = StepInputBuilder(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
                                        cfg.block_size, self.device)
@@ -233,11 +246,11 @@ class ModelRunner:
         the host does not have yet) are read on the device from ``prev.tokens``."""
         if out.blocks_to_copy:
             src, dst = (torch.tensor(x, device=self.device) for x in zip(*out.blocks_to_copy))
-            for key_cache, value_cache in self.kv_caches:
-                if key_cache.element_size() == 1:  # fp8: copy the bytes (index_put has no float8 kernel everywhere)
-                    key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
-                key_cache[dst] = key_cache[src]
-                value_cache[dst] = value_cache[src]
+            for kv in self.kv_caches:
+                for cache in kv.tensors():  # K, V (and an INT8 cache's scales)
+                    if cache.dtype == torch.float8_e4m3fn:  # copy the bytes (no float8 index_put everywhere)
+                        cache = cache.view(torch.uint8)
+                    cache[dst] = cache[src]
         if out.is_empty:
             return PendingSample(ModelRunnerOutput())
         graphs = self.graphs

@@ -117,8 +117,7 @@ class PiecewiseGraphRunner(BucketedGraphs):
             else:
                 graphs[i].replay()
             if i < len(self.model.layers):
-                key_cache, value_cache = self.kv_caches[i]
-                self.backend.attention(q, key_cache, value_cache, attn, self.model.layers[i].scale, out=out)
+                self.backend.attention(q, self.kv_caches[i], attn, self.model.layers[i].scale, out=out)
         self.num_steps += 1
         self.used_keys.add(key)
         return self.hidden[:num_tokens]

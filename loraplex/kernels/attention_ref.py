@@ -18,16 +18,35 @@ def store_kv_ref(
     key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     slot_mapping: torch.Tensor,  # [T] int, -1 = do not store (padding)
+    key_scale: torch.Tensor | None = None,  # [num_blocks, block_size, Hkv] fp32: an INT8 cache's row scales
+    value_scale: torch.Tensor | None = None,
 ) -> None:
     """Semantics: for t with slot_mapping[t] = s >= 0:
-    key_cache[s // block_size, s % block_size] = key[t]; value_cache[...] = value[t]."""
+    key_cache[s // block_size, s % block_size] = key[t]; value_cache[...] = value[t]. An INT8 cache stores each
+    (token, KV head) row as ``quantize_int8_rows`` gives it, its scale into ``key_scale``/``value_scale``."""
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     num_blocks, block_size = key_cache.shape[:2]
     flat_k = key_cache.view(num_blocks * block_size, *key_cache.shape[2:])
     flat_v = value_cache.view(num_blocks * block_size, *value_cache.shape[2:])
+    if key_cache.dtype == torch.int8:
+        for x, flat, scales in ((key[valid], flat_k, key_scale), (value[valid], flat_v, value_scale)):
+            q, s = quantize_int8_rows(x)
+            flat[slots] = q
+            scales.view(num_blocks * block_size, -1)[slots] = s
+        return
     flat_k[slots] = to_cache_dtype(key[valid], key_cache.dtype)
     flat_v[slots] = to_cache_dtype(value[valid], value_cache.dtype)
+
+
+def quantize_int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` [..., D] as int8 rows with one fp32 scale per row: s = max|x| / 127, q = round(x * (1 / s)) (ties to
+    even); an all-zero row gets s = 0. The twin of ``kernels/fp8.quantize_int8_rows``."""
+    x = x.float()
+    s = x.abs().amax(-1) / 127.0
+    inv = torch.where(s > 0, 1.0 / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
+    q = torch.round(x * inv[..., None]).clamp(-127, 127).to(torch.int8)
+    return q, s
 
 
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
@@ -49,6 +68,8 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,  # [B] int, KV length of each sequence INCLUDING its new tokens
     scale: float,
     out: torch.Tensor | None = None,  # [T, Hq, D]
+    key_scale: torch.Tensor | None = None,  # INT8 cache: [num_blocks, block_size, Hkv] fp32 row scales
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged KV (cached prefix + new).
 
@@ -76,6 +97,9 @@ def paged_attention_ref(
         blocks = block_tables[b, :num_blocks].long()
         k = key_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()  # [N, Hkv, D]
         v = value_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:n].float()
+        if key_scale is not None:  # INT8: each (token, head) row times its scale
+            k = k * key_scale[blocks].reshape(-1, num_kv_heads)[:n, :, None]
+            v = v * value_scale[blocks].reshape(-1, num_kv_heads)[:n, :, None]
         q = query[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
         scores = torch.einsum("lkgd,nkd->kgln", q, k) * scale  # [Hkv, g, L, N]
         q_pos = torch.arange(n - q_len, n, device=query.device)

@@ -25,7 +25,7 @@ BF16_ARGS = {
     "key_ptr": "*bf16", "value_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
     "query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32",
     "qk_scale": "fp32", "qkv_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "q_out_ptr": "*bf16",
-    "slot_ptr": "*i64",
+    "slot_ptr": "*i64", "key_scale_ptr": "*fp32", "value_scale_ptr": "*fp32",
 }
 
 
@@ -66,16 +66,23 @@ def cases() -> list[tuple[str, object, dict, int, int, bool]]:
 
 
 FP8_ARGS = {**BF16_ARGS, "key_cache_ptr": "*fp8e4nv", "value_cache_ptr": "*fp8e4nv"}
+INT8_ARGS = {**BF16_ARGS, "key_cache_ptr": "*i8", "value_cache_ptr": "*i8"}
 
 
 def fp8_cases() -> list[tuple[str, object, dict, int, int, bool]]:
-    """The kernels that touch the cache, over a float8 e4m3 cache (``kv_cache_dtype="fp8"``), GQA 4."""
+    """The kernels that touch the cache, over a float8 e4m3 cache (``kv_cache_dtype="fp8"``) and an INT8 one with
+    row scales (``"int8"``), GQA 4."""
     out = []
     for label, kernel, constexprs, warps, stages, must_pipeline in cases():
         if label in ("decode g=4 splits=1", "decode g=4 splits=4", "prefill g=4"):
             out.append((f"{label} fp8 KV", kernel, constexprs, warps, stages, must_pipeline))
         elif label == "store_kv":
             out.append(("store_kv fp8 KV", kernel, {**constexprs, "FP8": True}, warps, stages, False))
+    for label, kernel, constexprs, warps, stages, must_pipeline in cases():  # INT8 cache with row scales
+        if label in ("decode g=4 splits=1", "decode g=4 splits=4", "prefill g=4"):
+            out.append((f"{label} int8 KV", kernel, {**constexprs, "KV_INT8": True}, warps, stages, must_pipeline))
+    out.append(("store_kv int8 KV", kv_store._store_kv_int8_kernel,
+                {"NUM_KV_HEADS": 8, "HEAD_DIM": 128, "BLOCK_H": 8, "BLOCK_D": 128}, 4, 2, False))
     for fp8 in (False, True):  # the fused RoPE + KV store of the engine's layers (kernels/fused_ops.py)
         out.append((f"rope_store{' fp8 KV' if fp8 else ''}", fused_ops._rope_store_kernel,
                     {"NUM_HEADS": 32, "NUM_KV_HEADS": 8, "HEAD_DIM": 128, "Q_BLOCK": 4096, "KV_BLOCK": 1024,
@@ -89,7 +96,8 @@ def main() -> int:
         return 2
     failed = 0
     runs = [(case, BF16_ARGS) for case in cases()]
-    runs += [(case, FP8_ARGS if "fp8" in case[0] else BF16_ARGS) for case in fp8_cases()]
+    runs += [(case, FP8_ARGS if "fp8" in case[0] else INT8_ARGS if "int8" in case[0] else BF16_ARGS)
+             for case in fp8_cases()]
     for (label, kernel, constexprs, warps, stages, must_pipeline), args in runs:
         unaligned = ("num_seqs",) if kernel is attn_prefill._prefill_kernel else ()
         try:

@@ -49,6 +49,8 @@ def _decode_split_kernel(
     q_ptr,
     key_cache_ptr,
     value_cache_ptr,
+    key_scale_ptr,  # INT8 cache: fp32 [num_blocks, block_size, Hkv] row scales (else unused)
+    value_scale_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     out_ptr,  # [B, Hq, D], written when NUM_SPLITS == 1
@@ -74,6 +76,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -117,12 +120,22 @@ def _decode_split_kernel(
             mask=kv_mask, other=0.0,
         ).to(q.dtype)  # a float8 cache: exact in 16-bit, so the dots run as for a 16-bit cache
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
+        if KV_INT8:  # each key row times its scale; each value row's scale folded into its probability
+            scale_row = (block_ids * block_size + in_block) * tl.num_programs(1) + kv_head
+            s = s * tl.load(key_scale_ptr + scale_row, mask=t_mask, other=0.0)[None, :]
+            v_scale = tl.load(value_scale_ptr + scale_row, mask=t_mask, other=0.0)
+        else:
+            v_scale = tl.full([BLOCK_N], 1.0, tl.float32)
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has >= 1 valid key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if KV_INT8:
+            pv = p * v_scale[None, :]
+        else:
+            pv = p
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     has_keys = l_i > 0.0  # False only for an empty split (or seq_len 0): no 0/0
@@ -186,6 +199,8 @@ def paged_attention_decode(
     block_n: int = DEFAULT_BLOCK_N,
     num_warps: int = DEFAULT_NUM_WARPS,
     num_stages: int = DEFAULT_NUM_STAGES,
+    key_scale: torch.Tensor | None = None,  # INT8 cache: [num_blocks, block_size, Hkv] fp32 row scales
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV (see module doc).
 
@@ -198,8 +213,7 @@ def paged_attention_decode(
     assert cache_head_dim == head_dim and value_cache.shape == key_cache.shape
     assert num_q_heads % num_kv_heads == 0, f"Hq {num_q_heads} not a multiple of Hkv {num_kv_heads}"
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
-    assert key_cache.dtype == value_cache.dtype and key_cache.dtype in (query.dtype, torch.float8_e4m3fn), (
-        f"KV cache {key_cache.dtype} / {value_cache.dtype} with query {query.dtype}")
+    int8 = check_kv_cache(query, key_cache, value_cache, key_scale, value_scale)
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == batch
     assert block_tables.stride(1) == 1
     assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,) and seq_lens.is_contiguous()
@@ -221,14 +235,15 @@ def paged_attention_decode(
     else:
         part_out = part_lse = out  # unused by the kernel when NUM_SPLITS == 1
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens, out, part_out, part_lse,
+        query, key_cache, value_cache, key_scale if int8 else key_cache, value_scale if int8 else value_cache,
+        block_tables, seq_lens, out, part_out, part_lse,
         scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), block_size,
         GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(query.dtype),
+        BLOCK_N=block_n, KV_INT8=int8, NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
@@ -238,6 +253,22 @@ def paged_attention_decode(
             BLOCK_S=next_power_of_2(num_splits), num_warps=4,
         )
     return out
+
+
+def check_kv_cache(query, key_cache, value_cache, key_scale, value_scale) -> bool:
+    """The cache's element type against the query's: the same 16-bit/fp32 type, float8 e4m3, or int8 with its row
+    scales ([num_blocks, block_size, Hkv] fp32, contiguous). True for an INT8 cache."""
+    assert key_cache.dtype == value_cache.dtype, f"KV cache {key_cache.dtype} / {value_cache.dtype}"
+    if key_cache.dtype == torch.int8:
+        assert key_scale is not None and value_scale is not None, "an INT8 KV cache needs key_scale and value_scale"
+        assert key_scale.shape == value_scale.shape == key_cache.shape[:3], (
+            f"scales {tuple(key_scale.shape)} for a cache {tuple(key_cache.shape)}")
+        assert key_scale.dtype == value_scale.dtype == torch.float32
+        assert key_scale.is_contiguous() and value_scale.is_contiguous()
+        return True
+    assert key_cache.dtype in (query.dtype, torch.float8_e4m3fn), (
+        f"KV cache {key_cache.dtype} / {value_cache.dtype} with query {query.dtype}")
+    return False
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.attn_decode import LOG2E, dot_precision
+from loraplex.kernels.attn_decode import LOG2E, check_kv_cache, dot_precision
 from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.launch import fast_launch
 
@@ -54,6 +54,8 @@ def _prefill_kernel(
     q_ptr,
     key_cache_ptr,
     value_cache_ptr,
+    key_scale_ptr,  # INT8 cache: fp32 [num_blocks, block_size, Hkv] row scales (else unused)
+    value_scale_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
@@ -80,6 +82,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_P2 rows
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_INT8: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,13 +131,23 @@ def _prefill_kernel(
             mask=kv_mask, other=0.0,
         ).to(q.dtype)  # a float8 cache: exact in 16-bit, so the dots run as for a 16-bit cache
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if KV_INT8:  # each key row times its scale; each value row's scale folded into its probability
+            scale_row = (block_ids * block_size + in_block) * tl.num_programs(1) + kv_head
+            s = s * tl.load(key_scale_ptr + scale_row, mask=t_mask, other=0.0)[None, :]
+            v_scale = tl.load(value_scale_ptr + scale_row, mask=t_mask, other=0.0)
+        else:
+            v_scale = tl.full([BLOCK_N], 1.0, tl.float32)
         s = tl.where(t_mask[None, :] & (t[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: no -inf - -inf
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        if KV_INT8:
+            pv = p * v_scale[None, :]
+        else:
+            pv = p
+        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -157,6 +170,8 @@ def paged_attention_varlen(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    key_scale: torch.Tensor | None = None,  # INT8 cache: [num_blocks, block_size, Hkv] fp32 row scales
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged KV (see module doc)."""
     num_tokens, num_q_heads, head_dim = query.shape
@@ -165,8 +180,7 @@ def paged_attention_varlen(
     assert cache_head_dim == head_dim and value_cache.shape == key_cache.shape
     assert num_q_heads % num_kv_heads == 0, f"Hq {num_q_heads} not a multiple of Hkv {num_kv_heads}"
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
-    assert key_cache.dtype == value_cache.dtype and key_cache.dtype in (query.dtype, torch.float8_e4m3fn), (
-        f"KV cache {key_cache.dtype} / {value_cache.dtype} with query {query.dtype}")
+    int8 = check_kv_cache(query, key_cache, value_cache, key_scale, value_scale)
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == batch and block_tables.stride(1) == 1
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape == (batch + 1,)
     assert query_start_loc.is_contiguous() and seq_lens.is_contiguous()
@@ -183,7 +197,8 @@ def paged_attention_varlen(
         block_q = cdiv(16, group_p2)
     num_tiles = num_tokens // block_q + batch
     _prefill_kernel[(num_tiles, num_kv_heads)](
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
+        query, key_cache, value_cache, key_scale if int8 else key_cache, value_scale if int8 else value_cache,
+        block_tables, query_start_loc, seq_lens, out,
         scale * LOG2E, batch,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
@@ -191,7 +206,7 @@ def paged_attention_varlen(
         block_tables.stride(0), block_size,
         GROUP=group, GROUP_P2=group_p2, HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_Q=block_q, BLOCK_M=block_q * group_p2,
-        BLOCK_N=block_n, DOT_PRECISION=dot_precision(query.dtype),
+        BLOCK_N=block_n, KV_INT8=int8, DOT_PRECISION=dot_precision(query.dtype),
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.kernels.attention_ref import to_cache_dtype
+from loraplex.kernels.attention_ref import quantize_int8_rows, to_cache_dtype
 
 
 @dataclass
@@ -22,6 +22,13 @@ class PagedBatch:
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32
     scale: float
+    key_scale: torch.Tensor | None = None  # an INT8 cache's row scales [num_blocks, block_size, Hkv]
+    value_scale: torch.Tensor | None = None
+
+    @property
+    def scales(self) -> dict:
+        """The keyword arguments that pass the scales to a kernel or twin (empty unless INT8)."""
+        return {} if self.key_scale is None else {"key_scale": self.key_scale, "value_scale": self.value_scale}
 
     @property
     def max_query_len(self) -> int:
@@ -59,8 +66,14 @@ def make_paged_batch(
         used += nb
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     kv_dtype = dtype if kv_dtype is None else kv_dtype
-    key_cache = to_cache_dtype(torch.randn(shape, generator=gen).to(dtype), kv_dtype)
-    value_cache = to_cache_dtype(torch.randn(shape, generator=gen).to(dtype), kv_dtype)
+    key_cache = torch.randn(shape, generator=gen).to(dtype)
+    value_cache = torch.randn(shape, generator=gen).to(dtype)
+    key_scale = value_scale = None
+    if kv_dtype == torch.int8:  # per (token, head) row, as the engine stores it
+        (key_cache, key_scale), (value_cache, value_scale) = map(quantize_int8_rows, (key_cache, value_cache))
+        key_scale, value_scale = key_scale.to(device), value_scale.to(device)
+    else:
+        key_cache, value_cache = to_cache_dtype(key_cache, kv_dtype), to_cache_dtype(value_cache, kv_dtype)
     num_tokens = sum(query_lens)
     query = torch.randn((num_tokens, num_q_heads, head_dim), generator=gen).to(dtype)
     query_start_loc = torch.zeros(len(seq_lens) + 1, dtype=torch.int32)
@@ -73,4 +86,6 @@ def make_paged_batch(
         query_start_loc=query_start_loc.to(device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(device),
         scale=head_dim**-0.5,
+        key_scale=key_scale,
+        value_scale=value_scale,
     )

@@ -1,4 +1,5 @@
-"""Float8 e4m3 (``torch.float8_e4m3fn``) rounding inside Triton kernels, for the FP8 KV cache.
+"""Rounding for the quantized KV caches inside Triton kernels: float8 e4m3 (``torch.float8_e4m3fn``) and int8 rows
+with their own scales (``quantize_int8_rows``, twin ``attention_ref.quantize_int8_rows``).
 
 ``round_to_e4m3(x)`` returns, in fp32, the e4m3 value a cast to ``torch.float8_e4m3fn`` gives (round to nearest
 even, saturating at +-448 instead of the plain cast's NaN), so the store that follows casts an exactly
@@ -29,3 +30,16 @@ def round_to_e4m3(x):
     steps = (a / ulp + magic) - magic
     r = tl.minimum(steps * ulp, 448.0)
     return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def quantize_int8_rows(x):
+    """Rows of ``x`` [R, C] as int8 with one fp32 scale each: s = max|x| / 127, q = round(x / s) (ties to even,
+    as torch.round); an all-zero row gets s = 0 and q = 0. Returns (q, s)."""
+    x = x.to(tl.float32)
+    s = tl.max(tl.abs(x), 1) / 127.0
+    inv = tl.where(s > 0.0, 1.0 / tl.where(s > 0.0, s, 1.0), 0.0)
+    magic = 12582912.0  # 1.5 * 2^23: rounds |y| <= 127 to an integer, ties to even
+    q = (x * inv[:, None] + magic) - magic
+    q = tl.minimum(tl.maximum(q, -127.0), 127.0)
+    return q.to(tl.int8), s

@@ -41,6 +41,8 @@ def paged_attention(
     max_seq_len: int | None = None,
     num_decodes: int = 0,
     rest_query_start_loc: torch.Tensor | None = None,
+    key_scale: torch.Tensor | None = None,  # an INT8 cache's row scales [num_blocks, block_size, Hkv] fp32
+    value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of the new tokens (see module doc).
 
@@ -61,17 +63,18 @@ def paged_attention(
     assert 0 <= num_decodes <= min(batch, num_tokens), f"num_decodes {num_decodes} outside [0, {batch}]"
     if num_decodes == 0:
         return paged_attention_varlen(
-            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out=out
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out=out,
+            key_scale=key_scale, value_scale=value_scale,
         )
     if out is None:
         out = torch.empty_like(query)
     d = num_decodes
     paged_attention_decode(query[:d], key_cache, value_cache, block_tables[:d], seq_lens[:d], scale,
-                           out=out[:d], max_seq_len=max_seq_len)
+                           out=out[:d], max_seq_len=max_seq_len, key_scale=key_scale, value_scale=value_scale)
     if d < batch:
         # the remaining sequences' tokens start right after the d decode rows
         if rest_query_start_loc is None:
             rest_query_start_loc = query_start_loc[d:] - d
         paged_attention_varlen(query[d:], key_cache, value_cache, block_tables[d:], rest_query_start_loc,
-                               seq_lens[d:], scale, out=out[d:])
+                               seq_lens[d:], scale, out=out[d:], key_scale=key_scale, value_scale=value_scale)
     return out

@@ -60,7 +60,7 @@ def register(subparsers) -> None:
     p.add_argument("--max-num-seqs", type=int, help=f"requests in one step (env LORAPLEX_MAX_NUM_SEQS, default {DEFAULTS.max_num_seqs:g})")
     p.add_argument("--kv-cache-dtype",
                    help="KV-cache element type (env LORAPLEX_KV_CACHE_DTYPE, default auto: the model's dtype; fp8: "
-                        "float8 e4m3, half the memory per token of bf16)")
+                        "float8 e4m3, half the memory per token of bf16; int8: int8 with a scale per token and head)")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (env LORAPLEX_NUM_KV_BLOCKS, default: sized "
                    "from free memory)")
     p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight requests "
@@ -138,7 +138,7 @@ def check_serve_settings(settings: Settings) -> None:
         raise FlagError(f"{_flag('dtype')} must be one of {', '.join(DTYPES)}, got {settings.dtype!r}")
     if settings.kv_cache_dtype not in KV_CACHE_DTYPES:
         raise FlagError(f"{_flag('kv_cache_dtype')} must be one of {', '.join(KV_CACHE_DTYPES)}, got "
-                        f"{settings.kv_cache_dtype!r} (an INT8 KV cache is not built)")
+                        f"{settings.kv_cache_dtype!r}")
     from loraplex.platform.engine_boot import demo_model_dir, engine_config
 
     try:  # the engine's own checks (a CUDA device this machine has, ...), without loading anything

@@ -89,6 +89,8 @@ def test_kv_cache_dtype_reaches_the_engine_config_and_a_bad_one_is_named(tmp_pat
     assert engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu"}), Path(tmp_path), "m").kv_cache_dtype == "auto"
     fp8 = Settings.from_env({"LORAPLEX_KV_CACHE_DTYPE": "fp8", "LORAPLEX_DEVICE": "cpu"})
     assert engine_config(fp8, Path(tmp_path), "m").kv_cache_dtype == "fp8"
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, got 'int8'"):
-        engine_config(Settings.from_env({"LORAPLEX_KV_CACHE_DTYPE": "int8", "LORAPLEX_DEVICE": "cpu"}),
+    int8 = Settings.from_env({"LORAPLEX_KV_CACHE_DTYPE": "int8", "LORAPLEX_DEVICE": "cpu"})
+    assert engine_config(int8, Path(tmp_path), "m").kv_cache_dtype == "int8"
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, int8, got 'int4'"):
+        engine_config(Settings.from_env({"LORAPLEX_KV_CACHE_DTYPE": "int4", "LORAPLEX_DEVICE": "cpu"}),
                       Path(tmp_path), "m")

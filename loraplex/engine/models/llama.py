@@ -114,8 +114,10 @@ class _Ops:
             self.rms_norm, self.add_rms_norm = k.rms_norm, k.add_rms_norm
             self.silu_mul = k.silu_mul
 
-            def rope_store_kv(qkv, cos, sin, key_cache, value_cache, attn, num_heads, num_kv_heads, head_dim):
-                return k.rope_store_kv(qkv, cos, sin, key_cache, value_cache, attn.slot_mapping, num_heads,
+            def rope_store_kv(qkv, cos, sin, kv, attn, num_heads, num_kv_heads, head_dim):
+                if kv.key_scale is not None:  # INT8: RoPE here, then the backend's quantizing store
+                    return self._rope_then_store(qkv, cos, sin, kv, attn, num_heads, num_kv_heads, head_dim)
+                return k.rope_store_kv(qkv, cos, sin, kv.key, kv.value, attn.slot_mapping, num_heads,
                                        num_kv_heads, head_dim)
 
             self.rope_store_kv = rope_store_kv
@@ -124,7 +126,7 @@ class _Ops:
             self.rope_store_kv, self.silu_mul = self._rope_then_store, fo.silu_mul_ref
 
     @staticmethod
-    def _rope_then_store(qkv, cos, sin, key_cache, value_cache, attn, num_heads, num_kv_heads, head_dim):
+    def _rope_then_store(qkv, cos, sin, kv, attn, num_heads, num_kv_heads, head_dim):
         """The twin path: torch RoPE, then the attention backend's KV store (its Triton kernel on CUDA, which
         CUDA graphs can capture: the reference store selects rows with a host-synchronizing mask)."""
         t = qkv.shape[0]
@@ -132,7 +134,7 @@ class _Ops:
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = fo.rope_ref(q.view(t, num_heads, head_dim), cos, sin)
         k = fo.rope_ref(k.view(t, num_kv_heads, head_dim), cos, sin)
-        attn.backend.store_kv(k, v.view(t, num_kv_heads, head_dim), key_cache, value_cache, attn.slot_mapping)
+        attn.backend.store_kv(k, v.view(t, num_kv_heads, head_dim), kv, attn.slot_mapping)
         return q
 
 
@@ -180,8 +182,7 @@ class LlamaLayer(nn.Module):
         """``hidden`` [T, H] is the previous layer's MLP output and ``residual`` the stream before it
         (None at the first layer, where ``hidden`` is the embedding); returns (MLP output, residual)."""
         q, residual = self.pre_attention(hidden, residual, cos, sin, kv_cache, attn, lora, ops)
-        key_cache, value_cache = kv_cache
-        o = attn.backend.attention(q, key_cache, value_cache, attn, self.scale)
+        o = attn.backend.attention(q, kv_cache, attn, self.scale)
         return self.post_attention(o.view(hidden.shape[0], self.q_size), residual, lora, ops)
 
     def pre_attention(self, hidden, residual, cos, sin, kv_cache, attn, lora, ops: _Ops):
@@ -193,9 +194,8 @@ class LlamaLayer(nn.Module):
         else:
             x, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
         qkv = _linear(lora, self.idx, "qkv", x, self.qkv_weight, self.qkv_bias)  # [T, q + 2kv]
-        key_cache, value_cache = kv_cache
         # RoPE on q and k; k and v go into the paged cache (attention reads the new tokens' K/V from there)
-        q = ops.rope_store_kv(qkv, cos, sin, key_cache, value_cache, attn, self.num_heads, self.num_kv_heads,
+        q = ops.rope_store_kv(qkv, cos, sin, kv_cache, attn, self.num_heads, self.num_kv_heads,
                               self.head_dim)
         return q, residual
 

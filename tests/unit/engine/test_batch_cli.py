@@ -433,7 +433,7 @@ def test_kv_cache_dtype_flag_reaches_the_engine(tiny_model, tmp_path, capsys):
         {"prompt_token_ids": [1] + list(range(60, 90))}, params)[0].outputs[0].token_ids
     assert got == want
     dst.unlink()
-    rc = main(["batch", str(src), str(dst), "--model", tiny_model["model_dir"], "--kv-cache-dtype", "int8"])
+    rc = main(["batch", str(src), str(dst), "--model", tiny_model["model_dir"], "--kv-cache-dtype", "int4"])
     assert rc != 0 and not dst.exists()
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].endswith("--kv-cache-dtype must be one of auto, fp8, fp8_e4m3, got 'int8'"), err
+    assert err[-1].endswith("--kv-cache-dtype must be one of auto, fp8, fp8_e4m3, int8, got 'int4'"), err

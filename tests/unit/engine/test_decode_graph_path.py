@@ -20,7 +20,7 @@ def _llm(tiny_model, padded: bool, kv_cache_dtype: str = "auto") -> LLM:
     return llm
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
 def test_padded_decode_path_matches_eager_with_adapters(tiny_model, kv_cache_dtype):
     loras = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(3)]
     # 7 sequences (between the buckets 4 and 8); adapters finish first, so the last steps have none

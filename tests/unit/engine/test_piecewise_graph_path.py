@@ -62,7 +62,7 @@ def _same(want, got):
             assert lg[t].logprob == pytest.approx(v.logprob, abs=1e-4)
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
 def test_piecewise_path_matches_eager_with_adapters_and_mixed_steps(tiny_model, kv_cache_dtype):
     prompts, params, mix = _workload(tiny_model)
     eager = _llm(tiny_model, piecewise=False, kv_cache_dtype=kv_cache_dtype).generate(prompts, params, lora_request=mix)

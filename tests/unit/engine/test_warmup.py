@@ -45,13 +45,13 @@ def _pool_tensors(pool) -> list[torch.Tensor]:
 def test_warmup_leaves_cache_and_outputs_untouched(tiny_model):
     engine = _engine(tiny_model)
     assert engine.runner.warmup_eager() == 0  # nothing to compile on the CPU
-    caches = [(k.clone(), v.clone()) for k, v in engine.runner.kv_caches]
+    caches = [(kv.key.clone(), kv.value.clone()) for kv in engine.runner.kv_caches]
     pool = engine.runner.get_lora_manager().pool
     pool_before = _pool_tensors(pool)
     assert len(pool_before) > 2
     # budget and budget - 1 tokens, base / one adapter / max_loras adapters
     assert engine.runner.warmup_eager(force=True) == 6
-    for (k, v), (k0, v0) in zip(engine.runner.kv_caches, caches):
+    for (k, v, *_), (k0, v0) in zip(engine.runner.kv_caches, caches):
         # bitwise: the CPU cache is allocated uninitialized, and garbage may hold NaN patterns
         assert _same_bits(k, k0) and _same_bits(v, v0)
     assert all(_same_bits(a, b) for a, b in zip(_pool_tensors(pool), pool_before))

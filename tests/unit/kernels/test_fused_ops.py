@@ -9,6 +9,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest; kept here so this 
 import pytest
 import torch
 
+from loraplex.engine.kv_cache import LayerKV
 from loraplex.kernels import fused_ops
 from loraplex.kernels.fused_ops import (
     add_rms_norm_ref,
@@ -125,7 +126,7 @@ def test_model_forward_with_fused_kernels_equals_twins():
     block_size, num_blocks = 4, 6
     outs = []
     for model in models:
-        caches = [(torch.zeros(num_blocks, block_size, 2, 8), torch.zeros(num_blocks, block_size, 2, 8))
+        caches = [LayerKV(torch.zeros(num_blocks, block_size, 2, 8), torch.zeros(num_blocks, block_size, 2, 8))
                   for _ in range(cfg.num_layers)]
         table = torch.tensor([[3, 1, 4]], dtype=torch.int32)
         prompt = torch.tensor([5, 9, 2, 7, 7, 1])
@@ -140,7 +141,7 @@ def test_model_forward_with_fused_kernels_equals_twins():
     (a1, a2, ca), (b1, b2, cb) = outs
     torch.testing.assert_close(b1, a1, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(b2, a2, atol=1e-5, rtol=1e-5)
-    for (ka, va), (kb, vb) in zip(ca, cb):
+    for (ka, va, *_), (kb, vb, *_) in zip(ca, cb):
         torch.testing.assert_close(kb, ka, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(vb, va, atol=1e-5, rtol=1e-5)
     assert a2.abs().sum() > 0

@@ -206,8 +206,8 @@ def test_db_upgrade_to_an_unknown_revision_is_one_line(revision, needles, tmp_pa
     (["--drain-timeout-s", "inf"], {}, ["--drain-timeout-s"]),
     (["--device", "tpu"], {}, ["--device", "tpu"]),
     (["--dtype", "float8"], {}, ["--dtype", "float8", "bfloat16"]),
-    (["--kv-cache-dtype", "int8"], {}, ["--kv-cache-dtype", "int8", "fp8"]),
-    ([], {"LORAPLEX_KV_CACHE_DTYPE": "int8"}, ["LORAPLEX_KV_CACHE_DTYPE", "int8", "fp8"]),
+    (["--kv-cache-dtype", "int4"], {}, ["--kv-cache-dtype", "int4", "fp8, fp8_e4m3, int8"]),
+    ([], {"LORAPLEX_KV_CACHE_DTYPE": "fp16"}, ["LORAPLEX_KV_CACHE_DTYPE", "fp16", "int8"]),
     ([], {"LORAPLEX_LORA_EXPAND_FIRST_MIN_TOKENS": "-1"}, ["LORAPLEX_LORA_EXPAND_FIRST_MIN_TOKENS", ">= 0"]),
 ])
 def test_serve_refuses_impossible_flags_before_anything_starts(args, env, needles, tmp_path, monkeypatch):
