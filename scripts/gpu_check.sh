@@ -5,6 +5,7 @@
 #
 #   tests      GPU tests                        lora       LoRA kernel microbenchmark
 #   attention  paged attention vs SDPA (sweep)     engine     a short engine run (bench offline)
+#   lorastep   the decode-step LoRA policies and the in-layer run at 64 tokens (lora_kernels --steps-only)
 #              and the decode kernel over an fp8 KV cache (--fp8-kv)
 #   report     the issue-9 report: bench all with the HF + PEFT peer and an online run through a launched
 #              `loraplex serve` (embedded default: SQLite + in-process), cut short by SIGTERM at
@@ -62,8 +63,14 @@ if [[ "$what" == *engine* ]]; then
     python3 -m loraplex.cli bench offline --out-dir "$out" --num-requests 128 --input-len 256 --output-len 32 \
         --popularity base,distinct --step-batch 64 --step-count 16 ${smoke[@]+"${smoke[@]}"} 2>&1 | tail -30
 fi
-if [[ "$what" == *lora* ]]; then
+if [[ "$what" == *lora* && "$what" != *lorastep* ]]; then
     python3 -m loraplex.bench.lora_kernels --out "$out/lora_kernels_h200.json" 2>&1 | tail -12
+fi
+if [[ "$what" == *lorastep* ]]; then
+    # the whole-step LoRA policies (CUDA graphs, 64 tokens; per-kernel profile) and the in-layer run at 64 tokens
+    python3 -m loraplex.bench.lora_kernels --steps-only --reps "${LORASTEP_REPS:-50}" \
+        --out "$out/lora_steps_h200.json" > "$out/lorastep.log" 2>&1
+    echo "lorastep: exit $?"; grep -E "^\| " "$out/lora_steps_h200.md" | head -60
 fi
 if [[ "$what" == *attention* ]]; then
     python3 -m loraplex.cli bench attention --sweep --fp8-kv --out-dir "$out" ${smoke[@]+"${smoke[@]}"} 2>&1 | tail -14

@@ -271,7 +271,7 @@ def _before_step_class(before_dir: str | None):
 
 def _config_summary(cfg) -> dict:
     keys = ("split_k", "split_k_max", "block_k", "shrink_warps", "expand_splits", "block_n", "expand_warps", "pdl",
-            "prefetch_out")
+            "prefetch_out", "weight_prefetch")
     return {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
 
 
@@ -479,8 +479,22 @@ def bench_decode_steps(shapes, num_tokens: int, rank: int, device, dtype, copy_b
 # stream, or on a forked stream alongside it (engine option lora_overlap_shrink), or the write-first order (shrink
 # and a write-only expand, then the GEMM accumulating into that output: engine option lora_expand_first_min_tokens;
 # every token carries an adapter in these mixes)
-IN_LAYER_POLICIES = (("sequential", {}), ("overlap", {"overlap_shrink": True}),
+# ("cfg": overrides of every projection's kernel configuration, not a LoRAStep option)
+IN_LAYER_POLICIES = (("sequential", {}), ("sequential, weight prefetch off", {"cfg": {"weight_prefetch": "off"}}),
+                     ("sequential, first weight tile", {"cfg": {"weight_prefetch": "first"}}),
+                     ("overlap", {"overlap_shrink": True}),
                      ("expand-first", {"expand_first_min_tokens": 1, "has_base_tokens": False}))
+
+
+def _in_layer_step(bench, options: dict):
+    from loraplex.adapters.mapping import LoRAStep
+
+    options = dict(options)
+    cfg = options.pop("cfg", None)
+    step = LoRAStep(bench.pool, bench.slots, bench.num_active, True, **options)
+    if cfg:
+        step._configs = {p: dataclasses.replace(c, **cfg) for p, c in step._configs.items()}
+    return step
 # prefill-sized in-layer runs (--in-layer-tokens above the decode step's): adapters among the step's tokens
 PREFILL_IN_LAYER_MIXES = (("32 adapters", 32), ("8 adapters", 8))
 
@@ -492,7 +506,6 @@ def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: f
     graphs (LoRAStep inside the graph). ``added_ms`` = step with LoRA - base projections alone: what LoRA costs a
     step when its launches sit between the GEMMs, per policy (``IN_LAYER_POLICIES``). ``num_slots``: the pool's
     slots (default one per token: a decode step's distinct adapters)."""
-    from loraplex.adapters.mapping import LoRAStep
 
     bench = _DecodeStepBench(shapes, num_tokens, rank, device, dtype, num_slots=num_slots)
     gen = torch.Generator(device=device).manual_seed(1)
@@ -518,8 +531,7 @@ def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: f
     for name, options in IN_LAYER_POLICIES:
         bench.slots.copy_(_mix_slots(num_tokens, mixes[0][1], device))
         try:
-            graph = _capture(lambda options=options: run(LoRAStep(bench.pool, bench.slots, bench.num_active, True,
-                                                                   **options)), device)
+            graph = _capture(lambda options=options: run(_in_layer_step(bench, options)), device)
         except Exception as exc:  # report the failure, keep the rest of the run
             log.warning("in-layer policy %s failed: %s", name, str(exc).splitlines()[0][:300])
             _sync(device)
@@ -560,6 +572,8 @@ def _in_layer_markdown(in_layer: dict | None) -> list[str]:
 # one change each (attribution); "run-A" = the defaults of the first H200 run of these kernels (run D in
 # NOTES-lora.md: no per-chunk tables, gate|up expand tile 128, down at most 16 K parts)
 STEP_POLICIES = {"before": None, "default": {}, "no-pdl": {"*": {"pdl": False}},
+                 "weight-prefetch-off": {"*": {"weight_prefetch": "off"}},
+                 "weight-prefetch-first": {"*": {"weight_prefetch": "first"}},
                  "no-chunk-tables": {"*": {"chunk_tables": False}},
                  "run-A": {"*": {"chunk_tables": False}, "gate_up": {"block_n": 128}, "down": {"split_k_max": 16}}}
 
@@ -570,6 +584,8 @@ STEP_VARIANTS = (
     ("default", "both", {}),
     ("no-pdl", "both", {"pdl": False}),
     ("no-prefetch", "expand", {"prefetch_out": False}),
+    ("wpf-off", "both", {"weight_prefetch": "off"}),  # A and B not loaded before the PDL wait
+    ("wpf-first", "both", {"weight_prefetch": "first"}),  # their first tile into registers before it
     ("bn256", "expand", {"block_n": 256}),
     ("bn256-w8", "expand", {"block_n": 256, "expand_warps": 8}),
     ("en-x2", "expand", "expand_splits*2"),
@@ -957,6 +973,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-layer-tokens", default="",
                         help="more token counts (comma-separated) for the in-layer benchmark, e.g. 8192: prefill-sized "
                              "steps with 32 and 8 adapters (the decode step's count always runs)")
+    parser.add_argument("--steps-only", action="store_true",
+                        help="the decode-step policies and the in-layer run at the decode step's size, then stop")
     parser.add_argument("--in-layer-only", action="store_true",
                         help="only the in-layer benchmark (the decode step's and --in-layer-tokens)")
     parser.add_argument("--step-sweep-mode", choices=("fused", "two-launch"), default="fused",
@@ -1044,6 +1062,9 @@ def main(argv: list[str] | None = None) -> int:
     payload["in_layer"] = bench_in_layer(shapes, step_tokens, 16, device, dtype, copy_bw, reps,
                                          mixes=STEP_MIXES if not args.smoke else (("distinct", 8), ("identical", 1)))
     write()
+    if args.steps_only:
+        log.info("wrote %s and %s", out, out.with_suffix(".md"))
+        return 0
     for tokens in (int(t) for t in args.in_layer_tokens.split(",") if t.strip()):
         if device.type == "cuda":
             torch.cuda.empty_cache()

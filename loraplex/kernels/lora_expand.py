@@ -33,7 +33,9 @@ tokens are distinct and slices own disjoint columns, so stores never race. With 
 
 Programmatic dependent launch (``pdl``): the launch may start while the shrink runs; metadata, slot and
 rank are read first, then every program that reads y / out waits for the shrink (griddepcontrol.wait), and
-program 0 always waits, so this launch never completes before its predecessor.
+program 0 always waits, so this launch never completes before its predecessor. B (the adapter's weights,
+never written by the step) need not wait: ``weight_prefetch`` loads the program's first B tile into registers
+("first"), or its whole share of B into L2 ("l2"), before the wait, so those bytes move while the shrink ends.
 """
 
 from __future__ import annotations
@@ -45,7 +47,15 @@ import triton.language as tl
 from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.launch import fast_launch
 from loraplex.kernels.lora_meta import LoRAKernelMeta
-from loraplex.kernels.lora_shrink import chunk_tables, dot_precision, gdc_wait, num_chunks_of, split_parts
+from loraplex.kernels.lora_shrink import (
+    chunk_tables,
+    dot_precision,
+    gdc_wait,
+    l2_prefetch,
+    num_chunks_of,
+    split_parts,
+    weight_prefetch_mode,
+)
 
 # as the shrink: no variant per token count
 UNSPECIALIZED = ("progs", "shrink_progs", "k_tiles", "stride_yp", "stride_ys", "stride_crs")
@@ -65,6 +75,7 @@ def _lora_expand_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr, COL_ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
     PREFETCH_OUT: tl.constexpr = True, CHUNK_TABLES: tl.constexpr = False, ACCUMULATE: tl.constexpr = True,
+    PREFETCH_B: tl.constexpr = 0, PF_LINE: tl.constexpr = 64,
 ):
     pid = tl.program_id(0)
     sl = tl.program_id(1)
@@ -124,6 +135,18 @@ def _lora_expand_kernel(
     b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None].to(tl.int64) * stride_br
     o_rows = out_ptr + tok[:, None] * stride_ot
     offs_bn = tl.arange(0, BLOCK_N)
+    if PREFETCH_B == 1:
+        # B is the adapter's weights, written before this step: its first tile is loaded before the wait, so
+        # with PDL that load overlaps the shrink's last programs; the loop then loads each next tile one ahead
+        b_nxt = tl.load(b_rows + (n_lo + offs_bn)[None, :].to(tl.int64) * stride_bn,
+                        mask=r_mask[:, None] & ((n_lo + offs_bn) < n_hi)[None, :], other=0.0)
+    if PREFETCH_B == 2:
+        # every line of this program's B share into L2 before the wait; the pipelined loop then reads it from there
+        offs_pf = tl.arange(0, BLOCK_N // PF_LINE) * PF_LINE
+        pf_rows = (b_ptr + slot.to(tl.int64) * stride_bl
+                   + tl.where(r_mask, offs_r, 0)[:, None].to(tl.int64) * stride_br)
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            l2_prefetch(pf_rows + tl.minimum(n0 + offs_pf, n_hi - 1)[None, :].to(tl.int64) * stride_bn)
     if USE_PDL:
         gdc_wait()  # y (the shrink) and out (the base projection) are written by earlier launches
     ys = tl.load(y_ptrs, mask=y_mask, other=0.0)
@@ -144,8 +167,13 @@ def _lora_expand_kernel(
             offs_nx = offs_n + BLOCK_N
             nxt = tl.load(o_rows + offs_nx[None, :].to(tl.int64) * stride_on,
                           mask=m_mask[:, None] & (offs_nx < n_hi)[None, :], other=0.0)
-            b = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn, mask=r_mask[:, None] & n_mask[None, :],
-                        other=0.0)
+            if PREFETCH_B == 1:
+                b = b_nxt
+                b_nxt = tl.load(b_rows + (offs_n + BLOCK_N)[None, :].to(tl.int64) * stride_bn,
+                                mask=r_mask[:, None] & ((offs_n + BLOCK_N) < n_hi)[None, :], other=0.0)
+            else:
+                b = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn,
+                            mask=r_mask[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(ys, b, input_precision=DOT_PRECISION) * scale
             o_ptrs = o_rows + offs_n[None, :].to(tl.int64) * stride_on
             tl.store(o_ptrs, (base.to(tl.float32) + acc).to(base.dtype), mask=m_mask[:, None] & n_mask[None, :])
@@ -153,8 +181,13 @@ def _lora_expand_kernel(
         for n0 in range(n_lo, n_hi, BLOCK_N):
             offs_n = n0 + offs_bn
             n_mask = offs_n < n_hi
-            b = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn, mask=r_mask[:, None] & n_mask[None, :],
-                        other=0.0)
+            if PREFETCH_B == 1:
+                b = b_nxt
+                b_nxt = tl.load(b_rows + (offs_n + BLOCK_N)[None, :].to(tl.int64) * stride_bn,
+                                mask=r_mask[:, None] & ((offs_n + BLOCK_N) < n_hi)[None, :], other=0.0)
+            else:
+                b = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn,
+                            mask=r_mask[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(ys, b, input_precision=DOT_PRECISION) * scale
             o_ptrs = o_rows + offs_n[None, :].to(tl.int64) * stride_on
             o_mask = m_mask[:, None] & n_mask[None, :]
@@ -192,6 +225,7 @@ def lora_expand(
     prefetch_out: bool = True,
     chunk_ranks: torch.Tensor | None = None,  # [S, max_chunks] int32 (with meta.chunk_tokens: per-chunk tables)
     accumulate: bool = True,  # False: write the delta (zeros in untargeted slices), out not read (module doc)
+    weight_prefetch: str = "off",  # before the PDL wait: "first" B tile into registers, or the "l2" share into L2
 ) -> torch.Tensor:
     split_k, num_slices, num_tokens, max_rank = y.shape
     num_slots, b_rank, n_total = lora_b.shape
@@ -215,6 +249,7 @@ def lora_expand(
     progs = n_splits * meta.max_chunks
     grid = (progs, num_slices)
     tables = chunk_tables(meta, chunk_ranks, num_slices)
+    prefetch, line = weight_prefetch_mode(weight_prefetch, lora_b.dtype, block_n)
     _lora_expand_kernel[grid](
         y, lora_b, out, ranks, scaling, slice_loc,
         meta.sorted_token_ids, meta.chunk_slots, meta.chunk_starts, meta.chunk_lens, num_chunks_of(meta),
@@ -226,7 +261,7 @@ def lora_expand(
         ranks.stride(0), tables[1].stride(0),
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         DOT_PRECISION=dot_precision(out.dtype), COL_ALIGN=col_align, USE_PDL=pdl, PREFETCH_OUT=prefetch_out,
-        CHUNK_TABLES=tables[0] is not meta.chunk_slots, ACCUMULATE=accumulate,
+        CHUNK_TABLES=tables[0] is not meta.chunk_slots, ACCUMULATE=accumulate, PREFETCH_B=prefetch, PF_LINE=line,
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return out

@@ -48,6 +48,9 @@ class LoRAKernelConfig:
     split_k_max: int | None = None  # most K parts per chunk (fewer chunks in use: more parts); None = split_k
     pdl: bool = False  # programmatic dependent launch (sm_90+): shrink and expand overlap their neighbours
     prefetch_out: bool = True  # expand loads the next out tile one trip ahead
+    # weights (A in the shrink, B in the expand) are never written by the step, so their loads need not wait for
+    # the launch before (PDL): "off", the "first" tile into registers, or the program's whole share into "l2"
+    weight_prefetch: str = "off"
     chunk_tables: bool = True  # read slot, rank and tokens by chunk (one round trip) when the caller has the tables
     # decode: one fused launch (lora_fused) instead of shrink + expand; fused_split_k > 1 uses the
     # last-arriver counter, else fused_n_splits programs per (chunk, slice) split the columns
@@ -123,7 +126,8 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
     # decode gate|up (64 distinct adapters) needs it: 35.9 -> 31.9 us (run D)
     return LoRAKernelConfig(block_m=block_m, block_r=block_r, block_k=block_k, split_k=split_k, block_n=block_n,
                             shrink_warps=shrink_warps, expand_splits=expand_splits, split_k_max=split_k_max,
-                            pdl=pdl and USE_PDL, prefetch_out=decode, **fused)
+                            pdl=pdl and USE_PDL, prefetch_out=decode, weight_prefetch=WEIGHT_PREFETCH if decode else "off",
+                            **fused)
 
 
 # Slice offsets as a COL_ALIGN hint for the expand (16-byte, cp.async-pipelined B / out accesses instead of
@@ -136,6 +140,10 @@ VECTORIZE_EXPAND = True
 # the base projection's last blocks leave. Each kernel waits (griddepcontrol.wait) before reading what an
 # earlier launch wrote.
 USE_PDL = os.environ.get("LORAPLEX_LORA_PDL", "1") != "0"  # LORAPLEX_LORA_PDL=0: off (A/B and diagnosis)
+
+# Weights loaded before the PDL wait in decode steps (LoRAKernelConfig.weight_prefetch: off | first | l2);
+# LORAPLEX_LORA_WEIGHT_PREFETCH overrides it (A/B and diagnosis)
+WEIGHT_PREFETCH = os.environ.get("LORAPLEX_LORA_WEIGHT_PREFETCH", "l2")
 
 # Off: on the H200 (docs/benchmarks/NOTES-lora.md) every fused configuration measured slower than the
 # two-launch path for every Llama-3-8B decode projection (rank 16: 25-100% slower per projection in a CUDA
@@ -201,7 +209,8 @@ def lora_shrink_apply(x, lora_a, ranks, meta, cfg: LoRAKernelConfig, scratch, ch
     shrink_progs = cfg.split_k * meta.max_chunks
     y = lora_shrink(x, lora_a, ranks, meta, split_k=parts, progs=shrink_progs, block_r=cfg.block_r,
                     block_k=cfg.block_k, y=scratch, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages,
-                    pdl=cfg.pdl if pdl is None else pdl, chunk_ranks=chunk_ranks if cfg.chunk_tables else None)
+                    pdl=cfg.pdl if pdl is None else pdl, chunk_ranks=chunk_ranks if cfg.chunk_tables else None,
+                    weight_prefetch=cfg.weight_prefetch)
     return y, {"shrink_progs": shrink_progs, "k_tiles": cdiv(x.shape[1], cfg.block_k)}
 
 
@@ -212,7 +221,8 @@ def lora_expand_apply(y, valid: dict, out, lora_b, ranks, scaling, slice_loc, ma
     return lora_expand(y, lora_b, ranks, scaling, slice_loc, max_slice_width, meta, out, block_n=cfg.block_n,
                        n_splits=cfg.expand_splits, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages,
                        col_align=col_align, **valid, pdl=cfg.pdl, prefetch_out=cfg.prefetch_out and accumulate,
-                       chunk_ranks=chunk_ranks if cfg.chunk_tables else None, accumulate=accumulate)
+                       chunk_ranks=chunk_ranks if cfg.chunk_tables else None, accumulate=accumulate,
+                       weight_prefetch=cfg.weight_prefetch)
 
 
 def lora_silu_mul_apply(

@@ -59,6 +59,32 @@ def split_parts(progs, num_chunks, SPLIT_K: tl.constexpr, k_tiles):
     return (k_tiles + per - 1) // per, per
 
 
+@triton.jit
+def l2_prefetch(ptrs):
+    """``prefetch.global.L2`` of the line under each pointer (sm_80+; compiled kernels only, never the interpreter).
+    Not pure, so the compiler keeps it although nothing reads its result."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+# weight prefetch before the PDL wait (``weight_prefetch`` of the launch policy): not at all, the first tile into
+# registers (then each next one a trip ahead, the loop no longer pipelined by the compiler), or the program's whole
+# share into L2 (the loop stays pipelined and reads it from L2)
+WEIGHT_PREFETCH = {"off": 0, "first": 1, "l2": 2}
+
+
+def weight_prefetch_mode(mode: str, dtype: torch.dtype, tile: int) -> tuple[int, int]:
+    """(PREFETCH constexpr, elements per 128-byte line) for a launch; ``l2`` needs compiled kernels and a tile of
+    whole lines, else it is dropped (the interpreter has no inline assembly)."""
+    import os
+
+    code = WEIGHT_PREFETCH[mode]
+    line = max(1, 128 // (torch.finfo(dtype).bits // 8))
+    if code == 2 and (os.environ.get("TRITON_INTERPRET") == "1" or tile < line):
+        code = 0
+    return code, line
+
+
 # integer arguments that change with the step's token count are not specialized (Triton would compile a variant per
 # value class: == 1, divisible by 16, other), so one compiled kernel serves every step of a launch configuration
 UNSPECIALIZED = ("progs", "stride_yp", "stride_ys", "stride_crs")
@@ -77,6 +103,7 @@ def _lora_shrink_kernel(
     stride_rs, stride_crs,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False, CHUNK_TABLES: tl.constexpr = False,
+    PREFETCH_A: tl.constexpr = 0, PF_LINE: tl.constexpr = 64,
 ):
     pid = tl.program_id(0)
     r_tile = tl.program_id(1)
@@ -125,12 +152,26 @@ def _lora_shrink_kernel(
     a_base = a_ptr + slot.to(tl.int64) * stride_al + sl.to(tl.int64) * stride_as
     a_ptrs = a_base + offs_r[None, :].to(tl.int64) * stride_ar + (k_lo + offs_k)[:, None].to(tl.int64) * stride_ak
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    if PREFETCH_A == 1:
+        # A is the adapter's weights: the first tile is loaded before the wait, then each next one a trip ahead
+        a_nxt = tl.load(a_ptrs, mask=((k_lo + offs_k) < k_hi)[:, None] & r_mask[None, :], other=0.0)
+    if PREFETCH_A == 2:
+        # every line of this program's A share into L2 before the wait; the pipelined loop then reads it from there
+        offs_pf = tl.arange(0, BLOCK_K // PF_LINE) * PF_LINE
+        pf_rows = a_base + tl.where(r_mask, offs_r, r0)[:, None].to(tl.int64) * stride_ar
+        for kk in range(k_lo, k_hi, BLOCK_K):
+            l2_prefetch(pf_rows + tl.minimum(kk + offs_pf, k_hi - 1)[None, :].to(tl.int64) * stride_ak)
     if USE_PDL:
         gdc_wait()  # x is written by a kernel before this launch's predecessor; A and the metadata are not
     for kk in range(k_lo, k_hi, BLOCK_K):
         k_mask = (kk + offs_k) < k_hi
         xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        at = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+        if PREFETCH_A == 1:
+            at = a_nxt
+            a_nxt = tl.load(a_ptrs + BLOCK_K * stride_ak,
+                            mask=((kk + BLOCK_K + offs_k) < k_hi)[:, None] & r_mask[None, :], other=0.0)
+        else:
+            at = tl.load(a_ptrs, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
         acc += tl.dot(xt, at, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         a_ptrs += BLOCK_K * stride_ak
@@ -169,6 +210,7 @@ def lora_shrink(
     pdl: bool = False,
     chunk_ranks: torch.Tensor | None = None,  # [S, max_chunks] int32: rank of each chunk's slot (with
     # meta.chunk_tokens: the per-chunk tables, one metadata round trip per program)
+    weight_prefetch: str = "off",  # before the PDL wait: "first" A tile into registers, or the "l2" share into L2
 ) -> torch.Tensor:  # [split_k, S, T, R] float32 partial sums; the expand needs the same split_k and progs
     num_tokens, k_dim = x.shape
     num_slots, num_slices, max_rank, a_k = lora_a.shape
@@ -187,6 +229,7 @@ def lora_shrink(
     progs = split_k * meta.max_chunks if progs is None else progs
     grid = (progs, cdiv(max_rank, block_r), num_slices)
     tables = chunk_tables(meta, chunk_ranks, num_slices)
+    prefetch, line = weight_prefetch_mode(weight_prefetch, lora_a.dtype, block_k)
     _lora_shrink_kernel[grid](
         x, lora_a, y, ranks,
         meta.sorted_token_ids, meta.chunk_slots, meta.chunk_starts, meta.chunk_lens, num_chunks_of(meta),
@@ -198,7 +241,7 @@ def lora_shrink(
         ranks.stride(0), tables[1].stride(0),
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, CHUNK_TABLES=tables[0] is not meta.chunk_slots,
-        num_warps=num_warps, num_stages=num_stages,
+        PREFETCH_A=prefetch, PF_LINE=line, num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return y

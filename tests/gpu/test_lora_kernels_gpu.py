@@ -50,7 +50,7 @@ def _reference(batch):
     return ref.to(batch.out.dtype)
 
 
-def _apply(batch, num_active):
+def _apply(batch, num_active, weight_prefetch=None):
     """As LoRAStep launches: programmatic dependent launch where the GPU has it (sm_90+), per-chunk rank and token
     tables (one metadata round trip per program)."""
     from loraplex.kernels.lora_shrink import pdl_supported
@@ -58,6 +58,8 @@ def _apply(batch, num_active):
     k_dim = batch.x.shape[1]
     cfg = choose_config(batch.x.shape[0], num_active, batch.lora_a.shape[0], batch.lora_a.shape[2], k_dim,
                         len(batch.slice_loc) - 1, batch.max_slice_width, pdl=pdl_supported(batch.x.device))
+    if weight_prefetch is not None:
+        cfg = dataclasses.replace(cfg, weight_prefetch=weight_prefetch)
     meta = build_lora_meta(batch.token_slots, batch.lora_a.shape[0], cfg.block_m)
     chunk_ranks = batch.ranks.index_select(1, meta.chunk_slots.clamp(min=0))
     out = batch.out.clone()
@@ -267,9 +269,10 @@ def test_programmatic_dependent_launch_is_on_for_hopper():
     assert choose_config(64, 64, 64, 16, 4096, 3, 4096, pdl=want).pdl == want
 
 
+@pytest.mark.parametrize("weight_prefetch", ["off", "first", "l2"])
 @pytest.mark.parametrize("proj", ["qkv", "gate_up", "down"])
 @pytest.mark.parametrize("mix", ["identical", "eight", "skewed"])
-def test_decode_grid_for_distinct_serves_few_adapters_llama3_bf16(proj, mix):
+def test_decode_grid_for_distinct_serves_few_adapters_llama3_bf16(proj, mix, weight_prefetch):
     """As the engine's decode CUDA graph: tiles planned for 64 distinct adapters (num_active = 64), run on one
     adapter's 64 tokens, on 8 adapters' 8 tokens each, or a skewed mix: the shrink gives the few chunks more K
     parts, the expand finer column shares; the result is the fp32 twin's."""
@@ -281,10 +284,12 @@ def test_decode_grid_for_distinct_serves_few_adapters_llama3_bf16(proj, mix):
         slots = token_slots_for(mix, 64, 64, gen)
     batch = make_lora_batch(64, k_dim, widths, num_slots=64, max_rank=16, dtype=torch.bfloat16, device="cuda",
                             token_slots=slots, seed=3)
-    out = _apply(batch, num_active=64)
+    out = _apply(batch, num_active=64, weight_prefetch=weight_prefetch)
     base = batch.token_slots < 0
     assert torch.equal(out[base], batch.out[base])
     torch.testing.assert_close(out.float(), _reference(batch).float(), **TOL[torch.bfloat16])
+    if weight_prefetch != "off":  # loading the weights earlier changes no result
+        assert torch.equal(out, _apply(batch, num_active=64, weight_prefetch="off"))
 
 
 def _chain(step, xs0, outs, bases):
@@ -298,11 +303,13 @@ def _chain(step, xs0, outs, bases):
         x = out
 
 
+@pytest.mark.parametrize("weight_prefetch", ["default", "off", "first", "l2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chained_launches_with_pdl_under_cuda_graph_replay(dtype):
+def test_chained_launches_with_pdl_under_cuda_graph_replay(dtype, weight_prefetch):
     """A chain of LoRA launches where every shrink reads the previous expand's output, captured in one CUDA graph
     with programmatic dependent launch (as on the H200 by default) and replayed for other adapter mixes than at
-    capture: equal to the twin chain, and bit-identical to the same chain launched without PDL."""
+    capture: equal to the twin chain, and bit-identical to the same chain launched without PDL and without any
+    weight prefetch (the weights loaded before the wait, ``weight_prefetch``, change no result)."""
     from loraplex.adapters.mapping import LoRAStep
     from loraplex.adapters.modules import BaseShapes
 
@@ -318,6 +325,9 @@ def test_chained_launches_with_pdl_under_cuda_graph_replay(dtype):
     def graph_step():
         step = LoRAStep(pool, slots_buf, min(num_tokens, slots_n), use_triton=True)  # as the engine captures
         assert all(c.pdl for c in step._configs.values()) == (torch.cuda.get_device_capability()[0] >= 9)
+        if weight_prefetch != "default":
+            step._configs = {p: dataclasses.replace(c, weight_prefetch=weight_prefetch)
+                             for p, c in step._configs.items()}
         _chain(step, x0, outs, bases)
 
     graph = capture_cuda_graph(graph_step)
@@ -328,7 +338,7 @@ def test_chained_launches_with_pdl_under_cuda_graph_replay(dtype):
         got = [o.clone() for o in outs]
         # eager, programmatic dependent launch off: the same kernels in plain stream order
         step = LoRAStep(pool, slots_buf, min(num_tokens, slots_n), use_triton=True)
-        step._configs = {p: dataclasses.replace(c, pdl=False) for p, c in step._configs.items()}
+        step._configs = {p: dataclasses.replace(c, pdl=False, weight_prefetch="off") for p, c in step._configs.items()}
         _chain(step, x0, outs, bases)
         torch.cuda.synchronize()
         for a, b in zip(got, outs):

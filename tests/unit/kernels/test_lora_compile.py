@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -126,19 +127,29 @@ def test_programmatic_dependent_launch_only_where_asked():
     hints: K divisible by 16), the expand's B too, its out accesses 16 bytes wide."""
     shrink_types = {"x_ptr": "*bf16", "a_ptr": "*bf16", "y_ptr": "*fp32"}
     expand_types = {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"}
-    for pdl in (True,):  # (off: test_kernels_compile_for_sm90_in_bf16)
+    loads_before_wait = {}
+    for prefetch in (0, 1, 2):  # weight_prefetch off / first / l2 (PDL off: test_kernels_compile_for_sm90_in_bf16)
         shrink = _compile("lora_shrink._lora_shrink_kernel", shrink_types,
-                          dict(SPLIT_K=16, BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, DOT_PRECISION="tf32", USE_PDL=pdl,
-                               CHUNK_TABLES=True),
+                          dict(SPLIT_K=16, BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, DOT_PRECISION="tf32", USE_PDL=True,
+                               CHUNK_TABLES=True, PREFETCH_A=prefetch),
                           runtime_hints=True, num_warps=2, num_stages=3)["ptx"]
         expand = _compile("lora_expand._lora_expand_kernel", expand_types,
                           dict(SPLIT_K=16, BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="tf32", COL_ALIGN=16,
-                               USE_PDL=pdl, PREFETCH_OUT=True, CHUNK_TABLES=True), runtime_hints=True, num_warps=4,
-                          num_stages=3)["ptx"]
-        assert ("griddepcontrol.wait" in shrink) == pdl and ("griddepcontrol.launch_dependents" in shrink) == pdl
-        assert ("griddepcontrol.wait" in expand) == pdl and "griddepcontrol.launch_dependents" not in expand
-        assert "cp.async" in shrink and "ld.global.b16" not in shrink
-        assert "cp.async" in expand and "st.global.v4" in expand and "st.global.b16" not in expand
+                               USE_PDL=True, PREFETCH_OUT=True, CHUNK_TABLES=True, PREFETCH_B=prefetch),
+                          runtime_hints=True, num_warps=4, num_stages=3)["ptx"]
+        assert "griddepcontrol.wait" in shrink and "griddepcontrol.launch_dependents" in shrink
+        assert "griddepcontrol.wait" in expand and "griddepcontrol.launch_dependents" not in expand
+        assert "ld.global.b16" not in shrink and "st.global.b16" not in expand and "st.global.v4" in expand
+        # the main wait is the last one (program 0 also waits first thing)
+        loads_before_wait[prefetch] = [len(re.findall(r"ld\.global", ptx[:ptx.rfind("griddepcontrol.wait")]))
+                                       for ptx in (shrink, expand)]
+        prefetches = [len(re.findall(r"prefetch\.global\.L2", ptx[:ptx.rfind("griddepcontrol.wait")]))
+                      for ptx in (shrink, expand)]
+        assert all(prefetches) == (prefetch == 2) and any(prefetches) == (prefetch == 2)
+        if prefetch != 1:  # the compiler's pipelining (cp.async) carries the weights' loop
+            assert "cp.async" in shrink and "cp.async" in expand
+    # "first": the weights' first tile is loaded before the wait, on top of the metadata loads
+    assert all(f > o for f, o in zip(loads_before_wait[1], loads_before_wait[0]))
 
 
 @pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-from loraplex.kernels import lora_expand, lora_shrink
+from loraplex.kernels import lora_expand, lora_ops, lora_shrink
 from loraplex.kernels.lora_meta import build_lora_meta
 from loraplex.kernels.lora_ops import choose_config, lora_apply
 from loraplex.kernels.lora_ref import lora_apply_ref, lora_expand_ref, lora_shrink_ref
@@ -27,13 +27,15 @@ QKV = (48, 16, 16)  # GQA: q wider than k and v
 K_DIM = 40  # not a multiple of 16
 
 
-def _run_both(batch, *, block_m=16, block_r=16, block_k=32, split_k=1, block_n=32, n_splits=None):
+def _run_both(batch, *, block_m=16, block_r=16, block_k=32, split_k=1, block_n=32, n_splits=None,
+              weight_prefetch="off", prefetch_out=True):
     meta = build_lora_meta(batch.token_slots, batch.lora_a.shape[0], block_m)
     y = lora_shrink.lora_shrink(batch.x, batch.lora_a, batch.ranks, meta, split_k=split_k, block_r=block_r,
-                                block_k=block_k)
+                                block_k=block_k, weight_prefetch=weight_prefetch)
     out = batch.out.clone()
     lora_expand.lora_expand(y, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
                             batch.max_slice_width, meta, out, block_n=block_n, n_splits=n_splits,
+                            weight_prefetch=weight_prefetch, prefetch_out=prefetch_out,
                             **lora_shrink.shrink_split(batch.x.shape[1], meta, split_k, block_k))
     ref = lora_apply_ref(batch.x, batch.out.clone(), batch.lora_a, batch.lora_b, batch.token_slots,
                          batch.ranks, batch.scaling, batch.slice_loc)
@@ -81,6 +83,22 @@ def test_expand_programs_loop_over_column_tiles(n_splits):
     batch = make_lora_batch(21, K_DIM, (80, 16, 16), max_rank=16, mix="zipf", seed=n_splits)
     _, out, ref = _run_both(batch, block_n=16, n_splits=n_splits)
     _check(batch, out, ref)
+
+
+@pytest.mark.parametrize("prefetch_out", [True, False])
+@pytest.mark.parametrize("split_k, n_splits", [(1, 1), (2, 3)])
+def test_weights_loaded_a_trip_ahead(split_k, n_splits, prefetch_out):
+    """weight_prefetch="first" (decode): the first A / B tile is loaded before the (PDL) wait and each next one a
+    trip ahead; parts of several K tiles, programs of several column tiles (some shares empty), a K and widths that
+    leave partial last tiles: the same result as the plain loops."""
+    batch = make_lora_batch(37, 72, (80, 24, 24), max_rank=16, mix="zipf", dtype=torch.float16, seed=split_k)
+    assert (batch.token_slots < 0).any() and (batch.ranks == 0).any()
+    _, out, ref = _run_both(batch, block_k=16, split_k=split_k, block_n=16, n_splits=n_splits,
+                            weight_prefetch="first", prefetch_out=prefetch_out)
+    _check(batch, out, ref)
+    _, plain, _ = _run_both(batch, block_k=16, split_k=split_k, block_n=16, n_splits=n_splits,
+                            prefetch_out=prefetch_out)
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)
 
 
 def test_fp16_gate_up():
@@ -193,6 +211,8 @@ def test_launch_policy_by_regime():
     down = choose_config(64, 64, 64, 16, 14336, 1, 4096)
     prefill = choose_config(8192, 8, 8, 16, 4096, 3, 4096, pdl=True)
     assert qkv.block_m == 16 and qkv.split_k < qkv.split_k_max == 16 and qkv.pdl and qkv.prefetch_out
+    assert qkv.weight_prefetch == down.weight_prefetch == lora_ops.WEIGHT_PREFETCH != "off"
+    assert prefill.weight_prefetch == "off"
     assert gate_up.block_n == 256 and qkv.block_n == 128 and not gate_up.pdl
     assert down.split_k_max == 32 and down.parts_max == 32  # 112 K tiles: parts of >= 2 tiles, at most 32
     assert prefill.block_m == 64 and prefill.split_k_max == prefill.split_k and not prefill.prefetch_out
