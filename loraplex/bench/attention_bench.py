@@ -87,8 +87,8 @@ def bench_decode_case(
     if fp8_kv:
         key8, value8 = to_cache_dtype(key_cache, torch.float8_e4m3fn), to_cache_dtype(value_cache, torch.float8_e4m3fn)
 
-        def paged_fp8():
-            return paged_attention_decode(query, key8, value8, block_tables, seq_lens, scale, out=out)
+        def paged_fp8(**kw):
+            return paged_attention_decode(query, key8, value8, block_tables, seq_lens, scale, out=out, **kw)
 
         row["fp8_max_abs_err_vs_sdpa"] = (paged_fp8().float() - ref).abs().max().item()
         t_fp8 = time_per_call(paged_fp8, device, iters=iters, warmup=warmup)
@@ -99,13 +99,23 @@ def bench_decode_case(
     if sweep:
         row["sweep_best"] = _sweep(paged, device, iters, ref)
         row["best_over_sdpa_speed"] = t_sdpa / row["sweep_best"]["paged_s"]
+        if fp8_kv and dtype == torch.bfloat16:
+            row["fp8_sweep_best"] = _sweep(paged_fp8, device, iters, ref, FP8_SWEEP)
+            if row["fp8_sweep_best"]:
+                row["fp8_best_over_sdpa_speed"] = t_sdpa / row["fp8_sweep_best"]["paged_s"]
     return row
 
 
-def _sweep(paged, device: torch.device, iters: int, ref: torch.Tensor) -> dict:
+# the float8 cache's decode kernel: its tiles are half the bytes, and the dots may run in fp16 (f16_dots)
+FP8_SWEEP = {"num_splits": (1,), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4),
+             "f16_dots": (False, True)}
+
+
+def _sweep(paged, device: torch.device, iters: int, ref: torch.Tensor, grid: dict | None = None) -> dict:
     best: dict | None = None
-    for values in itertools.product(*SWEEP.values()):
-        kw = dict(zip(SWEEP, values))
+    grid = grid or SWEEP
+    for values in itertools.product(*grid.values()):
+        kw = dict(zip(grid, values))
         try:
             err = (paged(**kw).float() - ref).abs().max().item()
             t = time_per_call(lambda kw=kw: paged(**kw), device, iters=iters)

@@ -480,7 +480,7 @@ def bench_decode_steps(shapes, num_tokens: int, rank: int, device, dtype, copy_b
 # and a write-only expand, then the GEMM accumulating into that output: engine option lora_expand_first_min_tokens;
 # every token carries an adapter in these mixes)
 # ("cfg": overrides of every projection's kernel configuration, not a LoRAStep option)
-IN_LAYER_POLICIES = (("sequential", {}), ("sequential, weight prefetch off", {"cfg": {"weight_prefetch": "off"}}),
+IN_LAYER_POLICIES = (("sequential", {}), ("sequential, weights into L2", {"cfg": {"weight_prefetch": "l2"}}),
                      ("sequential, first weight tile", {"cfg": {"weight_prefetch": "first"}}),
                      ("overlap", {"overlap_shrink": True}),
                      ("expand-first", {"expand_first_min_tokens": 1, "has_base_tokens": False}))
@@ -572,7 +572,7 @@ def _in_layer_markdown(in_layer: dict | None) -> list[str]:
 # one change each (attribution); "run-A" = the defaults of the first H200 run of these kernels (run D in
 # NOTES-lora.md: no per-chunk tables, gate|up expand tile 128, down at most 16 K parts)
 STEP_POLICIES = {"before": None, "default": {}, "no-pdl": {"*": {"pdl": False}},
-                 "weight-prefetch-off": {"*": {"weight_prefetch": "off"}},
+                 "weight-prefetch-l2": {"*": {"weight_prefetch": "l2"}},
                  "weight-prefetch-first": {"*": {"weight_prefetch": "first"}},
                  "no-chunk-tables": {"*": {"chunk_tables": False}},
                  "run-A": {"*": {"chunk_tables": False}, "gate_up": {"block_n": 128}, "down": {"split_k_max": 16}}}
@@ -584,7 +584,7 @@ STEP_VARIANTS = (
     ("default", "both", {}),
     ("no-pdl", "both", {"pdl": False}),
     ("no-prefetch", "expand", {"prefetch_out": False}),
-    ("wpf-off", "both", {"weight_prefetch": "off"}),  # A and B not loaded before the PDL wait
+    ("wpf-l2", "both", {"weight_prefetch": "l2"}),  # A and B shares into L2 before the PDL wait
     ("wpf-first", "both", {"weight_prefetch": "first"}),  # their first tile into registers before it
     ("bn256", "expand", {"block_n": 256}),
     ("bn256-w8", "expand", {"block_n": 256, "expand_warps": 8}),

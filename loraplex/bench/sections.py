@@ -45,12 +45,18 @@ def attention_section(result: dict) -> tuple[str, str]:
              "2 · batch · context · Hkv · D · 2 B; the paged kernel reads blocks in random order.")
     fp8 = [r for r in result["decode"] if "paged_fp8_s" in r]
     if fp8:
-        rows = [{**r, "fp8_us": r["paged_fp8_s"] * 1e6, "paged_us": r["paged_s"] * 1e6} for r in fp8]
+        rows = [{**r, "fp8_us": r["paged_fp8_s"] * 1e6, "paged_us": r["paged_s"] * 1e6,
+                 "fp8_best_us": r["fp8_sweep_best"]["paged_s"] * 1e6 if r.get("fp8_sweep_best") else None,
+                 "fp8_best_cfg": ", ".join(f"{k}={v}" for k, v in (r.get("fp8_sweep_best") or {}).items()
+                                           if k not in ("paged_s", "max_abs_err_vs_sdpa"))} for r in fp8]
+        swept = [("fp8_best_us", "fp8 best swept µs"), ("fp8_best_over_sdpa_speed", "best fp8 ÷ SDPA"),
+                 ("fp8_best_cfg", "best fp8 config")] if any(r.get("fp8_sweep_best") for r in fp8) else []
         body += ("\n\nThe same decode cases over a float8 e4m3 cache (`kv_cache_dtype=\"fp8\"`: one byte per cached value, half of bf16; "
                  "SDPA still reads the 16-bit K/V):\n\n") + table(rows, [
             ("batch", "batch"), ("context", "context"), ("fp8_us", "paged fp8 µs"), ("paged_us", "paged 16-bit µs"),
             ("paged_fp8_over_paged_speed", "fp8 speed ÷ 16-bit"), ("paged_fp8_over_sdpa_speed", "fp8 speed ÷ SDPA"),
-            ("paged_fp8_frac_copy_bw", "fp8 bytes ÷ copy BW"), ("fp8_max_abs_err_vs_sdpa", "max abs err vs SDPA")])
+            ("paged_fp8_frac_copy_bw", "fp8 bytes ÷ copy BW"), ("fp8_max_abs_err_vs_sdpa", "max abs err vs SDPA"),
+            *swept])
     if result.get("prefill"):
         rows = [{**r, "paged_ms": r["paged_s"] * 1e3, "sdpa_ms": r["sdpa_s"] * 1e3} for r in result["prefill"]]
         body += "\n\nFresh causal prefill (no target; for reference), same layouts:\n\n" + table(rows, [

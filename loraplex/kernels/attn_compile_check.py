@@ -33,6 +33,8 @@ def compile_kernel(kernel, constexprs: dict, num_warps: int, num_stages: int, ar
                    unaligned: tuple[str, ...] = ()) -> dict:
     """Compile for sm_90; integer/pointer arguments get the divisibility-by-16 Triton infers at launch."""
     kernel = getattr(kernel, "jit_fn", kernel)  # a fast_launch wrapper: its JITFunction
+    # constexpr parameters left out take their defaults, as a launch that omits them does
+    constexprs = {**{p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default}, **constexprs}
     names = kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else args.get(n, "i32") for n in names}
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
@@ -76,6 +78,9 @@ def fp8_cases() -> list[tuple[str, object, dict, int, int, bool]]:
     for label, kernel, constexprs, warps, stages, must_pipeline in cases():
         if label in ("decode g=4 splits=1", "decode g=4 splits=4", "prefill g=4"):
             out.append((f"{label} fp8 KV", kernel, constexprs, warps, stages, must_pipeline))
+        if label == "decode g=4 splits=1":  # the dots in fp16 (f16_dots)
+            out.append((f"{label} fp8 KV f16 dots", kernel, {**constexprs, "F16_DOTS": True}, warps, stages,
+                        must_pipeline))
         elif label == "store_kv":
             out.append(("store_kv fp8 KV", kernel, {**constexprs, "FP8": True}, warps, stages, False))
     for label, kernel, constexprs, warps, stages, must_pipeline in cases():  # INT8 cache with row scales

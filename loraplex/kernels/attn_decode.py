@@ -77,6 +77,7 @@ def _decode_split_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_INT8: tl.constexpr = False,
+    F16_DOTS: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,6 +99,10 @@ def _decode_split_kernel(
         mask=row_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
+    if F16_DOTS:
+        # a float8 cache under bf16 queries: the dots in fp16 (e4m3 -> fp16 is one conversion per pair of values;
+        # a bf16 query in fp16 keeps more mantissa, its range is far inside fp16's)
+        q = q.to(tl.float16)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -201,6 +206,7 @@ def paged_attention_decode(
     num_stages: int = DEFAULT_NUM_STAGES,
     key_scale: torch.Tensor | None = None,  # INT8 cache: [num_blocks, block_size, Hkv] fp32 row scales
     value_scale: torch.Tensor | None = None,
+    f16_dots: bool = False,  # float8 cache, bf16 query: the dots in fp16 (measured by bench attention --sweep)
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV (see module doc).
 
@@ -214,6 +220,8 @@ def paged_attention_decode(
     assert num_q_heads % num_kv_heads == 0, f"Hq {num_q_heads} not a multiple of Hkv {num_kv_heads}"
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
     int8 = check_kv_cache(query, key_cache, value_cache, key_scale, value_scale)
+    assert not f16_dots or (key_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16), (
+        "f16_dots: a float8 cache under bf16 queries only")
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == batch
     assert block_tables.stride(1) == 1
     assert seq_lens.dtype == torch.int32 and seq_lens.shape == (batch,) and seq_lens.is_contiguous()
@@ -244,7 +252,7 @@ def paged_attention_decode(
         block_tables.stride(0), block_size,
         GROUP=group, BLOCK_H=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_N=block_n, KV_INT8=int8, NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(query.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        F16_DOTS=f16_dots, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _decode_merge_kernel[(batch, num_q_heads)](

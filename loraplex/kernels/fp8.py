@@ -29,7 +29,10 @@ def round_to_e4m3(x):
     magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds |y| < 2^22 to an integer, ties to even
     steps = (a / ulp + magic) - magic
     r = tl.minimum(steps * ulp, 448.0)
-    return tl.where(x < 0, -r, r)
+    # x's sign bit onto r by bits, so a negative x that rounds to zero gives -0 as torch's cast does (a select of
+    # -r / r may be compiled into a +0 for it)
+    sign = x.to(tl.int32, bitcast=True) & -2147483648
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -141,9 +141,11 @@ VECTORIZE_EXPAND = True
 # earlier launch wrote.
 USE_PDL = os.environ.get("LORAPLEX_LORA_PDL", "1") != "0"  # LORAPLEX_LORA_PDL=0: off (A/B and diagnosis)
 
-# Weights loaded before the PDL wait in decode steps (LoRAKernelConfig.weight_prefetch: off | first | l2);
-# LORAPLEX_LORA_WEIGHT_PREFETCH overrides it (A/B and diagnosis)
-WEIGHT_PREFETCH = os.environ.get("LORAPLEX_LORA_WEIGHT_PREFETCH", "l2")
+# Weights loaded before the PDL wait in decode steps (LoRAKernelConfig.weight_prefetch: off | first | l2). Off: on the
+# H200 (2026-12-03, docs/benchmarks/H200-2026-12-03-run15.md) a 64-distinct-adapter decode step's LoRA work took
+# 2.51 ms off, 2.98 with the first tile, 3.18 with the share prefetched into L2 (8 adapters: 1.24 / 1.19 / 1.22).
+# LORAPLEX_LORA_WEIGHT_PREFETCH picks another (A/B and diagnosis).
+WEIGHT_PREFETCH = os.environ.get("LORAPLEX_LORA_WEIGHT_PREFETCH", "off")
 
 # Off: on the H200 (docs/benchmarks/NOTES-lora.md) every fused configuration measured slower than the
 # two-launch path for every Llama-3-8B decode projection (rank 16: 25-100% slower per projection in a CUDA

@@ -77,6 +77,7 @@ def test_fused_kernels_replay_in_cuda_graph():
 
 def test_model_forward_fused_vs_twins_bf16():
     from loraplex.engine.attention import AttentionMetadata, get_attention_backend
+    from loraplex.engine.kv_cache import LayerKV
     from loraplex.engine.models.llama import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
@@ -95,8 +96,8 @@ def test_model_forward_fused_vs_twins_bf16():
     slots = (table[0, torch.arange(n, device="cuda") // bs] * bs + torch.arange(n, device="cuda") % bs).long()
     hidden = []
     for model in models:
-        caches = [(torch.zeros(40, bs, 2, 64, device="cuda", dtype=torch.bfloat16),
-                   torch.zeros(40, bs, 2, 64, device="cuda", dtype=torch.bfloat16)) for _ in range(4)]
+        caches = [LayerKV(torch.zeros(40, bs, 2, 64, device="cuda", dtype=torch.bfloat16),
+                          torch.zeros(40, bs, 2, 64, device="cuda", dtype=torch.bfloat16)) for _ in range(4)]
         meta = AttentionMetadata(backend, slots, table, torch.tensor([0, n], device="cuda", dtype=torch.int32),
                                  torch.tensor([n], device="cuda", dtype=torch.int32), n, n)
         hidden.append(model(ids, torch.arange(n, device="cuda"), caches, meta).float())

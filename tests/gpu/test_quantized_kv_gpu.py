@@ -43,13 +43,14 @@ def _ref(pb):
                                pb.seq_lens, pb.scale)
 
 
+@pytest.mark.parametrize("f16_dots", [False, True])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
-def test_decode_over_fp8_cache(group, num_splits):
+def test_decode_over_fp8_cache(group, num_splits, f16_dots):
     seq_lens = [1, 17, 1023, 4099, 20_001]
     pb = _batch(seq_lens, [1] * len(seq_lens), group, seed=group)
     out = paged_attention_decode(pb.query, pb.key_cache, pb.value_cache, pb.block_tables, pb.seq_lens, pb.scale,
-                                 num_splits=num_splits)
+                                 num_splits=num_splits, f16_dots=f16_dots)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
     torch.testing.assert_close(out.float(), _ref(pb).float(), **TOL)
 
@@ -77,8 +78,15 @@ def test_stores_into_fp8_equal_the_twins_bit_for_bit():
     want_k, want_v = kc.clone(), vc.clone()
     store_kv_ref(key, value, want_k, want_v, slots)
     store_kv(key, value, kc, vc, slots)
-    assert torch.equal(kc.view(torch.uint8), want_k.view(torch.uint8))
-    assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
+    for got, want, x in ((kc, want_k, key), (vc, want_v, value)):
+        diff = got.view(torch.uint8) != want.view(torch.uint8)
+        if diff.any():  # name the values that differ: their inputs, the kernel's and the twin's bytes
+            flat = torch.full(got.shape[:2], -1, dtype=torch.long, device=DEV).view(-1)
+            flat[slots[slots >= 0]] = torch.arange(t, device=DEV)[slots >= 0]
+            rows = flat.view(got.shape[:2])[diff.any(-1).any(-1)]
+            src = x[rows[rows >= 0]][diff[diff.any(-1).any(-1)][rows >= 0]]
+            raise AssertionError(f"{int(diff.sum())} bytes differ; inputs {src[:8].float().tolist()}, kernel "
+                                 f"{got.view(torch.uint8)[diff][:8].tolist()}, twin {want.view(torch.uint8)[diff][:8].tolist()}")
     assert kc.float().abs().max() == 448.0
 
     qkv = torch.randn(t, (heads + 2 * KV_HEADS) * HEAD_DIM, generator=gen).to(torch.bfloat16).to(DEV)
@@ -91,6 +99,24 @@ def test_stores_into_fp8_equal_the_twins_bit_for_bit():
     torch.testing.assert_close(q.float(), want_q.float(), **TOL)
     assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
     torch.testing.assert_close(kc.float(), want_k.float(), rtol=0.07, atol=1e-2)  # RoPE computed twice
+
+
+def test_round_to_e4m3_compiled_gives_the_bits_of_torchs_cast():
+    """The kernels' rounding helper compiled for this GPU: every e4m3 value, the midpoints, subnormals, values that
+    round to zero of either sign (-0 included), values past the range: torch's saturating cast, bit for bit."""
+    from tests.unit.kernels.fp8_probe import round_kernel
+
+    values = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    values = values[torch.isfinite(values)].unique()
+    mids = (values[1:] + values[:-1]) / 2
+    x = torch.cat([values, mids, mids * (1 + 1e-6), mids * (1 - 1e-6), torch.randn(20000),
+                   torch.tensor([0.0, -0.0, 1e-12, -1e-12, -2.0 ** -11, 449.0, 465.0, -1e6])]).to(DEV)
+    out = torch.empty(x.shape, dtype=FP8, device=DEV)
+    round_kernel[(-(-x.numel() // 4096),)](x, out, x.numel(), BLOCK=4096)
+    want = to_cache_dtype(x, FP8)
+    same = out.view(torch.uint8) == want.view(torch.uint8)
+    assert same.all(), (x[~same][:8].tolist(), out.view(torch.uint8)[~same][:8].tolist(),
+                        want.view(torch.uint8)[~same][:8].tolist())
 
 
 def test_to_cache_dtype_on_cuda_equals_the_cpu_cast():

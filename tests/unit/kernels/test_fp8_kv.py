@@ -50,8 +50,9 @@ def test_round_to_e4m3_gives_the_bits_of_torchs_cast():
     out = torch.empty(x.shape, dtype=FP8)
     round_kernel[(triton_cdiv(x.numel(), 4096),)](x, out, x.numel(), BLOCK=4096)
     want = to_cache_dtype(x, FP8)
-    same = out.float() == want.float()  # compare values: -0 and +0 are equal
+    same = out.view(torch.uint8) == want.view(torch.uint8)  # bits: -0 (a negative x rounding to zero) included
     assert same.all(), (x[~same][:8], out.float()[~same][:8], want.float()[~same][:8])
+    assert (out.view(torch.uint8)[(x < 0) & (out.float() == 0)] == 0x80).all()
 
 
 def triton_cdiv(a: int, b: int) -> int:

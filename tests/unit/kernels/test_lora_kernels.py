@@ -211,7 +211,7 @@ def test_launch_policy_by_regime():
     down = choose_config(64, 64, 64, 16, 14336, 1, 4096)
     prefill = choose_config(8192, 8, 8, 16, 4096, 3, 4096, pdl=True)
     assert qkv.block_m == 16 and qkv.split_k < qkv.split_k_max == 16 and qkv.pdl and qkv.prefetch_out
-    assert qkv.weight_prefetch == down.weight_prefetch == lora_ops.WEIGHT_PREFETCH != "off"
+    assert qkv.weight_prefetch == down.weight_prefetch == lora_ops.WEIGHT_PREFETCH  # "off" unless set
     assert prefill.weight_prefetch == "off"
     assert gate_up.block_n == 256 and qkv.block_n == 128 and not gate_up.pdl
     assert down.split_k_max == 32 and down.parts_max == 32  # 112 K tiles: parts of >= 2 tiles, at most 32
