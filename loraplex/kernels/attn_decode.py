@@ -41,6 +41,11 @@ LOG2E = 1.4426950408889634
 DEFAULT_BLOCK_N = 64
 DEFAULT_NUM_WARPS = 4
 DEFAULT_NUM_STAGES = 3
+# over a float8 cache under bf16 queries: the fastest of `bench attention --sweep --fp8-kv` on the H200 at batch 64,
+# contexts 1,024-4,096 (run 15, docs/benchmarks/H200-2026-12-03-run15.md): 128-key tiles, two stages, fp16 dots;
+# 76 / 141 / 274 us against 108 / 201 / 390 with the 16-bit defaults (the bf16 cache: 72 / 134 / 256)
+FP8_BLOCK_N = 128
+FP8_NUM_STAGES = 2
 
 
 @fast_launch
@@ -201,12 +206,12 @@ def paged_attention_decode(
     out: torch.Tensor | None = None,  # [B, Hq, D]
     num_splits: int | None = None,
     max_seq_len: int | None = None,
-    block_n: int = DEFAULT_BLOCK_N,
+    block_n: int | None = None,  # None: DEFAULT_BLOCK_N, or FP8_BLOCK_N over a float8 cache
     num_warps: int = DEFAULT_NUM_WARPS,
-    num_stages: int = DEFAULT_NUM_STAGES,
+    num_stages: int | None = None,  # None: DEFAULT_NUM_STAGES, or FP8_NUM_STAGES over a float8 cache
     key_scale: torch.Tensor | None = None,  # INT8 cache: [num_blocks, block_size, Hkv] fp32 row scales
     value_scale: torch.Tensor | None = None,
-    f16_dots: bool = False,  # float8 cache, bf16 query: the dots in fp16 (measured by bench attention --sweep)
+    f16_dots: bool | None = None,  # float8 cache, bf16 query: the dots in fp16 (None: exactly then)
 ) -> torch.Tensor:
     """Attention of one new token per sequence over its paged KV (see module doc).
 
@@ -220,6 +225,11 @@ def paged_attention_decode(
     assert num_q_heads % num_kv_heads == 0, f"Hq {num_q_heads} not a multiple of Hkv {num_kv_heads}"
     assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
     int8 = check_kv_cache(query, key_cache, value_cache, key_scale, value_scale)
+    fp8 = key_cache.dtype == torch.float8_e4m3fn
+    block_n = block_n or (FP8_BLOCK_N if fp8 else DEFAULT_BLOCK_N)
+    num_stages = num_stages or (FP8_NUM_STAGES if fp8 else DEFAULT_NUM_STAGES)
+    if f16_dots is None:
+        f16_dots = fp8 and query.dtype == torch.bfloat16
     assert not f16_dots or (key_cache.dtype == torch.float8_e4m3fn and query.dtype == torch.bfloat16), (
         "f16_dots: a float8 cache under bf16 queries only")
     assert block_tables.dtype == torch.int32 and block_tables.dim() == 2 and block_tables.shape[0] == batch

@@ -43,7 +43,7 @@ def _ref(pb):
                                pb.seq_lens, pb.scale)
 
 
-@pytest.mark.parametrize("f16_dots", [False, True])
+@pytest.mark.parametrize("f16_dots", [None, False, True])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("num_splits", [None, 1, 5])
 def test_decode_over_fp8_cache(group, num_splits, f16_dots):
@@ -69,7 +69,9 @@ def test_prefill_chunk_and_mixed_over_fp8_cache(group):
 def test_stores_into_fp8_equal_the_twins_bit_for_bit():
     gen = torch.Generator().manual_seed(3)
     t, heads, num_blocks = 37, 32, 64
-    key = (torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen) * 40).to(torch.bfloat16).to(DEV)  # some past 448
+    key = (torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen) * 40).to(torch.bfloat16)
+    key[0, 0, :3] = torch.tensor([600.0, -9000.0, 448.0])  # past e4m3's range: saturates (token 0 is stored)
+    key = key.to(DEV)
     value = torch.randn(t, KV_HEADS, HEAD_DIM, generator=gen).to(torch.bfloat16).to(DEV)
     slots = torch.randperm(num_blocks * BLOCK, generator=gen)[:t].to(DEV)
     slots[5] = -1
