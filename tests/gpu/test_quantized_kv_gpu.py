@@ -100,7 +100,10 @@ def test_stores_into_fp8_equal_the_twins_bit_for_bit():
     want_q = rope_store_kv_ref(qkv, cos, sin, want_k, want_v, slots, heads, KV_HEADS, HEAD_DIM)
     torch.testing.assert_close(q.float(), want_q.float(), **TOL)
     assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
-    torch.testing.assert_close(kc.float(), want_k.float(), rtol=0.07, atol=1e-2)  # RoPE computed twice
+    # RoPE computed twice (kernel and twin round differently before the cast): a key may land one e4m3 step away
+    # (2^-3 relative, 2^-9 among the subnormals), and only a few do
+    torch.testing.assert_close(kc.float(), want_k.float(), rtol=0.125, atol=2.0 ** -9)
+    assert (kc.view(torch.uint8) == want_k.view(torch.uint8)).float().mean() > 0.999
 
 
 def test_round_to_e4m3_compiled_gives_the_bits_of_torchs_cast():
