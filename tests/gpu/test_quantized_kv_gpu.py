@@ -101,8 +101,9 @@ def test_stores_into_fp8_equal_the_twins_bit_for_bit():
     torch.testing.assert_close(q.float(), want_q.float(), **TOL)
     assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
     # RoPE computed twice (kernel and twin round differently before the cast): a key may land one e4m3 step away
-    # (2^-3 relative, 2^-9 among the subnormals), and only a few do
-    torch.testing.assert_close(kc.float(), want_k.float(), rtol=0.125, atol=2.0 ** -9)
+    # (2^-3 relative), or, where x cos - y sin cancels, a 16-bit rounding of terms of size ~1 away (1e-2 absolute),
+    # and only a few do
+    torch.testing.assert_close(kc.float(), want_k.float(), rtol=0.125, atol=1e-2)
     assert (kc.view(torch.uint8) == want_k.view(torch.uint8)).float().mean() > 0.999
 
 
