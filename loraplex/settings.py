@@ -71,6 +71,10 @@ class Settings:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | int8 (EngineConfig.kv_cache_dtype)
+    # speculative decoding with prompt-lookup drafts (EngineConfig.num_speculative_tokens; 0 = off)
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
     num_kv_blocks: int | None = None  # None = sized from free memory
     gpu_memory_utilization: float = 0.85
     # platform limits

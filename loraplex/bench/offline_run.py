@@ -119,6 +119,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
                        attention_decode_split=getattr(args, "attention_decode_split", None),
                        piecewise_cuda_graphs=getattr(args, "piecewise_cuda_graphs", None),
                        kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
+                       num_speculative_tokens=getattr(args, "num_speculative_tokens", None),
                        fuse_lora_silu_mul=args.fuse_lora_silu_mul)
     with clock("engine warm-up"):
         # compiles kernels and fills allocator pools before anything is timed: the LoRA kernels are compiled per

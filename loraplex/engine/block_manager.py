@@ -169,6 +169,21 @@ class BlockManager:
         req.block_ids = []
         req.num_registered_blocks = 0
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Drop ``req``'s blocks beyond the first ``blocks_for(num_tokens)`` (speculative decoding: blocks taken for
+        draft tokens that were rejected). They were written this step only, so they hold no cached prefix."""
+        keep = self.blocks_for(num_tokens)
+        blocks = req.block_ids
+        while len(blocks) > keep:
+            b = blocks.pop()
+            block = self.blocks[b]
+            assert block.ref_count > 0, f"double free of block {b}"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[b] = None
+                if block.block_hash is None:
+                    self.free.move_to_end(b, last=False)
+
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
         return copies

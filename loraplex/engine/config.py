@@ -89,6 +89,16 @@ class EngineConfig:
     # Off with enforce_eager, or alone for A/B runs
     piecewise_cuda_graphs: bool = True
     piecewise_graph_max_tokens: int = 2048
+    # speculative decoding (engine/spec_decode.py): up to this many draft tokens per decoding sequence per step,
+    # verified by the model in the same step (0 = off). "ngram": prompt lookup, the tokens that followed the latest
+    # earlier occurrence of the context's last prompt_lookup_max .. prompt_lookup_min tokens. Greedy and plain
+    # random sampling (temperature, top-k, top-p, min-p) keep their exact output distribution; other requests
+    # decode one token per step. Steps with drafts run without the decode CUDA graphs, and overlapped steps
+    # (async_scheduling) stay off unless asked for
+    num_speculative_tokens: int = 0
+    speculative_method: str = "ngram"
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
     model_id: str | None = None  # served name; default the model directory's name
 
     def __post_init__(self) -> None:
@@ -119,6 +129,17 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (a prompt token and a generated one), got {self.max_model_len}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.num_speculative_tokens:
+            from loraplex.engine.spec_decode import SPEC_METHODS
+
+            if self.speculative_method not in SPEC_METHODS:
+                raise ValueError(f"speculative_method must be one of {', '.join(SPEC_METHODS)}, got "
+                                 f"{self.speculative_method!r}")
+            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+                raise ValueError(f"prompt_lookup_min must be >= 1 and <= prompt_lookup_max, got "
+                                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         self._check_device()
         if self.model_id is None and self.model:
             self.model_id = Path(self.model).resolve().name

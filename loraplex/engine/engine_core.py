@@ -110,7 +110,9 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         if self.async_scheduling is None:
             env = os.environ.get("LORAPLEX_ASYNC_SCHEDULING")
-            self.async_scheduling = env != "0" if env is not None else self.runner.device.type == "cuda"
+            # (speculative decoding needs each step's tokens on the host before it drafts the next: off with it)
+            self.async_scheduling = env != "0" if env is not None else (
+                self.runner.device.type == "cuda" and not config.num_speculative_tokens)
         self._inflight: tuple[SchedulerOutput, PendingSample] | None = None  # a step left running
         self.num_overlapped_steps = 0
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s, %.2f GB), max_model_len %d",
@@ -254,10 +256,12 @@ class LLMEngine:
         result = pending.result()
         self.device_wait_seconds += time.perf_counter() - waited
         extra = self._undo_provisional(out, result) if provisional else []
+        before = self.scheduler.num_extra_tokens
         touched = self.scheduler.update_from_output(out, result)
         for req in extra + touched:
             deltas.append(self._delta(req))
-        return len(extra) + len(touched)
+        # a speculating sequence may get several tokens in one step
+        return len(extra) + len(touched) + self.scheduler.num_extra_tokens - before
 
     def _apply_provisional(self, out: SchedulerOutput) -> None:
         """What ``update_from_output`` will do for a step still running, as far as the host knows it now:
@@ -420,6 +424,7 @@ class LLMEngine:
             num_lora_merges=merged.num_merges if merged is not None else 0,
             num_lora_merged_steps=merged.num_merged_steps if merged is not None else 0,
             device_wait_seconds=self.device_wait_seconds,
+            spec_draft_tokens=self.scheduler.num_draft_tokens, spec_accepted_tokens=self.scheduler.num_accepted_tokens,
             step_seqs=self.num_step_seqs, prompt_steps=self.num_prompt_steps,
             piecewise_graph_steps=self.runner.piecewise.num_steps if self.runner.piecewise is not None else 0,
             num_kv_blocks=self.block_manager.num_blocks, block_size=self.config.block_size,
@@ -443,6 +448,7 @@ class LLMEngine:
             "num_piecewise_graph_steps": self.runner.piecewise.num_steps if self.runner.piecewise is not None else 0,
             "num_adapter_wait_steps": sched.num_adapter_wait_steps, "adapter_wait_seconds": sched.adapter_wait_seconds,
             "kv_waste_last": sched.last_kv_waste,
+            "spec_draft_tokens": sched.num_draft_tokens, "spec_accepted_tokens": sched.num_accepted_tokens,
             "kv_waste_mean": self._kv_waste_sum / sched.num_steps if sched.num_steps else 0.0,
         }
         if manager is not None:

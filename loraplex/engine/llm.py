@@ -17,12 +17,32 @@ Prompt = str | dict
 log = logging.getLogger(__name__)
 
 
+_SPEC_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
+              "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max"}
+
+
+def _speculative_options(spec: dict) -> dict:
+    """vLLM's ``speculative_config`` ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": ...,
+    "prompt_lookup_min": ...}) as EngineConfig fields."""
+    if not isinstance(spec, dict):
+        raise TypeError(f"speculative_config: must be a dict, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(_SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; known: {', '.join(_SPEC_KEYS)}")
+    if "num_speculative_tokens" not in spec:
+        raise ValueError("speculative_config: num_speculative_tokens is required")
+    return {_SPEC_KEYS[k]: v for k, v in spec.items()}
+
+
 class LLM:
     def __init__(self, model: str, *, enable_lora: bool = False, max_loras: int = 8, max_lora_rank: int = 64,
                  max_cpu_loras: int | None = None, device: str = "cpu", dtype: str = "auto", block_size: int = 16,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, seed: int = 0, tokenizer: str | None = None, **kwargs):
+                 enable_prefix_caching: bool = True, seed: int = 0, tokenizer: str | None = None,
+                 speculative_config: dict | None = None, **kwargs):
+        if speculative_config is not None:
+            kwargs.update(_speculative_options(speculative_config))
         config = EngineConfig(
             model=str(model), tokenizer=tokenizer, device=device, dtype=dtype, seed=seed, block_size=block_size,
             num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,

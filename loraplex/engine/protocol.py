@@ -98,6 +98,8 @@ class EngineStats:
     step_seqs: int = 0  # sequences scheduled, summed over the engine's steps since start (÷ steps: the mean batch)
     prompt_steps: int = 0  # steps that carried prompt chunks (more tokens than sequences: no decode CUDA graph)
     piecewise_graph_steps: int = 0  # of all steps, those that replayed piecewise CUDA graphs (prefill / mixed)
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified since start
+    spec_accepted_tokens: int = 0  # of those, accepted
     # the KV cache as configured (vllm:cache_config_info)
     num_kv_blocks: int = 0
     block_size: int = 0

@@ -34,7 +34,13 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import append_batch
 from loraplex.engine.request import Request, RequestStatus
 from loraplex.engine.sampling_params import RequestLimitError
-from loraplex.engine.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from loraplex.engine.scheduler_output import (
+    PLACEHOLDER_TOKEN,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from loraplex.engine.spec_decode import NgramProposer, can_speculate
 
 IDLE_LOAD_WAIT_S = 0.02  # longest wait for an adapter read in a step that has nothing to run
 
@@ -71,6 +77,14 @@ class Scheduler:
         self._failed: list[tuple[str, list[Request]]] = []  # (request id, samples) failed by an adapter read
         self.prefill_held_steps = 0  # consecutive steps the prefill batching gate held waiting requests back
         self.num_prefill_held_steps = 0  # since start
+        # speculative decoding (engine/spec_decode.py)
+        self.proposer = None
+        if config.num_speculative_tokens:
+            self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                          config.prompt_lookup_max)
+        self.num_draft_tokens = 0  # draft tokens verified, since start
+        self.num_accepted_tokens = 0  # of those, accepted
+        self.num_extra_tokens = 0  # tokens appended beyond one per sequence and step (accepted, before any stop)
 
     # ---- queue management ----------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -140,6 +154,14 @@ class Scheduler:
             if num_new > budget:
                 num_new = budget
             assert num_new > 0, "a running sequence always has a token to compute"
+            drafts = self._propose(req, budget) if self.proposer is not None and num_new == 1 else None
+            if drafts:
+                if bm.allocate_slots(req, 1 + len(drafts)):
+                    scheduled[req.seq_id] = ScheduledRequest(req, 1 + len(drafts), 1, draft_token_ids=drafts)
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
+                # no blocks for the draft: the one token, as without speculation (preempting if it must)
             while not bm.allocate_slots(req, num_new):
                 victim = running.pop()
                 self._preempt(victim)
@@ -163,6 +185,8 @@ class Scheduler:
             batch = [s for s in batch if s.num_new_tokens == 1] + [s for s in batch if s.num_new_tokens != 1]
         out = SchedulerOutput(scheduled=batch, blocks_to_copy=bm.take_pending_copies(), preempted=preempted,
                               has_prompt_chunks=chunks)
+        if self.proposer is not None:
+            out.num_draft_tokens = sum(len(s.draft_token_ids) for s in batch if s.draft_token_ids)
         out.lora_ids = {s.request.lora_request.lora_int_id for s in out.scheduled
                         if s.request.lora_request is not None} - {0}
         assert len(out.lora_ids) <= self.config.max_loras
@@ -183,6 +207,20 @@ class Scheduler:
             self.num_adapter_wait_steps += 1
             self.adapter_wait_seconds += time.monotonic() - waited
         return out
+
+    def _propose(self, req: Request, budget: int) -> list[int] | None:
+        """A draft for a decoding sequence that may speculate: within the step's token budget, the model length and
+        its max_tokens (a step emits at most the draft + 1 tokens), from the prompt-lookup proposer."""
+        if (req.num_computed_tokens < req.num_prompt_tokens or req.num_pending_forks
+                or not can_speculate(req.sampling_params) or req.token_ids[-1] == PLACEHOLDER_TOKEN):
+            return None
+        room = min(budget - 1, self.config.max_model_len - len(req.token_ids))
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - req.num_output_tokens - 1)
+        if room <= 0:
+            return None
+        return self.proposer.propose(req.token_ids, room, key=req.seq_id) or None
 
     def _prefill_gate_open(self) -> bool:
         """Prefill batching (``prefill_batch_min_tokens``): may waiting requests be admitted this step? Always
@@ -391,6 +429,10 @@ class Scheduler:
             req = s.request
             if req.status is not running:
                 continue  # aborted while the step ran
+            if s.draft_token_ids:
+                self._apply_verified(req, s, sampled_ids[req.seq_id], sampled_lps.get(req.seq_id), now)
+                touched.append(req)
+                continue
             req.num_computed_tokens += s.num_new_tokens
             if prompt_logprobs:
                 chunk_logprobs = prompt_logprobs.get(req.seq_id)
@@ -433,6 +475,26 @@ class Scheduler:
                 self._finish(req, status)
         return touched
 
+    def _apply_verified(self, req: Request, s: ScheduledRequest, token_ids: list[int], logprobs: list[float] | None,
+                        now: float) -> None:
+        """A speculating sequence's step: its newest token and the accepted draft tokens are computed (their KV is
+        valid; the rejected ones' slots are overwritten later), then the tokens are appended one by one with their
+        stop checks (a stop inside the accepted run drops the rest)."""
+        accepted = len(token_ids) - 1
+        assert 0 <= accepted <= len(s.draft_token_ids) and token_ids[:accepted] == s.draft_token_ids[:accepted]
+        self.num_draft_tokens += len(s.draft_token_ids)
+        self.num_accepted_tokens += accepted
+        bm = self.block_manager
+        req.num_computed_tokens += 1 + accepted
+        if bm.enable_prefix_caching and req.num_computed_tokens // bm.block_size > req.num_registered_blocks:
+            bm.register_full_blocks(req)
+        bm.trim(req, req.num_computed_tokens + 1)  # blocks taken for rejected draft tokens only
+        for k, token_id in enumerate(token_ids):
+            self.apply_token(req, token_id, logprobs[k] if logprobs is not None else None, None, now)
+            self.num_extra_tokens += k > 0
+            if req.is_finished:
+                break
+
     def apply_token(self, sample: Request, token_id: int, sampled_logprob: float | None, logprobs_entry,
                     now: float) -> None:
         """One sampled token for one sequence: append it (and its text), its logprobs, the first-token time,
@@ -468,6 +530,8 @@ class Scheduler:
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
         self.block_manager.free_blocks(req)
+        if self.proposer is not None:
+            self.proposer.forget(req.seq_id)
         req.status = status
         req.finished_time = time.monotonic()
         live = self.samples.get(req.request_id)

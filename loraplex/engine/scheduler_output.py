@@ -16,6 +16,9 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens on
     num_samples: int  # tokens to sample from its last position: 0 (prompt chunk), 1, or n (fork)
+    # speculative decoding: the draft tokens computed after the sequence's newest token (num_new_tokens = 1 + k);
+    # the step emits 1 to k + 1 tokens for it (engine/spec_decode.py)
+    draft_token_ids: list[int] | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:
@@ -39,6 +42,7 @@ class SchedulerOutput:
     # a sequence computes more than one token (a prompt chunk): the step runs without a decode CUDA graph, and its
     # one-token sequences are listed first
     has_prompt_chunks: bool = False
+    num_draft_tokens: int = 0  # draft tokens in the step (speculative decoding): sampled synchronously
 
     @property
     def num_scheduled_tokens(self) -> int:

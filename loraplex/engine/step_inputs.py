@@ -187,7 +187,8 @@ class StepInputBuilder:
             seq_idx = ar[:num_seqs]
         else:
             self._ids[:num_tokens] = list(itertools.chain.from_iterable(
-                r.token_ids[c:c + n] for r, c, n in zip(reqs, computed_list, query_lens.tolist())))
+                r.token_ids[c:c + n] if s.draft_token_ids is None else [r.token_ids[c], *s.draft_token_ids]
+                for s, r, c, n in zip(sched, reqs, computed_list, query_lens.tolist())))
             starts = np.cumsum(query_lens) - query_lens
             seq_idx = np.repeat(ar[:num_seqs], query_lens)
             positions = ar[:num_tokens] - np.repeat(starts - computed, query_lens)

@@ -16,6 +16,7 @@ import torch
 from loraplex.engine.request import TokenLogprobs
 from loraplex.engine.sampler import Sampler, SampleRow
 from loraplex.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from loraplex.engine.spec_decode import verify
 from loraplex.engine.step_inputs import StepBatch
 
 
@@ -122,7 +123,8 @@ class StepSampler:
         sequences whose newest token is still a placeholder (penalties count it on the device)."""
         counts = batch.sample_counts
         flags = batch.sampler_flags
-        simple = self.max_rows and not batch.any_prompt_logprobs and max(counts, default=0) <= 1
+        simple = (self.max_rows and not batch.any_prompt_logprobs and max(counts, default=0) <= 1
+                  and not out.num_draft_tokens)
         row_idx = batch.last_token_rows[np.asarray(counts, dtype=bool)] if simple else None
         if not simple or not 0 < row_idx.size <= self.max_rows:
             return PendingSample(self(out, batch, hidden, inflight))
@@ -179,17 +181,28 @@ class StepSampler:
                  inflight: tuple[dict[int, int], torch.Tensor] | None = None) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
         counts = batch.sample_counts
+        if out.num_draft_tokens:  # speculating sequences sample their own rows (spec_decode.verify)
+            counts = [0 if s.draft_token_ids else c for s, c in zip(out.scheduled, counts)]
         sampled = [s for s, c in zip(out.scheduled, counts) if c]  # requests sampling this step
         row_idx = batch.last_token_rows.repeat(counts)  # hidden rows to sample from (n rows for a fork)
         prompt_rows = self._prompt_logprob_rows(out, batch) if batch.any_prompt_logprobs else []
-        if not row_idx.size and not prompt_rows:
+        spec = [(s, row) for s, row in zip(out.scheduled, batch.last_token_rows.tolist()) if s.draft_token_ids]
+        spec_rows = [np.arange(row - len(s.draft_token_ids), row + 1, dtype=np.int64) for s, row in spec]
+        if not row_idx.size and not prompt_rows and not spec:
             return result
-        all_rows = np.concatenate([row_idx] + [np.asarray(rr, dtype=np.int64) for _, rr, _ in prompt_rows])
+        all_rows = np.concatenate([row_idx, *spec_rows] + [np.asarray(rr, dtype=np.int64) for _, rr, _ in prompt_rows])
         logits = self.compute_logits(self._gather_rows(hidden, all_rows))
         if row_idx.size:
             self._collect_samples(sampled, logits[:row_idx.size], result, batch.sampler_flags, inflight)
+        num_spec = sum(r.size for r in spec_rows)
+        if spec:
+            verified = verify(logits[row_idx.size:row_idx.size + num_spec], [s.draft_token_ids for s, _ in spec],
+                              [s.request.sampling_params for s, _ in spec], self.sampler.generator)
+            for (s, _), ids, lps in zip(spec, verified.token_ids, verified.logprobs):
+                result.sampled_token_ids[s.request.seq_id] = ids
+                result.sampled_logprobs[s.request.seq_id] = lps
         if prompt_rows:
-            self._collect_prompt_logprobs(out, logits[row_idx.size:], prompt_rows, result)
+            self._collect_prompt_logprobs(out, logits[row_idx.size + num_spec:], prompt_rows, result)
         return result
 
     @staticmethod

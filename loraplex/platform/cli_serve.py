@@ -61,6 +61,9 @@ def register(subparsers) -> None:
     p.add_argument("--kv-cache-dtype",
                    help="KV-cache element type (env LORAPLEX_KV_CACHE_DTYPE, default auto: the model's dtype; fp8: "
                         "float8 e4m3, half the memory per token of bf16; int8: int8 with a scale per token and head)")
+    p.add_argument("--num-speculative-tokens", type=int,
+                   help="speculative decoding: up to this many prompt-lookup draft tokens per sequence and step, "
+                        "verified in the same step (env LORAPLEX_NUM_SPECULATIVE_TOKENS, default 0: off)")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (env LORAPLEX_NUM_KV_BLOCKS, default: sized "
                    "from free memory)")
     p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight requests "
@@ -78,6 +81,7 @@ def serve(args: argparse.Namespace) -> int:
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         merge_single_lora=args.merge_single_lora, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=args.num_kv_blocks, drain_timeout_s=args.drain_timeout_s,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
 
     check_serve_settings(settings)
@@ -111,6 +115,7 @@ def serve(args: argparse.Namespace) -> int:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_DRAIN_TIMEOUT_S = 86400.0
+MAX_SPECULATIVE_TOKENS = 16  # drafts beyond this are almost never all accepted, and each costs a token of compute
 # the least each count may be (the engine's own checks, made before anything starts)
 _COUNTS = {"max_loras": 1, "max_lora_rank": 1, "max_cpu_loras": 1, "max_num_seqs": 1, "max_model_len": 2,
            "num_kv_blocks": 1}
@@ -129,6 +134,7 @@ def check_serve_settings(settings: Settings) -> None:
     for field, least in _COUNTS.items():
         check_int(_flag(field), getattr(settings, field), least)
     check_seconds(_flag("drain_timeout_s"), settings.drain_timeout_s, zero_ok=True, most=MAX_DRAIN_TIMEOUT_S)
+    check_int(_flag("num_speculative_tokens"), settings.num_speculative_tokens, 0, MAX_SPECULATIVE_TOKENS, " (0: off)")
     if not (math.isfinite(settings.gil_switch_interval_ms) and 0 <= settings.gil_switch_interval_ms <= 1000):
         raise FlagError(f"LORAPLEX_GIL_SWITCH_INTERVAL_MS must be at least 0 and at most 1000, "
                         f"got {settings.gil_switch_interval_ms:g}")
@@ -145,7 +151,8 @@ def check_serve_settings(settings: Settings) -> None:
         engine_config(settings, Path(settings.model or demo_model_dir(settings)), "check")
     except ValueError as exc:
         message = str(exc)
-        fields = ("device", "kv_cache_dtype", "lora_expand_first_min_tokens", *_COUNTS)
+        fields = ("device", "kv_cache_dtype", "lora_expand_first_min_tokens", "prompt_lookup_min",
+                  "num_speculative_tokens", *_COUNTS)
         field = next((f for f in fields if message.startswith(f)), "device")
         raise FlagError(f"{_flag(field)}: {message}") from None
 

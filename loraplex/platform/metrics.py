@@ -46,6 +46,10 @@ class _EngineCollector(Collector):
             yield g
         for name, doc, value in (
             ("vllm:num_preemptions", "Sequences preempted (recomputed later) since start.", stats.num_preemptions),
+            ("vllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens verified since start.",
+             stats.spec_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: draft tokens accepted since start.",
+             stats.spec_accepted_tokens),
             ("loraplex:lora_slot_loads", "Adapter copies into a GPU slot since start.", stats.num_lora_loads),
             ("loraplex:lora_slot_evictions", "Adapters displaced from a GPU slot since start.", stats.num_lora_evictions),
             ("loraplex:lora_host_loads", "Adapter files read and validated into host memory since start.",

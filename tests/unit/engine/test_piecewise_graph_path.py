@@ -47,19 +47,19 @@ def _workload(tiny_model):
     return prompts, params, mix
 
 
-def _same(want, got):
+def _same(want, got, tol=1e-4):
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
             (t, v), = lw.items()
-            assert lg[t].logprob == pytest.approx(v.logprob, abs=1e-4)
+            assert lg[t].logprob == pytest.approx(v.logprob, abs=tol)
         assert (w.prompt_logprobs is None) == (g.prompt_logprobs is None)
         for lw, lg in zip(w.prompt_logprobs or [], g.prompt_logprobs or []):
             if lw is None:
                 assert lg is None
                 continue
             (t, v), = lw.items()
-            assert lg[t].logprob == pytest.approx(v.logprob, abs=1e-4)
+            assert lg[t].logprob == pytest.approx(v.logprob, abs=tol)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8", "int8"])
@@ -68,7 +68,10 @@ def test_piecewise_path_matches_eager_with_adapters_and_mixed_steps(tiny_model, 
     eager = _llm(tiny_model, piecewise=False, kv_cache_dtype=kv_cache_dtype).generate(prompts, params, lora_request=mix)
     llm = _llm(tiny_model, piecewise=True, kv_cache_dtype=kv_cache_dtype)
     got = llm.generate(prompts, params, lora_request=mix)
-    _same(eager, got)
+    # a quantized cache: the two paths' K/V may differ in the last fp32 bit before rounding, and where that flips
+    # one 8-bit step the logprobs move by ~1e-4 (seen with fp8 under pytest-xdist, whose thread count differs)
+    tol = 1e-4 if kv_cache_dtype == "auto" else 1e-3
+    _same(eager, got, tol)
     pw = llm.engine.runner.piecewise
     assert pw.num_steps > 0 and pw.num_graphs == 0  # the static path ran, nothing captured
     assert llm.engine.counters["num_piecewise_graph_steps"] == pw.num_steps == llm.engine.get_stats().piecewise_graph_steps
@@ -77,7 +80,7 @@ def test_piecewise_path_matches_eager_with_adapters_and_mixed_steps(tiny_model, 
     assert any(mode for _, mode in pw.used_keys) and any(not mode for _, mode in pw.used_keys)
     # the same keys again with other contents (another order, other steps' shapes)
     again = llm.generate(prompts[::-1], params[::-1], lora_request=mix[::-1])
-    _same(eager, again[::-1])
+    _same(eager, again[::-1], tol)
 
 
 def test_steps_beyond_the_largest_bucket_run_eagerly(tiny_model):
