@@ -71,6 +71,7 @@ class Settings:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | int8 (EngineConfig.kv_cache_dtype)
+    quantization: str | None = None  # base weights: None (as stored) | int8 (weight-only; EngineConfig.quantization)
     # speculative decoding with prompt-lookup drafts (EngineConfig.num_speculative_tokens; 0 = off)
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
@@ -126,7 +127,7 @@ class Settings:
 # (docs/engine.md), scripts/dev and the tests; LORAPLEX_KEY is the console's example shell variable
 OTHER_VARIABLES = frozenset({
     "LORAPLEX_URL", "LORAPLEX_API_KEY", "LORAPLEX_KEY", "LORAPLEX_ASYNC_SCHEDULING", "LORAPLEX_FUSED_OPS",
-    "LORAPLEX_FAST_LAUNCH", "LORAPLEX_LORA_PDL",
+    "LORAPLEX_FAST_LAUNCH", "LORAPLEX_LORA_PDL", "LORAPLEX_LORA_WEIGHT_PREFETCH",
     "LORAPLEX_VENV", "LORAPLEX_TORCH_INDEX", "LORAPLEX_SCREENSHOT_DIR", "LORAPLEX_TEST_DATABASE_URL",
     "LORAPLEX_TEST_REDIS_URL", "LORAPLEX_TEST_SCHEMATHESIS_EXAMPLES",
 })

@@ -16,6 +16,7 @@ import torch
 
 from loraplex.adapters.modules import PROJ_MODULES
 from loraplex.adapters.slot_pool import SlotPool
+from loraplex.engine.quant import linear as base_linear  # a plain or an INT8 weight-only base weight
 
 
 def token_slots_from_ids(token_adapter_ids: torch.Tensor, slot_of: dict[int, int]) -> torch.Tensor:
@@ -148,7 +149,7 @@ class LoRAStep:
             return self._expand_first_linear(layer_idx, proj, x, weight)
         if self.overlap_shrink and proj in self._configs and not self._configs[proj].fused:
             return self._overlapped_linear(layer_idx, proj, x, weight, bias)
-        return self.add(layer_idx, proj, x, torch.nn.functional.linear(x, weight, bias))
+        return self.add(layer_idx, proj, x, base_linear(x, weight, bias))
 
     def _expand_first_linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The LoRA work first, then the base GEMM accumulating into its result: the shrink, the expand *writing*
@@ -165,7 +166,7 @@ class LoRAStep:
         out = alloc(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         y, valid = self._ops.lora_shrink_apply(x, a, ranks, self._meta, cfg, self._scratch, chunk_ranks)
         self._expand(proj, y, valid, out, bt, ranks, cfg, chunk_ranks, accumulate=False)
-        return out.addmm_(x, weight.t())
+        return base_linear(x, weight, out=out, accumulate=True)
 
     def _overlapped_linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
                            bias: torch.Tensor | None) -> torch.Tensor:
@@ -184,7 +185,7 @@ class LoRAStep:
         side.wait_stream(main)
         with torch.cuda.stream(side):
             y, valid = self._ops.lora_shrink_apply(x, a, ranks, self._meta, cfg, self._scratch, chunk_ranks, pdl=False)
-        out = torch.nn.functional.linear(x, weight, bias)
+        out = base_linear(x, weight, bias)
         main.wait_stream(side)
         return self._expand(proj, y, valid, out, bt, ranks, cfg, chunk_ranks)
 

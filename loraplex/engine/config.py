@@ -89,6 +89,9 @@ class EngineConfig:
     # Off with enforce_eager, or alone for A/B runs
     piecewise_cuda_graphs: bool = True
     piecewise_graph_max_tokens: int = 2048
+    # weight quantization of the base model's projections (engine/quant.py): None (the checkpoint's weights) or
+    # "int8" (weight-only, one scale per output row: half the weight bytes of bf16, activations and LoRA unchanged)
+    quantization: str | None = None
     # speculative decoding (engine/spec_decode.py): up to this many draft tokens per decoding sequence per step,
     # verified by the model in the same step (0 = off). "ngram": prompt lookup, the tokens that followed the latest
     # earlier occurrence of the context's last prompt_lookup_max .. prompt_lookup_min tokens. Greedy and plain
@@ -129,6 +132,14 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (a prompt token and a generated one), got {self.max_model_len}")
+        if self.quantization is not None:
+            from loraplex.engine.quant import QUANTIZATIONS
+
+            if self.quantization not in QUANTIZATIONS:
+                raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or None), got "
+                                 f"{self.quantization!r}")
+            if self.merge_single_lora:
+                raise ValueError("merge_single_lora cannot fold an adapter into quantized weights: turn one off")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.num_speculative_tokens:

@@ -51,6 +51,13 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
         self.model = LlamaForCausalLM(self.model_config, self.device, self.dtype)
         load_weights(self.model, config.model)
+        self.weight_bytes_freed = 0
+        if config.quantization:
+            from loraplex.engine.quant import quantize_model_
+
+            self.weight_bytes_freed = quantize_model_(self.model, config.quantization)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the KV cache is sized from free memory next
         self.backend = get_attention_backend(self.device)
         self.sampler = Sampler(self.device, config.seed)
         self.step_sampler = StepSampler(self.model.compute_logits, self.sampler, self.device,

@@ -183,8 +183,10 @@ class Scheduler:
             # one-token sequences first (stable): attention runs that leading run through the split-KV decode kernel
             # and only the rest through the varlen kernel (AttentionMetadata.num_decodes); rows are independent
             batch = [s for s in batch if s.num_new_tokens == 1] + [s for s in batch if s.num_new_tokens != 1]
+        # (a speculating sequence also computes several tokens, but is no prompt chunk)
         out = SchedulerOutput(scheduled=batch, blocks_to_copy=bm.take_pending_copies(), preempted=preempted,
-                              has_prompt_chunks=chunks)
+                              has_prompt_chunks=chunks and any(s.num_new_tokens != 1 and not s.draft_token_ids
+                                                               for s in batch))
         if self.proposer is not None:
             out.num_draft_tokens = sum(len(s.draft_token_ids) for s in batch if s.draft_token_ids)
         out.lora_ids = {s.request.lora_request.lora_int_id for s in out.scheduled

@@ -39,8 +39,8 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block ids
     lora_ids: set[int] = field(default_factory=set)  # distinct non-zero adapter ids in the step
     preempted: list[Request] = field(default_factory=list)
-    # a sequence computes more than one token (a prompt chunk): the step runs without a decode CUDA graph, and its
-    # one-token sequences are listed first
+    # a sequence computes a prompt chunk (the step runs without a decode CUDA graph); in any step where some sequence
+    # computes more than one token (a prompt chunk or a draft), the one-token sequences are listed first
     has_prompt_chunks: bool = False
     num_draft_tokens: int = 0  # draft tokens in the step (speculative decoding): sampled synchronously
 

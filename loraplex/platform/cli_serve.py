@@ -61,6 +61,9 @@ def register(subparsers) -> None:
     p.add_argument("--kv-cache-dtype",
                    help="KV-cache element type (env LORAPLEX_KV_CACHE_DTYPE, default auto: the model's dtype; fp8: "
                         "float8 e4m3, half the memory per token of bf16; int8: int8 with a scale per token and head)")
+    p.add_argument("--quantization",
+                   help="base weights: int8 = weight-only INT8, one scale per output row, half the weight memory of "
+                        "bf16 (env LORAPLEX_QUANTIZATION, default: as stored)")
     p.add_argument("--num-speculative-tokens", type=int,
                    help="speculative decoding: up to this many prompt-lookup draft tokens per sequence and step, "
                         "verified in the same step (env LORAPLEX_NUM_SPECULATIVE_TOKENS, default 0: off)")
@@ -81,7 +84,7 @@ def serve(args: argparse.Namespace) -> int:
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         merge_single_lora=args.merge_single_lora, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=args.num_kv_blocks, drain_timeout_s=args.drain_timeout_s,
-        num_speculative_tokens=args.num_speculative_tokens,
+        num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
     )
 
     check_serve_settings(settings)
@@ -152,7 +155,7 @@ def check_serve_settings(settings: Settings) -> None:
     except ValueError as exc:
         message = str(exc)
         fields = ("device", "kv_cache_dtype", "lora_expand_first_min_tokens", "prompt_lookup_min",
-                  "num_speculative_tokens", *_COUNTS)
+                  "num_speculative_tokens", "quantization", "merge_single_lora", *_COUNTS)
         field = next((f for f in fields if message.startswith(f)), "device")
         raise FlagError(f"{_flag(field)}: {message}") from None
 

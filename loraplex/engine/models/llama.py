@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loraplex.engine import quant
 from loraplex.kernels import fused_ops_ref as fo
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -155,7 +156,7 @@ def _param(*shape, device, dtype) -> nn.Parameter:
 def _linear(lora, layer: int, proj: str, x, weight, bias):
     """The base projection plus, with ``lora``, every token's adapter delta (``LoRAStep.linear``)."""
     if lora is None:
-        return F.linear(x, weight, bias)
+        return quant.linear(x, weight, bias)
     return lora.linear(layer, proj, x, weight, bias)
 
 
@@ -205,7 +206,7 @@ class LlamaLayer(nn.Module):
         norm = self.post_attention_layernorm
         x, residual = ops.add_rms_norm(out, residual, norm.weight, norm.eps)
         if lora is not None and lora.fuses_silu_mul:  # gate|up's delta added inside SiLU-and-multiply
-            act = lora.silu_mul(self.idx, x, F.linear(x, self.gate_up_weight, self.gate_up_bias))
+            act = lora.silu_mul(self.idx, x, quant.linear(x, self.gate_up_weight, self.gate_up_bias))
         else:
             gate_up = _linear(lora, self.idx, "gate_up", x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
             act = ops.silu_mul(gate_up)

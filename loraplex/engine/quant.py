@@ -1,0 +1,86 @@
+"""Weight quantization of the base model (``EngineConfig.quantization``): INT8 weight-only (W8A16).
+
+``quantization="int8"`` replaces the weights of every layer's four projections (q|k|v, o, gate|up, down) by int8
+values with one fp32 scale per output row (symmetric: s = max|w| / 127, q = round(w / s)), after loading; the
+embeddings, the final norm and the LM head stay in the model's dtype. Activations, LoRA adapters, the KV cache and
+all accumulation keep their types, so the only error is the weights' rounding, at most half a step of 1/127 of
+each row's largest weight.
+
+On CUDA the projections run through ``kernels/w8a16.py`` (int8 read, converted in registers, scale in the
+epilogue); on the CPU through the twin, ``F.linear`` over the dequantized row-scaled weight, which is exactly what
+a model whose weights are those dequantized values computes (the tests hold the engine to Hugging Face on such a
+model). Weight memory: 1 byte per value + 4 per row, about half of bf16, so the KV cache gets the difference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+QUANTIZATIONS = ("int8",)
+
+
+@dataclass
+class QuantizedWeight:
+    """An INT8 weight-only linear weight: ``qweight`` int8 [N, K], ``scale`` fp32 [N]."""
+
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.qweight.shape
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.qweight.float() * self.scale[:, None]).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.qweight.numel() + 4 * self.scale.numel()
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    """Per output row, symmetric: s = max|w| / 127 (an all-zero row gets s = 1), q = round(w / s) in [-127, 127]."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight(q.contiguous(), scale.contiguous())
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           accumulate: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a plain or a quantized weight; ``accumulate``: ``out += x @ W^T`` (bias
+    not allowed then)."""
+    if not isinstance(weight, QuantizedWeight):
+        if accumulate:
+            assert bias is None
+            return out.addmm_(x, weight.t())
+        return F.linear(x, weight, bias)
+    if x.is_cuda:
+        from loraplex.kernels.w8a16 import w8a16_linear
+
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        return w8a16_linear(x, weight.qweight, weight.scale, bias, out=out, accumulate=accumulate)
+    result = F.linear(x, weight.dequantize(x.dtype), bias)
+    if accumulate:
+        return out.add_(result)
+    return result
+
+
+def quantize_model_(model, method: str) -> int:
+    """Replace the projection weights of every layer of ``model`` (a ``LlamaForCausalLM``) in place; returns the
+    bytes of weights freed."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
+    freed = 0
+    for layer in model.layers:
+        for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
+            weight = getattr(layer, name)
+            quantized = quantize_int8(weight)
+            freed += weight.numel() * weight.element_size() - quantized.nbytes()
+            del layer._parameters[name]  # a Parameter's name cannot take another kind of value
+            object.__setattr__(layer, name, quantized)
+    return freed

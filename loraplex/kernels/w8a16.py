@@ -1,0 +1,103 @@
+"""Weight-only INT8 linear layers (W8A16) in Triton: ``out = x @ dequant(Wq)^T (+ bias)``.
+
+Semantics (twin: ``w8a16_linear_ref``), with ``Wq`` int8 [N, K] and one fp32 scale per output row::
+
+    out[m, n] = cast(scale[n] * sum_k float32(x[m, k]) * float32(Wq[n, k]) + bias[n])        (fp32 accumulate)
+    accumulate=True: out[m, n] = cast(float32(out[m, n]) + the same)                          (out read, then written)
+
+The weights are read as int8 (half the bytes of bf16: a decode step, bound by reading the weights, can go up to
+twice as fast) and converted to the activations' dtype in registers; the scale is applied once per output in the
+epilogue. Grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))``; each program loops over K.
+
+Launch configurations are not tuned on a GPU yet (no H200 measurement of this kernel): decode-sized M takes
+16-row tiles and 32-column tiles so that an 8B model's projections get hundreds of programs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from loraplex.kernels.host_math import cdiv
+
+
+@triton.jit
+def _w8a16_kernel(
+    x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = (k0 + offs_k) < K
+        xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        wt = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0)
+        acc += tl.dot(xt, wt.to(xt.dtype), input_precision=DOT_PRECISION)  # int8 -> the activations' dtype: exact
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+    acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+    o_mask = m_mask[:, None] & n_mask[None, :]
+    if ACCUMULATE:
+        acc += tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+def choose_blocks(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) from the shapes (host values only): decode-sized M gets 16-row tiles and narrow
+    column tiles (more programs over N); larger M 64 x 64 tiles."""
+    if m <= 16:
+        return 16, 32, 128
+    if m <= 64:
+        return 64, 32, 64
+    return 64, 64, 64
+
+
+def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None, accumulate: bool = False,
+                 blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """``x`` [M, K] (fp16 / bf16 / fp32), ``qweight`` int8 [N, K], ``scale`` fp32 [N], ``bias`` [N] or None;
+    ``out`` [M, N] of x's dtype (written, or added to with ``accumulate``). See the module doc."""
+    m, k = x.shape
+    n, wk = qweight.shape
+    assert wk == k, f"x has K={k}, the weight has K={wk}"
+    assert qweight.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (n,)
+    assert not accumulate or out is not None, "accumulate needs out"
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    assert out.shape == (m, n) and out.dtype == x.dtype
+    if m == 0:
+        return out
+    bm, bn, bk = blocks or choose_blocks(m, n, k)
+    _w8a16_kernel[(cdiv(m, bm), cdiv(n, bn))](
+        x, qweight, scale, bias if bias is not None else scale, out,
+        m, n, k,
+        x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), out.stride(0), out.stride(1),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, ACCUMULATE=accumulate,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=3,
+    )
+    return out
+
+
+def w8a16_linear_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The twin: fp32 products and sums, the scale per output, then the bias; cast to x's dtype."""
+    acc = (x.float() @ qweight.float().t()) * scale
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(x.dtype)
