@@ -333,3 +333,26 @@ def test_server_settings_reach_the_engine(tmp_path):
     settings = Settings(data_dir=str(tmp_path), num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=5)
     cfg = engine_config(settings, tmp_path, "m")
     assert (cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (3, 1, 5)
+
+
+async def test_async_engine_streams_several_tokens_per_delta_with_drafts(tiny_model):
+    """Through the server's engine (AsyncEngine): a speculating request's deltas may carry several tokens; the
+    stream's tokens and text are the offline API's, and so is the token count of the final delta."""
+    from loraplex.engine.async_engine import AsyncEngine
+    from loraplex.engine.protocol import EngineRequest
+
+    eng = AsyncEngine.from_config(EngineConfig(model=tiny_model["model_dir"], dtype="float32",
+                                               num_speculative_tokens=4, prompt_lookup_min=1))
+    try:
+        params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        prompts = [p for p in _prompts(11)[:3]]
+        streams = [[d async for d in eng.generate(EngineRequest(f"r{i}", p, params))] for i, p in enumerate(prompts)]
+    finally:
+        await eng.shutdown()
+    offline = LLM(tiny_model["model_dir"], dtype="float32").generate([{"prompt_token_ids": p} for p in prompts],
+                                                                      params)
+    for deltas, want in zip(streams, offline):
+        assert sum((d.token_ids for d in deltas), []) == want.outputs[0].token_ids
+        assert "".join(d.text for d in deltas) == want.outputs[0].text
+        assert deltas[-1].finished and deltas[-1].num_generated_tokens == 30
+    assert any(len(d.token_ids) > 1 for deltas in streams for d in deltas)
