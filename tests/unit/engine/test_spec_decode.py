@@ -154,15 +154,13 @@ def test_greedy_tokens_equal_the_engine_without_drafts(tiny_model, engines):
     loras = [None, LoRARequest("a0", 1, adapter_dir(tiny_model, 0)), LoRARequest("a3", 4, adapter_dir(tiny_model, 3)),
              LoRARequest("a0", 1, adapter_dir(tiny_model, 0)), None]
     sched = spec.engine.scheduler
-    drafted, accepted, steps = sched.num_draft_tokens, sched.num_accepted_tokens, sched.num_steps
+    drafted, accepted = sched.num_draft_tokens, sched.num_accepted_tokens
     want = _run(plain, prompts, params, loras)
     got = _run(spec, prompts, params, loras)
     assert got == want
     assert [len(t) for t in got] == [40, 33, 17, 40, 9]
     assert sched.num_draft_tokens > drafted and sched.num_accepted_tokens > accepted
     assert sched.num_accepted_tokens - accepted < sched.num_draft_tokens - drafted  # some were rejected too
-    # fewer steps than tokens: some steps emitted several tokens per sequence
-    assert sched.num_steps - steps < max(len(t) for t in got) + len(prompts) * 2
     stats = spec.engine.get_stats()
     assert stats.spec_draft_tokens == sched.num_draft_tokens and stats.spec_accepted_tokens == sched.num_accepted_tokens
     assert spec.engine.counters["spec_accepted_tokens"] == sched.num_accepted_tokens
