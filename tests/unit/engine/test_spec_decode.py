@@ -343,8 +343,10 @@ async def test_async_engine_streams_several_tokens_per_delta_with_drafts(tiny_mo
                                                num_speculative_tokens=4, prompt_lookup_min=1))
     try:
         params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
-        prompts = [p for p in _prompts(11)[:3]]
-        streams = [[d async for d in eng.generate(EngineRequest(f"r{i}", p, params))] for i, p in enumerate(prompts)]
+        prompts = _prompts(11)[:3]
+        streams = []
+        for i, p in enumerate(prompts):
+            streams.append([d async for d in eng.generate(EngineRequest(f"r{i}", p, params))])
     finally:
         await eng.shutdown()
     offline = LLM(tiny_model["model_dir"], dtype="float32").generate([{"prompt_token_ids": p} for p in prompts],
