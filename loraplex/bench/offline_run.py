@@ -90,6 +90,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
     elem = torch.empty((), dtype=dtype).element_size()
     kv_name = getattr(args, "kv_cache_dtype", None)  # the floors' KV bytes per value (int8: + its row scale)
     kv_elem = 1 if kv_name in ("fp8", "fp8_e4m3") else 1 + 4 / shape.head_dim if kv_name == "int8" else elem
+    quant = getattr(args, "quantization", None)  # the floors' projection bytes (int8: + a scale per row)
     bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
     matmul_flops = measure_matmul_flops(device)
     h2d_bandwidth = measure_h2d_bandwidth(device, nbytes=(1 << 28) if device.type == "cuda" else 1 << 22)
@@ -120,6 +121,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
                        piecewise_cuda_graphs=getattr(args, "piecewise_cuda_graphs", None),
                        kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
                        num_speculative_tokens=getattr(args, "num_speculative_tokens", None),
+                       quantization=getattr(args, "quantization", None),
                        fuse_lora_silu_mul=args.fuse_lora_silu_mul)
     with clock("engine warm-up"):
         # compiles kernels and fills allocator pools before anything is timed: the LoRA kernels are compiled per
@@ -138,7 +140,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
                 ctx = round(step["mean_context"])
                 ranks = [args.rank] * args.step_batch if distinct else []
                 step_bytes = decode_step_bytes(shape, [ctx] * args.step_batch, ranks, elem_bytes=elem,
-                                               kv_elem_bytes=kv_elem)
+                                               kv_elem_bytes=kv_elem, weight_quant=quant)
                 step["roofline"] = roofline(step_bytes, bandwidth, step["step_mean_s"])
                 step["label"] = label
                 steps.append(step)
@@ -146,7 +148,8 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
     rank_of = adapter_rank_of(adapter_dirs)
 
     def floor(steps):
-        return workload_floor(steps, shape, rank_of, elem, bandwidth, matmul_flops, kv_elem_bytes=kv_elem)
+        return workload_floor(steps, shape, rank_of, elem, bandwidth, matmul_flops, kv_elem_bytes=kv_elem,
+                              weight_quant=quant)
 
     rows = result["throughput"] = []
     repeats = max(1, getattr(args, "repeats", 1))

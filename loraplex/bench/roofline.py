@@ -76,15 +76,23 @@ class StepBytes:
 
 def step_bytes(
     shape: ModelShape, num_tokens: int, context_tokens: int, adapter_ranks: list[int], elem_bytes: int = 2,
-    targets: tuple[str, ...] = PROJECTIONS, kv_elem_bytes: float | None = None,
+    targets: tuple[str, ...] = PROJECTIONS, kv_elem_bytes: float | None = None, weight_quant: str | None = None,
 ) -> StepBytes:
     """Bytes any engine step reads: ``num_tokens`` embedding rows, the KV of ``context_tokens`` tokens summed over
     the batch (each sequence's context including this step's tokens), ``adapter_ranks`` per *distinct* adapter.
     ``kv_elem_bytes``: bytes per cached K/V value (1 for an fp8 cache, 1 + 4 / head_dim for int8 with its row
-    scales; default ``elem_bytes``)."""
+    scales; default ``elem_bytes``). ``weight_quant="int8"``: the projections as int8 with an fp32 scale per output
+    row (``EngineConfig.quantization``); embeddings, norms and the LM head stay at ``elem_bytes``."""
     lm_head = shape.vocab_size * shape.hidden_size
     embed_rows = num_tokens * shape.hidden_size
     weights = (shape.num_layers * shape.layer_params() + lm_head + embed_rows + shape.hidden_size) * elem_bytes
+    if weight_quant == "int8":
+        dims = shape.proj_dims().values()
+        proj = shape.num_layers * sum(a * b for a, b in dims)
+        rows = shape.num_layers * sum(b for _, b in dims)
+        weights += proj * (1 - elem_bytes) + 4 * rows
+    elif weight_quant is not None:
+        raise ValueError(f"weight_quant: int8 or None, got {weight_quant!r}")
     lora = sum(adapter_ranks) * shape.lora_params_per_rank(targets) * elem_bytes
     kv = context_tokens * shape.kv_bytes_per_token(elem_bytes if kv_elem_bytes is None else kv_elem_bytes)
     return StepBytes(weights=weights, lora=lora, kv=kv)
@@ -92,10 +100,11 @@ def step_bytes(
 
 def decode_step_bytes(
     shape: ModelShape, context_lens: list[int], adapter_ranks: list[int], elem_bytes: int = 2,
-    targets: tuple[str, ...] = PROJECTIONS, kv_elem_bytes: float | None = None,
+    targets: tuple[str, ...] = PROJECTIONS, kv_elem_bytes: float | None = None, weight_quant: str | None = None,
 ) -> StepBytes:
     """Bytes one decode step reads: ``context_lens`` per sequence, ``adapter_ranks`` per *distinct* active adapter."""
-    return step_bytes(shape, len(context_lens), sum(context_lens), adapter_ranks, elem_bytes, targets, kv_elem_bytes)
+    return step_bytes(shape, len(context_lens), sum(context_lens), adapter_ranks, elem_bytes, targets, kv_elem_bytes,
+                      weight_quant)
 
 
 def step_flops(shape: ModelShape, num_tokens: int, num_sampled: int) -> int:
@@ -147,7 +156,8 @@ def roofline(step: StepBytes, bandwidth: float, measured_step_s: float | None = 
 
 
 def workload_floor(steps: list, shape: ModelShape, rank_of, elem_bytes: int, bandwidth: float,
-                   flops_per_s: float | None = None, kv_elem_bytes: float | None = None) -> dict:
+                   flops_per_s: float | None = None, kv_elem_bytes: float | None = None,
+                   weight_quant: str | None = None) -> dict:
     """The floor of a whole run, step by step as the engine scheduled it.
 
     ``steps``: ``instrument.StepRecord``s (tokens, summed context, distinct adapter ids, sampled rows);
@@ -161,7 +171,7 @@ def workload_floor(steps: list, shape: ModelShape, rank_of, elem_bytes: int, ban
     decode = [s for s in steps if s.is_decode]
     for s in steps:
         b = step_bytes(shape, s.num_tokens, s.context_tokens, [rank_of(a) for a in s.lora_ids], elem_bytes,
-                       kv_elem_bytes=kv_elem_bytes)
+                       kv_elem_bytes=kv_elem_bytes, weight_quant=weight_quant)
         weights, lora, kv = weights + b.weights, lora + b.lora, kv + b.kv
         step_hbm = b.total / bandwidth
         hbm += step_hbm

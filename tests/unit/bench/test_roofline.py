@@ -32,6 +32,18 @@ def test_decode_step_bytes_batch_64_distinct_adapters():
     assert base.lora == 0 and base.total == step.total - step.lora
 
 
+def test_int8_weights_halve_the_projection_bytes():
+    bf16 = decode_step_bytes(SHAPE, [1024] * 64, [])
+    int8 = decode_step_bytes(SHAPE, [1024] * 64, [], weight_quant="int8")
+    proj = SHAPE.linear_params()  # 6.98e9 projection weights
+    assert proj == pytest.approx(6.98e9, rel=0.01)
+    rows = 32 * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)
+    assert int8.weights == bf16.weights - proj + 4 * rows  # 1 byte per weight + an fp32 scale per output row
+    assert int8.kv == bf16.kv and int8.lora == bf16.lora
+    with pytest.raises(ValueError, match="weight_quant: int8 or None, got 'int4'"):
+        step_bytes(SHAPE, 1, 0, [], weight_quant="int4")
+
+
 def test_roofline_ratio():
     step = decode_step_bytes(SHAPE, [1024] * 64, [])
     out = roofline(step, bandwidth=4.24e12, measured_step_s=0.005)
