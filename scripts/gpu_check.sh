@@ -6,6 +6,7 @@
 #   tests      GPU tests                        lora       LoRA kernel microbenchmark
 #   attention  paged attention vs SDPA (sweep)     engine     a short engine run (bench offline)
 #   lorastep   the decode-step LoRA policies and the in-layer run at 64 tokens (lora_kernels --steps-only)
+#   quant      INT8 weight-only: GPU tests, quant_bench (vs cuBLAS bf16, tile sweep), bench offline with/without it
 #              and the decode kernel over an fp8 KV cache (--fp8-kv)
 #   report     the issue-9 report: bench all with the HF + PEFT peer and an online run through a launched
 #              `loraplex serve` (embedded default: SQLite + in-process), cut short by SIGTERM at
@@ -71,6 +72,21 @@ if [[ "$what" == *lorastep* ]]; then
     python3 -m loraplex.bench.lora_kernels --steps-only --reps "${LORASTEP_REPS:-50}" \
         --out "$out/lora_steps_h200.json" > "$out/lorastep.log" 2>&1
     echo "lorastep: exit $?"; grep -E "^\| " "$out/lora_steps_h200.md" | head -60
+fi
+if [[ "$what" == *quant* ]]; then
+    # INT8 weight-only linear: its GPU tests, the kernel against cuBLAS bf16 at the 8B projections (with a tile
+    # sweep), then bench offline with and without --quantization int8 (base and distinct, two rounds)
+    python3 -m pytest tests/gpu/test_w8a16_gpu.py -q -p no:cacheprovider -o addopts="" 2>&1 | tail -5
+    python3 -m loraplex.bench.quant_bench --sweep --out "$out/quant_bench.json" > "$out/quant_bench.log" 2>&1
+    echo "quant_bench: exit $?"; grep -E "^\| " "$out/quant_bench.md" | head -30
+    for variant in none int8; do
+        flag=(); [[ "$variant" == int8 ]] && flag=(--quantization int8)
+        python3 -m loraplex.cli bench offline --out-dir "$out/quant-$variant" --num-requests 1000 --input-len 256 \
+            --output-len 128 --step-batch 64 --popularity base,distinct --repeats 2 "${flag[@]}" \
+            ${smoke[@]+"${smoke[@]}"} > "$out/quant-$variant.log" 2>&1
+        echo "offline quantization=$variant: exit $?"
+        grep -E "offline [a-z]+: |decode step" "$out/quant-$variant.log" | cut -c1-300
+    done
 fi
 if [[ "$what" == *attention* ]]; then
     python3 -m loraplex.cli bench attention --sweep --fp8-kv --out-dir "$out" ${smoke[@]+"${smoke[@]}"} 2>&1 | tail -14

@@ -104,3 +104,20 @@ def test_an_fp8_cache_halves_the_kv_bytes_of_the_floor_only():
     fp8 = decode_step_bytes(SHAPE, [1024] * 64, [16] * 8, kv_elem_bytes=1)
     assert fp8.kv * 2 == bf16.kv == 64 * 1024 * 128 * 1024  # 64 KiB per token (KERNELS.md)
     assert (fp8.weights, fp8.lora) == (bf16.weights, bf16.lora)
+
+
+def test_quant_bench_smoke_writes_its_report(tmp_path, monkeypatch):
+    """The INT8 linear bench on tiny shapes (CPU, interpreter): every row measured, the kernel equal to its twin."""
+    import json
+    import os
+
+    os.environ["TRITON_INTERPRET"] = "1"
+    from loraplex.bench import quant_bench
+
+    out = tmp_path / "q.json"
+    assert quant_bench.main(["--smoke", "--sweep", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    assert len(payload["rows"]) == 4 and all(r["us_int8"] > 0 and r["max_abs_err_vs_twin"] < 1e-4
+                                             for r in payload["rows"])
+    assert all("best_blocks" in r for r in payload["rows"])
+    assert "| q|k|v (64 -> 96) | 20 |" in out.with_suffix(".md").read_text()
