@@ -79,15 +79,18 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def register_full_blocks(self, req: Request) -> None:
-        """Record the keys of the blocks ``req`` has completely computed (first writer wins)."""
+    def register_full_blocks(self, req: Request, token_ids: list[int] | None = None) -> None:
+        """Record the keys of the blocks ``req`` has completely computed (first writer wins). ``token_ids``: the
+        computed tokens when ``req.token_ids`` does not hold them all yet (accepted draft tokens)."""
         if not self.enable_prefix_caching:
             return
         num_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
         if num_full <= req.num_registered_blocks:
             return
         seed = block_key_seed(req.lora_id, req.cache_salt)
-        hashes = hash_full_blocks(req.token_ids, self.block_size, seed, req.block_hashes, num_full)
+        tokens = req.token_ids if token_ids is None else token_ids
+        assert len(tokens) >= num_full * self.block_size, "a full block's tokens are missing"
+        hashes = hash_full_blocks(tokens, self.block_size, seed, req.block_hashes, num_full)
         for i in range(req.num_registered_blocks, num_full):
             block = self.blocks[req.block_ids[i]]
             if block.block_hash is None and hashes[i] not in self.hash_to_block:

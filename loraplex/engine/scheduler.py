@@ -489,7 +489,9 @@ class Scheduler:
         bm = self.block_manager
         req.num_computed_tokens += 1 + accepted
         if bm.enable_prefix_caching and req.num_computed_tokens // bm.block_size > req.num_registered_blocks:
-            bm.register_full_blocks(req)
+            # the blocks the accepted tokens filled are keyed by those tokens, not yet appended (and registered even
+            # if a stop among them ends the sequence: their KV is that of those tokens)
+            bm.register_full_blocks(req, req.token_ids + token_ids[:accepted])
         bm.trim(req, req.num_computed_tokens + 1)  # blocks taken for rejected draft tokens only
         for k, token_id in enumerate(token_ids):
             self.apply_token(req, token_id, logprobs[k] if logprobs is not None else None, None, now)

@@ -356,3 +356,23 @@ async def test_async_engine_streams_several_tokens_per_delta_with_drafts(tiny_mo
         assert "".join(d.text for d in deltas) == want.outputs[0].text
         assert deltas[-1].finished and deltas[-1].num_generated_tokens == 30
     assert any(len(d.token_ids) > 1 for deltas in streams for d in deltas)
+
+
+def test_blocks_filled_by_accepted_drafts_are_cached_under_their_tokens():
+    """Prefix caching registers a block once its tokens are computed; with drafts a step completes several tokens
+    at once, and the blocks they fill must be keyed by those tokens: a later prompt that repeats the first request's
+    prompt and output finds every full block in the cache."""
+    from tests.unit.engine.fakes import make_request, make_scheduler
+
+    def periodic(ids):
+        return ids[-5]
+
+    sched = make_scheduler(num_blocks=64, block_size=4, num_speculative_tokens=4, prompt_lookup_min=2)
+    prompt = [11, 12, 13, 14, 15] * 2
+    sched.add_request(make_request("a", prompt, max_tokens=21))
+    outputs, _ = _spec_run(sched, periodic)
+    assert sched.num_accepted_tokens > 8
+    again = make_request("b", prompt + outputs["a"][:20], max_tokens=1)  # 30 tokens: 28 of them in 7 full blocks
+    sched.add_request(again)
+    _spec_run(sched, periodic)
+    assert again.num_cached_tokens == 28
