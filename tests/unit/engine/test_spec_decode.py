@@ -376,3 +376,33 @@ def test_blocks_filled_by_accepted_drafts_are_cached_under_their_tokens():
     sched.add_request(again)
     _spec_run(sched, periodic)
     assert again.num_cached_tokens == 28
+
+
+def test_drafts_stop_at_max_model_len_and_max_tokens():
+    """Drafts never run past the model length or the request's max_tokens: the sequence ends exactly there, with the
+    tokens one-by-one decoding gives, and no block beyond the model length is ever taken."""
+    from tests.unit.engine.fakes import make_request, make_scheduler
+
+    def periodic(ids):
+        return ids[-5]
+
+    for max_len, max_tokens in ((23, None), (64, 13), (64, 1)):
+        sched = make_scheduler(num_blocks=64, block_size=4, num_speculative_tokens=6, prompt_lookup_min=2,
+                               max_model_len=max_len)
+        prompt = [21, 22, 23, 24, 25] * 2
+        req = make_request("a", prompt, params=SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                              ignore_eos=True))
+        sched.add_request(req)
+        blocks_seen = []
+        orig = sched.block_manager.allocate_slots
+
+        def spy(r, n, cached=(), orig=orig):
+            ok = orig(r, n, cached)
+            blocks_seen.append(len(r.block_ids))
+            return ok
+
+        sched.block_manager.allocate_slots = spy
+        outputs, _ = _spec_run(sched, periodic)
+        n = max_len - len(prompt) if max_tokens is None else max_tokens
+        assert outputs["a"] == _expected(periodic, prompt, n)
+        assert max(blocks_seen) <= -(-max_len // 4)
