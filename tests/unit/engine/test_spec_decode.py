@@ -396,9 +396,9 @@ def test_drafts_stop_at_max_model_len_and_max_tokens():
         blocks_seen = []
         orig = sched.block_manager.allocate_slots
 
-        def spy(r, n, cached=(), orig=orig):
+        def spy(r, n, cached=(), orig=orig, seen=blocks_seen):
             ok = orig(r, n, cached)
-            blocks_seen.append(len(r.block_ids))
+            seen.append(len(r.block_ids))
             return ok
 
         sched.block_manager.allocate_slots = spy
