@@ -32,6 +32,8 @@ class EngineView:
     num_resident: int = 0
     resident: list[str] = field(default_factory=list)  # names this viewer may see
     hidden_resident: int = 0  # resident adapters of other tenants (counted, not named)
+    spec_draft_tokens: int = 0  # speculative decoding (LORAPLEX_NUM_SPECULATIVE_TOKENS): drafts verified
+    spec_accepted_tokens: int = 0
 
 
 def engine_view(request: Request, session: Session) -> EngineView:
@@ -54,6 +56,7 @@ def engine_view(request: Request, session: Session) -> EngineView:
         num_lora_loads=stats.num_lora_loads, num_lora_evictions=stats.num_lora_evictions,
         max_loras=services.settings.max_loras, num_resident=len(names), resident=visible,
         hidden_resident=len(names) - len(visible),
+        spec_draft_tokens=stats.spec_draft_tokens, spec_accepted_tokens=stats.spec_accepted_tokens,
     )
 
 

@@ -406,3 +406,14 @@ def test_drafts_stop_at_max_model_len_and_max_tokens():
         n = max_len - len(prompt) if max_tokens is None else max_tokens
         assert outputs["a"] == _expected(periodic, prompt, n)
         assert max(blocks_seen) <= -(-max_len // 4)
+
+
+def test_console_shows_the_acceptance_rate_once_drafts_ran():
+    from loraplex.platform.console.pages_overview import EngineView
+    from loraplex.platform.console.render import render
+
+    quiet = render("_engine.html", engine=EngineView("running", max_loras=4))
+    assert "spec-accepted" not in quiet
+    busy = render("_engine.html", engine=EngineView("running", max_loras=4, spec_draft_tokens=2000,
+                                                     spec_accepted_tokens=750))
+    assert "draft tokens accepted 38% of 2,000" in busy
