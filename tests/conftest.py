@@ -128,3 +128,26 @@ def nan_adapter(manifest: dict, index: int, dest: Path, weight: str = "lora_B") 
     tensors[next(n for n in tensors if n.endswith(f"{weight}.weight"))][0, 0] = float("nan")
     save_file(tensors, str(weights))
     return dest
+
+
+def dequantized_copy(src, dst) -> Path:
+    """A copy of the model at ``src`` in ``dst`` whose projection weights are their INT8 weight-only round trip
+    (float32 on disk): what ``quantization="int8"`` computes with, as a plain checkpoint."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from loraplex.engine.quant import quantize_int8
+
+    src, dst = Path(src), Path(dst)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy(f, dst / f.name)
+    for f in src.glob("*.safetensors"):
+        tensors = load_file(str(f))
+        for name, t in tensors.items():
+            if name.endswith("_proj.weight"):
+                tensors[name] = quantize_int8(t.float()).dequantize(torch.float32)
+        save_file(tensors, str(dst / f.name), metadata={"format": "pt"})
+    return dst

@@ -162,13 +162,7 @@ class BlockManager:
     def free_blocks(self, req: Request) -> None:
         """Drop ``req``'s references; tail blocks are queued for eviction before the prefix."""
         for b in reversed(req.block_ids):
-            block = self.blocks[b]
-            assert block.ref_count > 0, f"double free of block {b}"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[b] = None
-                if block.block_hash is None:
-                    self.free.move_to_end(b, last=False)
+            self._release(b)
         req.block_ids = []
         req.num_registered_blocks = 0
 
@@ -178,14 +172,18 @@ class BlockManager:
         keep = self.blocks_for(num_tokens)
         blocks = req.block_ids
         while len(blocks) > keep:
-            b = blocks.pop()
-            block = self.blocks[b]
-            assert block.ref_count > 0, f"double free of block {b}"
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free[b] = None
-                if block.block_hash is None:
-                    self.free.move_to_end(b, last=False)
+            self._release(blocks.pop())
+
+    def _release(self, b: int) -> None:
+        """One reference to block ``b`` dropped; a block nobody holds is free (one without a cached key is
+        handed out first)."""
+        block = self.blocks[b]
+        assert block.ref_count > 0, f"double free of block {b}"
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[b] = None
+            if block.block_hash is None:
+                self.free.move_to_end(b, last=False)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

@@ -236,14 +236,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], rows: list[SampleRow] | None,
                 flags: int) -> torch.Tensor:
         dev = self.device
-        temps = to_device([max(p.temperature, 1e-5) for p in params], torch.float32, dev)
-        logits = logits / temps[:, None]
-        if flags & SAMPLE_TOP_K_P:
-            logits = _top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
-        probs = torch.softmax(logits, dim=-1)
-        if flags & SAMPLE_MIN_P:
-            min_p = to_device([p.min_p for p in params], torch.float32, dev)
-            probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = sampling_probs(logits, params, flags, dev)
         if not flags & SAMPLE_SEEDED:
             noise = torch.empty_like(probs).exponential_(generator=self.generator)
         else:
@@ -259,6 +252,20 @@ class Sampler:
                     noise[i].exponential_(generator=gen)
         # Gumbel-max in exponential form: argmax p / E with E ~ Exp(1) samples from p
         return (probs / noise).argmax(dim=-1)
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams], flags: int, device) -> torch.Tensor:
+    """What random sampling draws from, per row: temperature, then top-k / top-p, then min-p (the rows below min-p
+    set to zero, not renormalized: the draw does not need it)."""
+    temps = to_device([max(p.temperature, 1e-5) for p in params], torch.float32, device)
+    logits = logits / temps[:, None]
+    if flags & SAMPLE_TOP_K_P:
+        logits = _top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
+    probs = torch.softmax(logits, dim=-1)
+    if flags & SAMPLE_MIN_P:
+        min_p = to_device([p.min_p for p in params], torch.float32, device)
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
 
 
 def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:

@@ -118,22 +118,12 @@ class Verified:
     logprobs: list[list[float]]
 
 
-def _processed_probs(logits: torch.Tensor, params: list[SamplingParams], flags: int,
-                     device: torch.device) -> torch.Tensor:
-    """The distribution plain sampling draws from, per row: temperature, then top-k / top-p, then min-p
-    (``Sampler._sample``'s steps)."""
-    import torch
+def _processed_probs(logits: torch.Tensor, params: list[SamplingParams], flags: int, device) -> torch.Tensor:
+    """The distribution plain sampling draws from, per row (``sampler.sampling_probs``), normalized (after min-p)."""
+    from loraplex.engine.sampler import sampling_probs
 
-    from loraplex.engine.sampler import _top_k_top_p, to_device
-
-    temps = to_device([max(p.temperature, 1e-5) for p in params], torch.float32, device)
-    logits = logits / temps[:, None]
-    if flags & SAMPLE_TOP_K_P:
-        logits = _top_k_top_p(logits, [p.top_k for p in params], [p.top_p for p in params])
-    probs = torch.softmax(logits, dim=-1)
+    probs = sampling_probs(logits, params, flags, device)
     if flags & SAMPLE_MIN_P:
-        min_p = to_device([p.min_p for p in params], torch.float32, device)
-        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 

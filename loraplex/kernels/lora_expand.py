@@ -61,6 +61,14 @@ from loraplex.kernels.lora_shrink import (
 UNSPECIALIZED = ("progs", "shrink_progs", "k_tiles", "stride_yp", "stride_ys", "stride_crs")
 
 
+@triton.jit
+def _b_tile(b_rows, offs_n, r_mask, n_hi, stride_bn):
+    """One B tile [BLOCK_R, BLOCK_N]: columns ``offs_n`` of the slot's rows, masked beyond its rank and the
+    program's columns."""
+    return tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn, mask=r_mask[:, None] & (offs_n < n_hi)[None, :],
+                   other=0.0)
+
+
 @fast_launch
 @triton.jit(do_not_specialize=UNSPECIALIZED)
 def _lora_expand_kernel(
@@ -138,8 +146,7 @@ def _lora_expand_kernel(
     if PREFETCH_B == 1:
         # B is the adapter's weights, written before this step: its first tile is loaded before the wait, so
         # with PDL that load overlaps the shrink's last programs; the loop then loads each next tile one ahead
-        b_nxt = tl.load(b_rows + (n_lo + offs_bn)[None, :].to(tl.int64) * stride_bn,
-                        mask=r_mask[:, None] & ((n_lo + offs_bn) < n_hi)[None, :], other=0.0)
+        b_nxt = _b_tile(b_rows, n_lo + offs_bn, r_mask, n_hi, stride_bn)
     if PREFETCH_B == 2:
         # every line of this program's B share into L2 before the wait; the pipelined loop then reads it from there
         offs_pf = tl.arange(0, BLOCK_N // PF_LINE) * PF_LINE
@@ -169,11 +176,9 @@ def _lora_expand_kernel(
                           mask=m_mask[:, None] & (offs_nx < n_hi)[None, :], other=0.0)
             if PREFETCH_B == 1:
                 b = b_nxt
-                b_nxt = tl.load(b_rows + (offs_n + BLOCK_N)[None, :].to(tl.int64) * stride_bn,
-                                mask=r_mask[:, None] & ((offs_n + BLOCK_N) < n_hi)[None, :], other=0.0)
+                b_nxt = _b_tile(b_rows, offs_n + BLOCK_N, r_mask, n_hi, stride_bn)
             else:
-                b = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn,
-                            mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+                b = _b_tile(b_rows, offs_n, r_mask, n_hi, stride_bn)
             acc = tl.dot(ys, b, input_precision=DOT_PRECISION) * scale
             o_ptrs = o_rows + offs_n[None, :].to(tl.int64) * stride_on
             tl.store(o_ptrs, (base.to(tl.float32) + acc).to(base.dtype), mask=m_mask[:, None] & n_mask[None, :])
@@ -183,11 +188,9 @@ def _lora_expand_kernel(
             n_mask = offs_n < n_hi
             if PREFETCH_B == 1:
                 b = b_nxt
-                b_nxt = tl.load(b_rows + (offs_n + BLOCK_N)[None, :].to(tl.int64) * stride_bn,
-                                mask=r_mask[:, None] & ((offs_n + BLOCK_N) < n_hi)[None, :], other=0.0)
+                b_nxt = _b_tile(b_rows, offs_n + BLOCK_N, r_mask, n_hi, stride_bn)
             else:
-                b = tl.load(b_rows + offs_n[None, :].to(tl.int64) * stride_bn,
-                            mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+                b = _b_tile(b_rows, offs_n, r_mask, n_hi, stride_bn)
             acc = tl.dot(ys, b, input_precision=DOT_PRECISION) * scale
             o_ptrs = o_rows + offs_n[None, :].to(tl.int64) * stride_on
             o_mask = m_mask[:, None] & n_mask[None, :]

@@ -38,23 +38,10 @@ def test_kernel_matches_twin_bf16(m, n, k):
 
 
 def test_engine_int8_equals_dequantized_checkpoint_on_cuda(tiny_model, tmp_path):
-    import shutil
-    from pathlib import Path
-
-    from safetensors.torch import load_file, save_file
-
     from loraplex import LLM, SamplingParams
+    from tests.conftest import dequantized_copy
 
-    src = Path(tiny_model["model_dir"])
-    for f in src.iterdir():
-        if f.is_file():
-            shutil.copy(f, tmp_path / f.name)
-    for f in src.glob("*.safetensors"):
-        tensors = load_file(str(f))
-        for name, t in tensors.items():
-            if name.endswith("_proj.weight"):
-                tensors[name] = quantize_int8(t.float()).dequantize(torch.float32)
-        save_file(tensors, str(tmp_path / f.name), metadata={"format": "pt"})
+    dequantized_copy(tiny_model["model_dir"], tmp_path)
     prompts = [{"prompt_token_ids": [1] + list(range(10, 10 + n))} for n in (3, 30, 120)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     kw = dict(device="cuda", dtype="float32", max_num_batched_tokens=64)

@@ -5,7 +5,6 @@ logprobs, with adapters, chunked prefill and speculative decoding), and what Hug
 from __future__ import annotations
 
 import random
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,29 +12,13 @@ import torch
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.quant import QuantizedWeight, quantize_int8
-from tests.conftest import adapter_dir
-
-PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from loraplex.engine.quant import QuantizedWeight
+from tests.conftest import adapter_dir, dequantized_copy
 
 
 @pytest.fixture(scope="module")
 def dequantized_dir(tiny_model, tmp_path_factory) -> Path:
-    """A copy of the tiny model whose projection weights are their INT8 round trip (float32 on disk)."""
-    from safetensors.torch import load_file, save_file
-
-    src = Path(tiny_model["model_dir"])
-    dst = tmp_path_factory.mktemp("dequantized")
-    for f in src.iterdir():
-        if f.is_file():
-            shutil.copy(f, dst / f.name)
-    for f in src.glob("*.safetensors"):
-        tensors = load_file(str(f))
-        for name, t in tensors.items():
-            if any(f".{p}.weight" in name for p in PROJ):
-                tensors[name] = quantize_int8(t.float()).dequantize(torch.float32)
-        save_file(tensors, str(dst / f.name), metadata={"format": "pt"})
-    return dst
+    return dequantized_copy(tiny_model["model_dir"], tmp_path_factory.mktemp("dequantized"))
 
 
 def _prompts(seed: int) -> list[dict]:
