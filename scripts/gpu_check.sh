@@ -7,6 +7,7 @@
 #   attention  paged attention vs SDPA (sweep)     engine     a short engine run (bench offline)
 #   lorastep   the decode-step LoRA policies and the in-layer run at 64 tokens (lora_kernels --steps-only)
 #   quant      INT8 weight-only: GPU tests, quant_bench (vs cuBLAS bf16, tile sweep), bench offline with/without it
+#   speccost   speculative decoding: decode-step time with k draft tokens per sequence (bench spec_cost)
 #              and the decode kernel over an fp8 KV cache (--fp8-kv)
 #   report     the issue-9 report: bench all with the HF + PEFT peer and an online run through a launched
 #              `loraplex serve` (embedded default: SQLite + in-process), cut short by SIGTERM at
@@ -87,6 +88,11 @@ if [[ "$what" == *quant* ]]; then
         echo "offline quantization=$variant: exit $?"
         grep -E "offline [a-z]+: |decode step" "$out/quant-$variant.log" | cut -c1-300
     done
+fi
+if [[ "$what" == *speccost* ]]; then
+    # speculative decoding: the decode step with k = 0, 1, 2, 4 draft tokens per sequence (batch 64, ctx ~1k)
+    python3 -m loraplex.bench.spec_cost --out "$out/spec_cost.json" ${smoke[@]+"${smoke[@]}"} > "$out/spec_cost.log" 2>&1
+    echo "spec_cost: exit $?"; grep -E "^\| " "$out/spec_cost.md"
 fi
 if [[ "$what" == *attention* ]]; then
     python3 -m loraplex.cli bench attention --sweep --fp8-kv --out-dir "$out" ${smoke[@]+"${smoke[@]}"} 2>&1 | tail -14
