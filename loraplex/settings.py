@@ -71,7 +71,7 @@ class Settings:
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | int8 (EngineConfig.kv_cache_dtype)
-    quantization: str | None = None  # base weights: None (as stored) | int8 (weight-only; EngineConfig.quantization)
+    quantization: str | None = None  # base weights: None (as stored) | int8 | fp8 (weight-only; EngineConfig.quantization)
     # speculative decoding with prompt-lookup drafts (EngineConfig.num_speculative_tokens; 0 = off)
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2

@@ -6,7 +6,7 @@
 #   tests      GPU tests                        lora       LoRA kernel microbenchmark
 #   attention  paged attention vs SDPA (sweep)     engine     a short engine run (bench offline)
 #   lorastep   the decode-step LoRA policies and the in-layer run at 64 tokens (lora_kernels --steps-only)
-#   quant      INT8 weight-only: GPU tests, quant_bench (vs cuBLAS bf16, tile sweep), bench offline with/without it
+#   quant      INT8 / FP8 weight-only: GPU tests, quant_bench (vs cuBLAS bf16, tile sweep), bench offline with each
 #   speccost   speculative decoding: decode-step time with k draft tokens per sequence (bench spec_cost)
 #              and the decode kernel over an fp8 KV cache (--fp8-kv)
 #   report     the issue-9 report: bench all with the HF + PEFT peer and an online run through a launched
@@ -78,10 +78,13 @@ if [[ "$what" == *quant* ]]; then
     # INT8 weight-only linear: its GPU tests, the kernel against cuBLAS bf16 at the 8B projections (with a tile
     # sweep), then bench offline with and without --quantization int8 (base and distinct, two rounds)
     python3 -m pytest tests/gpu/test_w8a16_gpu.py -q -p no:cacheprovider -o addopts="" 2>&1 | tail -5
-    python3 -m loraplex.bench.quant_bench --sweep --out "$out/quant_bench.json" > "$out/quant_bench.log" 2>&1
-    echo "quant_bench: exit $?"; grep -E "^\| " "$out/quant_bench.md" | head -30
-    for variant in none int8; do
-        flag=(); [[ "$variant" == int8 ]] && flag=(--quantization int8)
+    for method in int8 fp8; do
+        python3 -m loraplex.bench.quant_bench --sweep --method "$method" --out "$out/quant_bench_$method.json" \
+            > "$out/quant_bench_$method.log" 2>&1
+        echo "quant_bench $method: exit $?"; grep -E "^\| " "$out/quant_bench_$method.md" | head -30
+    done
+    for variant in none int8 fp8; do
+        flag=(); [[ "$variant" != none ]] && flag=(--quantization "$variant")
         python3 -m loraplex.cli bench offline --out-dir "$out/quant-$variant" --num-requests 1000 --input-len 256 \
             --output-len 128 --step-batch 64 --popularity base,distinct --repeats 2 "${flag[@]}" \
             ${smoke[@]+"${smoke[@]}"} > "$out/quant-$variant.log" 2>&1

@@ -130,15 +130,15 @@ def nan_adapter(manifest: dict, index: int, dest: Path, weight: str = "lora_B") 
     return dest
 
 
-def dequantized_copy(src, dst) -> Path:
-    """A copy of the model at ``src`` in ``dst`` whose projection weights are their INT8 weight-only round trip
-    (float32 on disk): what ``quantization="int8"`` computes with, as a plain checkpoint."""
+def dequantized_copy(src, dst, method: str = "int8") -> Path:
+    """A copy of the model at ``src`` in ``dst`` whose projection weights are their weight-only round trip through
+    ``method`` (int8 or fp8; float32 on disk): what ``quantization=method`` computes with, as a plain checkpoint."""
     import shutil
 
     import torch
     from safetensors.torch import load_file, save_file
 
-    from loraplex.engine.quant import quantize_int8
+    from loraplex.engine.quant import QUANTIZERS
 
     src, dst = Path(src), Path(dst)
     for f in src.iterdir():
@@ -148,6 +148,6 @@ def dequantized_copy(src, dst) -> Path:
         tensors = load_file(str(f))
         for name, t in tensors.items():
             if name.endswith("_proj.weight"):
-                tensors[name] = quantize_int8(t.float()).dequantize(torch.float32)
+                tensors[name] = QUANTIZERS[method](t.float()).dequantize(torch.float32)
         save_file(tensors, str(dst / f.name), metadata={"format": "pt"})
     return dst

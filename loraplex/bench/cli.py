@@ -142,9 +142,9 @@ def add_offline_args(p) -> None:
                         "around attention (default: the engine's default, on)")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "int8"), default=None,
                    help="engine option kv_cache_dtype (default: the engine's default, auto = the model's dtype)")
-    p.add_argument("--quantization", choices=("int8",), default=None,
-                   help="engine option quantization: the base projections as INT8 weight-only (the roofline counts "
-                        "their int8 bytes and row scales; default: the weights as stored)")
+    p.add_argument("--quantization", choices=("int8", "fp8"), default=None,
+                   help="engine option quantization: the base projections as INT8 or FP8 weight-only (the roofline "
+                        "counts one byte per weight and the row scales; default: the weights as stored)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="engine option num_speculative_tokens: prompt-lookup drafts per sequence and step (default: "
                         "the engine's default, 0 = off; random prompts seldom repeat, so drafts are few)")

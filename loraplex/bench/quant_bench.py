@@ -1,4 +1,4 @@
-"""INT8 weight-only linear (``kernels/w8a16.py``) against the 16-bit GEMM (cuBLAS through ``F.linear``) on the
+"""INT8 or FP8 weight-only linear (``kernels/w8a16.py``, ``--method``) against the 16-bit GEMM (cuBLAS through ``F.linear``) on the
 projections of the Llama-3-8B shape, decode and prefill row counts, in the same run.
 
     python -m loraplex.bench.quant_bench [--out docs/benchmarks/quant_bench.json] [--smoke]
@@ -31,18 +31,18 @@ SWEEP_BLOCKS = ((16, 32, 128), (16, 64, 128), (16, 64, 256), (32, 64, 128), (64,
 
 
 def run(device: torch.device, dtype: torch.dtype, shapes: dict, rows: tuple[int, ...], iters: int,
-        sweep: bool) -> dict:
+        sweep: bool, method: str = "int8") -> dict:
     from loraplex.bench.roofline import measure_copy_bandwidth
     from loraplex.bench.timing import time_per_call
-    from loraplex.engine.quant import quantize_int8
+    from loraplex.engine.quant import QUANTIZERS
     from loraplex.kernels.w8a16 import w8a16_linear, w8a16_linear_ref
 
     bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 22)
     gen = torch.Generator(device=device).manual_seed(0)
-    out = {"copy_bandwidth_Bps": bandwidth, "rows": []}
+    out = {"copy_bandwidth_Bps": bandwidth, "method": method, "rows": []}
     for name, (k, n) in shapes.items():
         w = (torch.randn(n, k, device=device, generator=gen) * 0.02).to(dtype)
-        q = quantize_int8(w)
+        q = QUANTIZERS[method](w)
         for m in rows:
             x = torch.randn(m, k, device=device, generator=gen).to(dtype)
             err = (w8a16_linear(x, q.qweight, q.scale).float()
@@ -72,11 +72,12 @@ def run(device: torch.device, dtype: torch.dtype, shapes: dict, rows: tuple[int,
 
 
 def markdown(payload: dict) -> str:
-    lines = ["# INT8 weight-only linear vs the 16-bit GEMM", "", "Command:", "", "```", payload["command"], "```", "",
+    lines = [f"# {payload['method'].upper()} weight-only linear vs the 16-bit GEMM", "", "Command:", "", "```",
+             payload["command"], "```", "",
              f"Environment: {payload['environment']}. Copy bandwidth {payload['copy_bandwidth_Bps'] / 1e12:.2f} TB/s. "
              "Floors: the weight bytes each call must read over that bandwidth.", "",
-             "| projection | rows | 16-bit us | int8 us | int8 speedup | floor 16-bit us | floor int8 us | best tiles | "
-             "best int8 us | max abs err vs twin |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| projection | rows | 16-bit us | 8-bit us | 8-bit speedup | floor 16-bit us | floor 8-bit us | best tiles | "
+             "best 8-bit us | max abs err vs twin |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:
         best = (f"{r['best_blocks']} | {r['us_int8_best']:.1f}" if "us_int8_best" in r else "— | —")
         lines.append(f"| {r['proj']} ({r['k']} -> {r['n']}) | {r['rows']} | {r['us_16bit']:.1f} | {r['us_int8']:.1f} | "
@@ -91,12 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
     parser.add_argument("--sweep", action="store_true", help="also try other tiles per shape")
     parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--method", choices=("int8", "fp8"), default="int8", help="the weights' 8-bit type")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes, rows = (SMOKE, (1, 20)) if args.smoke else (LLAMA3_8B, ROWS)
-    payload = run(device, dtype, shapes, rows, 2 if args.smoke else args.iters, args.sweep)
+    payload = run(device, dtype, shapes, rows, 2 if args.smoke else args.iters, args.sweep, args.method)
     import triton
 
     payload["command"] = "python -m loraplex.bench.quant_bench " + " ".join(

@@ -81,18 +81,19 @@ def step_bytes(
     """Bytes any engine step reads: ``num_tokens`` embedding rows, the KV of ``context_tokens`` tokens summed over
     the batch (each sequence's context including this step's tokens), ``adapter_ranks`` per *distinct* adapter.
     ``kv_elem_bytes``: bytes per cached K/V value (1 for an fp8 cache, 1 + 4 / head_dim for int8 with its row
-    scales; default ``elem_bytes``). ``weight_quant="int8"``: the projections as int8 with an fp32 scale per output
-    row (``EngineConfig.quantization``); embeddings, norms and the LM head stay at ``elem_bytes``."""
+    scales; default ``elem_bytes``). ``weight_quant="int8"`` or ``"fp8"``: the projections as one byte per weight with
+    an fp32 scale per output row (``EngineConfig.quantization``); embeddings, norms and the LM head stay at
+    ``elem_bytes``."""
     lm_head = shape.vocab_size * shape.hidden_size
     embed_rows = num_tokens * shape.hidden_size
     weights = (shape.num_layers * shape.layer_params() + lm_head + embed_rows + shape.hidden_size) * elem_bytes
-    if weight_quant == "int8":
+    if weight_quant in ("int8", "fp8"):
         dims = shape.proj_dims().values()
         proj = shape.num_layers * sum(a * b for a, b in dims)
         rows = shape.num_layers * sum(b for _, b in dims)
         weights += proj * (1 - elem_bytes) + 4 * rows
     elif weight_quant is not None:
-        raise ValueError(f"weight_quant: int8 or None, got {weight_quant!r}")
+        raise ValueError(f"weight_quant: int8, fp8 or None, got {weight_quant!r}")
     lora = sum(adapter_ranks) * shape.lora_params_per_rank(targets) * elem_bytes
     kv = context_tokens * shape.kv_bytes_per_token(elem_bytes if kv_elem_bytes is None else kv_elem_bytes)
     return StepBytes(weights=weights, lora=lora, kv=kv)

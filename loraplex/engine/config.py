@@ -89,8 +89,9 @@ class EngineConfig:
     # Off with enforce_eager, or alone for A/B runs
     piecewise_cuda_graphs: bool = True
     piecewise_graph_max_tokens: int = 2048
-    # weight quantization of the base model's projections (engine/quant.py): None (the checkpoint's weights) or
-    # "int8" (weight-only, one scale per output row: half the weight bytes of bf16, activations and LoRA unchanged)
+    # weight quantization of the base model's projections (engine/quant.py): None (the checkpoint's weights), "int8"
+    # or "fp8" (e4m3) weight-only, one scale per output row: half the weight bytes of bf16, activations and LoRA
+    # unchanged
     quantization: str | None = None
     # speculative decoding (engine/spec_decode.py): up to this many draft tokens per decoding sequence per step,
     # verified by the model in the same step (0 = off). "ngram": prompt lookup, the tokens that followed the latest

@@ -1,7 +1,9 @@
-"""Weight quantization of the base model (``EngineConfig.quantization``): INT8 weight-only (W8A16).
+"""Weight quantization of the base model (``EngineConfig.quantization``): INT8 or FP8 weight-only (W8A16).
 
 ``quantization="int8"`` replaces the weights of every layer's four projections (q|k|v, o, gate|up, down) by int8
-values with one fp32 scale per output row (symmetric: s = max|w| / 127, q = round(w / s)), after loading; the
+values with one fp32 scale per output row (symmetric: s = max|w| / 127, q = round(w / s)), after loading;
+``"fp8"`` by float8 e4m3 values with one scale per row (s = max|w| / 448: a relative error per weight instead of an
+absolute one, better for rows with a few large weights). The
 embeddings, the final norm and the LM head stay in the model's dtype. Activations, LoRA adapters, the KV cache and
 all accumulation keep their types, so the only error is the weights' rounding, at most half a step of 1/127 of
 each row's largest weight.
@@ -19,12 +21,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "fp8")
+FP8_MAX = 448.0  # largest float8 e4m3 value
 
 
 @dataclass
 class QuantizedWeight:
-    """An INT8 weight-only linear weight: ``qweight`` int8 [N, K], ``scale`` fp32 [N]."""
+    """A weight-only quantized linear weight: ``qweight`` int8 or float8 e4m3 [N, K], ``scale`` fp32 [N]."""
 
     qweight: torch.Tensor
     scale: torch.Tensor
@@ -34,7 +37,7 @@ class QuantizedWeight:
         return self.qweight.shape
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.qweight.float() * self.scale[:, None]).to(dtype)
+        return (self.qweight.float() * self.scale[:, None]).to(dtype)  # int8 and e4m3 values are exact in fp32
 
     def nbytes(self) -> int:
         return self.qweight.numel() + 4 * self.scale.numel()
@@ -47,6 +50,19 @@ def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return QuantizedWeight(q.contiguous(), scale.contiguous())
+
+
+def quantize_fp8(weight: torch.Tensor) -> QuantizedWeight:
+    """Per output row: s = max|w| / 448 (an all-zero row gets s = 1), q = e4m3(w / s) (round to nearest even;
+    |w / s| <= 448, so nothing saturates): 3 mantissa bits, relative error at most 1/16 per weight."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedWeight(q.contiguous(), scale.contiguous())
+
+
+QUANTIZERS = {"int8": quantize_int8, "fp8": quantize_fp8}
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -79,7 +95,7 @@ def quantize_model_(model, method: str) -> int:
     for layer in model.layers:
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
             weight = getattr(layer, name)
-            quantized = quantize_int8(weight)
+            quantized = QUANTIZERS[method](weight)
             freed += weight.numel() * weight.element_size() - quantized.nbytes()
             del layer._parameters[name]  # a Parameter's name cannot take another kind of value
             object.__setattr__(layer, name, quantized)

@@ -1,11 +1,11 @@
-"""Weight-only INT8 linear layers (W8A16) in Triton: ``out = x @ dequant(Wq)^T (+ bias)``.
+"""Weight-only 8-bit linear layers (W8A16) in Triton: ``out = x @ dequant(Wq)^T (+ bias)``.
 
-Semantics (twin: ``w8a16_linear_ref``), with ``Wq`` int8 [N, K] and one fp32 scale per output row::
+Semantics (twin: ``w8a16_linear_ref``), with ``Wq`` int8 or float8 e4m3 [N, K] and one fp32 scale per output row::
 
     out[m, n] = cast(scale[n] * sum_k float32(x[m, k]) * float32(Wq[n, k]) + bias[n])        (fp32 accumulate)
     accumulate=True: out[m, n] = cast(float32(out[m, n]) + the same)                          (out read, then written)
 
-The weights are read as int8 (half the bytes of bf16: a decode step, bound by reading the weights, can go up to
+The weights are read as 8-bit values (half the bytes of bf16: a decode step, bound by reading the weights, can go up to
 twice as fast) and converted to the activations' dtype in registers; the scale is applied once per output in the
 epilogue. Grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))``; each program loops over K.
 
@@ -43,7 +43,7 @@ def _w8a16_kernel(
     for k0 in range(0, K, BLOCK_K):
         k_mask = (k0 + offs_k) < K
         xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        wt = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0)
+        wt = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc += tl.dot(xt, wt.to(xt.dtype), input_precision=DOT_PRECISION)  # int8 -> the activations' dtype: exact
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
@@ -75,7 +75,8 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bi
     m, k = x.shape
     n, wk = qweight.shape
     assert wk == k, f"x has K={k}, the weight has K={wk}"
-    assert qweight.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == (n,)
+    assert qweight.dtype in (torch.int8, torch.float8_e4m3fn), f"qweight is {qweight.dtype}: int8 or float8 e4m3"
+    assert scale.dtype == torch.float32 and scale.shape == (n,)
     assert not accumulate or out is not None, "accumulate needs out"
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)

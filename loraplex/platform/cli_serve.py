@@ -62,8 +62,8 @@ def register(subparsers) -> None:
                    help="KV-cache element type (env LORAPLEX_KV_CACHE_DTYPE, default auto: the model's dtype; fp8: "
                         "float8 e4m3, half the memory per token of bf16; int8: int8 with a scale per token and head)")
     p.add_argument("--quantization",
-                   help="base weights: int8 = weight-only INT8, one scale per output row, half the weight memory of "
-                        "bf16 (env LORAPLEX_QUANTIZATION, default: as stored)")
+                   help="base weights: int8 or fp8 (e4m3) weight-only, one scale per output row, half the weight "
+                        "memory of bf16 (env LORAPLEX_QUANTIZATION, default: as stored)")
     p.add_argument("--num-speculative-tokens", type=int,
                    help="speculative decoding: up to this many prompt-lookup draft tokens per sequence and step, "
                         "verified in the same step (env LORAPLEX_NUM_SPECULATIVE_TOKENS, default 0: off)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.quant import quantize_int8
+from loraplex.engine.quant import quantize_fp8, quantize_int8
 from loraplex.kernels.w8a16 import w8a16_linear, w8a16_linear_ref
 
 
@@ -20,12 +20,13 @@ def compiled_triton():
         pytest.skip("triton was imported with TRITON_INTERPRET=1: run tests/gpu in its own pytest process")
 
 
+@pytest.mark.parametrize("quantize", [quantize_int8, quantize_fp8], ids=["int8", "fp8"])
 @pytest.mark.parametrize("m", [1, 16, 64, 133, 2048])
 @pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
-def test_kernel_matches_twin_bf16(m, n, k):
+def test_kernel_matches_twin_bf16(m, n, k, quantize):
     gen = torch.Generator(device="cuda").manual_seed(m + n)
     x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-    w = quantize_int8(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
+    w = quantize(torch.randn(n, k, device="cuda", generator=gen) * 0.02)
     bias = torch.randn(n, device="cuda", generator=gen).to(torch.bfloat16)
     got = w8a16_linear(x, w.qweight, w.scale, bias)
     want = w8a16_linear_ref(x, w.qweight, w.scale, bias)
@@ -37,14 +38,15 @@ def test_kernel_matches_twin_bf16(m, n, k):
                                rtol=2e-2, atol=3e-2)
 
 
-def test_engine_int8_equals_dequantized_checkpoint_on_cuda(tiny_model, tmp_path):
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_engine_int8_equals_dequantized_checkpoint_on_cuda(tiny_model, tmp_path, method):
     from loraplex import LLM, SamplingParams
     from tests.conftest import dequantized_copy
 
-    dequantized_copy(tiny_model["model_dir"], tmp_path)
+    dequantized_copy(tiny_model["model_dir"], tmp_path, method)
     prompts = [{"prompt_token_ids": [1] + list(range(10, 10 + n))} for n in (3, 30, 120)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     kw = dict(device="cuda", dtype="float32", max_num_batched_tokens=64)
-    quant = [o.outputs[0].token_ids for o in LLM(tiny_model["model_dir"], quantization="int8", **kw).generate(prompts, params)]
+    quant = [o.outputs[0].token_ids for o in LLM(tiny_model["model_dir"], quantization=method, **kw).generate(prompts, params)]
     plain = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **kw).generate(prompts, params)]
     assert quant == plain

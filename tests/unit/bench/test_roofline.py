@@ -40,7 +40,8 @@ def test_int8_weights_halve_the_projection_bytes():
     rows = 32 * (4096 + 1024 + 1024 + 4096 + 14336 + 14336 + 4096)
     assert int8.weights == bf16.weights - proj + 4 * rows  # 1 byte per weight + an fp32 scale per output row
     assert int8.kv == bf16.kv and int8.lora == bf16.lora
-    with pytest.raises(ValueError, match="weight_quant: int8 or None, got 'int4'"):
+    assert decode_step_bytes(SHAPE, [1024] * 64, [], weight_quant="fp8") == int8
+    with pytest.raises(ValueError, match="weight_quant: int8, fp8 or None, got 'int4'"):
         step_bytes(SHAPE, 1, 0, [], weight_quant="int4")
 
 
@@ -116,6 +117,9 @@ def test_quant_bench_smoke_writes_its_report(tmp_path, monkeypatch):
 
     out = tmp_path / "q.json"
     assert quant_bench.main(["--smoke", "--sweep", "--out", str(out)]) == 0
+    fp8 = tmp_path / "f.json"
+    assert quant_bench.main(["--smoke", "--method", "fp8", "--out", str(fp8)]) == 0
+    assert json.loads(fp8.read_text())["method"] == "fp8"
     payload = json.loads(out.read_text())
     assert len(payload["rows"]) == 4 and all(r["us_int8"] > 0 and r["max_abs_err_vs_twin"] < 1e-4
                                              for r in payload["rows"])

@@ -66,8 +66,23 @@ def test_int8_engine_gives_hf_greedy_tokens_on_the_dequantized_weights(dequantiz
         assert o.token_ids == hf_greedy(hf, p["prompt_token_ids"], 8)
 
 
+def test_fp8_engine_equals_the_engine_on_its_dequantized_checkpoint(tiny_model, tmp_path):
+    kw = dict(dtype="float32", enable_lora=True, max_loras=2, max_num_batched_tokens=32, seed=3)
+    quant = LLM(tiny_model["model_dir"], quantization="fp8", **kw)
+    assert quant.engine.runner.model.layers[1].o_weight.qweight.dtype == torch.float8_e4m3fn
+    plain = LLM(str(dequantized_copy(tiny_model["model_dir"], tmp_path, "fp8")), **kw)
+    prompts = _prompts(3)
+    loras = [LoRARequest("a2", 1, adapter_dir(tiny_model, 2)), None, None, LoRARequest("a2", 1, adapter_dir(tiny_model, 2))]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
+    for g, w in zip(_outputs(quant, prompts, params, loras), _outputs(plain, prompts, params, loras)):
+        assert g.token_ids == w.token_ids
+        for lg, lw in zip(g.logprobs, w.logprobs):
+            for tok, entry in lw.items():
+                assert lg[tok].logprob == pytest.approx(entry.logprob, abs=1e-5)
+
+
 def test_quantization_options_are_checked():
-    with pytest.raises(ValueError, match="quantization must be one of int8 \\(or None\\), got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, fp8 \\(or None\\), got 'int4'"):
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="merge_single_lora cannot fold an adapter into quantized weights"):
         EngineConfig(quantization="int8", enable_lora=True, merge_single_lora=True)

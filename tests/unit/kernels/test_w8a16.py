@@ -11,7 +11,7 @@ import pytest
 import torch
 from triton.runtime.interpreter import InterpretedFunction
 
-from loraplex.engine.quant import QuantizedWeight, linear, quantize_int8
+from loraplex.engine.quant import QuantizedWeight, linear, quantize_fp8, quantize_int8
 from loraplex.kernels import w8a16
 
 if not isinstance(w8a16._w8a16_kernel, InterpretedFunction):
@@ -20,13 +20,14 @@ if not isinstance(w8a16._w8a16_kernel, InterpretedFunction):
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.float16: dict(rtol=2e-2, atol=2e-2)}  # K up to 300
 
 
+@pytest.mark.parametrize("quantize", [quantize_int8, quantize_fp8], ids=["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m, n, k, blocks", [(1, 40, 72, None), (7, 96, 200, None), (70, 33, 50, None),
                                               (130, 65, 129, (64, 64, 64)), (5, 100, 300, (16, 32, 128))])
-def test_kernel_matches_twin(m, n, k, blocks, dtype):
+def test_kernel_matches_twin(m, n, k, blocks, dtype, quantize):
     gen = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
-    w = quantize_int8(torch.randn(n, k, generator=gen))
+    w = quantize(torch.randn(n, k, generator=gen))
     bias = torch.randn(n, generator=gen).to(dtype)
     for b in (None, bias):
         got = w8a16.w8a16_linear(x, w.qweight, w.scale, b, blocks=blocks)
@@ -50,6 +51,17 @@ def test_quantize_int8_rows():
     assert q.nbytes() == 9 + 12
 
 
+def test_quantize_fp8_rows():
+    w = torch.tensor([[0.5, -1.0, 0.26], [0.0, 0.0, 0.0], [3.0, 1.5, -0.01]])
+    q = quantize_fp8(w)
+    assert q.qweight.dtype == torch.float8_e4m3fn and q.scale.dtype == torch.float32
+    assert q.qweight.float().abs().amax(dim=1).tolist() == [448.0, 0.0, 448.0]  # each row's largest at full range
+    assert q.scale[1] == 1.0
+    err = (q.dequantize(torch.float32) - w).abs()
+    assert (err <= w.abs() / 16 + 1e-6).all()  # 3 mantissa bits: half a step is 1/16 relative
+    assert q.nbytes() == 9 + 12
+
+
 def test_linear_dispatch_on_the_cpu_is_the_dequantized_weight():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 16, generator=gen)
@@ -69,9 +81,10 @@ def test_linear_dispatch_on_the_cpu_is_the_dequantized_weight():
 def test_kernel_compiles_for_sm90_in_bf16():
     from tests.unit.kernels.test_lora_compile import _compile
 
-    for m_block, n_block, k_block in ((16, 32, 128), (64, 64, 64)):
+    for (m_block, n_block, k_block), w_type in (((16, 32, 128), "*i8"), ((64, 64, 64), "*i8"),
+                                                ((16, 32, 128), "*fp8e4nv")):
         for accumulate in (False, True):
-            info = _compile("w8a16._w8a16_kernel", {"x_ptr": "*bf16", "w_ptr": "*i8", "scale_ptr": "*fp32",
+            info = _compile("w8a16._w8a16_kernel", {"x_ptr": "*bf16", "w_ptr": w_type, "scale_ptr": "*fp32",
                                                     "bias_ptr": "*bf16", "out_ptr": "*bf16"},
                             dict(BLOCK_M=m_block, BLOCK_N=n_block, BLOCK_K=k_block, HAS_BIAS=True,
                                  ACCUMULATE=accumulate, DOT_PRECISION="tf32"),

@@ -213,7 +213,7 @@ def test_db_upgrade_to_an_unknown_revision_is_one_line(revision, needles, tmp_pa
     (["--num-speculative-tokens", "17"], {}, ["--num-speculative-tokens", "at most 16"]),
     ([], {"LORAPLEX_NUM_SPECULATIVE_TOKENS": "2", "LORAPLEX_PROMPT_LOOKUP_MIN": "5"},
      ["LORAPLEX_PROMPT_LOOKUP_MIN", "<= prompt_lookup_max", "got 5 and 4"]),
-    (["--quantization", "int4"], {}, ["--quantization", "int4", "int8"]),
+    (["--quantization", "int4"], {}, ["--quantization", "int4", "int8, fp8"]),
 ])
 def test_serve_refuses_impossible_flags_before_anything_starts(args, env, needles, tmp_path, monkeypatch):
     for name, value in env.items():
