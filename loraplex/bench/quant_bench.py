@@ -12,11 +12,8 @@ Triton interpreter, fp32), which checks the harness only.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import shlex
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -101,15 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     payload = run(device, dtype, shapes, rows, 2 if args.smoke else args.iters, args.sweep, args.method)
     import triton
 
-    payload["command"] = "python -m loraplex.bench.quant_bench " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    from loraplex.bench.report import module_command, write_json_and_markdown
+
+    payload["command"] = module_command("loraplex.bench.quant_bench", argv)
     payload["environment"] = (f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu (interpreter)'}, "
                               f"torch {torch.__version__}, triton {triton.__version__}, {str(dtype).removeprefix('torch.')}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(payload))
-    log.info("wrote %s and %s", out, out.with_suffix(".md"))
+    write_json_and_markdown(args.out, payload, markdown(payload))
     return 0
 
 

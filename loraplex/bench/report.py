@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import platform
 import shlex
 import sys
 import time
 from pathlib import Path
+
+log = logging.getLogger("loraplex.bench")
 
 DEFAULT_OUT_DIR = Path("docs/benchmarks")
 
@@ -27,6 +30,20 @@ def environment(device) -> dict:
         env.update(gpu=props.name, gpu_memory_gb=round(props.total_memory / 2**30, 1),
                    sm_count=props.multi_processor_count)
     return env
+
+
+def module_command(module: str, argv: list[str] | None = None) -> str:
+    """``python -m <module> <args>`` as run (``argv``: the arguments a caller passed to ``main``, else sys.argv's)."""
+    return f"python -m {module} " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+
+
+def write_json_and_markdown(out: str | Path, payload: dict, markdown: str) -> None:
+    """``payload`` as JSON at ``out`` and ``markdown`` beside it (``.md``), creating the folder."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown)
+    log.info("wrote %s and %s", out, out.with_suffix(".md"))
 
 
 def command_line(args=None) -> str:

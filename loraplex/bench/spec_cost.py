@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shlex
 import sys
-from pathlib import Path
 
 import torch
 
@@ -128,16 +126,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.batch, args.context, args.steps, args.repeats, args.rank = 3, 16, 3, 1, 8
         args.max_loras, args.dtype, args.drafts = 4, "float32", "0,2"
+    from loraplex.bench.report import module_command, write_json_and_markdown
+
     payload = run(args, device)
-    payload["command"] = "python -m loraplex.bench.spec_cost " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    payload["command"] = module_command("loraplex.bench.spec_cost", argv)
     payload["environment"] = (f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}, "
                               f"torch {torch.__version__}, {args.dtype}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(payload))
-    log.info("wrote %s and %s", out, out.with_suffix(".md"))
+    write_json_and_markdown(args.out, payload, markdown(payload))
     return 0
 
 

@@ -144,14 +144,12 @@ class EngineConfig:
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.num_speculative_tokens:
-            from loraplex.engine.spec_decode import SPEC_METHODS
+            from loraplex.engine.spec_decode import SPEC_METHODS, check_lookup_sizes
 
             if self.speculative_method not in SPEC_METHODS:
                 raise ValueError(f"speculative_method must be one of {', '.join(SPEC_METHODS)}, got "
                                  f"{self.speculative_method!r}")
-            if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-                raise ValueError(f"prompt_lookup_min must be >= 1 and <= prompt_lookup_max, got "
-                                 f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+            check_lookup_sizes(self.prompt_lookup_min, self.prompt_lookup_max)
         self._check_device()
         if self.model_id is None and self.model:
             self.model_id = Path(self.model).resolve().name

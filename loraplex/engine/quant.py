@@ -1,14 +1,13 @@
 """Weight quantization of the base model (``EngineConfig.quantization``): INT8 or FP8 weight-only (W8A16).
 
-``quantization="int8"`` replaces the weights of every layer's four projections (q|k|v, o, gate|up, down) by int8
-values with one fp32 scale per output row (symmetric: s = max|w| / 127, q = round(w / s)), after loading;
-``"fp8"`` by float8 e4m3 values with one scale per row (s = max|w| / 448: a relative error per weight instead of an
-absolute one, better for rows with a few large weights). The
-embeddings, the final norm and the LM head stay in the model's dtype. Activations, LoRA adapters, the KV cache and
-all accumulation keep their types, so the only error is the weights' rounding, at most half a step of 1/127 of
-each row's largest weight.
+After loading, the weights of every layer's four projections (q|k|v, o, gate|up, down) are replaced by 8-bit values
+with one fp32 scale per output row: ``"int8"`` symmetric (s = max|w| / 127, q = round(w / s): at most half a step
+of 1/127 of the row's largest weight), ``"fp8"`` float8 e4m3 (s = max|w| / 448: a relative error of at most 1/16
+per weight, better for rows with a few large weights). The embeddings, the final norm and the LM head stay in the
+model's dtype; activations, LoRA adapters, the KV cache and all accumulation keep their types, so the only error is
+the weights' rounding.
 
-On CUDA the projections run through ``kernels/w8a16.py`` (int8 read, converted in registers, scale in the
+On CUDA the projections run through ``kernels/w8a16.py`` (8-bit read, converted in registers, scale in the
 epilogue); on the CPU through the twin, ``F.linear`` over the dequantized row-scaled weight, which is exactly what
 a model whose weights are those dequantized values computes (the tests hold the engine to Hugging Face on such a
 model). Weight memory: 1 byte per value + 4 per row, about half of bf16, so the KV cache gets the difference.
@@ -21,7 +20,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-QUANTIZATIONS = ("int8", "fp8")
 FP8_MAX = 448.0  # largest float8 e4m3 value
 
 
@@ -43,11 +41,16 @@ class QuantizedWeight:
         return self.qweight.numel() + 4 * self.scale.numel()
 
 
+def _row_scales(w: torch.Tensor, qmax: float) -> torch.Tensor:
+    """One scale per output row mapping its largest |w| to ``qmax`` (an all-zero row gets 1)."""
+    scale = w.abs().amax(dim=1) / qmax
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
 def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
     """Per output row, symmetric: s = max|w| / 127 (an all-zero row gets s = 1), q = round(w / s) in [-127, 127]."""
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1) / 127.0
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = _row_scales(w, 127.0)
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return QuantizedWeight(q.contiguous(), scale.contiguous())
 
@@ -56,13 +59,13 @@ def quantize_fp8(weight: torch.Tensor) -> QuantizedWeight:
     """Per output row: s = max|w| / 448 (an all-zero row gets s = 1), q = e4m3(w / s) (round to nearest even;
     |w / s| <= 448, so nothing saturates): 3 mantissa bits, relative error at most 1/16 per weight."""
     w = weight.detach().float()
-    scale = w.abs().amax(dim=1) / FP8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = _row_scales(w, FP8_MAX)
     q = (w / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return QuantizedWeight(q.contiguous(), scale.contiguous())
 
 
 QUANTIZERS = {"int8": quantize_int8, "fp8": quantize_fp8}
+QUANTIZATIONS = tuple(QUANTIZERS)
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,

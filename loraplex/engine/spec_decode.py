@@ -40,6 +40,12 @@ SPEC_FLAGS = SAMPLE_RANDOM | SAMPLE_TOP_K_P | SAMPLE_MIN_P
 SPEC_METHODS = ("ngram",)
 
 
+def check_lookup_sizes(min_n: int, max_n: int) -> None:
+    """The n-gram sizes prompt lookup tries: 1 <= prompt_lookup_min <= prompt_lookup_max."""
+    if not 1 <= min_n <= max_n:
+        raise ValueError(f"prompt_lookup_min must be >= 1 and <= prompt_lookup_max, got {min_n} and {max_n}")
+
+
 def can_speculate(params: SamplingParams) -> bool:
     """Whether a request with these sampling parameters may run drafts."""
     return not params.sampler_flags & ~SPEC_FLAGS and params.n == 1
@@ -56,8 +62,7 @@ class NgramProposer:
     def __init__(self, num_tokens: int, min_n: int = 2, max_n: int = 4, window: int = 4096):
         if num_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_tokens}")
-        if not 1 <= min_n <= max_n:
-            raise ValueError(f"prompt_lookup_min must be >= 1 and <= prompt_lookup_max, got {min_n} and {max_n}")
+        check_lookup_sizes(min_n, max_n)
         self.num_tokens, self.min_n, self.max_n, self.window = num_tokens, min_n, max_n, window
         self._contexts: dict[int, tuple[np.ndarray, int]] = {}  # key -> (buffer, tokens in it)
 

@@ -70,7 +70,7 @@ def l2_prefetch(ptrs):
 # weight prefetch before the PDL wait (``weight_prefetch`` of the launch policy): not at all, the first tile into
 # registers (then each next one a trip ahead, the loop no longer pipelined by the compiler), or the program's whole
 # share into L2 (the loop stays pipelined and reads it from L2)
-WEIGHT_PREFETCH = {"off": 0, "first": 1, "l2": 2}
+WEIGHT_PREFETCH_CODES = {"off": 0, "first": 1, "l2": 2}
 
 
 def weight_prefetch_mode(mode: str, dtype: torch.dtype, tile: int) -> tuple[int, int]:
@@ -78,7 +78,7 @@ def weight_prefetch_mode(mode: str, dtype: torch.dtype, tile: int) -> tuple[int,
     whole lines, else it is dropped (the interpreter has no inline assembly)."""
     import os
 
-    code = WEIGHT_PREFETCH[mode]
+    code = WEIGHT_PREFETCH_CODES[mode]
     line = max(1, 128 // (torch.finfo(dtype).bits // 8))
     if code == 2 and (os.environ.get("TRITON_INTERPRET") == "1" or tile < line):
         code = 0
