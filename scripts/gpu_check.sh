@@ -7,6 +7,7 @@
 #   attention  paged attention vs SDPA (sweep)     engine     a short engine run (bench offline)
 #   lorastep   the decode-step LoRA policies and the in-layer run at 64 tokens (lora_kernels --steps-only)
 #   quant      INT8 / FP8 weight-only: GPU tests, quant_bench (vs cuBLAS bf16, tile sweep), bench offline with each
+#              (QUANT_OFFLINE_VARIANTS: which of "none int8 fp8" run offline; empty: none)
 #   speccost   speculative decoding: decode-step time with k draft tokens per sequence (bench spec_cost)
 #              and the decode kernel over an fp8 KV cache (--fp8-kv)
 #   report     the issue-9 report: bench all with the HF + PEFT peer and an online run through a launched
@@ -83,7 +84,7 @@ if [[ "$what" == *quant* ]]; then
             > "$out/quant_bench_$method.log" 2>&1
         echo "quant_bench $method: exit $?"; grep -E "^\| " "$out/quant_bench_$method.md" | head -30
     done
-    for variant in none int8 fp8; do
+    for variant in ${QUANT_OFFLINE_VARIANTS-none int8 fp8}; do
         flag=(); [[ "$variant" != none ]] && flag=(--quantization "$variant")
         python3 -m loraplex.cli bench offline --out-dir "$out/quant-$variant" --num-requests 1000 --input-len 256 \
             --output-len 128 --step-batch 64 --popularity base,distinct --repeats 2 "${flag[@]}" \

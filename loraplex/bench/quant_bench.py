@@ -23,8 +23,13 @@ log = logging.getLogger("loraplex.bench.quant_bench")
 LLAMA3_8B = {"q|k|v": (4096, 6144), "o": (4096, 4096), "gate|up": (4096, 28672), "down": (14336, 4096)}
 SMOKE = {"q|k|v": (64, 96), "down": (160, 64)}
 ROWS = (1, 16, 64, 256, 2048)
-SWEEP_BLOCKS = ((16, 32, 128), (16, 64, 128), (16, 64, 256), (32, 64, 128), (64, 64, 64), (64, 128, 64),
-                (128, 128, 64))
+# (BLOCK_M, BLOCK_N, BLOCK_K[, num_warps, num_stages, split_k]); decode-sized rows try split-K and deeper pipelines
+SWEEP_DECODE = ((16, 32, 128), (16, 64, 128), (16, 64, 256), (16, 32, 256, 4, 4), (16, 64, 256, 4, 4),
+                (16, 128, 128, 4, 4), (16, 64, 256, 4, 3, 2), (16, 64, 256, 4, 3, 4), (16, 128, 256, 8, 3, 4),
+                (16, 32, 512, 4, 3, 2), (64, 32, 64), (64, 64, 128, 4, 4), (64, 64, 256, 4, 3, 2),
+                (64, 128, 128, 8, 3, 4))
+SWEEP_PREFILL = ((64, 64, 64), (64, 128, 64), (128, 128, 64), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3),
+                 (64, 128, 128, 4, 4))
 
 
 def run(device: torch.device, dtype: torch.dtype, shapes: dict, rows: tuple[int, ...], iters: int,
@@ -52,7 +57,7 @@ def run(device: torch.device, dtype: torch.dtype, shapes: dict, rows: tuple[int,
                    "floor_us_int8": q.nbytes() / bandwidth * 1e6}
             if sweep:
                 best = None
-                for blocks in SWEEP_BLOCKS:
+                for blocks in (SWEEP_DECODE if m <= 64 else SWEEP_PREFILL):
                     try:
                         tb = time_per_call(lambda b=blocks, x=x, q=q: w8a16_linear(x, q.qweight, q.scale, blocks=b),
                                            device, iters=iters)

@@ -25,36 +25,46 @@ from loraplex.kernels.host_math import cdiv
 @triton.jit
 def _w8a16_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
-    M, N, K,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
+    M, N, K, K_PER_SPLIT,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on, stride_os,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    k_begin = pid_k * K_PER_SPLIT  # K_PER_SPLIT: a multiple of BLOCK_K (K itself when SPLIT_K == 1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_mask = offs_m < M
     n_mask = offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + (k_begin + offs_k[None, :]) * stride_xk
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + (k_begin + offs_k[:, None]) * stride_wk  # [BK, BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = (k0 + offs_k) < K
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        k_mask = (k_begin + k0 + offs_k) < K
         xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         wt = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         acc += tl.dot(xt, wt.to(xt.dtype), input_precision=DOT_PRECISION)  # int8 -> the activations' dtype: exact
         x_ptrs += BLOCK_K * stride_xk
         w_ptrs += BLOCK_K * stride_wk
     acc = acc * tl.load(scale_ptr + offs_n, mask=n_mask, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
     o_mask = m_mask[:, None] & n_mask[None, :]
-    if ACCUMULATE:
-        acc += tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
-    tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+    if SPLIT_K > 1:
+        # fp32 partial sums [SPLIT_K, M, N]; the wrapper adds them up (then bias, accumulate, cast)
+        p_ptrs = out_ptr + pid_k * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+        tl.store(p_ptrs, acc, mask=o_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
+        if ACCUMULATE:
+            acc += tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+LAUNCH_DEFAULTS = (4, 3, 1)  # num_warps, num_stages, split_k
 
 
 def choose_blocks(m: int, n: int, k: int) -> tuple[int, int, int]:
@@ -69,9 +79,11 @@ def choose_blocks(m: int, n: int, k: int) -> tuple[int, int, int]:
 
 def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None, accumulate: bool = False,
-                 blocks: tuple[int, int, int] | None = None) -> torch.Tensor:
+                 blocks: tuple[int, ...] | None = None) -> torch.Tensor:
     """``x`` [M, K] (fp16 / bf16 / fp32), ``qweight`` int8 [N, K], ``scale`` fp32 [N], ``bias`` [N] or None;
-    ``out`` [M, N] of x's dtype (written, or added to with ``accumulate``). See the module doc."""
+    ``out`` [M, N] of x's dtype (written, or added to with ``accumulate``). ``blocks``: (BLOCK_M, BLOCK_N, BLOCK_K)
+    and optionally num_warps, num_stages, split_k (default 4, 3, 1; split_k > 1 sums fp32 partials in a second
+    op). See the module doc."""
     m, k = x.shape
     n, wk = qweight.shape
     assert wk == k, f"x has K={k}, the weight has K={wk}"
@@ -83,15 +95,27 @@ def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bi
     assert out.shape == (m, n) and out.dtype == x.dtype
     if m == 0:
         return out
-    bm, bn, bk = blocks or choose_blocks(m, n, k)
-    _w8a16_kernel[(cdiv(m, bm), cdiv(n, bn))](
-        x, qweight, scale, bias if bias is not None else scale, out,
-        m, n, k,
-        x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), out.stride(0), out.stride(1),
+    config = tuple(blocks or choose_blocks(m, n, k))
+    bm, bn, bk, warps, stages, split_k = config + LAUNCH_DEFAULTS[len(config) - 3:]
+    k_per_split = cdiv(cdiv(k, split_k), bk) * bk
+    split_k = cdiv(k, k_per_split)
+    target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    _w8a16_kernel[(cdiv(m, bm), cdiv(n, bn), split_k)](
+        x, qweight, scale, bias if bias is not None else scale, target,
+        m, n, k, k_per_split,
+        x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1), target.stride(-2), target.stride(-1),
+        target.stride(0) if split_k > 1 else 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, HAS_BIAS=bias is not None, ACCUMULATE=accumulate,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=3,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", SPLIT_K=split_k,
+        num_warps=warps, num_stages=stages,
     )
+    if split_k > 1:
+        acc = target.sum(0)
+        if bias is not None:
+            acc += bias.float()
+        if accumulate:
+            acc += out.float()
+        out.copy_(acc)
     return out
 
 

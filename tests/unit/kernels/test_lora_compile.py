@@ -37,12 +37,12 @@ def compile_here(kernel: str, ptr_types: dict[str, str], constexprs: dict, runti
     if runtime_hints:
         # what the JIT launcher knows at run time: unit inner strides, 16-divisible pointers, strides and K
         constexprs.update({n: 1 for n in fn.arg_names if n in ("stride_xk", "stride_ak", "stride_bn", "stride_on",
-                                                                "stride_yr")})
+                                                                "stride_yr", "stride_wk")})
     signature = {n: "constexpr" if n in constexprs else ptr_types.get(n, "*i32" if n in INT_PTRS else "i32")
                  for n in fn.arg_names}
     if runtime_hints:
         attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-                 if n not in constexprs and (signature[n].startswith("*") or n.startswith("stride") or n == "K")}
+                 if n not in constexprs and (signature[n].startswith("*") or n.startswith("stride") or n in ("K", "K_PER_SPLIT"))}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     return {"ptx": compiled.asm["ptx"], "cubin": bool(compiled.asm["cubin"]), "shared": compiled.metadata.shared}

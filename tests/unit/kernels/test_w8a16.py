@@ -23,7 +23,8 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-4), torch.float16: dict(rtol=2e-2,
 @pytest.mark.parametrize("quantize", [quantize_int8, quantize_fp8], ids=["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m, n, k, blocks", [(1, 40, 72, None), (7, 96, 200, None), (70, 33, 50, None),
-                                              (130, 65, 129, (64, 64, 64)), (5, 100, 300, (16, 32, 128))])
+                                              (130, 65, 129, (64, 64, 64)), (5, 100, 300, (16, 32, 128)),
+                                              (9, 70, 300, (16, 32, 64, 4, 2, 3)), (3, 40, 129, (16, 64, 32, 4, 3, 4))])
 def test_kernel_matches_twin(m, n, k, blocks, dtype, quantize):
     gen = torch.Generator().manual_seed(m + n + k)
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -81,13 +82,13 @@ def test_linear_dispatch_on_the_cpu_is_the_dequantized_weight():
 def test_kernel_compiles_for_sm90_in_bf16():
     from tests.unit.kernels.test_lora_compile import _compile
 
-    for (m_block, n_block, k_block), w_type in (((16, 32, 128), "*i8"), ((64, 64, 64), "*i8"),
-                                                ((16, 32, 128), "*fp8e4nv")):
+    for (m_block, n_block, k_block, split_k), w_type in (((16, 32, 128, 1), "*i8"), ((64, 64, 64, 1), "*i8"),
+                                                         ((16, 32, 128, 1), "*fp8e4nv"), ((16, 64, 256, 4), "*i8")):
         for accumulate in (False, True):
             info = _compile("w8a16._w8a16_kernel", {"x_ptr": "*bf16", "w_ptr": w_type, "scale_ptr": "*fp32",
                                                     "bias_ptr": "*bf16", "out_ptr": "*bf16"},
                             dict(BLOCK_M=m_block, BLOCK_N=n_block, BLOCK_K=k_block, HAS_BIAS=True,
-                                 ACCUMULATE=accumulate, DOT_PRECISION="tf32"),
+                                 ACCUMULATE=accumulate, DOT_PRECISION="tf32", SPLIT_K=split_k),
                             runtime_hints=True, num_warps=4, num_stages=3)
             assert info["cubin"]
             assert "cp.async" in info["ptx"]  # the int8 and bf16 tiles are pipelined
