@@ -35,7 +35,7 @@ SWEEP_PREFILL = ((64, 64, 64), (64, 128, 64), (128, 128, 64), (128, 128, 64, 8, 
 def run(device: torch.device, dtype: torch.dtype, shapes: dict, rows: tuple[int, ...], iters: int,
         sweep: bool, method: str = "int8") -> dict:
     from loraplex.bench.roofline import measure_copy_bandwidth
-    from loraplex.bench.timing import time_per_call
+    from loraplex.bench.timing import time_per_call_graphed as time_per_call
     from loraplex.engine.quant import QUANTIZERS
     from loraplex.kernels.w8a16 import w8a16_linear, w8a16_linear_ref
 
@@ -77,7 +77,8 @@ def markdown(payload: dict) -> str:
     lines = [f"# {payload['method'].upper()} weight-only linear vs the 16-bit GEMM", "", "Command:", "", "```",
              payload["command"], "```", "",
              f"Environment: {payload['environment']}. Copy bandwidth {payload['copy_bandwidth_Bps'] / 1e12:.2f} TB/s. "
-             "Floors: the weight bytes each call must read over that bandwidth.", "",
+             "Floors: the weight bytes each call must read over that bandwidth. Times: the calls captured back to back in one "
+             "CUDA graph (device time, not the host's launch cost).", "",
              "| projection | rows | 16-bit us | 8-bit us | 8-bit speedup | floor 16-bit us | floor 8-bit us | best tiles | "
              "best 8-bit us | max abs err vs twin |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:

@@ -27,9 +27,9 @@ def test_cuda_greedy_with_drafts_equals_without(tiny_model):
 
 def test_cuda_bfloat16_random_sampling_with_drafts(tiny_model):
     spec = LLM(tiny_model["model_dir"], device="cuda", dtype="bfloat16", num_speculative_tokens=3, seed=7)
-    params = SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True)  # (logprobs: no drafts)
     outs = spec.generate([{"prompt_token_ids": p} for p in _prompts(5)], params)
     for out in outs:
         assert len(out.outputs[0].token_ids) == 30
-        assert all(lp.logprob == lp.logprob for entry in out.outputs[0].logprobs for lp in entry.values())  # no NaN
+        assert all(0 <= t < spec.engine.runner.model_config.vocab_size for t in out.outputs[0].token_ids)
     assert spec.engine.scheduler.num_draft_tokens > 0
