@@ -87,7 +87,7 @@ if [[ "$what" == *quant* ]]; then
     for variant in ${QUANT_OFFLINE_VARIANTS-none int8 fp8}; do
         flag=(); [[ "$variant" != none ]] && flag=(--quantization "$variant")
         python3 -m loraplex.cli bench offline --out-dir "$out/quant-$variant" --num-requests 1000 --input-len 256 \
-            --output-len 128 --step-batch 64 --popularity base,distinct --repeats 2 "${flag[@]}" \
+            --output-len 128 --step-batch 64 --popularity base,distinct --repeats "${QUANT_REPEATS:-2}" "${flag[@]}" \
             ${smoke[@]+"${smoke[@]}"} > "$out/quant-$variant.log" 2>&1
         echo "offline quantization=$variant: exit $?"
         grep -E "offline [a-z]+: |decode step" "$out/quant-$variant.log" | cut -c1-300

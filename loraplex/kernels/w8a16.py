@@ -9,8 +9,10 @@ The weights are read as 8-bit values (half the bytes of bf16: a decode step, bou
 twice as fast) and converted to the activations' dtype in registers; the scale is applied once per output in the
 epilogue. Grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))``; each program loops over K.
 
-Launch configurations are not tuned on a GPU yet (no H200 measurement of this kernel): decode-sized M takes
-16-row tiles and 32-column tiles so that an 8B model's projections get hundreds of programs.
+Launch configurations (``choose_blocks``) come from an H200 sweep. Measured there: at 1-16 rows (small-batch decode)
+the kernel beats cuBLAS bf16 by 1.05-1.55x; from 64 rows on it is slower (0.4-0.7x): the int8 -> bf16 conversion
+of each weight tile feeding the tensor-core dot costs more than the bytes it saves. INT8/FP8 weights therefore
+buy memory (half the weight bytes: a bigger KV cache), and speed only for small batches.
 """
 
 from __future__ import annotations
@@ -67,14 +69,19 @@ def _w8a16_kernel(
 LAUNCH_DEFAULTS = (4, 3, 1)  # num_warps, num_stages, split_k
 
 
-def choose_blocks(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) from the shapes (host values only): decode-sized M gets 16-row tiles and narrow
-    column tiles (more programs over N); larger M 64 x 64 tiles."""
+def choose_blocks(m: int, n: int, k: int) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, split_k) from the shapes (host values only), as the H200
+    sweep at the Llama-3-8B projections chose them (docs/benchmarks/H200-2026-12-03-run16.md): decode-sized M
+    takes narrow 256-deep tiles with a 4-stage pipeline (split-K for a long K, e.g. down's 14,336); 17-64 rows
+    64-row tiles; more rows 128 x 128 tiles for wide outputs."""
+    long_k, wide = k >= 8192, n >= 16384
     if m <= 16:
-        return 16, 32, 128
+        return (16, 64, 256, 4, 3, 4) if long_k else (16, 64, 256, 4, 3, 1) if wide else (16, 32, 256, 4, 4, 1)
     if m <= 64:
-        return 64, 32, 64
-    return 64, 64, 64
+        return (64, 64, 256, 4, 3, 2) if long_k else (64, 64, 128, 4, 4, 1) if wide else (64, 128, 128, 8, 3, 4)
+    if m <= 256 and not wide:
+        return 64, 64, 64, 4, 3, 1
+    return 128, 128, 64, 8, 3, 1
 
 
 def w8a16_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,

@@ -27,7 +27,7 @@ def test_cuda_greedy_with_drafts_equals_without(tiny_model):
 
 def test_cuda_bfloat16_random_sampling_with_drafts(tiny_model):
     spec = LLM(tiny_model["model_dir"], device="cuda", dtype="bfloat16", num_speculative_tokens=3, seed=7)
-    params = SamplingParams(max_tokens=30, temperature=0.8, seed=3, ignore_eos=True)  # (logprobs: no drafts)
+    params = SamplingParams(max_tokens=30, temperature=0.8, ignore_eos=True)  # (seeds, logprobs: no drafts)
     outs = spec.generate([{"prompt_token_ids": p} for p in _prompts(5)], params)
     for out in outs:
         assert len(out.outputs[0].token_ids) == 30
