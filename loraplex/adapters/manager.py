@@ -56,12 +56,17 @@ class _PendingLoad:
 
 class LoRAManager:
     def __init__(self, hf_config: Any, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None,
-                 device: str | torch.device, dtype: torch.dtype, num_load_workers: int | None = None) -> None:
+                 device: str | torch.device, dtype: torch.dtype, num_load_workers: int | None = None,
+                 tp=None) -> None:
+        """``hf_config``: the model this process runs (under tensor parallelism its rank's shard, with ``tp`` =
+        (``parallel.TPInfo``, the whole model's config): adapters are validated against the whole model and
+        cut to the shard)."""
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
         if max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be >= 1, got {max_lora_rank}")
         self.shapes = BaseShapes.from_config(hf_config)
+        self.tp = None if tp is None else (tp[0], BaseShapes.from_config(tp[1]))
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.device = torch.device(device)
@@ -265,7 +270,7 @@ class LoRAManager:
     def _load_files(self, path: str, adapter_id: int = 0) -> HostAdapter:
         """Read, validate and pack one adapter directory (any thread; touches no shared state)."""
         return load_packed_adapter(adapter_id, path, self.shapes, self.max_lora_rank, dtype=self.dtype,
-                                   pin_memory=self.device.type == "cuda")
+                                   pin_memory=self.device.type == "cuda", tp=self.tp)
 
     # ---- pins --------------------------------------------------------------------------------------
     def acquire(self, adapter_id: int) -> None:

@@ -73,11 +73,22 @@ def host_buffer(size: int, pin_memory: bool) -> torch.Tensor:
 
 
 def load_packed_adapter(adapter_id: int, path, shapes: BaseShapes, max_rank: int, *, dtype: torch.dtype,
-                        pin_memory: bool, **limits) -> PackedAdapter:
+                        pin_memory: bool, tp=None, **limits) -> PackedAdapter:
     """``pack_adapter(load_adapter(...))`` in one pass: the validated tensors are copied (and cast) straight into
     their place in the one buffer, and only the parts the adapter leaves empty are zeroed. Reading an adapter
-    then costs one copy of its weights instead of three."""
-    spec, tensors = read_adapter(path, shapes, max_rank, keep_tensors=True, **limits)
+    then costs one copy of its weights instead of three.
+
+    ``tp``: (``parallel.TPInfo``, the whole model's shapes) under tensor parallelism: the files are validated
+    against the whole model, then each module's pair is cut to this rank's part (``parallel.shard_lora_pair``)
+    and laid out for ``shapes``, the rank's shard."""
+    if tp is None:
+        spec, tensors = read_adapter(path, shapes, max_rank, keep_tensors=True, **limits)
+    else:
+        from loraplex.engine.parallel import shard_lora_pair
+
+        info, whole = tp
+        spec, tensors = read_adapter(path, whole, max_rank, keep_tensors=True, **limits)
+        tensors = {(layer, module): shard_lora_pair(module, a, b, info) for (layer, module), (a, b) in tensors.items()}
     projs = proj_shapes(spec, shapes)
     wanted: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
     for proj, (a_shape, bt_shape) in projs.items():

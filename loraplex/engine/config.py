@@ -103,6 +103,10 @@ class EngineConfig:
     speculative_method: str = "ngram"
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    # tensor parallelism (engine/parallel.py): the model's heads and intermediate size split over this many ranks,
+    # one GPU each (cuda:0 .. cuda:P-1 from the configured device; NCCL), or CPU processes (gloo); rank 0 is this
+    # process, the others are worker processes the engine starts and stops (LLMEngine.shutdown)
+    tensor_parallel_size: int = 1
     model_id: str | None = None  # served name; default the model directory's name
 
     def __post_init__(self) -> None:
@@ -141,6 +145,8 @@ class EngineConfig:
                                  f"{self.quantization!r}")
             if self.merge_single_lora:
                 raise ValueError("merge_single_lora cannot fold an adapter into quantized weights: turn one off")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.num_speculative_tokens:

@@ -77,19 +77,24 @@ class LLMEngine:
         from loraplex.engine.model_runner import ModelRunner
 
         self.config = config
-        self.runner = ModelRunner(config)
-        mc = self.runner.model_config
-        limit = min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
-        if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {limit}")
-        config.resolve(limit)
-        if config.enable_lora:
-            # the GPU slot pool is allocated eagerly: it must exist before the KV cache takes "free" memory
-            self.runner.get_lora_manager()
-        num_blocks = self.runner.plan_num_blocks()
-        self.runner.allocate_kv_cache(num_blocks)
-        self.runner.capture_cuda_graphs()  # CUDA only (and not with enforce_eager)
-        self._warmup()
+        self.tp_driver = None  # tensor parallelism: the worker ranks (engine/parallel.py)
+        if config.tensor_parallel_size > 1:
+            from loraplex.engine import parallel
+
+            parallel.check_shardable(json.loads((Path(config.model) / "config.json").read_text()),
+                                     config.tensor_parallel_size)
+            self.tp_driver = parallel.Driver(config)
+        try:
+            self.runner = ModelRunner(config)
+            limit = self.runner.max_len_limit()
+            if config.max_model_len is not None and config.max_model_len > limit:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's limit {limit}")
+            config.resolve(limit)
+            num_blocks = self.runner.start_up()
+        except BaseException:
+            if self.tp_driver is not None:
+                self.tp_driver.abort()
+            raise
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, adapters=self.runner.lora_manager)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
@@ -114,22 +119,12 @@ class LLMEngine:
             self.async_scheduling = env != "0" if env is not None else (
                 self.runner.device.type == "cuda" and not config.num_speculative_tokens)
         self._inflight: tuple[SchedulerOutput, PendingSample] | None = None  # a step left running
+        if self.tp_driver is not None:
+            self.tp_driver.start(self.async_scheduling)
         self.num_overlapped_steps = 0
         log.info("engine ready: %s on %s (%s), %d KV blocks of %d tokens (%s, %.2f GB), max_model_len %d",
                  config.model, config.device, self.runner.dtype, num_blocks, config.block_size, self.runner.kv_dtype,
                  num_blocks * self.runner.bytes_per_block() / 1e9, config.max_model_len)
-
-    def _warmup(self) -> None:
-        """Compile the eager path's kernels at start-up (CUDA): an optimization, so a failure is logged and
-        serving starts anyway (the first requests then pay the compiles)."""
-        started = time.perf_counter()
-        try:
-            runs = self.runner.warmup_eager()
-        except Exception as exc:  # noqa: BLE001
-            log.warning("start-up warm-up of the eager path failed (%s); kernels compile on first use", exc)
-            return
-        if runs:
-            log.info("warmed up the eager path (%d forward passes) in %.1f s", runs, time.perf_counter() - started)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -203,6 +198,13 @@ class LLMEngine:
             return
         self._sync_adapter_pins()  # requests that finished since the last step no longer hold the adapter
         manager.remove_adapter(adapter_id)
+        if self.tp_driver is not None:
+            self.tp_driver.remove_adapter(adapter_id)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (nothing to do for one process); the engine takes no steps after."""
+        if self.tp_driver is not None:
+            self.tp_driver.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending) or self._inflight is not None
@@ -230,6 +232,8 @@ class LLMEngine:
             self.num_prompt_steps += out.has_prompt_chunks
         if self.runner.lora_manager is not None:
             self._pin_running_adapters()
+        if self.tp_driver is not None:
+            self.tp_driver.step(out, prev is not None)  # the workers launch the same step on their shards
         pending = self.runner.launch(out, prev[1] if prev is not None else None)
         num_new = 0
         if prev is not None:

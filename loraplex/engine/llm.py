@@ -58,6 +58,16 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); a no-op for a single-process engine."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  use_tqdm: bool = False, priority: Sequence[int] | None = None) -> list[RequestOutput]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loraplex.engine import parallel
 from loraplex.engine.attention import AttentionMetadata, get_attention_backend
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.cuda_graphs import DecodeGraphRunner
@@ -46,11 +47,18 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = torch.device(config.device)
-        self.hf_config = json.loads((Path(config.model) / "config.json").read_text())
+        # the whole model's config; under tensor parallelism (engine/parallel.py) this rank runs its shard
+        self.whole_hf_config = json.loads((Path(config.model) / "config.json").read_text())
+        self.tp = parallel.current() if config.tensor_parallel_size > 1 else None
+        if config.tensor_parallel_size > 1 and self.tp is None:
+            raise RuntimeError("tensor_parallel_size > 1 needs the process group (LLMEngine starts it)")
+        self.hf_config = parallel.local_hf_config(self.whole_hf_config, config.tensor_parallel_size)
         self.model_config = LlamaConfig.from_hf(self.hf_config)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
-        self.model = LlamaForCausalLM(self.model_config, self.device, self.dtype)
-        load_weights(self.model, config.model)
+        self.model = LlamaForCausalLM(self.model_config, self.device, self.dtype,
+                                      reduce=parallel.all_reduce_ if self.tp is not None else None)
+        load_weights(self.model, config.model,
+                     shard=(lambda name, t: parallel.shard_checkpoint_tensor(name, t, self.tp)) if self.tp else None)
         self.weight_bytes_freed = 0
         if config.quantization:
             from loraplex.engine.quant import quantize_model_
@@ -70,6 +78,46 @@ class ModelRunner:
         self.graphs: DecodeGraphRunner | None = None  # CUDA graphs of pure-decode steps (None: eager)
         # CUDA graphs of the other steps up to piecewise_graph_max_tokens tokens, captured around attention
         self.piecewise: PiecewiseGraphRunner | None = None
+
+    def max_len_limit(self) -> int:
+        """The longest sequence the model allows (its position embeddings, or its sliding window)."""
+        mc = self.model_config
+        return min(mc.max_position_embeddings, mc.sliding_window or mc.max_position_embeddings)
+
+    def start_up(self) -> int:
+        """After ``config.resolve``: the LoRA slot pool (before the KV cache takes "free" memory), the KV cache
+        (under tensor parallelism the smallest size any rank can hold), the CUDA graphs and the eager warm-up.
+        Every rank runs this same sequence (its collectives must match). Returns the number of KV blocks."""
+        if self.config.enable_lora:
+            self.get_lora_manager()
+        num_blocks = self.plan_num_blocks()
+        if self.tp is not None:
+            num_blocks = parallel.agree_min(num_blocks)
+        self.allocate_kv_cache(num_blocks)
+        self.capture_cuda_graphs()  # CUDA only (and not with enforce_eager)
+        started = time.perf_counter()
+        try:
+            runs = self.warmup_eager()
+        except Exception as exc:  # noqa: BLE001 - an optimization: the first requests then pay the compiles
+            if self.tp is not None:
+                raise  # the other ranks ran their passes: going on would pair mismatched collectives
+            log.warning("start-up warm-up of the eager path failed (%s); kernels compile on first use", exc)
+            return num_blocks
+        if runs:
+            log.info("warmed up the eager path (%d forward passes) in %.1f s", runs, time.perf_counter() - started)
+        return num_blocks
+
+    def register_step_adapters(self, out: SchedulerOutput) -> None:
+        """A tensor-parallel worker learns each adapter from the first step that uses it (rank 0's scheduler
+        admitted it after its own read): read (and cut to this rank's shard) now, before the step needs its slot."""
+        manager = self.get_lora_manager()
+        seen: set[int] = set()
+        for s in out.scheduled:
+            lora = s.request.lora_request
+            if lora is not None and lora.lora_int_id not in seen:
+                seen.add(lora.lora_int_id)
+                if not manager.is_ready(lora.lora_int_id):
+                    manager.validate_and_prefetch(lora)
 
     # ---- KV cache ------------------------------------------------------------------------------
     @property
@@ -230,7 +278,8 @@ class ModelRunner:
             self.lora_manager = LoRAManager(
                 self.hf_config, max_loras=self.config.max_loras, max_lora_rank=self.config.max_lora_rank,
                 max_cpu_loras=self.config.max_cpu_loras, device=self.device, dtype=self.dtype,
-                num_load_workers=self.config.lora_load_workers)
+                num_load_workers=self.config.lora_load_workers,
+                tp=(self.tp, self.whole_hf_config) if self.tp is not None else None)
             self.lora_manager.fuse_silu_mul = self.config.fuse_lora_silu_mul
             self.lora_manager.overlap_shrink = self.config.lora_overlap_shrink
             self.lora_manager.expand_first_min_tokens = self.config.lora_expand_first_min_tokens

@@ -32,8 +32,9 @@ def iter_tensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model, model_dir: str | Path) -> None:
-    """Copy every checkpoint tensor into the model's (possibly fused) parameters; fail on gaps."""
+def load_weights(model, model_dir: str | Path, shard=None) -> None:
+    """Copy every checkpoint tensor into the model's (possibly fused) parameters; fail on gaps. ``shard``:
+    ``(name, tensor) -> tensor``, the part this process keeps (tensor parallelism: ``parallel.shard_checkpoint_tensor``)."""
     expected = {id(p): name for name, p in model.named_parameters()}
     filled: dict[int, int] = {}  # parameter -> rows written
     for name, tensor in iter_tensors(model_dir):
@@ -42,6 +43,8 @@ def load_weights(model, model_dir: str | Path) -> None:
             if "rotary_emb" not in name and name != "lm_head.weight":
                 log.debug("ignoring checkpoint tensor %s", name)
             continue
+        if shard is not None:
+            tensor = shard(name, tensor)
         with torch.no_grad():
             if offset is None:
                 if param.shape != tensor.shape:

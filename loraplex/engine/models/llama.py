@@ -161,9 +161,11 @@ def _linear(lora, layer: int, proj: str, x, weight, bias):
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, idx: int, device, dtype):
+    def __init__(self, cfg: LlamaConfig, idx: int, device, dtype, reduce=None):
         super().__init__()
         self.idx = idx
+        # tensor parallelism (engine/parallel.py): o and down are row-parallel, their partial sums all-reduced
+        self.reduce = reduce
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
@@ -203,6 +205,8 @@ class LlamaLayer(nn.Module):
     def post_attention(self, o, residual, lora, ops: _Ops):
         """The layer after attention (``o`` [T, Hq * D]): o-projection, norm, MLP. Returns (MLP output, residual)."""
         out = _linear(lora, self.idx, "o", o, self.o_weight, self.o_bias)
+        if self.reduce is not None:
+            self.reduce(out)
         norm = self.post_attention_layernorm
         x, residual = ops.add_rms_norm(out, residual, norm.weight, norm.eps)
         if lora is not None and lora.fuses_silu_mul:  # gate|up's delta added inside SiLU-and-multiply
@@ -211,15 +215,19 @@ class LlamaLayer(nn.Module):
             gate_up = _linear(lora, self.idx, "gate_up", x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
             act = ops.silu_mul(gate_up)
         down = _linear(lora, self.idx, "down", act, self.down_weight, self.down_bias)
+        if self.reduce is not None:
+            self.reduce(down)
         return down, residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, device, dtype, fused_ops: bool | None = None):
+    def __init__(self, cfg: LlamaConfig, device, dtype, fused_ops: bool | None = None, reduce=None):
+        """``cfg``: the whole model, or under tensor parallelism one rank's shard (``parallel.local_hf_config``)
+        with ``reduce`` the in-place all-reduce of the row-parallel projections' partial sums."""
         super().__init__()
         self.config = cfg
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
-        self.layers = nn.ModuleList(LlamaLayer(cfg, i, device, dtype) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaLayer(cfg, i, device, dtype, reduce) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, device=device,
                                                                    dtype=dtype)

@@ -1,0 +1,292 @@
+"""Tensor parallelism (Megatron-style) over ``torch.distributed``: NCCL between GPUs, gloo on the CPU.
+
+Layout, for ``tensor_parallel_size`` = P and rank r (every rank holds 1/P of each layer's projections):
+- q|k|v and gate|up are column-parallel: rank r keeps its heads' rows of q, k, v (``num_attention_heads`` /
+  P query heads, ``num_key_value_heads`` / P KV heads) and its 1/P of gate's and up's rows; its KV cache holds
+  only its KV heads, and attention runs on its heads alone.
+- o and down are row-parallel: rank r keeps the input columns that match its heads (o) or its share of the
+  intermediate size (down), computes a partial sum, and one all-reduce per projection (two per layer) gives
+  every rank the full output. Their biases live on rank 0 only (the others hold zeros), so the sum adds them once.
+- Embeddings, norms and the LM head are replicated: every rank computes the same logits and samples the same
+  tokens (same seeds, and an all-reduce returns identical bytes on every rank), so no token is broadcast.
+- LoRA (as S-LoRA and vLLM shard it): a column-parallel slice keeps the whole ``lora_A`` and its rows of
+  ``lora_B``; a row-parallel slice keeps its columns of ``lora_A`` and the whole ``lora_B``. The expand of a
+  row-parallel slice adds ``(x_r A_r) B`` into rank r's partial output, and the projection's all-reduce sums
+  them to ``(x A) B``: no collective beyond the base model's two.
+
+Processes: rank 0 is the engine (scheduler, tokenizer, API); ranks 1..P-1 are worker processes it starts
+(``multiprocessing`` spawn) that build the same ``ModelRunner`` on their shard and then execute, in the same
+order, every step rank 0 executes. Each step rank 0 broadcasts the step (the ``SchedulerOutput``, its requests
+without their detokenizer and outputs) over a gloo group before it launches the step itself; adapter
+removals travel the same way. Start-up runs the same collective sequence on every rank (the KV cache size is
+the minimum over ranks; warm-up passes and CUDA-graph captures run on every rank).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# the row-parallel projections: partial sums, one all-reduce each
+ROW_PARALLEL_MODULES = ("o_proj", "down_proj")
+WORKER_START_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class TPInfo:
+    rank: int
+    size: int
+
+    @property
+    def is_driver(self) -> bool:
+        return self.rank == 0
+
+
+_STATE: dict[str, Any] = {}  # "info": TPInfo, "cpu_group": the gloo group of control messages
+
+
+def current() -> TPInfo | None:
+    return _STATE.get("info")
+
+
+def all_reduce_(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a row-parallel projection's partial output over the ranks, in place (device group)."""
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def check_shardable(hf_config: dict, size: int) -> None:
+    """Raise ValueError unless the model's heads and intermediate size split evenly over ``size`` ranks."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    inter = hf_config["intermediate_size"]
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
+                        ("intermediate_size", inter)):
+        if value % size:
+            raise ValueError(f"tensor_parallel_size {size} must divide the model's {name} ({value})")
+
+
+def local_hf_config(hf_config: dict, size: int) -> dict:
+    """The config of one rank's shard: 1/size of the heads, KV heads and intermediate size; head_dim kept."""
+    check_shardable(hf_config, size)
+    if size == 1:
+        return hf_config
+    heads = hf_config["num_attention_heads"]
+    local = dict(hf_config)
+    local["head_dim"] = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
+    local["num_attention_heads"] = heads // size
+    local["num_key_value_heads"] = (hf_config.get("num_key_value_heads") or heads) // size
+    local["intermediate_size"] = hf_config["intermediate_size"] // size
+    return local
+
+
+def _part(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    n = tensor.shape[dim] // size
+    return tensor.narrow(dim, rank * n, n)
+
+
+def shard_checkpoint_tensor(name: str, tensor: torch.Tensor, info: TPInfo) -> torch.Tensor:
+    """One rank's part of a Hugging Face checkpoint tensor (replicated tensors are returned whole)."""
+    if info.size == 1 or ".layers." not in name:
+        return tensor  # embeddings, final norm, LM head
+    column = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")
+    if any(c in name for c in column):
+        return _part(tensor, 0, info.rank, info.size)  # output rows (weight and bias)
+    if ".o_proj." in name or ".down_proj." in name:
+        if name.endswith(".bias"):
+            return tensor if info.rank == 0 else torch.zeros_like(tensor)  # added once by the all-reduce
+        return _part(tensor, 1, info.rank, info.size)  # input columns
+    return tensor  # layer norms
+
+
+def shard_lora_pair(module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, info: TPInfo):
+    """One rank's (lora_A [r, in], lora_B [out, r]) of a PEFT module (see the module doc)."""
+    if info.size == 1:
+        return lora_a, lora_b
+    if module in ROW_PARALLEL_MODULES:
+        return _part(lora_a, 1, info.rank, info.size), lora_b
+    return lora_a, _part(lora_b, 0, info.rank, info.size)
+
+
+# ---- processes ---------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_group(rank: int, size: int, device: torch.device, port: int) -> TPInfo:
+    """Join the process group (NCCL on CUDA, gloo on the CPU) and make the gloo group of control messages."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    from datetime import timedelta
+
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=WORKER_START_TIMEOUT_S),
+                            **({"device_id": device} if device.type == "cuda" else {}))
+    _STATE["cpu_group"] = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    _STATE["info"] = info = TPInfo(rank, size)
+    return info
+
+
+def rank_device(device: str, rank: int) -> str:
+    """Rank r's device: ``cuda:r`` (offset by the driver's index when it names one); the CPU for every rank."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return "cpu"
+    base = dev.index or 0
+    if base + rank >= torch.cuda.device_count():
+        raise ValueError(f"tensor parallelism over {rank + 1}+ ranks from {device} needs GPU {base + rank}; this "
+                         f"process sees {torch.cuda.device_count()}")
+    return f"cuda:{base + rank}"
+
+
+def agree_min(value: int) -> int:
+    """The smallest ``value`` over the ranks (every rank calls it at the same point)."""
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_STATE["cpu_group"])
+    return int(t.item())
+
+
+def _worker_view(out):
+    """The step as a worker needs it: each request without its detokenizer and its output records (the
+    runner reads tokens, positions, blocks, adapter and sampling parameters)."""
+    seen: dict[int, Any] = {}
+
+    def light(req):
+        view = seen.get(id(req))
+        if view is None:
+            view = copy.copy(req)
+            view.detokenizer = None
+            view.logprobs = []
+            view.prompt_logprobs = [None] * len(req.prompt_logprobs)
+            seen[id(req)] = view
+        return view
+
+    slim = copy.copy(out)
+    slim.scheduled = [copy.copy(s) for s in out.scheduled]
+    for s in slim.scheduled:
+        s.request = light(s.request)
+    slim.preempted = [light(r) for r in out.preempted]
+    return slim
+
+
+class Driver:
+    """Rank 0's side: starts the workers, broadcasts each step and control message, stops them."""
+
+    def __init__(self, config) -> None:
+        import multiprocessing as mp
+
+        self.size = config.tensor_parallel_size
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self.procs = [ctx.Process(target=worker_main, args=(config, rank, port), daemon=True,
+                                  name=f"loraplex-tp{rank}") for rank in range(1, self.size)]
+        for p in self.procs:
+            p.start()
+        try:
+            self.info = init_group(0, self.size, torch.device(rank_device(config.device, 0)), port)
+        except BaseException:
+            for p in self.procs:
+                p.terminate()
+            raise
+        self.closed = False
+
+    def _send(self, message) -> None:
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=_STATE["cpu_group"])
+
+    def start(self, async_scheduling: bool) -> None:
+        """After rank 0's start-up: whether steps overlap (the workers keep the same step in flight)."""
+        self._send(("start", async_scheduling))
+
+    def step(self, out, has_prev: bool) -> None:
+        self._send(("step", _worker_view(out), has_prev))
+
+    def remove_adapter(self, adapter_id: int) -> None:
+        self._send(("remove_adapter", adapter_id))
+
+    def abort(self) -> None:
+        """Rank 0 failed to start: the workers may wait in a collective that will never come; end them."""
+        self.closed = True
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+            p.join(timeout=10)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _STATE.clear()
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self._send(("stop",))
+        except Exception:  # noqa: BLE001 - a worker that died already: join what is left
+            log.exception("tensor parallel: the stop message did not reach every worker")
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        _STATE.clear()
+
+
+def worker_main(config, rank: int, port: int) -> None:
+    """A worker rank: the same runner on its shard, then every step rank 0 broadcasts, until "stop"."""
+    import dataclasses
+
+    logging.basicConfig(level=os.environ.get("LORAPLEX_LOG_LEVEL", "WARNING"))
+    config = dataclasses.replace(config, device=rank_device(config.device, rank))
+    init_group(rank, config.tensor_parallel_size, torch.device(config.device), port)
+    from loraplex.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(config)
+    config.resolve(runner.max_len_limit())
+    runner.start_up()
+    async_scheduling = bool(_receive()[1])  # the driver's decision, after its own start-up
+    prev = None
+    while True:
+        message = _receive()
+        kind = message[0]
+        if kind == "stop":
+            break
+        if kind == "remove_adapter":
+            if runner.lora_manager is not None:
+                runner.lora_manager.remove_adapter(message[1])
+                runner.lora_manager.take_dropped()  # (rank 0's prefix cache is the one that forgets)
+            continue
+        _, out, has_prev = message
+        if runner.lora_manager is not None:
+            runner.register_step_adapters(out)
+        pending = runner.launch(out, prev if has_prev else None)
+        if prev is not None:
+            prev.result()
+        prev = None
+        if async_scheduling and pending.is_async:
+            prev = pending
+        else:
+            pending.result()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _receive():
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=_STATE["cpu_group"])
+    return box[0]
+

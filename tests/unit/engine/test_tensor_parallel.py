@@ -1,0 +1,93 @@
+"""Tensor parallelism on the CPU (gloo, two processes): the shard functions put every weight and adapter
+tensor in exactly one place, and the engine over two ranks gives the single-process engine's greedy tokens (with
+adapters of mixed ranks and targets, a removal, preemption) and close logprobs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.engine import parallel
+from loraplex.engine.parallel import TPInfo, local_hf_config, shard_checkpoint_tensor, shard_lora_pair
+from loraplex.engine.weights import iter_tensors
+from tests.conftest import adapter_dir
+
+
+def _joined(name: str, tensor: torch.Tensor, size: int) -> torch.Tensor:
+    """The shards of every rank put back together the way the model sums or concatenates them."""
+    parts = [shard_checkpoint_tensor(name, tensor, TPInfo(r, size)) for r in range(size)]
+    if ".o_proj.bias" in name or ".down_proj.bias" in name:
+        return sum(parts)  # rank 0 holds the bias, the all-reduce adds it once
+    if ".o_proj." in name or ".down_proj." in name:
+        return torch.cat(parts, dim=1)
+    if ".layers." in name and any(m in name for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+        return torch.cat(parts, dim=0)
+    assert all(p is tensor for p in parts)  # replicated
+    return tensor
+
+
+def test_checkpoint_shards_rebuild_every_tensor(tiny_model):
+    for name, tensor in iter_tensors(tiny_model["model_dir"]):
+        assert torch.equal(_joined(name, tensor, 2), tensor), name
+
+
+def test_lora_shards_sum_to_the_whole_delta():
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 32, generator=gen)
+    for module in ("q_proj", "o_proj", "down_proj", "up_proj"):
+        a, b = torch.randn(8, 32, generator=gen), torch.randn(48, 8, generator=gen)
+        whole = x @ a.t() @ b.t()
+        pieces = [shard_lora_pair(module, a, b, TPInfo(r, 2)) for r in range(2)]
+        if module in parallel.ROW_PARALLEL_MODULES:  # each rank's input columns, summed by the all-reduce
+            got = sum(x[:, r * 16:(r + 1) * 16] @ pa.t() @ pb.t() for r, (pa, pb) in enumerate(pieces))
+        else:  # each rank's output rows, side by side
+            got = torch.cat([x @ pa.t() @ pb.t() for pa, pb in pieces], dim=1)
+        torch.testing.assert_close(got, whole)
+
+
+def test_local_config_and_limits(tiny_model):
+    cfg = json.loads((Path(tiny_model["model_dir"]) / "config.json").read_text())
+    local = local_hf_config(cfg, 2)
+    assert local["num_attention_heads"] == cfg["num_attention_heads"] // 2
+    assert local["num_key_value_heads"] == cfg["num_key_value_heads"] // 2
+    assert local["intermediate_size"] == cfg["intermediate_size"] // 2
+    assert local["head_dim"] == cfg["hidden_size"] // cfg["num_attention_heads"]
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 must divide the model's num_attention_heads"):
+        LLM(tiny_model["model_dir"], tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
+        LLM(tiny_model["model_dir"], tensor_parallel_size=0)
+
+
+def _prompts():
+    return [[1] + list(range(10 + 7 * i, 10 + 7 * i + n)) for i, n in enumerate((3, 30, 17, 60, 9))]
+
+
+def test_two_ranks_equal_one(tiny_model):
+    kw = dict(dtype="float32", enable_lora=True, max_loras=2, max_num_batched_tokens=48, seed=3, num_kv_blocks=8,
+              max_model_len=96)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True, logprobs=1)
+    loras = [None, LoRARequest("a0", 1, adapter_dir(tiny_model, 0)), LoRARequest("a3", 4, adapter_dir(tiny_model, 3)),
+             LoRARequest("a5", 6, adapter_dir(tiny_model, 5)), LoRARequest("a0", 1, adapter_dir(tiny_model, 0))]
+    one = LLM(tiny_model["model_dir"], **kw)
+    want = one.generate(prompts, params, lora_request=loras)
+    with LLM(tiny_model["model_dir"], tensor_parallel_size=2, **kw) as two:
+        assert two.engine.runner.model_config.num_heads == one.engine.runner.model_config.num_heads // 2
+        got = two.generate(prompts, params, lora_request=loras)
+        assert two.engine.counters["num_preemptions"] > 0  # 8 blocks of 16 tokens: the tight cache preempts
+        for w, g in zip(want, got):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+                tok = next(iter(lw))
+                assert abs(lw[tok].logprob - lg[tok].logprob) < 1e-4
+        # an adapter removed, then registered again under the same id with other weights: both ranks follow
+        two.engine.remove_adapter(1)
+        swapped = [LoRARequest("a0", 1, adapter_dir(tiny_model, 2))]
+        again = two.generate(prompts[:1], params, lora_request=swapped)
+        ref = one.generate(prompts[:1], params, lora_request=[LoRARequest("a2", 3, adapter_dir(tiny_model, 2))])
+        assert again[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert not any(p.is_alive() for p in two.engine.tp_driver.procs)
