@@ -77,6 +77,7 @@ class Settings:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     num_kv_blocks: int | None = None  # None = sized from free memory
+    tensor_parallel_size: int = 1  # ranks the model is split over (EngineConfig.tensor_parallel_size; one GPU each)
     gpu_memory_utilization: float = 0.85
     # platform limits
     max_concurrent_requests: int = 512  # global admission cap -> 503

@@ -194,6 +194,10 @@ class AsyncEngine:
         with self._lock:
             self._dead = reason
             self._fail_everything(reason)
+        try:  # tensor-parallel workers stop with the loop that sent them steps (a no-op for one process)
+            self.engine.shutdown()
+        except Exception:  # noqa: BLE001
+            log.exception("stopping the engine's worker processes failed")
 
     def _loop_stats(self) -> EngineStats:
         stats = self.engine.get_stats()  # a fresh object each call: filled in here, not copied

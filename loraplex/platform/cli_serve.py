@@ -67,6 +67,9 @@ def register(subparsers) -> None:
     p.add_argument("--num-speculative-tokens", type=int,
                    help="speculative decoding: up to this many prompt-lookup draft tokens per sequence and step, "
                         "verified in the same step (env LORAPLEX_NUM_SPECULATIVE_TOKENS, default 0: off)")
+    p.add_argument("--tensor-parallel-size", type=int,
+                   help="split the model over this many GPUs (cuda:0..N-1; NCCL) or CPU processes "
+                        "(env LORAPLEX_TENSOR_PARALLEL_SIZE, default 1)")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (env LORAPLEX_NUM_KV_BLOCKS, default: sized "
                    "from free memory)")
     p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight requests "
@@ -85,6 +88,7 @@ def serve(args: argparse.Namespace) -> int:
         merge_single_lora=args.merge_single_lora, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=args.num_kv_blocks, drain_timeout_s=args.drain_timeout_s,
         num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
 
     check_serve_settings(settings)
@@ -121,7 +125,7 @@ MAX_DRAIN_TIMEOUT_S = 86400.0
 MAX_SPECULATIVE_TOKENS = 16  # drafts beyond this are almost never all accepted, and each costs a token of compute
 # the least each count may be (the engine's own checks, made before anything starts)
 _COUNTS = {"max_loras": 1, "max_lora_rank": 1, "max_cpu_loras": 1, "max_num_seqs": 1, "max_model_len": 2,
-           "num_kv_blocks": 1}
+           "num_kv_blocks": 1, "tensor_parallel_size": 1}
 
 
 def _flag(field: str) -> str:

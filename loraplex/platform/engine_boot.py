@@ -49,7 +49,7 @@ def engine_config(settings: Settings, model_dir: Path, model_id: str):
     return EngineConfig(
         model=str(model_dir), model_id=model_id, device=device, dtype=settings.dtype,
         block_size=settings.block_size, num_kv_blocks=settings.num_kv_blocks, kv_cache_dtype=settings.kv_cache_dtype,
-        quantization=settings.quantization or None,
+        quantization=settings.quantization or None, tensor_parallel_size=settings.tensor_parallel_size,
         num_speculative_tokens=settings.num_speculative_tokens, prompt_lookup_min=settings.prompt_lookup_min,
         prompt_lookup_max=settings.prompt_lookup_max,
         gpu_memory_utilization=settings.gpu_memory_utilization, max_num_seqs=settings.max_num_seqs,

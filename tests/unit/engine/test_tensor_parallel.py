@@ -91,3 +91,34 @@ def test_two_ranks_equal_one(tiny_model):
         ref = one.generate(prompts[:1], params, lora_request=[LoRARequest("a2", 3, adapter_dir(tiny_model, 2))])
         assert again[0].outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert not any(p.is_alive() for p in two.engine.tp_driver.procs)
+
+
+async def test_server_engine_over_two_ranks_streams_and_stops_its_workers(tiny_model):
+    """The server's engine (AsyncEngine) over two ranks: streams the offline API's tokens, and its shutdown
+    stops the worker process."""
+    from loraplex.engine.async_engine import AsyncEngine
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.protocol import EngineRequest
+
+    eng = AsyncEngine.from_config(EngineConfig(model=tiny_model["model_dir"], dtype="float32", tensor_parallel_size=2))
+    procs = eng.engine.tp_driver.procs
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    try:
+        streams = [[d async for d in eng.generate(EngineRequest(f"r{i}", p, params))]
+                   for i, p in enumerate(_prompts()[:2])]
+    finally:
+        await eng.shutdown()
+    assert not any(p.is_alive() for p in procs)
+    offline = LLM(tiny_model["model_dir"], dtype="float32").generate([{"prompt_token_ids": p} for p in _prompts()[:2]],
+                                                                      params)
+    for deltas, want in zip(streams, offline):
+        assert sum((d.token_ids for d in deltas), []) == want.outputs[0].token_ids
+
+
+def test_serve_checks_the_flag():
+    from loraplex.platform.cli import FlagError
+    from loraplex.platform.cli_serve import check_serve_settings
+    from loraplex.settings import Settings
+
+    with pytest.raises(FlagError, match="--tensor-parallel-size / LORAPLEX_TENSOR_PARALLEL_SIZE"):
+        check_serve_settings(Settings(tensor_parallel_size=0))
