@@ -122,3 +122,29 @@ def test_serve_checks_the_flag():
 
     with pytest.raises(FlagError, match="--tensor-parallel-size / LORAPLEX_TENSOR_PARALLEL_SIZE"):
         check_serve_settings(Settings(tensor_parallel_size=0))
+
+
+def test_two_ranks_with_drafts_and_int8_weights(tiny_model):
+    """Speculative decoding over two ranks: the verify steps (several tokens per sequence) give the one-process
+    engine's greedy tokens. INT8 weights over two ranks: the row-parallel shards take their own row scales (each
+    rank's columns), so tokens may differ from one process by rounding; the run completes and its logprobs stay
+    close to the unquantized engine's."""
+    from tests.unit.engine.test_spec_decode import _prompts as spec_prompts
+
+    kw = dict(dtype="float32", max_num_batched_tokens=64, seed=2)
+    prompts = [{"prompt_token_ids": p} for p in spec_prompts(4)]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_model["model_dir"], **kw).generate(prompts, params)]
+    with LLM(tiny_model["model_dir"], tensor_parallel_size=2, num_speculative_tokens=3, prompt_lookup_min=1,
+             **kw) as two:
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params)]
+        assert got == want
+        sched = two.engine.scheduler
+        assert 0 < sched.num_accepted_tokens < sched.num_draft_tokens
+    first = SamplingParams(max_tokens=1, temperature=0, logprobs=1)
+    plain = LLM(tiny_model["model_dir"], **kw).generate(prompts, first)
+    with LLM(tiny_model["model_dir"], tensor_parallel_size=2, quantization="int8", **kw) as two:
+        quant = two.generate(prompts, first)
+    for p, q in zip(plain, quant):  # the greedy token's logprob (the first entry: the sampled token's)
+        assert abs(next(iter(p.outputs[0].logprobs[0].values())).logprob
+                   - next(iter(q.outputs[0].logprobs[0].values())).logprob) < 0.05
