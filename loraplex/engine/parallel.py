@@ -16,9 +16,9 @@ Layout, for ``tensor_parallel_size`` = P and rank r (every rank holds 1/P of eac
 
 Processes: rank 0 is the engine (scheduler, tokenizer, API); ranks 1..P-1 are worker processes it starts
 (``multiprocessing`` spawn) that build the same ``ModelRunner`` on their shard and then execute, in the same
-order, every step rank 0 executes. Each step rank 0 broadcasts the step (the ``SchedulerOutput``, its requests
-without their detokenizer and outputs) over a gloo group before it launches the step itself; adapter
-removals travel the same way. Start-up runs the same collective sequence on every rank (the KV cache size is
+order, every step rank 0 executes. Each step rank 0 broadcasts the step over a gloo group before it launches
+the step itself: workers mirror the requests (``StepSender`` / ``StepReceiver``: a request travels whole once,
+then only what changed); adapter removals travel the same way. Start-up runs the same collective sequence on every rank (the KV cache size is
 the minimum over ranks; warm-up passes and CUDA-graph captures run on every rank).
 """
 
@@ -160,27 +160,108 @@ def agree_min(value: int) -> int:
     return int(t.item())
 
 
-def _worker_view(out):
-    """The step as a worker needs it: each request without its detokenizer and its output records (the
-    runner reads tokens, positions, blocks, adapter and sampling parameters)."""
-    seen: dict[int, Any] = {}
+def _trailing_placeholders(tokens: list[int]) -> int:
+    n = 0
+    while n < len(tokens) and tokens[-1 - n] < 0:  # PLACEHOLDER_TOKEN: a token still being sampled on the device
+        n += 1
+    return n
 
-    def light(req):
-        view = seen.get(id(req))
-        if view is None:
-            view = copy.copy(req)
-            view.detokenizer = None
-            view.logprobs = []
-            view.prompt_logprobs = [None] * len(req.prompt_logprobs)
-            seen[id(req)] = view
-        return view
 
-    slim = copy.copy(out)
-    slim.scheduled = [copy.copy(s) for s in out.scheduled]
-    for s in slim.scheduled:
-        s.request = light(s.request)
-    slim.preempted = [light(r) for r in out.preempted]
-    return slim
+class StepSender:
+    """Rank 0's side of the step messages. A worker keeps a mirror of each request (``StepReceiver``): a request
+    travels whole once, the first time it is scheduled (without its detokenizer and output records); after that
+    a step carries, per scheduled request, its computed length, the tokens from the first one not yet sent as
+    final (a trailing placeholder is sent again until its real token is known), its block ids when they changed
+    (the new ones when the list grew, else the whole list) and the step's sizes; and the status of every mirrored request whose status changed (finished ones are then forgotten)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, list] = {}  # seq_id -> [request, tokens sent as final, status last sent]
+
+    def message(self, out) -> tuple:
+        new, updates, steps = [], [], []
+        sent = self._sent
+        for sched in out.scheduled:
+            req = sched.request
+            state = sent.get(req.seq_id)
+            tokens = req.token_ids
+            if state is None:
+                view = copy.copy(req)
+                view.detokenizer = None
+                view.logprobs = []
+                view.token_ids = list(tokens)
+                view.block_ids = list(req.block_ids)
+                view.prompt_logprobs = [None] * len(req.prompt_logprobs)
+                new.append(view)
+                state = sent[req.seq_id] = [req, 0, req.status, view.block_ids]
+                start, tail, blocks = len(tokens), [], None
+            else:
+                start = state[1]
+                tail = tokens[start:]
+                blocks, saved = None, state[3]
+                current = req.block_ids
+                if current != saved:  # appended (new blocks only), else trimmed or replaced (the whole list)
+                    n = len(saved)
+                    blocks = (n, current[n:]) if len(current) > n and current[:n] == saved else (0, list(current))
+                    state[3] = list(current)
+            state[1] = len(tokens) - _trailing_placeholders(tokens)
+            state[2] = req.status
+            num_prompt_logprobs = len(req.prompt_logprobs) if req.sampling_params.prompt_logprobs is not None else -1
+            updates.append((req.seq_id, req.num_computed_tokens, start, tail, blocks, num_prompt_logprobs))
+            steps.append((req.seq_id, sched.num_new_tokens, sched.num_samples, sched.draft_token_ids))
+        changed = []
+        for seq_id, state in list(sent.items()):
+            status = state[0].status
+            if status is not state[2]:
+                changed.append((seq_id, status))
+                state[2] = status
+                if status.finished:
+                    del sent[seq_id]
+        return (new, updates, steps, changed, out.blocks_to_copy, out.lora_ids, out.has_prompt_chunks,
+                out.num_draft_tokens)
+
+
+class StepReceiver:
+    """A worker's mirror of the requests rank 0 schedules, rebuilt into a ``SchedulerOutput`` each step."""
+
+    def __init__(self) -> None:
+        self.requests: dict = {}  # seq_id -> the mirrored Request
+
+    def apply(self, message: tuple):
+        from loraplex.engine.request import RequestStatus
+        from loraplex.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+
+        new, updates, steps, changed, blocks_to_copy, lora_ids, has_prompt_chunks, num_draft_tokens = message
+        reqs = self.requests
+        for view in new:
+            reqs[view.seq_id] = view
+        for seq_id, status in changed:
+            req = reqs.get(seq_id)
+            if req is not None:
+                req.status = status  # the block-table rows of a request no longer running are released
+                if status.finished:
+                    del reqs[seq_id]
+        for seq_id, computed, start, tail, blocks, num_prompt_logprobs in updates:
+            req = reqs[seq_id]
+            req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = computed
+            if tail or start != len(req.token_ids):
+                del req.token_ids[start:]
+                req.token_ids.extend(tail)
+            if blocks is not None:
+                start_block, part = blocks
+                mine = req.block_ids
+                if start_block:
+                    mine.extend(part)  # appended (as rank 0's list grew): the row copies only the new ones
+                elif len(part) < len(mine) and mine[:len(part)] == part:
+                    del mine[len(part):]  # trimmed (blocks of rejected drafts)
+                else:
+                    req.block_ids = part  # another list: the row is written in full
+            if num_prompt_logprobs >= 0 and num_prompt_logprobs != len(req.prompt_logprobs):
+                req.prompt_logprobs = [None] * num_prompt_logprobs
+        return SchedulerOutput(
+            scheduled=[ScheduledRequest(reqs[seq_id], n, samples, drafts) for seq_id, n, samples, drafts in steps],
+            blocks_to_copy=blocks_to_copy, lora_ids=lora_ids, has_prompt_chunks=has_prompt_chunks,
+            num_draft_tokens=num_draft_tokens)
 
 
 class Driver:
@@ -196,6 +277,7 @@ class Driver:
                                   name=f"loraplex-tp{rank}") for rank in range(1, self.size)]
         for p in self.procs:
             p.start()
+        self.sender = StepSender()
         try:
             self.info = init_group(0, self.size, torch.device(rank_device(config.device, 0)), port)
         except BaseException:
@@ -213,7 +295,7 @@ class Driver:
         self._send(("start", async_scheduling))
 
     def step(self, out, has_prev: bool) -> None:
-        self._send(("step", _worker_view(out), has_prev))
+        self._send(("step", self.sender.message(out), has_prev))
 
     def remove_adapter(self, adapter_id: int) -> None:
         self._send(("remove_adapter", adapter_id))
@@ -260,6 +342,7 @@ def worker_main(config, rank: int, port: int) -> None:
     runner.start_up()
     async_scheduling = bool(_receive()[1])  # the driver's decision, after its own start-up
     prev = None
+    mirror = StepReceiver()
     while True:
         message = _receive()
         kind = message[0]
@@ -270,7 +353,8 @@ def worker_main(config, rank: int, port: int) -> None:
                 runner.lora_manager.remove_adapter(message[1])
                 runner.lora_manager.take_dropped()  # (rank 0's prefix cache is the one that forgets)
             continue
-        _, out, has_prev = message
+        _, step, has_prev = message
+        out = mirror.apply(step)
         if runner.lora_manager is not None:
             runner.register_step_adapters(out)
         pending = runner.launch(out, prev if has_prev else None)

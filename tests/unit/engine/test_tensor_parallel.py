@@ -148,3 +148,73 @@ def test_two_ranks_with_drafts_and_int8_weights(tiny_model):
     for p, q in zip(plain, quant):  # the greedy token's logprob (the first entry: the sampled token's)
         assert abs(next(iter(p.outputs[0].logprobs[0].values())).logprob
                    - next(iter(q.outputs[0].logprobs[0].values())).logprob) < 0.05
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "overlapped"])
+def test_two_ranks_many_sequences_through_few_rows(tiny_model, async_scheduling):
+    """More sequences over time than the step has rows (max_num_seqs 3, 10 requests): the workers' mirrored
+    requests finish with rank 0's, so their block-table rows are reused; overlapped steps (placeholders filled on
+    the device from each rank's own samples) give the same tokens."""
+    kw = dict(dtype="float32", max_num_seqs=3, max_num_batched_tokens=40, seed=5, async_scheduling=async_scheduling)
+    prompts = [{"prompt_token_ids": [1] + list(range(20 + 3 * i, 20 + 3 * i + n))}
+               for i, n in enumerate((4, 9, 22, 5, 13, 31, 2, 17, 8, 11))]
+    params = SamplingParams(max_tokens=9, temperature=0, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(tiny_model["model_dir"], **kw).generate(prompts, params)]
+    with LLM(tiny_model["model_dir"], tensor_parallel_size=2, **kw) as two:
+        got = [o.outputs[0].token_ids for o in two.generate(prompts, params)]
+        # finished requests are forgotten by the next step's message: only the last step's may remain
+        assert len(two.engine.tp_driver.sender._sent) <= 3
+        if async_scheduling:
+            assert two.engine.num_overlapped_steps > 0
+    assert got == want
+
+
+def test_step_messages_mirror_requests():
+    """The step messages alone (no model): a worker's mirror follows appends, a trailing placeholder replaced by
+    its token, trimmed and replaced block lists, preemption and finishing."""
+    from loraplex.engine.parallel import StepReceiver, StepSender
+    from loraplex.engine.request import Request, RequestStatus
+    from loraplex.engine.scheduler_output import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
+
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=8))
+    b = Request("b", [4, 5], SamplingParams(max_tokens=8, prompt_logprobs=1))
+    for r in (a, b):
+        r.status = RequestStatus.RUNNING
+    sender, mirror = StepSender(), StepReceiver()
+
+    def step(*scheduled):
+        out = mirror.apply(sender.message(SchedulerOutput(scheduled=[ScheduledRequest(r, n, 1) for r, n in scheduled])))
+        for s, (r, n) in zip(out.scheduled, scheduled):
+            m = s.request
+            assert (m.seq_id, m.token_ids, m.block_ids, m.num_computed_tokens, s.num_new_tokens) == (
+                r.seq_id, r.token_ids, r.block_ids, r.num_computed_tokens, n)
+        return out
+
+    a.block_ids = [7]
+    b.block_ids = [9]
+    step((a, 3), (b, 2))
+    a.num_computed_tokens, b.num_computed_tokens = 3, 2
+    a.token_ids.append(PLACEHOLDER_TOKEN)  # overlapped: sampled on the device, not known on the host yet
+    b.token_ids.append(11)
+    b.prompt_logprobs = [None, object()]
+    rows_before = mirror.requests[a.seq_id].block_ids
+    a.block_ids.append(8)
+    out = step((a, 1), (b, 1))
+    assert out.scheduled[0].request.block_ids is rows_before  # appended in place
+    assert len(out.scheduled[1].request.prompt_logprobs) == 2
+    a.token_ids[-1] = 42  # the real token arrives, the next placeholder follows
+    a.token_ids.append(PLACEHOLDER_TOKEN)
+    a.num_computed_tokens = 4
+    step((a, 1))
+    assert mirror.requests[a.seq_id].token_ids == [1, 2, 3, 42, PLACEHOLDER_TOKEN]
+    del a.block_ids[1:]  # trimmed, then another list after preemption
+    a.token_ids[-1] = 43
+    step((a, 1))
+    b.status = RequestStatus.PREEMPTED
+    a.block_ids = [3, 4]
+    a.num_computed_tokens = 0
+    step((a, 5))
+    assert mirror.requests[b.seq_id].status is RequestStatus.PREEMPTED
+    a.status = RequestStatus.FINISHED_LENGTH
+    step((b, 3))
+    assert a.seq_id not in mirror.requests and a.seq_id not in sender._sent
