@@ -6,8 +6,8 @@ runs to its lengths."""
 from __future__ import annotations
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from tests.unit.engine.test_spec_decode import _prompts, _run
 from tests.conftest import adapter_dir
+from tests.unit.engine.test_spec_decode import _prompts, _run
 
 
 def test_cuda_greedy_with_drafts_equals_without(tiny_model):

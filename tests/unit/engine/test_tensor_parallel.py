@@ -104,8 +104,9 @@ async def test_server_engine_over_two_ranks_streams_and_stops_its_workers(tiny_m
     procs = eng.engine.tp_driver.procs
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     try:
-        streams = [[d async for d in eng.generate(EngineRequest(f"r{i}", p, params))]
-                   for i, p in enumerate(_prompts()[:2])]
+        streams = []
+        for i, p in enumerate(_prompts()[:2]):
+            streams.append([d async for d in eng.generate(EngineRequest(f"r{i}", p, params))])
     finally:
         await eng.shutdown()
     assert not any(p.is_alive() for p in procs)
