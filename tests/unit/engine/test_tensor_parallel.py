@@ -219,3 +219,27 @@ def test_step_messages_mirror_requests():
     a.status = RequestStatus.FINISHED_LENGTH
     step((b, 3))
     assert a.seq_id not in mirror.requests and a.seq_id not in sender._sent
+
+
+def test_two_ranks_forks_prefix_cache_and_merged_adapter(tiny_model):
+    """Parallel sampling (forks share blocks copy-on-write: the block copies reach every rank), prefix-cache hits
+    across requests, and one adapter folded into each rank's weight shards (``merge_single_lora``): the one-process
+    engine's tokens."""
+    kw = dict(dtype="float32", enable_lora=True, max_loras=2, seed=4, max_num_batched_tokens=64,
+              merge_single_lora=True)
+    shared = [1] + list(range(100, 140))
+    prompts = [{"prompt_token_ids": shared + [7, 8]}, {"prompt_token_ids": shared + [9]}]
+    fork = SamplingParams(n=2, max_tokens=10, temperature=0.9, seed=11, ignore_eos=True)
+    lora = LoRARequest("a1", 2, adapter_dir(tiny_model, 1))
+
+    def run(llm):
+        outs = llm.generate(prompts[:1], fork) + llm.generate(prompts[1:], fork)  # the second hits the cache
+        merged = llm.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                              lora_request=[lora, lora])
+        return [[c.token_ids for c in o.outputs] for o in outs + merged], llm.engine.counters
+
+    want, _ = run(LLM(tiny_model["model_dir"], **kw))
+    with LLM(tiny_model["model_dir"], tensor_parallel_size=2, **kw) as two:
+        got, counters = run(two)
+    assert got == want
+    assert counters["prefix_cache_hit_tokens"] > 0
