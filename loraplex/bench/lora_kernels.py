@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from loraplex.bench.report import markdown_head
 from loraplex.bench.roofline import measure_copy_bandwidth
 
 log = logging.getLogger(__name__)
@@ -839,8 +840,7 @@ def step_sweep(shapes, num_tokens: int, ranks, device, dtype, copy_bw: float, re
 
 def _step_sweep_markdown(payload: dict) -> str:
     sw = payload["step_sweep"]
-    lines = [f"# LoRA decode step sweep ({payload['environment']['device_name']})", "", "Command:", "", "```",
-             payload["command"], "```", "",
+    lines = [*markdown_head(f"LoRA decode step sweep ({payload['environment']['device_name']})", payload["command"]),
              f"Copy bandwidth: **{payload['copy_bandwidth_gb_s']:.0f} GB/s**. {sw['tokens']} tokens on "
              f"{sw['adapters']} distinct adapters, {sw['layers']} layers; every figure is a CUDA-graph replay.", "",
              "## Whole decode step (all 7 modules, all layers)", "",
@@ -890,8 +890,7 @@ STEPS_NOTE = ("Time (ms): median CUDA-graph replay of the whole step as the engi
 
 def _markdown(payload: dict) -> str:
     env = payload["environment"]
-    lines = [f"# LoRA shrink/expand microbenchmark ({env['device_name']})", "", "Command:", "", "```",
-             payload["command"], "```", "",
+    lines = [*markdown_head(f"LoRA shrink/expand microbenchmark ({env['device_name']})", payload["command"]),
              f"Copy bandwidth (device-to-device, read + write): **{payload['copy_bandwidth_gb_s']:.0f} GB/s**. "
              f"Bytes: what each kernel must move at the adapters' real rank (x or y, A or B, out read + write).", ""]
     steps = payload.get("decode_steps")
@@ -919,8 +918,8 @@ def _markdown(payload: dict) -> str:
 
 def _variants_markdown(payload: dict) -> str:
     sv = payload["step_variants"]
-    lines = [f"# LoRA decode step: launch variants per projection ({payload['environment']['device_name']})", "",
-             "Command:", "", "```", payload["command"], "```", "",
+    lines = [*markdown_head(f"LoRA decode step: launch variants per projection ({payload['environment']['device_name']})",
+                            payload["command"]),
              f"Copy bandwidth: **{payload['copy_bandwidth_gb_s']:.0f} GB/s**. {sv['tokens']} tokens, rank {sv['rank']}, "
              f"{sv['layers']} layers; "
              "every figure a CUDA-graph replay.", "", "## Whole step", "", STEPS_NOTE, ""]

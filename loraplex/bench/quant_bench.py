@@ -18,6 +18,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from loraplex.bench.report import markdown_head
+
 log = logging.getLogger("loraplex.bench.quant_bench")
 
 LLAMA3_8B = {"q|k|v": (4096, 6144), "o": (4096, 4096), "gate|up": (4096, 28672), "down": (14336, 4096)}
@@ -74,8 +76,7 @@ def run(device: torch.device, dtype: torch.dtype, shapes: dict, rows: tuple[int,
 
 
 def markdown(payload: dict) -> str:
-    lines = [f"# {payload['method'].upper()} weight-only linear vs the 16-bit GEMM", "", "Command:", "", "```",
-             payload["command"], "```", "",
+    lines = [*markdown_head(f"{payload['method'].upper()} weight-only linear vs the 16-bit GEMM", payload["command"]),
              f"Environment: {payload['environment']}. Copy bandwidth {payload['copy_bandwidth_Bps'] / 1e12:.2f} TB/s. "
              "Floors: the weight bytes each call must read over that bandwidth. Times: the calls captured back to back in one "
              "CUDA graph (device time, not the host's launch cost).", "",

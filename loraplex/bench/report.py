@@ -37,6 +37,11 @@ def module_command(module: str, argv: list[str] | None = None) -> str:
     return f"python -m {module} " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
 
 
+def markdown_head(title: str, command: str) -> list[str]:
+    """A report's first lines: its title and its exact command in a code block, then a blank line."""
+    return [f"# {title}", "", "Command:", "", "```", command, "```", ""]
+
+
 def write_json_and_markdown(out: str | Path, payload: dict, markdown: str) -> None:
     """``payload`` as JSON at ``out`` and ``markdown`` beside it (``.md``), creating the folder."""
     out = Path(out)
@@ -101,7 +106,7 @@ def write_report(
     md_path = out / f"{name}-{stamp}.md"
     json_path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     env = result.get("environment", {})
-    lines = [f"# {name} ({stamp} UTC)", "", "Command:", "", "```", cmd, "```", ""]
+    lines = markdown_head(f"{name} ({stamp} UTC)", cmd)
     if env:
         lines += ["Environment: " + ", ".join(f"{k} {v}" for k, v in env.items()), ""]
     for title, body in sections:

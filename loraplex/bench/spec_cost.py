@@ -20,6 +20,8 @@ import sys
 
 import torch
 
+from loraplex.bench.report import markdown_head
+
 log = logging.getLogger("loraplex.bench.spec_cost")
 
 
@@ -91,8 +93,8 @@ def run(args, device: torch.device) -> dict:
 
 
 def markdown(payload: dict) -> str:
-    lines = ["# Speculative decoding: the cost of verifying drafts", "", "Command:", "", "```", payload["command"], "```",
-             "", f"Environment: {payload['environment']}. Batch {payload['batch']}, context ~{payload['context']}; "
+    lines = [*markdown_head("Speculative decoding: the cost of verifying drafts", payload["command"]),
+             f"Environment: {payload['environment']}. Batch {payload['batch']}, context ~{payload['context']}; "
              "every sequence carries exactly k draft tokens per step; median step of the rounds. Break-even: the "
              "acceptance rate per draft token at which the tokens per step pay for the longer step.", "",
              "| adapters | drafts k | step ms | ÷ no drafts | break-even acceptance |", "|---|---|---|---|---|"]

@@ -18,6 +18,8 @@ import statistics
 import sys
 import time
 
+from loraplex.bench.report import markdown_head
+
 log = logging.getLogger("loraplex.bench.tp_message")
 
 
@@ -81,8 +83,8 @@ def run(num: int, context: int, steps: int, block_size: int = 16) -> dict:
 
 
 def markdown(payload: dict) -> str:
-    lines = ["# Tensor-parallel step messages: host cost per decode step", "", "Command:", "", "```",
-             payload["command"], "```", "", f"Environment: {payload['environment']}. Medians over the steps.", "",
+    lines = [*markdown_head("Tensor-parallel step messages: host cost per decode step", payload["command"]),
+             f"Environment: {payload['environment']}. Medians over the steps.", "",
              "| sequences | context | mirrored: send ms | mirrored: receive ms | mirrored kB | whole requests: send ms | "
              "whole requests: receive ms | whole kB |", "|---|---|---|---|---|---|---|---|"]
     for r in payload["rows"]:
