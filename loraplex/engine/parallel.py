@@ -27,7 +27,10 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import signal
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -278,6 +281,9 @@ class Driver:
         for p in self.procs:
             p.start()
         self.sender = StepSender()
+        # a worker that dies leaves rank 0 blocked in its next collective: the watchdog notices and calls this
+        # (default: SIGTERM to this process, so a server drains and exits, and its orchestrator restarts it)
+        self.on_worker_death = _terminate_self
         try:
             self.info = init_group(0, self.size, torch.device(rank_device(config.device, 0)), port)
         except BaseException:
@@ -285,6 +291,17 @@ class Driver:
                 p.terminate()
             raise
         self.closed = False
+        threading.Thread(target=self._watch, name="loraplex-tp-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        while not self.closed:
+            for rank, p in enumerate(self.procs, start=1):
+                if not p.is_alive() and not self.closed:
+                    log.critical("tensor parallel: worker rank %d exited (code %s); the engine cannot go on",
+                                 rank, p.exitcode)
+                    self.on_worker_death()
+                    return
+            time.sleep(0.5)
 
     def _send(self, message) -> None:
         box = [message]
@@ -326,6 +343,10 @@ class Driver:
         if dist.is_initialized():
             dist.destroy_process_group()
         _STATE.clear()
+
+
+def _terminate_self() -> None:
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def worker_main(config, rank: int, port: int) -> None:

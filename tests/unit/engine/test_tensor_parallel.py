@@ -243,3 +243,17 @@ def test_two_ranks_forks_prefix_cache_and_merged_adapter(tiny_model):
         got, counters = run(two)
     assert got == want
     assert counters["prefix_cache_hit_tokens"] > 0
+
+
+def test_a_dead_worker_is_noticed(tiny_model):
+    """A worker that dies would leave rank 0 blocked in its next collective: the driver's watchdog calls
+    ``on_worker_death`` (a server: SIGTERM to itself, so it drains and exits, and is restarted)."""
+    import threading
+
+    llm = LLM(tiny_model["model_dir"], dtype="float32", tensor_parallel_size=2)
+    driver = llm.engine.tp_driver
+    noticed = threading.Event()
+    driver.on_worker_death = noticed.set
+    driver.procs[0].kill()
+    assert noticed.wait(timeout=10)
+    driver.abort()
