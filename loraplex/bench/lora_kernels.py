@@ -498,6 +498,7 @@ def _in_layer_step(bench, options: dict):
     return step
 # prefill-sized in-layer runs (--in-layer-tokens above the decode step's): adapters among the step's tokens
 PREFILL_IN_LAYER_MIXES = (("32 adapters", 32), ("8 adapters", 8))
+SMOKE_IN_LAYER_MIXES = (("8 adapters", 8), ("2 adapters", 2))
 
 
 def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: float, reps: int,
@@ -1067,9 +1068,10 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in (int(t) for t in args.in_layer_tokens.split(",") if t.strip()):
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        slots = max(a for _, a in PREFILL_IN_LAYER_MIXES)
+        mixes = PREFILL_IN_LAYER_MIXES if not args.smoke else SMOKE_IN_LAYER_MIXES  # (the interpreter's cost: programs)
+        slots = max(a for _, a in mixes)
         payload.setdefault("in_layer_more", []).append(bench_in_layer(
-            shapes, tokens, 16, device, dtype, copy_bw, max(3, reps // 10), mixes=PREFILL_IN_LAYER_MIXES,
+            shapes, tokens, 16, device, dtype, copy_bw, max(1 if args.smoke else 3, reps // 10), mixes=mixes,
             num_slots=min(tokens, slots)))
         write()
     if args.in_layer_only:
