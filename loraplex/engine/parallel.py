@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from loraplex.adapters.modules import MODULES
+
 log = logging.getLogger(__name__)
 
 # the row-parallel projections: partial sums, one all-reduce each
@@ -48,10 +50,6 @@ WORKER_START_TIMEOUT_S = 600
 class TPInfo:
     rank: int
     size: int
-
-    @property
-    def is_driver(self) -> bool:
-        return self.rank == 0
 
 
 _STATE: dict[str, Any] = {}  # "info": TPInfo, "cpu_group": the gloo group of control messages
@@ -101,16 +99,15 @@ def _part(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
 
 def shard_checkpoint_tensor(name: str, tensor: torch.Tensor, info: TPInfo) -> torch.Tensor:
     """One rank's part of a Hugging Face checkpoint tensor (replicated tensors are returned whole)."""
-    if info.size == 1 or ".layers." not in name:
-        return tensor  # embeddings, final norm, LM head
-    column = (".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj.")
-    if any(c in name for c in column):
-        return _part(tensor, 0, info.rank, info.size)  # output rows (weight and bias)
-    if ".o_proj." in name or ".down_proj." in name:
-        if name.endswith(".bias"):
-            return tensor if info.rank == 0 else torch.zeros_like(tensor)  # added once by the all-reduce
-        return _part(tensor, 1, info.rank, info.size)  # input columns
-    return tensor  # layer norms
+    parts = name.split(".")  # model.layers.<i>.<self_attn|mlp>.<module>.<weight|bias>
+    module = parts[-2] if len(parts) >= 3 else ""
+    if info.size == 1 or ".layers." not in name or module not in MODULES:
+        return tensor  # embeddings, norms, LM head
+    if module not in ROW_PARALLEL_MODULES:
+        return _part(tensor, 0, info.rank, info.size)  # column-parallel: output rows (weight and bias)
+    if parts[-1] == "bias":
+        return tensor if info.rank == 0 else torch.zeros_like(tensor)  # added once by the all-reduce
+    return _part(tensor, 1, info.rank, info.size)  # row-parallel: input columns
 
 
 def shard_lora_pair(module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, info: TPInfo):
@@ -284,13 +281,12 @@ class Driver:
         # a worker that dies leaves rank 0 blocked in its next collective: the watchdog notices and calls this
         # (default: SIGTERM to this process, so a server drains and exits, and its orchestrator restarts it)
         self.on_worker_death = _terminate_self
-        try:
-            self.info = init_group(0, self.size, torch.device(rank_device(config.device, 0)), port)
-        except BaseException:
-            for p in self.procs:
-                p.terminate()
-            raise
         self.closed = False
+        try:
+            init_group(0, self.size, torch.device(rank_device(config.device, 0)), port)
+        except BaseException:
+            self.abort()
+            raise
         threading.Thread(target=self._watch, name="loraplex-tp-watchdog", daemon=True).start()
 
     def _watch(self) -> None:
@@ -320,13 +316,7 @@ class Driver:
     def abort(self) -> None:
         """Rank 0 failed to start: the workers may wait in a collective that will never come; end them."""
         self.closed = True
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-            p.join(timeout=10)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        _STATE.clear()
+        self._end_workers(join_timeout=0)
 
     def shutdown(self) -> None:
         if self.closed:
@@ -336,10 +326,15 @@ class Driver:
             self._send(("stop",))
         except Exception:  # noqa: BLE001 - a worker that died already: join what is left
             log.exception("tensor parallel: the stop message did not reach every worker")
+        self._end_workers(join_timeout=30)
+
+    def _end_workers(self, join_timeout: float) -> None:
+        """Wait up to ``join_timeout`` s for each worker to exit, terminate what is left, leave the group."""
         for p in self.procs:
-            p.join(timeout=30)
+            p.join(timeout=join_timeout)
             if p.is_alive():
                 p.terminate()
+                p.join(timeout=10)
         if dist.is_initialized():
             dist.destroy_process_group()
         _STATE.clear()
