@@ -69,8 +69,9 @@ def test_piecewise_path_matches_eager_with_adapters_and_mixed_steps(tiny_model, 
     llm = _llm(tiny_model, piecewise=True, kv_cache_dtype=kv_cache_dtype)
     got = llm.generate(prompts, params, lora_request=mix)
     # a quantized cache: the two paths' K/V may differ in the last fp32 bit before rounding, and where that flips
-    # one 8-bit step the logprobs move by ~1e-4 (seen with fp8 under pytest-xdist, whose thread count differs)
-    tol = 1e-4 if kv_cache_dtype == "auto" else 1e-3
+    # one 8-bit step the logprobs move: ~1e-4 under pytest-xdist (its thread count differs), and once 4.1e-3 for
+    # a prompt logprob with fp8 (e4m3 steps are 1/16-1/8 of the value) in a plain run; the tokens stay equal
+    tol = 1e-4 if kv_cache_dtype == "auto" else 1e-2
     _same(eager, got, tol)
     pw = llm.engine.runner.piecewise
     assert pw.num_steps > 0 and pw.num_graphs == 0  # the static path ran, nothing captured
