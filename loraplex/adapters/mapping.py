@@ -169,7 +169,7 @@ class LoRAStep:
                            bias: torch.Tensor | None) -> torch.Tensor:
         """The shrink, then one Triton GEMM computing the base projection and adding every row's delta in its epilogue
         (``lora_gemm.gemm_lora``): no expand launch and no read-modify-write of the output."""
-        from loraplex.kernels.lora_gemm import gemm_lora
+        from loraplex.kernels import lora_gemm
         from loraplex.kernels.lora_shrink import num_chunks_of
 
         if x.stride(-1) != 1:
@@ -178,11 +178,14 @@ class LoRAStep:
             weight = weight.contiguous()
         a, bt, ranks = self.pool.layer_view(proj, layer_idx)
         cfg = self._configs[proj]
+        overlap = cfg.pdl and lora_gemm.OVERLAP_SHRINK
         y, valid = self._ops.lora_shrink_apply(x, a, ranks, self._meta, cfg, self._scratch,
-                                               self._layer_chunk_ranks(layer_idx, proj))
-        return gemm_lora(x, weight, bias, y, bt, self.token_slots, ranks, self.pool.scaling, self.pool.slice_loc[proj],
-                         num_chunks_of(self._meta), split_k=cfg.split_k_max or cfg.split_k, **valid,
-                         slice_widths=self.pool.shapes.slice_widths(proj), blocks=self._gemm_blocks[proj][2], pdl=cfg.pdl)
+                                               self._layer_chunk_ranks(layer_idx, proj), late_trigger=overlap)
+        return lora_gemm.gemm_lora(x, weight, bias, y, bt, self.token_slots, ranks, self.pool.scaling,
+                                   self.pool.slice_loc[proj], num_chunks_of(self._meta),
+                                   split_k=cfg.split_k_max or cfg.split_k, **valid,
+                                   slice_widths=self.pool.shapes.slice_widths(proj), blocks=self._gemm_blocks[proj][2],
+                                   pdl=cfg.pdl, overlap=overlap)
 
     def _expand_first_linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The LoRA work first, then the base GEMM accumulating into its result: the shrink, the expand *writing*

@@ -22,10 +22,14 @@ rank among its rows: it sums y's valid partials for its rows ([P, BLOCK_M] load)
 ([BLOCK_M, BLOCK_N] gather). Programs along axis 0 share a column tile (several row tiles read the same W from L2).
 
 Programmatic dependent launch (``pdl``): the launch may start while the shrink before it runs; every program waits
-(griddepcontrol.wait) before reading anything an earlier launch wrote (x, y).
+(griddepcontrol.wait) before reading anything an earlier launch wrote (x, y). With ``overlap`` (the shrink launched
+with ``late_trigger``: this launch starts only after the launch that wrote x has completed) the main loop runs
+first, alongside the shrink, and the wait comes before the epilogue reads y: both stream their weights at once.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -50,11 +54,13 @@ def _gemm_lora_kernel(
     NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, PARTS_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
+    EARLY_MAIN: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if USE_PDL:
-        gdc_wait()  # x and y are written by earlier launches
+        if not EARLY_MAIN:
+            gdc_wait()  # x and y are written by earlier launches
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # BLOCK_N divides N
     offs_k = tl.arange(0, BLOCK_K)
@@ -75,6 +81,9 @@ def _gemm_lora_kernel(
         w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n).to(tl.float32)[None, :]
+    if USE_PDL:
+        if EARLY_MAIN:
+            gdc_wait()  # the shrink (y) has completed
     if HAS_LORA:
         # the tile's slice (a tile never straddles two: BLOCK_N divides every slice width)
         n0 = pid_n * BLOCK_N
@@ -106,6 +115,10 @@ def _gemm_lora_kernel(
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) per projection shape and step size, from an H200 sweep
 # (``python -m loraplex.bench.lora_gemm``); keyed by (N, K, rows) with rows "small" (<= 64) or "large"
 TUNED_BLOCKS: dict[tuple[int, int, str], tuple[int, int, int, int, int]] = {}
+
+
+# with PDL, the GEMM's main loop alongside the shrink (see the module doc); LORAPLEX_LORA_GEMM_OVERLAP=0: after it
+OVERLAP_SHRINK = os.environ.get("LORAPLEX_LORA_GEMM_OVERLAP", "1") != "0"
 
 
 def rows_bucket(m: int) -> str:
@@ -156,6 +169,7 @@ def gemm_lora(
     slice_widths=(),  # host copy of the slice widths (checked against the column tile)
     blocks: tuple[int, ...] | None = None,
     pdl: bool = False,
+    overlap: bool = False,  # with pdl: the main loop before the wait (the shrink was launched with late_trigger)
 ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` plus every row's LoRA delta from the shrink's partials ``y``; see the module doc.
     The partials are those ``lora_shrink`` wrote with ``split_k`` parts over ``shrink_progs`` programs and ``k_tiles``
@@ -190,7 +204,8 @@ def gemm_lora(
         *(lora_b.stride() if has_lora else (0, 0, 0)), ranks.stride(0) if has_lora else 0,
         NUM_SLICES=num_slices, SPLIT_K=split_k, PARTS_BLOCK=next_power_of_2(max(1, split_k)),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, HAS_LORA=has_lora,
-        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, num_warps=warps, num_stages=stages,
+        DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, EARLY_MAIN=overlap and pdl, num_warps=warps,
+        num_stages=stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return out

@@ -20,7 +20,8 @@ def test_smoke_run_reports_every_projection_and_keeps_the_fastest_configuration(
     assert [(p["tokens"], p["proj"]) for p in projs] == [(t, p) for t in (8, 12) for p in ("qkv", "o", "gate_up", "down")]
     for p in projs:
         variants = {r["variant"] for r in p["rows"]}
-        assert variants == {"cuBLAS", "cuBLAS + shrink + expand", "Triton GEMM", "shrink + fused GEMM"}, variants
+        assert variants == {"cuBLAS", "cuBLAS + shrink + expand", "Triton GEMM", "shrink + fused GEMM",
+                            "shrink, then fused GEMM (no overlap)"}, variants
         fused = min(r["us_per_layer"] for r in p["rows"] if r["variant"] == "shrink + fused GEMM")
         assert p["fused_us"] == fused and p["best_fused"] is not None
         assert p["errors"]["fused"]["max_abs"] < 1e-4  # fp32 on the CPU
