@@ -18,7 +18,7 @@ projection, no read-modify-write of the output, and B is gathered per row (row m
 
 Each program owns BLOCK_M rows x BLOCK_N columns and loops over K (x and W tiles, ``tl.dot``); BLOCK_N divides every
 slice width (the caller checks), so a tile lies in one slice. The epilogue loops over rank rows j up to the largest
-rank among its rows: it sums y's valid partials for its rows ([P, BLOCK_M] load) and adds y_m[j] * B[slot_m, j, tile]
+rank among its rows: it sums y's valid partials for its rows (whole rows of y per partial) and adds y_m[j] * B[slot_m, j, tile]
 ([BLOCK_M, BLOCK_N] gather). Programs along axis 0 share a column tile (several row tiles read the same W from L2).
 
 Programmatic dependent launch (``pdl``): the launch may start while the shrink before it runs; every program waits
@@ -51,7 +51,7 @@ def _gemm_lora_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_om, stride_on,
     stride_yp, stride_ys, stride_yt, stride_yr,
     stride_bl, stride_br, stride_bn, stride_rs,
-    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, PARTS_BLOCK: tl.constexpr,
+    NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False,
     EARLY_MAIN: tl.constexpr = False,
@@ -96,16 +96,22 @@ def _gemm_lora_kernel(
         rank = tl.load(ranks_ptr + sl * stride_rs + slot_c, mask=has, other=0)
         scale = tl.load(scaling_ptr + slot_c, mask=has, other=0.0)
         parts, _ = split_parts(shrink_progs, tl.load(num_chunks_ptr), SPLIT_K, k_tiles)
-        offs_p = tl.arange(0, PARTS_BLOCK)
-        y_ptrs = y_ptr + sl * stride_ys + offs_p[:, None] * stride_yp + offs_m[None, :].to(tl.int64) * stride_yt
+        # the rows' y: the shrink's valid partials summed, each a [BLOCK_M, BLOCK_R] load of whole rows (64 bytes at
+        # rank 16), then rounded as the expand rounds it
+        offs_r = tl.arange(0, BLOCK_R)
+        y_ptrs = (y_ptr + sl * stride_ys + offs_m[:, None].to(tl.int64) * stride_yt
+                  + offs_r[None, :] * stride_yr)
+        y_mask = has[:, None] & (offs_r[None, :] < rank[:, None])
+        ys = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for p in range(0, parts):
+            ys += tl.load(y_ptrs + p * stride_yp, mask=y_mask, other=0.0)
+        ys = ys.to(b_ptr.dtype.element_ty).to(tl.float32)
+        # delta[m, :] = sum_j y_m[j] * B[slot_m, j, tile]: one [BLOCK_M, BLOCK_N] gather of B rows per rank row j
         b_ptrs = b_ptr + slot_c[:, None] * stride_bl + offs_n[None, :].to(tl.int64) * stride_bn
         delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for j in range(0, tl.max(rank, axis=0)):
-            j_rows = has & (j < rank)
-            y_j = tl.sum(tl.load(y_ptrs + j * stride_yr, mask=(offs_p < parts)[:, None] & j_rows[None, :], other=0.0),
-                         axis=0)
-            y_j = y_j.to(b_ptr.dtype.element_ty).to(tl.float32)  # rounded as the expand rounds it
-            b_j = tl.load(b_ptrs + j * stride_br, mask=j_rows[:, None], other=0.0)
+            y_j = tl.sum(tl.where(offs_r[None, :] == j, ys, 0.0), axis=1)  # column j of ys
+            b_j = tl.load(b_ptrs + j * stride_br, mask=(has & (j < rank))[:, None], other=0.0)
             delta += y_j[:, None] * b_j.to(tl.float32)
         acc += delta * scale[:, None]
     o_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :] * stride_on
@@ -202,7 +208,7 @@ def gemm_lora(
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
         *(y.stride() if has_lora else (0, 0, 0, 0)),
         *(lora_b.stride() if has_lora else (0, 0, 0)), ranks.stride(0) if has_lora else 0,
-        NUM_SLICES=num_slices, SPLIT_K=split_k, PARTS_BLOCK=next_power_of_2(max(1, split_k)),
+        NUM_SLICES=num_slices, SPLIT_K=split_k, BLOCK_R=next_power_of_2(max(16, y.shape[3] if has_lora else 16)),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=k % bk == 0, HAS_BIAS=bias is not None, HAS_LORA=has_lora,
         DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, EARLY_MAIN=overlap and pdl, num_warps=warps,
         num_stages=stages,

@@ -172,7 +172,7 @@ def test_fused_gemm_compiles_for_sm90_and_waits_where_asked():
     order = {}
     for early in (False, True):
         ptx = _compile("lora_gemm._gemm_lora_kernel", types,
-                       dict(NUM_SLICES=3, SPLIT_K=16, PARTS_BLOCK=16, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, EVEN_K=True,
+                       dict(NUM_SLICES=3, SPLIT_K=16, BLOCK_R=16, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, EVEN_K=True,
                             HAS_BIAS=False, HAS_LORA=True, DOT_PRECISION="tf32", USE_PDL=True, EARLY_MAIN=early),
                        runtime_hints=True, num_warps=4, num_stages=4)["ptx"]
         assert "cp.async" in ptx and "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" not in ptx
