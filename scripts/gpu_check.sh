@@ -79,6 +79,8 @@ if [[ "$what" == *fusedgemm* ]]; then
     echo "lora_gemm: exit $?"; tail -3 "$out/lora_gemm.log"
     grep -E "^\| [0-9]+ \| (qkv|o|gate_up|down) \| [0-9.]+ \|" "$out/lora_gemm_h200.md"
     sed -n '/^## LoRA inside/,$p' "$out/lora_gemm_h200.md" | grep -E "^\| "
+    python3 -c "import json, sys; print('tuned', json.load(open(sys.argv[1])).get('tuned_blocks'))" \
+        "$out/lora_gemm_h200.json"
 fi
 if [[ "$what" == *lorastep* ]]; then
     # the whole-step LoRA policies (CUDA graphs, 64 tokens; per-kernel profile) and the in-layer run at 64 tokens
