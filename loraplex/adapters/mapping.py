@@ -155,7 +155,8 @@ class LoRAStep:
     def linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` plus every token's adapter delta for ``proj``: the base GEMM, then ``add``;
-        with ``overlap_shrink``, the shrink on a forked stream while the GEMM runs, then the expand."""
+        with ``overlap_shrink``, the shrink on a forked stream while the GEMM runs, then the expand; in a step of at
+        most ``fused_gemm_max_tokens`` tokens, the shrink then a Triton GEMM with the expand in its epilogue."""
         if (proj in self._gemm_blocks and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype
                 and tuple(weight.shape) == self._gemm_blocks[proj][:2]):
             return self._fused_gemm_linear(layer_idx, proj, x, weight, bias)
