@@ -5,7 +5,6 @@
 #
 #   tests      GPU tests                        lora       LoRA kernel microbenchmark
 #   attention  paged attention vs SDPA (sweep)     engine     a short engine run (bench offline)
-#   fusedgemm  the LoRA expand inside a Triton base GEMM: its GPU tests and bench lora_gemm (sweep, in-layer step)
 #   lorastep   the decode-step LoRA policies and the in-layer run at 64 tokens (lora_kernels --steps-only)
 #   quant      INT8 / FP8 weight-only: GPU tests, quant_bench (vs cuBLAS bf16, tile sweep), bench offline with each
 #              (QUANT_OFFLINE_VARIANTS: which of "none int8 fp8" run offline; empty: none)
@@ -69,18 +68,6 @@ if [[ "$what" == *engine* ]]; then
 fi
 if [[ "$what" == *lora* && "$what" != *lorastep* ]]; then
     python3 -m loraplex.bench.lora_kernels --out "$out/lora_kernels_h200.json" 2>&1 | tail -12
-fi
-if [[ "$what" == *fusedgemm* ]]; then
-    # the LoRA expand inside a Triton base GEMM (engine option lora_fused_gemm_max_tokens): its GPU tests, then the
-    # per-projection sweep against cuBLAS + shrink + expand and the whole-step in-layer comparison
-    python3 -m pytest tests/gpu/test_lora_fused_gemm_gpu.py -q -p no:cacheprovider -o addopts="" --timeout 300 2>&1 \
-        | tail -15
-    python3 -m loraplex.bench.lora_gemm --out "$out/lora_gemm_h200.json" ${FUSEDGEMM_ARGS:-} > "$out/lora_gemm.log" 2>&1
-    echo "lora_gemm: exit $?"; tail -3 "$out/lora_gemm.log"
-    grep -E "^\| [0-9]+ \| (qkv|o|gate_up|down) \| [0-9.]+ \|" "$out/lora_gemm_h200.md"
-    sed -n '/^## LoRA inside/,$p' "$out/lora_gemm_h200.md" | grep -E "^\| "
-    python3 -c "import json, sys; print('tuned', json.load(open(sys.argv[1])).get('tuned_blocks'))" \
-        "$out/lora_gemm_h200.json"
 fi
 if [[ "$what" == *lorastep* ]]; then
     # the whole-step LoRA policies (CUDA graphs, 64 tokens; per-kernel profile) and the in-layer run at 64 tokens

@@ -78,9 +78,6 @@ class LoRAManager:
         # steps of at least this many tokens run the LoRA work before the base GEMM (engine option
         # lora_expand_first_min_tokens; 0: never)
         self.expand_first_min_tokens = 0
-        # steps of at most this many tokens fold each expand into the base GEMM (engine option
-        # lora_fused_gemm_max_tokens; 0: never)
-        self.fused_gemm_max_tokens = 0
         self.host_cache: HostLRUCache[HostAdapter] = HostLRUCache(max(max_cpu_loras or max_loras, max_loras))
         self._validated: ValidatedFiles[HostAdapter] = ValidatedFiles()
         self.loader = BackgroundLoader(self._load_files, num_load_workers or min(4, os.cpu_count() or 1))
@@ -358,7 +355,7 @@ class LoRAManager:
         """A step's mapping over this manager's pool and kernel options (slots already assigned);
         ``has_base_tokens`` (host-known; True when unknown) whether some token of the step has no adapter."""
         return LoRAStep(self.pool, token_slots, num_active, self.use_triton, self.fuse_silu_mul, self.overlap_shrink,
-                        self.expand_first_min_tokens, has_base_tokens, self.fused_gemm_max_tokens)
+                        self.expand_first_min_tokens, has_base_tokens)
 
     def assign_slots(self, adapter_ids) -> dict[int, int]:
         """Give every adapter of a step (ids, 0 = base, ignored) a GPU slot; returns adapter id -> slot.

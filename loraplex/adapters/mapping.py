@@ -52,7 +52,7 @@ class LoRAStep:
 
     def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool,
                  fuse_silu_mul: bool = False, overlap_shrink: bool = False, expand_first_min_tokens: int = 0,
-                 has_base_tokens: bool = True, fused_gemm_max_tokens: int = 0) -> None:
+                 has_base_tokens: bool = True) -> None:
         self.pool = pool
         self.token_slots = token_slots  # [T] int32
         self.num_active = num_active  # distinct adapters in the step (host-known)
@@ -70,9 +70,6 @@ class LoRAStep:
         self.expand_first = bool(expand_first_min_tokens and use_triton and num_active
                                  and token_slots.shape[0] >= expand_first_min_tokens)
         self.has_base_tokens = has_base_tokens  # host-known: False lets the output start uninitialized
-        # steps of at most this many tokens (0: never) fold the expand into the base GEMM (kernels/lora_gemm.py): the
-        # projections whose column tile fits, with a plain weight (``_fused_gemm_linear``); proj -> (N, K, blocks)
-        self._gemm_blocks: dict[str, tuple] = {}
         if use_triton and num_active:
             from loraplex.kernels import lora_ops
             from loraplex.kernels.lora_expand import slice_col_align
@@ -106,14 +103,6 @@ class LoRAStep:
                 chunks = self._meta.max_chunks
                 slots = torch.nn.functional.pad(self._meta.chunk_slots.clamp(min=0), (0, -chunks % 4))
                 self._chunk_ranks = pool.ranks.index_select(2, slots)[:, :, :chunks]
-            if fused_gemm_max_tokens and num_tokens <= fused_gemm_max_tokens and not self.expand_first:
-                from loraplex.kernels.lora_gemm import choose_gemm_blocks
-
-                for p in PROJ_MODULES:
-                    widths = tuple(shapes.slice_widths(p))
-                    blocks = choose_gemm_blocks(num_tokens, sum(widths), shapes.proj_in(p), widths)
-                    if blocks[1] and not self._configs[p].fused:
-                        self._gemm_blocks[p] = (sum(widths), shapes.proj_in(p), blocks)
             self._counters = None
             if any(c.fused and c.fused_split_k > 1 for c in self._configs.values()):
                 # tickets of the fused decode kernel's last-arriver expand; every launch leaves them at 0
@@ -155,38 +144,12 @@ class LoRAStep:
     def linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` plus every token's adapter delta for ``proj``: the base GEMM, then ``add``;
-        with ``overlap_shrink``, the shrink on a forked stream while the GEMM runs, then the expand; in a step of at
-        most ``fused_gemm_max_tokens`` tokens, the shrink then a Triton GEMM with the expand in its epilogue."""
-        if (proj in self._gemm_blocks and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype
-                and tuple(weight.shape) == self._gemm_blocks[proj][:2]):
-            return self._fused_gemm_linear(layer_idx, proj, x, weight, bias)
+        with ``overlap_shrink``, the shrink on a forked stream while the GEMM runs, then the expand."""
         if self.expand_first and bias is None and proj in self._configs and not self._configs[proj].fused:
             return self._expand_first_linear(layer_idx, proj, x, weight)
         if self.overlap_shrink and proj in self._configs and not self._configs[proj].fused:
             return self._overlapped_linear(layer_idx, proj, x, weight, bias)
         return self.add(layer_idx, proj, x, base_linear(x, weight, bias))
-
-    def _fused_gemm_linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
-                           bias: torch.Tensor | None) -> torch.Tensor:
-        """The shrink, then one Triton GEMM computing the base projection and adding every row's delta in its epilogue
-        (``lora_gemm.gemm_lora``): no expand launch and no read-modify-write of the output."""
-        from loraplex.kernels import lora_gemm
-        from loraplex.kernels.lora_shrink import num_chunks_of
-
-        if x.stride(-1) != 1:
-            x = x.contiguous()
-        if weight.stride(-1) != 1:
-            weight = weight.contiguous()
-        a, bt, ranks = self.pool.layer_view(proj, layer_idx)
-        cfg = self._configs[proj]
-        overlap = cfg.pdl and lora_gemm.OVERLAP_SHRINK
-        y, valid = self._ops.lora_shrink_apply(x, a, ranks, self._meta, cfg, self._scratch,
-                                               self._layer_chunk_ranks(layer_idx, proj), late_trigger=overlap)
-        return lora_gemm.gemm_lora(x, weight, bias, y, bt, self.token_slots, ranks, self.pool.scaling,
-                                   self.pool.slice_loc[proj], num_chunks_of(self._meta),
-                                   split_k=cfg.split_k_max or cfg.split_k, **valid,
-                                   slice_widths=self.pool.shapes.slice_widths(proj), blocks=self._gemm_blocks[proj][2],
-                                   pdl=cfg.pdl, overlap=overlap)
 
     def _expand_first_linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The LoRA work first, then the base GEMM accumulating into its result: the shrink, the expand *writing*

@@ -134,10 +134,6 @@ def add_offline_args(p) -> None:
                    help="engine option lora_expand_first_min_tokens: steps of at least this many tokens run the LoRA "
                         "work before the base GEMM, which accumulates into its output (0: never; default: the "
                         "engine's default)")
-    p.add_argument("--lora-fused-gemm-max-tokens", type=int, default=None,
-                   help="engine option lora_fused_gemm_max_tokens: steps of at most this many tokens add each LoRA "
-                        "delta inside a Triton base GEMM instead of cuBLAS + an expand (0: never; default: the "
-                        "engine's default)")
     p.add_argument("--attention-decode-split", action=argparse.BooleanOptionalAction, default=None,
                    help="engine option attention_decode_split: in steps mixing decodes and prompts, the decodes through "
                         "the split-KV decode kernel (default: the engine's default, on)")

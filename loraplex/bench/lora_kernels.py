@@ -484,8 +484,7 @@ def bench_decode_steps(shapes, num_tokens: int, rank: int, device, dtype, copy_b
 IN_LAYER_POLICIES = (("sequential", {}), ("sequential, weights into L2", {"cfg": {"weight_prefetch": "l2"}}),
                      ("sequential, first weight tile", {"cfg": {"weight_prefetch": "first"}}),
                      ("overlap", {"overlap_shrink": True}),
-                     ("expand-first", {"expand_first_min_tokens": 1, "has_base_tokens": False}),
-                     ("fused GEMM", {"fused_gemm_max_tokens": 1 << 20}))
+                     ("expand-first", {"expand_first_min_tokens": 1, "has_base_tokens": False}))
 
 
 def _in_layer_step(bench, options: dict):
@@ -503,7 +502,7 @@ SMOKE_IN_LAYER_MIXES = (("8 adapters", 8), ("2 adapters", 2))
 
 
 def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: float, reps: int,
-                   mixes=STEP_MIXES, num_slots: int | None = None, policies=IN_LAYER_POLICIES) -> dict:
+                   mixes=STEP_MIXES, num_slots: int | None = None) -> dict:
     """The base projections of one step (32 layers x qkv, o, gate|up, down; random bf16 weights of the model's
     shapes, distinct per layer) with and without the LoRA work, each one CUDA graph built as the engine builds its
     graphs (LoRAStep inside the graph). ``added_ms`` = step with LoRA - base projections alone: what LoRA costs a
@@ -531,7 +530,7 @@ def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: f
     rows = [{"policy": "base only", "mix": "—", "adapters": 0, "time_ms": base_s * 1e3, "added_ms": 0.0,
              "base_floor_ms": base_bytes / copy_bw * 1e3, "lora_floor_ms": 0.0}]
     log.info("IN-LAYER %s", rows[-1])
-    for name, options in policies:
+    for name, options in IN_LAYER_POLICIES:
         bench.slots.copy_(_mix_slots(num_tokens, mixes[0][1], device))
         try:
             graph = _capture(lambda options=options: run(_in_layer_step(bench, options)), device)
@@ -562,9 +561,7 @@ def _in_layer_markdown(in_layer: dict | None) -> list[str]:
              "graph each, median replay. Added = with LoRA - base projections alone. `overlap`: each shrink on a "
              "forked stream while its GEMM runs (engine option `lora_overlap_shrink`); `sequential`: after it; "
              "`expand-first`: shrink and a write-only expand, then the GEMM accumulating into that output (engine "
-             "option `lora_expand_first_min_tokens`); `fused GEMM`: the shrink, then a Triton GEMM adding each "
-             "row's delta in its epilogue (engine option `lora_fused_gemm_max_tokens`; its added time includes "
-             "the Triton GEMM's difference to cuBLAS).", "",
+             "option `lora_expand_first_min_tokens`).", "",
              "| policy | workload | adapters | time (ms) | added by LoRA (ms) | LoRA floor (ms) | base floor (ms) |",
              "|---|---|---|---|---|---|---|"]
     for r in in_layer["rows"]:

@@ -75,10 +75,6 @@ class EngineConfig:
     # of an 8,192-token step from 19.3 to 14.0 ms and of a 2,048-token step from 5.9 to 4.8 ms (32 adapters), and
     # raised offline zipf/uniform by 1.5-2.5%; at 64 tokens it is a wash, hence 2,048
     lora_expand_first_min_tokens: int = 2048
-    # steps of at most this many tokens (0: never) compute each projection as the LoRA shrink, then one Triton GEMM
-    # that adds every token's delta in its epilogue (kernels/lora_gemm.py) instead of cuBLAS + an expand that reads and
-    # rewrites the output. CUDA only; plain (not quantized) weights
-    lora_fused_gemm_max_tokens: int = 0
     # after the engine loads, freeze the heap alive then out of the cyclic GC's reach (engine/gc_heap.py): shorter
     # full collections. For processes that exist to run the engine (the server and the benchmarks set it); off for
     # a library caller, whose heap it would freeze too
@@ -135,8 +131,6 @@ class EngineConfig:
             raise ValueError(f"lora_group_max_skips must be >= 0, got {self.lora_group_max_skips}")
         if self.lora_expand_first_min_tokens < 0:
             raise ValueError(f"lora_expand_first_min_tokens must be >= 0, got {self.lora_expand_first_min_tokens}")
-        if self.lora_fused_gemm_max_tokens < 0:
-            raise ValueError(f"lora_fused_gemm_max_tokens must be >= 0, got {self.lora_fused_gemm_max_tokens}")
         if self.piecewise_graph_max_tokens < 1:
             raise ValueError(f"piecewise_graph_max_tokens must be >= 1, got {self.piecewise_graph_max_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

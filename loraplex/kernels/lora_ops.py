@@ -203,7 +203,7 @@ def lora_apply(
 
 
 def lora_shrink_apply(x, lora_a, ranks, meta, cfg: LoRAKernelConfig, scratch, chunk_ranks,
-                      pdl: bool | None = None, late_trigger: bool = False) -> tuple[torch.Tensor, dict]:
+                      pdl: bool | None = None) -> tuple[torch.Tensor, dict]:
     """The shrink of ``cfg`` (split-K partials into ``scratch``) and what its consumer needs to know of it (which
     partials are valid: ``shrink_progs``, ``k_tiles``). ``pdl`` overrides ``cfg.pdl`` (a shrink on a forked stream
     launches without it: its predecessor is an event, not the kernel before it)."""
@@ -212,7 +212,7 @@ def lora_shrink_apply(x, lora_a, ranks, meta, cfg: LoRAKernelConfig, scratch, ch
     y = lora_shrink(x, lora_a, ranks, meta, split_k=parts, progs=shrink_progs, block_r=cfg.block_r,
                     block_k=cfg.block_k, y=scratch, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages,
                     pdl=cfg.pdl if pdl is None else pdl, chunk_ranks=chunk_ranks if cfg.chunk_tables else None,
-                    weight_prefetch=cfg.weight_prefetch, late_trigger=late_trigger)
+                    weight_prefetch=cfg.weight_prefetch)
     return y, {"shrink_progs": shrink_progs, "k_tiles": cdiv(x.shape[1], cfg.block_k)}
 
 

@@ -103,23 +103,15 @@ def _lora_shrink_kernel(
     stride_rs, stride_crs,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False, CHUNK_TABLES: tl.constexpr = False,
-    PREFETCH_A: tl.constexpr = 0, PF_LINE: tl.constexpr = 64, LATE_TRIGGER: tl.constexpr = False,
+    PREFETCH_A: tl.constexpr = 0, PF_LINE: tl.constexpr = 64,
 ):
     pid = tl.program_id(0)
     r_tile = tl.program_id(1)
     sl = tl.program_id(2)
     if USE_PDL:
-        first = (pid == 0) & (r_tile == 0) & (sl == 0)
-        if LATE_TRIGGER:
-            # the next launch starts once every program has let it, and program 0 lets it only after its wait: the
-            # launch before this one (which wrote x) has completed, so the next launch may read x at once
-            if first:
-                gdc_wait()
-            gdc_launch_dependents()
-        else:
-            gdc_launch_dependents()
-            if first:
-                gdc_wait()
+        gdc_launch_dependents()
+        if (pid == 0) & (r_tile == 0) & (sl == 0):
+            gdc_wait()
     num_chunks = tl.load(num_chunks_ptr)
     k_tiles = tl.cdiv(K, BLOCK_K)
     parts, tiles_per = split_parts(progs, num_chunks, SPLIT_K, k_tiles)
@@ -219,7 +211,6 @@ def lora_shrink(
     chunk_ranks: torch.Tensor | None = None,  # [S, max_chunks] int32: rank of each chunk's slot (with
     # meta.chunk_tokens: the per-chunk tables, one metadata round trip per program)
     weight_prefetch: str = "off",  # before the PDL wait: "first" A tile into registers, or the "l2" share into L2
-    late_trigger: bool = False,  # with pdl: the next launch starts only after this launch's predecessor completed
 ) -> torch.Tensor:  # [split_k, S, T, R] float32 partial sums; the expand needs the same split_k and progs
     num_tokens, k_dim = x.shape
     num_slots, num_slices, max_rank, a_k = lora_a.shape
@@ -250,7 +241,7 @@ def lora_shrink(
         ranks.stride(0), tables[1].stride(0),
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(x.dtype), USE_PDL=pdl, CHUNK_TABLES=tables[0] is not meta.chunk_slots,
-        PREFETCH_A=prefetch, PF_LINE=line, LATE_TRIGGER=late_trigger, num_warps=num_warps, num_stages=num_stages,
+        PREFETCH_A=prefetch, PF_LINE=line, num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl else {}),
     )
     return y

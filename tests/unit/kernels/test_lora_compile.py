@@ -159,27 +159,3 @@ def test_metadata_kernel_compiles_for_sm90(tb, sb, cb):
     compiled = _compile("lora_meta._lora_meta_kernel", {}, dict(BLOCK_M=16, TB=tb, SB=sb, CB=cb, UB=16),
                         num_warps=4 if tb <= 256 else 8)
     assert compiled["cubin"] and compiled["shared"] <= 16 * 1024
-
-
-@pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, tests/gpu compiles and runs the kernels for real")
-def test_fused_gemm_compiles_for_sm90_and_waits_where_asked():
-    """``lora_gemm``: the bf16 GEMM with the LoRA epilogue builds a cubin with a pipelined (cp.async) main loop; with
-    PDL it waits before its first tensor-core instruction, or (``overlap``: EARLY_MAIN) only after the main loop, before
-    the epilogue's y loads. The shrink with ``late_trigger`` lets the next launch start only after its own wait."""
-    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16", "y_ptr": "*fp32",
-             "b_ptr": "*bf16", "scaling_ptr": "*fp32"}
-    order = {}
-    for early in (False, True):
-        ptx = _compile("lora_gemm._gemm_lora_kernel", types,
-                       dict(NUM_SLICES=3, SPLIT_K=16, BLOCK_R=16, BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, EVEN_K=True,
-                            HAS_BIAS=False, HAS_LORA=True, DOT_PRECISION="tf32", USE_PDL=True, EARLY_MAIN=early),
-                       runtime_hints=True, num_warps=4, num_stages=4)["ptx"]
-        assert "cp.async" in ptx and "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" not in ptx
-        mma = min(i for i in (ptx.find("wgmma"), ptx.find("mma.sync")) if i >= 0)
-        order[early] = ptx.find("griddepcontrol.wait") < mma
-    assert order == {False: True, True: False}
-    shrink = _compile("lora_shrink._lora_shrink_kernel", {"x_ptr": "*bf16", "a_ptr": "*bf16", "y_ptr": "*fp32"},
-                      dict(SPLIT_K=16, BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, DOT_PRECISION="tf32", USE_PDL=True,
-                           CHUNK_TABLES=True, LATE_TRIGGER=True), runtime_hints=True, num_warps=2, num_stages=3)["ptx"]
-    assert shrink.find("griddepcontrol.wait") < shrink.find("griddepcontrol.launch_dependents")

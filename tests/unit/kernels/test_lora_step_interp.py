@@ -14,13 +14,12 @@ from triton.runtime.interpreter import InterpretedFunction
 from loraplex.adapters.mapping import LoRAStep
 from loraplex.adapters.modules import PROJ_MODULES, BaseShapes
 from loraplex.adapters.slot_pool import SlotPool
-from loraplex.kernels import lora_expand, lora_gemm, lora_shrink, lora_silu_mul
+from loraplex.kernels import lora_expand, lora_shrink, lora_silu_mul
 from loraplex.kernels.fused_ops_ref import silu_mul_ref
 
 if not isinstance(lora_shrink._lora_shrink_kernel, InterpretedFunction) or not isinstance(
-        lora_silu_mul._lora_silu_mul_kernel, InterpretedFunction) or not isinstance(
-        lora_gemm._gemm_lora_kernel, InterpretedFunction):
-    for module in (lora_shrink, lora_expand, lora_silu_mul, lora_gemm):
+        lora_silu_mul._lora_silu_mul_kernel, InterpretedFunction):
+    for module in (lora_shrink, lora_expand, lora_silu_mul):
         importlib.reload(module)
 
 SHAPES = BaseShapes(num_layers=2, hidden_size=48, q_size=48, kv_size=16, intermediate_size=80)
@@ -102,39 +101,3 @@ def test_expand_first_linear_equals_gemm_then_expand(with_base_tokens):
     x = torch.randn(num_tokens, SHAPES.proj_in("o"), generator=gen)
     weight = torch.randn(sum(SHAPES.slice_widths("o")), SHAPES.proj_in("o"), generator=gen) * 0.2
     torch.testing.assert_close(first.linear(0, "o", x, weight, bias), plain.linear(0, "o", x, weight, bias))
-
-
-@pytest.mark.parametrize("num_tokens, num_active", [(6, 3), (40, 2)])
-def test_fused_gemm_linear_equals_gemm_then_expand(num_tokens, num_active):
-    """``fused_gemm_max_tokens``: a step at most that large runs the shrink, then the Triton GEMM with the expand in
-    its epilogue (``lora_gemm``); same result as the twin path (GEMM, then shrink and expand) for every projection,
-    with a bias, ranks mixed (rank-0 slices included) and tokens without an adapter. Larger steps and quantized or
-    mismatched weights keep the usual path."""
-    from loraplex.engine.quant import quantize_int8
-
-    gen = torch.Generator().manual_seed(11 + num_tokens)
-    pool, slots = _pool_and_slots(gen, num_tokens, num_active)
-    twin = LoRAStep(pool, slots, num_active, use_triton=False)
-    fused = LoRAStep(pool, slots, num_active, use_triton=True, fused_gemm_max_tokens=num_tokens)
-    assert set(fused._gemm_blocks) == set(PROJ_MODULES)
-    assert not LoRAStep(pool, slots, num_active, use_triton=True, fused_gemm_max_tokens=num_tokens - 1)._gemm_blocks
-    assert not LoRAStep(pool, slots, num_active, use_triton=False, fused_gemm_max_tokens=num_tokens)._gemm_blocks
-    calls = []
-    real = lora_gemm.gemm_lora
-    lora_gemm.gemm_lora = lambda *a, **kw: calls.append(1) or real(*a, **kw)
-    try:
-        for proj in PROJ_MODULES:
-            n, k = sum(SHAPES.slice_widths(proj)), SHAPES.proj_in(proj)
-            x = torch.randn(num_tokens, k, generator=gen)
-            weight = torch.randn(n, k, generator=gen) * 0.2
-            bias = torch.randn(n, generator=gen) if proj == "qkv" else None
-            for layer in range(SHAPES.num_layers):
-                want = twin.linear(layer, proj, x, weight, bias)
-                got = fused.linear(layer, proj, x, weight, bias)
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
-        assert len(calls) == len(PROJ_MODULES) * SHAPES.num_layers
-        q = quantize_int8(weight)  # down's: a quantized weight takes the usual path (its own kernel / twin)
-        torch.testing.assert_close(fused.linear(0, "down", x, q), twin.linear(0, "down", x, q), rtol=1e-5, atol=1e-4)
-        assert len(calls) == len(PROJ_MODULES) * SHAPES.num_layers
-    finally:
-        lora_gemm.gemm_lora = real
