@@ -7,6 +7,7 @@ by every layer; the only device-to-host copy is the sampled tokens (and logprobs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -52,6 +53,9 @@ class ModelRunner:
         self.tp = parallel.current() if config.tensor_parallel_size > 1 else None
         if config.tensor_parallel_size > 1 and self.tp is None:
             raise RuntimeError("tensor_parallel_size > 1 needs the process group (LLMEngine starts it)")
+        if self.tp is not None:  # fewer KV heads than ranks: each KV head on several ranks
+            self.tp = dataclasses.replace(self.tp, kv_replicas=parallel.kv_replicas(self.whole_hf_config,
+                                                                                    self.tp.size))
         self.hf_config = parallel.local_hf_config(self.whole_hf_config, config.tensor_parallel_size)
         self.model_config = LlamaConfig.from_hf(self.hf_config)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)

@@ -3,7 +3,10 @@
 Layout, for ``tensor_parallel_size`` = P and rank r (every rank holds 1/P of each layer's projections):
 - q|k|v and gate|up are column-parallel: rank r keeps its heads' rows of q, k, v (``num_attention_heads`` /
   P query heads, ``num_key_value_heads`` / P KV heads) and its 1/P of gate's and up's rows; its KV cache holds
-  only its KV heads, and attention runs on its heads alone.
+  only its KV heads, and attention runs on its heads alone. With fewer KV heads than ranks (MQA, or GQA with
+  large P; P must then be a multiple of the KV heads) each KV head is replicated on P / KV-heads consecutive
+  ranks, whose query heads are the ones that read it: rank r keeps KV head r // (P / KV-heads), its cache holds
+  that one head (as vLLM and Megatron do it).
 - o and down are row-parallel: rank r keeps the input columns that match its heads (o) or its share of the
   intermediate size (down), computes a partial sum, and one all-reduce per projection (two per layer) gives
   every rank the full output. Their biases live on rank 0 only (the others hold zeros), so the sum adds them once.
@@ -50,6 +53,7 @@ WORKER_START_TIMEOUT_S = 600
 class TPInfo:
     rank: int
     size: int
+    kv_replicas: int = 1  # ranks sharing each KV head (kv_replicas())
 
 
 _STATE: dict[str, Any] = {}  # "info": TPInfo, "cpu_group": the gloo group of control messages
@@ -72,10 +76,19 @@ def check_shardable(hf_config: dict, size: int) -> None:
     heads = hf_config["num_attention_heads"]
     kv_heads = hf_config.get("num_key_value_heads") or heads
     inter = hf_config["intermediate_size"]
-    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                        ("intermediate_size", inter)):
+    for name, value in (("num_attention_heads", heads), ("intermediate_size", inter)):
         if value % size:
             raise ValueError(f"tensor_parallel_size {size} must divide the model's {name} ({value})")
+    if kv_heads % size and size % kv_heads:
+        raise ValueError(f"tensor_parallel_size {size} must divide the model's num_key_value_heads ({kv_heads}) or "
+                         "be a multiple of it (each KV head then replicated)")
+
+
+def kv_replicas(hf_config: dict, size: int) -> int:
+    """Ranks holding each KV head: 1, or size / KV heads when there are fewer KV heads than ranks."""
+    heads = hf_config["num_attention_heads"]
+    kv_heads = hf_config.get("num_key_value_heads") or heads
+    return max(1, size // kv_heads)
 
 
 def local_hf_config(hf_config: dict, size: int) -> dict:
@@ -87,7 +100,7 @@ def local_hf_config(hf_config: dict, size: int) -> dict:
     local = dict(hf_config)
     local["head_dim"] = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
     local["num_attention_heads"] = heads // size
-    local["num_key_value_heads"] = (hf_config.get("num_key_value_heads") or heads) // size
+    local["num_key_value_heads"] = max(1, (hf_config.get("num_key_value_heads") or heads) // size)
     local["intermediate_size"] = hf_config["intermediate_size"] // size
     return local
 
@@ -97,6 +110,17 @@ def _part(tensor: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
     return tensor.narrow(dim, rank * n, n)
 
 
+KV_MODULES = ("k_proj", "v_proj")
+
+
+def _column_part(module: str, tensor: torch.Tensor, info: TPInfo) -> torch.Tensor:
+    """A column-parallel module's output rows for this rank: 1/P of them, or for k and v with ``kv_replicas`` R > 1
+    the whole KV head this rank shares with R - 1 others (its rows: 1/(P/R) of them)."""
+    if module in KV_MODULES and info.kv_replicas > 1:
+        return _part(tensor, 0, info.rank // info.kv_replicas, info.size // info.kv_replicas)
+    return _part(tensor, 0, info.rank, info.size)
+
+
 def shard_checkpoint_tensor(name: str, tensor: torch.Tensor, info: TPInfo) -> torch.Tensor:
     """One rank's part of a Hugging Face checkpoint tensor (replicated tensors are returned whole)."""
     parts = name.split(".")  # model.layers.<i>.<self_attn|mlp>.<module>.<weight|bias>
@@ -104,7 +128,7 @@ def shard_checkpoint_tensor(name: str, tensor: torch.Tensor, info: TPInfo) -> to
     if info.size == 1 or ".layers." not in name or module not in MODULES:
         return tensor  # embeddings, norms, LM head
     if module not in ROW_PARALLEL_MODULES:
-        return _part(tensor, 0, info.rank, info.size)  # column-parallel: output rows (weight and bias)
+        return _column_part(module, tensor, info)  # column-parallel: output rows (weight and bias)
     if parts[-1] == "bias":
         return tensor if info.rank == 0 else torch.zeros_like(tensor)  # added once by the all-reduce
     return _part(tensor, 1, info.rank, info.size)  # row-parallel: input columns
@@ -116,7 +140,7 @@ def shard_lora_pair(module: str, lora_a: torch.Tensor, lora_b: torch.Tensor, inf
         return lora_a, lora_b
     if module in ROW_PARALLEL_MODULES:
         return _part(lora_a, 1, info.rank, info.size), lora_b
-    return lora_a, _part(lora_b, 0, info.rank, info.size)
+    return lora_a, _column_part(module, lora_b, info)
 
 
 # ---- processes ---------------------------------------------------------------------------------------

@@ -62,6 +62,64 @@ def test_local_config_and_limits(tiny_model):
         LLM(tiny_model["model_dir"], tensor_parallel_size=0)
 
 
+@pytest.mark.parametrize("size", [2, 4])
+def test_fewer_kv_heads_than_ranks_replicates_each_kv_head(tiny_qwen2, tiny_model, size):
+    """MQA (1 KV head) over 2 and 4 ranks, and GQA (2 KV heads) over 4: rank r keeps its 1/P of the query heads and
+    the whole KV head r // (P / KV heads), weights, biases and LoRA B rows alike; the local config has one KV head;
+    q, gate, up and the row-parallel modules shard as without replication."""
+    for model in (tiny_qwen2, tiny_model):
+        cfg = json.loads((Path(model["model_dir"]) / "config.json").read_text())
+        heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        if kv_heads >= size:
+            continue
+        replicas = parallel.kv_replicas(cfg, size)
+        assert replicas == size // kv_heads and local_hf_config(cfg, size)["num_key_value_heads"] == 1
+        head_dim = cfg["hidden_size"] // heads
+        infos = [TPInfo(r, size, replicas) for r in range(size)]
+        seen = set()
+        for name, tensor in iter_tensors(model["model_dir"]):
+            parts = [shard_checkpoint_tensor(name, tensor, info) for info in infos]
+            if ".k_proj." in name or ".v_proj." in name:
+                for r, part in enumerate(parts):
+                    head = r // replicas
+                    assert torch.equal(part, tensor[head * head_dim:(head + 1) * head_dim]), (name, r)
+                seen.add("kv")
+            elif ".q_proj." in name:
+                assert torch.equal(torch.cat(parts, dim=0), tensor)
+                seen.add("q")
+        assert seen == {"kv", "q"}
+        gen = torch.Generator().manual_seed(1)
+        a, b = torch.randn(4, cfg["hidden_size"], generator=gen), torch.randn(kv_heads * head_dim, 4, generator=gen)
+        for r, info in enumerate(infos):
+            pa, pb = shard_lora_pair("v_proj", a, b, info)
+            head = r // replicas
+            assert pa is a and torch.equal(pb, b[head * head_dim:(head + 1) * head_dim])
+    with pytest.raises(ValueError, match="must divide the model's num_key_value_heads \\(2\\) or be a multiple"):
+        parallel.check_shardable({"num_attention_heads": 12, "num_key_value_heads": 2, "intermediate_size": 96}, 3)
+
+
+@pytest.mark.parametrize("model, size", [("tiny_qwen2", 2), ("tiny_model", 4)], ids=["mqa-2-ranks", "gqa-4-ranks"])
+def test_ranks_sharing_kv_heads_equal_one(model, size, request):
+    """Qwen2-style MQA (4 query heads, 1 KV head, q|k|v bias) over two ranks, and the Llama GQA model (4 query heads,
+    2 KV heads) over four, each rank with one query head and KV head r // 2: with adapters (k and v among their
+    targets), the single-process engine's greedy tokens and logprobs."""
+    manifest = request.getfixturevalue(model)
+    kw = dict(dtype="float32", enable_lora=True, max_loras=2, max_num_batched_tokens=48, seed=3)
+    prompts = [{"prompt_token_ids": p} for p in _prompts()]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=1)
+    loras = [LoRARequest("a0", 1, adapter_dir(manifest, 0)), None, LoRARequest("a1", 2, adapter_dir(manifest, 1)),
+             LoRARequest("a0", 1, adapter_dir(manifest, 0)), None]
+    want = LLM(manifest["model_dir"], **kw).generate(prompts, params, lora_request=loras)
+    with LLM(manifest["model_dir"], tensor_parallel_size=size, **kw) as many:
+        assert many.engine.runner.model_config.num_kv_heads == 1 and many.engine.runner.tp.kv_replicas == 2
+        got = many.generate(prompts, params, lora_request=loras)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            tok = next(iter(lw))
+            assert abs(lw[tok].logprob - lg[tok].logprob) < 1e-4
+
+
 def _prompts():
     return [[1] + list(range(10 + 7 * i, 10 + 7 * i + n)) for i, n in enumerate((3, 30, 17, 60, 9))]
 
