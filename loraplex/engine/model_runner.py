@@ -59,8 +59,11 @@ class ModelRunner:
         self.hf_config = parallel.local_hf_config(self.whole_hf_config, config.tensor_parallel_size)
         self.model_config = LlamaConfig.from_hf(self.hf_config)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
+        vocab_parts = self.tp.size if self.tp is not None and parallel.vocab_parallel(self.whole_hf_config,
+                                                                                       self.tp.size) else 1
         self.model = LlamaForCausalLM(self.model_config, self.device, self.dtype,
-                                      reduce=parallel.all_reduce_ if self.tp is not None else None)
+                                      reduce=parallel.all_reduce_ if self.tp is not None else None,
+                                      vocab_parts=vocab_parts, gather_vocab=parallel.all_gather_vocab)
         load_weights(self.model, config.model,
                      shard=(lambda name, t: parallel.shard_checkpoint_tensor(name, t, self.tp)) if self.tp else None)
         self.weight_bytes_freed = 0

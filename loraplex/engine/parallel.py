@@ -10,8 +10,10 @@ Layout, for ``tensor_parallel_size`` = P and rank r (every rank holds 1/P of eac
 - o and down are row-parallel: rank r keeps the input columns that match its heads (o) or its share of the
   intermediate size (down), computes a partial sum, and one all-reduce per projection (two per layer) gives
   every rank the full output. Their biases live on rank 0 only (the others hold zeros), so the sum adds them once.
-- Embeddings, norms and the LM head are replicated: every rank computes the same logits and samples the same
-  tokens (same seeds, and an all-reduce returns identical bytes on every rank), so no token is broadcast.
+- Embeddings and norms are replicated. An untied LM head is vocabulary-parallel (rank r keeps 1/P of the vocabulary's
+  rows; one all-gather puts the logits side by side); a tied one (the embedding table) is replicated. Every rank then
+  holds the same logits and samples the same tokens (same seeds, and the collectives return identical bytes on every
+  rank), so no token is broadcast.
 - LoRA (as S-LoRA and vLLM shard it): a column-parallel slice keeps the whole ``lora_A`` and its rows of
   ``lora_B``; a row-parallel slice keeps its columns of ``lora_A`` and the whole ``lora_B``. The expand of a
   row-parallel slice adds ``(x_r A_r) B`` into rank r's partial output, and the projection's all-reduce sums
@@ -67,6 +69,19 @@ def all_reduce_(tensor: torch.Tensor) -> torch.Tensor:
     """Sum a row-parallel projection's partial output over the ranks, in place (device group)."""
     dist.all_reduce(tensor)
     return tensor
+
+
+def all_gather_vocab(local: torch.Tensor) -> torch.Tensor:
+    """[N, V/P] logits of each rank's vocabulary slice -> [N, V] on every rank (rank r's columns at r * V/P)."""
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, local.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def vocab_parallel(hf_config: dict, size: int) -> bool:
+    """Whether the LM head is split by vocabulary rows over ``size`` ranks: an untied head whose vocabulary divides
+    evenly (a tied head is the embedding table, which every rank needs whole)."""
+    return size > 1 and not hf_config.get("tie_word_embeddings", False) and hf_config["vocab_size"] % size == 0
 
 
 def check_shardable(hf_config: dict, size: int) -> None:
@@ -125,8 +140,10 @@ def shard_checkpoint_tensor(name: str, tensor: torch.Tensor, info: TPInfo) -> to
     """One rank's part of a Hugging Face checkpoint tensor (replicated tensors are returned whole)."""
     parts = name.split(".")  # model.layers.<i>.<self_attn|mlp>.<module>.<weight|bias>
     module = parts[-2] if len(parts) >= 3 else ""
+    if info.size > 1 and name == "lm_head.weight" and tensor.shape[0] % info.size == 0:
+        return _part(tensor, 0, info.rank, info.size)  # vocabulary-parallel head (vocab_parallel)
     if info.size == 1 or ".layers." not in name or module not in MODULES:
-        return tensor  # embeddings, norms, LM head
+        return tensor  # embeddings, norms, a tied LM head
     if module not in ROW_PARALLEL_MODULES:
         return _column_part(module, tensor, info)  # column-parallel: output rows (weight and bias)
     if parts[-1] == "bias":

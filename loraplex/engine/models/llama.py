@@ -221,16 +221,23 @@ class LlamaLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig, device, dtype, fused_ops: bool | None = None, reduce=None):
+    def __init__(self, cfg: LlamaConfig, device, dtype, fused_ops: bool | None = None, reduce=None,
+                 vocab_parts: int = 1, gather_vocab=None):
         """``cfg``: the whole model, or under tensor parallelism one rank's shard (``parallel.local_hf_config``)
-        with ``reduce`` the in-place all-reduce of the row-parallel projections' partial sums."""
+        with ``reduce`` the in-place all-reduce of the row-parallel projections' partial sums. ``vocab_parts`` > 1
+        (an untied LM head, tensor parallelism): this rank's LM head holds 1/vocab_parts of the vocabulary's rows and
+        ``gather_vocab`` puts every rank's logits side by side."""
         super().__init__()
         self.config = cfg
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype)
         self.layers = nn.ModuleList(LlamaLayer(cfg, i, device, dtype, reduce) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, dtype)
-        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size, device=device,
-                                                                   dtype=dtype)
+        if vocab_parts > 1 and (cfg.tie_word_embeddings or cfg.vocab_size % vocab_parts or gather_vocab is None):
+            raise ValueError(f"a vocabulary-parallel LM head needs an untied head, a vocabulary ({cfg.vocab_size}) "
+                             f"divisible by {vocab_parts} and a gather")
+        self.gather_vocab = gather_vocab if vocab_parts > 1 else None
+        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size // vocab_parts, cfg.hidden_size,
+                                                                   device=device, dtype=dtype)
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         self.fused_ops = fused_ops_default(device) if fused_ops is None else fused_ops
         self.ops = _Ops(self.fused_ops)
@@ -258,7 +265,10 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()  # [N, V]
+        logits = F.linear(hidden, weight)
+        if self.gather_vocab is not None:  # this rank's vocabulary slice -> every rank's, side by side
+            logits = self.gather_vocab(logits)
+        return logits.float()  # [N, V]
 
     # ---- weights -------------------------------------------------------------------------------
     def weight_targets(self, name: str):

@@ -24,7 +24,8 @@ def _joined(name: str, tensor: torch.Tensor, size: int) -> torch.Tensor:
         return sum(parts)  # rank 0 holds the bias, the all-reduce adds it once
     if ".o_proj." in name or ".down_proj." in name:
         return torch.cat(parts, dim=1)
-    if ".layers." in name and any(m in name for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")):
+    if (".layers." in name and any(m in name for m in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))
+            or name == "lm_head.weight"):  # column-parallel rows; the vocabulary-parallel head's rows
         return torch.cat(parts, dim=0)
     assert all(p is tensor for p in parts)  # replicated
     return tensor
@@ -47,6 +48,16 @@ def test_lora_shards_sum_to_the_whole_delta():
         else:  # each rank's output rows, side by side
             got = torch.cat([x @ pa.t() @ pb.t() for pa, pb in pieces], dim=1)
         torch.testing.assert_close(got, whole)
+
+
+def test_vocab_parallel_only_for_an_untied_head_that_divides():
+    cfg = {"vocab_size": 512, "tie_word_embeddings": False}
+    assert parallel.vocab_parallel(cfg, 2) and parallel.vocab_parallel(cfg, 4)
+    assert not parallel.vocab_parallel(cfg, 1) and not parallel.vocab_parallel({**cfg, "vocab_size": 513}, 2)
+    assert not parallel.vocab_parallel({**cfg, "tie_word_embeddings": True}, 2)  # the embedding table: replicated
+    head = torch.arange(513 * 2, dtype=torch.float32).view(513, 2)
+    assert shard_checkpoint_tensor("lm_head.weight", head, TPInfo(1, 2)) is head  # not divisible: whole
+    assert torch.equal(shard_checkpoint_tensor("lm_head.weight", head[:512], TPInfo(1, 2)), head[256:512])
 
 
 def test_local_config_and_limits(tiny_model):
@@ -135,6 +146,8 @@ def test_two_ranks_equal_one(tiny_model):
     want = one.generate(prompts, params, lora_request=loras)
     with LLM(tiny_model["model_dir"], tensor_parallel_size=2, **kw) as two:
         assert two.engine.runner.model_config.num_heads == one.engine.runner.model_config.num_heads // 2
+        vocab = one.engine.runner.model_config.vocab_size  # the untied LM head is split by vocabulary rows
+        assert two.engine.runner.model.lm_head.shape[0] == vocab // 2 and two.engine.runner.model.gather_vocab
         got = two.generate(prompts, params, lora_request=loras)
         assert two.engine.counters["num_preemptions"] > 0  # 8 blocks of 16 tokens: the tight cache preempts
         for w, g in zip(want, got):
