@@ -15,6 +15,7 @@ model). Weight memory: 1 byte per value + 4 per row, about half of bf16, so the 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,7 @@ class QuantizedWeight:
 
     qweight: torch.Tensor
     scale: torch.Tensor
+    scratch: torch.Tensor | None = None  # where large steps dequantize it (dequantize_into_scratch); not its bytes
 
     @property
     def shape(self) -> torch.Size:
@@ -77,6 +79,13 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, out: torch
             assert bias is None
             return out.addmm_(x, weight.t())
         return F.linear(x, weight, bias)
+    if x.is_cuda and x.shape[0] >= DEQUANT_GEMM_MIN_ROWS:
+        # a large step is compute-bound: the weight dequantized once into a scratch buffer (the twin's exact values),
+        # then cuBLAS; the 8-bit kernel's per-tile conversion costs far more there (see DEQUANT_GEMM_MIN_ROWS)
+        w = dequantize_into_scratch(weight, x.dtype)
+        if accumulate:
+            return out.addmm_(x, w.t())
+        return F.linear(x, w, bias)
     if x.is_cuda:
         from loraplex.kernels.w8a16 import w8a16_linear
 
@@ -87,6 +96,26 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, out: torch
     if accumulate:
         return out.add_(result)
     return result
+
+
+# Steps of at least this many rows (CUDA) run a quantized projection as its dequantized weight and cuBLAS. On the H200
+# (docs/benchmarks/H200-2026-12-03-run17.md) the W8A16 kernel made the steps with prompt tokens (~7,300 rows) of an
+# offline run 27% (int8) and 91% (fp8) slower than bf16; the conversion moves ~7 bytes per weight (about 3.5 ms per
+# such step on an 8B model) while the GEMM itself is compute-bound. Decode-sized steps keep the 8-bit kernel.
+DEQUANT_GEMM_MIN_ROWS = int(os.environ.get("LORAPLEX_QUANT_DEQUANT_MIN_ROWS", "1024"))
+
+def dequantize_into_scratch(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """``weight.dequantize(dtype)`` written into ``weight.scratch`` (one flat buffer a model's weights share, sized by
+    ``quantize_model_`` at load so CUDA-graph captures never allocate it; a weight without one gets its own): the
+    8-bit values converted exactly (int8 and e4m3 values are exact in bf16 and fp16), then times the row scales
+    computed in fp32 and rounded once, as the twin."""
+    n, k = weight.shape
+    buf = weight.scratch
+    if buf is None or buf.dtype != dtype or buf.numel() < n * k:
+        buf = weight.scratch = torch.empty(n * k, dtype=dtype, device=weight.qweight.device)
+    w = buf[:n * k].view(n, k)
+    w.copy_(weight.qweight)
+    return w.mul_(weight.scale[:, None])
 
 
 def quantize_model_(model, method: str) -> int:
@@ -102,4 +131,12 @@ def quantize_model_(model, method: str) -> int:
             freed += weight.numel() * weight.element_size() - quantized.nbytes()
             del layer._parameters[name]  # a Parameter's name cannot take another kind of value
             object.__setattr__(layer, name, quantized)
+    weights = [getattr(layer, n) for layer in model.layers
+               for n in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")]
+    if model.embed_tokens.is_cuda and weights:  # the large-step path's buffer, shared, allocated now
+        scratch = torch.empty(max(w.qweight.numel() for w in weights), dtype=model.embed_tokens.dtype,
+                              device=model.embed_tokens.device)
+        for w in weights:
+            w.scratch = scratch
+        freed -= scratch.numel() * scratch.element_size()
     return freed

@@ -50,3 +50,51 @@ def test_engine_int8_equals_dequantized_checkpoint_on_cuda(tiny_model, tmp_path,
     quant = [o.outputs[0].token_ids for o in LLM(tiny_model["model_dir"], quantization=method, **kw).generate(prompts, params)]
     plain = [o.outputs[0].token_ids for o in LLM(str(tmp_path), **kw).generate(prompts, params)]
     assert quant == plain
+
+
+@pytest.mark.parametrize("quantize", [quantize_int8, quantize_fp8], ids=["int8", "fp8"])
+def test_large_steps_run_the_dequantized_weight_through_cublas(quantize):
+    """At ``DEQUANT_GEMM_MIN_ROWS`` rows and more ``quant.linear`` dequantizes into the shared scratch and calls cuBLAS:
+    bit-identical to ``F.linear`` over ``dequantize()`` (bias and accumulate too); below it the 8-bit kernel runs."""
+    from loraplex.engine import quant
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    w = quantize(torch.randn(6144, 4096, device="cuda", generator=gen) * 0.02)
+    bias = torch.randn(6144, device="cuda", generator=gen).to(torch.bfloat16)
+    rows = quant.DEQUANT_GEMM_MIN_ROWS
+    x = torch.randn(rows, 4096, device="cuda", generator=gen).to(torch.bfloat16)
+    dense = w.dequantize(torch.bfloat16)
+    assert torch.equal(quant.linear(x, w, bias), torch.nn.functional.linear(x, dense, bias))
+    assert w.scratch is not None and w.scratch.numel() >= dense.numel()
+    out = torch.randn(rows, 6144, device="cuda", generator=gen).to(torch.bfloat16)
+    want = out.clone().addmm_(x, dense.t())
+    assert torch.equal(quant.linear(x, w, out=out, accumulate=True), want)
+    small = quant.linear(x[:rows - 1], w, bias)  # the kernel: close, not bit-identical
+    torch.testing.assert_close(small.float(), torch.nn.functional.linear(x[:rows - 1], dense, bias).float(),
+                               rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_engine_with_every_step_through_the_dequantized_path_equals_the_checkpoint(tiny_model, tmp_path, method,
+                                                                                     monkeypatch):
+    """Every step at or above the threshold (lowered to 1 row): the engine's tokens and logprobs equal those of the
+    engine over the dequantized checkpoint (same weights, same cuBLAS calls); the model shares one scratch buffer."""
+    from loraplex import LLM, SamplingParams
+    from loraplex.engine import quant
+    from tests.conftest import dequantized_copy
+
+    monkeypatch.setattr(quant, "DEQUANT_GEMM_MIN_ROWS", 1)
+    dequantized_copy(tiny_model["model_dir"], tmp_path, method)
+    prompts = [{"prompt_token_ids": [1] + list(range(10, 10 + n))} for n in (3, 30, 120)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0)
+    kw = dict(device="cuda", dtype="float32", max_num_batched_tokens=64)
+    llm = LLM(tiny_model["model_dir"], quantization=method, **kw)
+    layer = llm.engine.runner.model.layers[0]
+    assert layer.qkv_weight.scratch is not None and layer.qkv_weight.scratch is layer.down_weight.scratch
+    quant_out = llm.generate(prompts, params)
+    plain_out = LLM(str(tmp_path), **kw).generate(prompts, params)
+    for q, p in zip(quant_out, plain_out):
+        assert q.outputs[0].token_ids == p.outputs[0].token_ids
+        for lq, lp in zip(q.outputs[0].logprobs, p.outputs[0].logprobs):
+            tok = next(iter(lp))
+            assert abs(lq[tok].logprob - lp[tok].logprob) < 1e-5

@@ -86,3 +86,20 @@ def test_quantization_options_are_checked():
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="merge_single_lora cannot fold an adapter into quantized weights"):
         EngineConfig(quantization="int8", enable_lora=True, merge_single_lora=True)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_dequantize_into_scratch_gives_the_twins_values_and_reuses_the_buffer(method):
+    """The large-step path's dequantization (CUDA uses it with cuBLAS): exactly ``dequantize()``'s values, in bf16 and
+    fp32, written into the weight's scratch; a smaller weight sharing that buffer reuses it."""
+    from loraplex.engine.quant import QUANTIZERS, dequantize_into_scratch
+
+    gen = torch.Generator().manual_seed(3)
+    big = QUANTIZERS[method](torch.randn(96, 64, generator=gen))
+    small = QUANTIZERS[method](torch.randn(32, 64, generator=gen))
+    for dtype in (torch.bfloat16, torch.float32):
+        got = dequantize_into_scratch(big, dtype)
+        assert got.dtype == dtype and torch.equal(got, big.dequantize(dtype))
+        small.scratch = big.scratch
+        again = dequantize_into_scratch(small, dtype)
+        assert again.data_ptr() == big.scratch.data_ptr() and torch.equal(again, small.dequantize(dtype))
