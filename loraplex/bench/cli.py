@@ -148,6 +148,10 @@ def add_offline_args(p) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="engine option num_speculative_tokens: prompt-lookup drafts per sequence and step (default: "
                         "the engine's default, 0 = off; random prompts seldom repeat, so drafts are few)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="engine option tensor_parallel_size: the model over this many GPUs (CPU processes with "
+                        "--smoke); the floors then count that many times GPU 0's measured copy bandwidth and matmul "
+                        "rate, and the single-runner decode-step timing (--step-batch) is skipped")
     p.add_argument("--lora-grouping", action="store_true",
                    help="engine option lora_grouping: admit waiting requests whose adapter already runs first, the "
                         "others grouped by adapter (instead of FCFS)")

@@ -91,8 +91,11 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
     kv_name = getattr(args, "kv_cache_dtype", None)  # the floors' KV bytes per value (int8: + its row scale)
     kv_elem = 1 if kv_name in ("fp8", "fp8_e4m3") else 1 + 4 / shape.head_dim if kv_name == "int8" else elem
     quant = getattr(args, "quantization", None)  # the floors' projection bytes (int8: + a scale per row)
-    bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
-    matmul_flops = measure_matmul_flops(device)
+    tp = getattr(args, "tensor_parallel_size", 1) or 1
+    # the floors of a run over tp GPUs: tp times one GPU's rates (each rank moves 1/tp of the weights and KV; the
+    # replicated parts and the all-reduces are not counted, so the floors are optimistic there)
+    bandwidth = tp * measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
+    matmul_flops = tp * measure_matmul_flops(device)
     h2d_bandwidth = measure_h2d_bandwidth(device, nbytes=(1 << 28) if device.type == "cuda" else 1 << 22)
     result.update({"environment": environment(device), "model_dir": str(model_dir), "model_shape": vars(shape),
                    "copy_bandwidth_Bps": bandwidth, "matmul_flops_per_s": matmul_flops,
@@ -122,6 +125,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
                        kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
                        num_speculative_tokens=getattr(args, "num_speculative_tokens", None),
                        quantization=getattr(args, "quantization", None),
+                       tensor_parallel_size=tp,
                        fuse_lora_silu_mul=args.fuse_lora_silu_mul)
     with clock("engine warm-up"):
         # compiles kernels and fills allocator pools before anything is timed: the LoRA kernels are compiled per
@@ -131,7 +135,10 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
         run_popularities(llm, ["identical", "distinct", "base"], min(64, args.num_requests), args.input_len, 8,
                          args.len_dist, shape.vocab_size, adapter_dirs, seed=args.seed + 99)
 
-    if args.step_batch > 0:
+    if args.step_batch > 0 and tp > 1:
+        # measure_decode_step drives rank 0's runner directly; the workers only follow steps the engine schedules
+        log.warning("tensor_parallel_size %d: the decode-step timing (--step-batch) is skipped", tp)
+    elif args.step_batch > 0:
         steps = result["decode_step"] = []
         with clock("decode step vs roofline"):
             for label, distinct in (("base", False), (f"{args.step_batch} distinct rank-{args.rank} adapters", True)):
@@ -162,6 +169,7 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
                 add_over_base(rows)
                 add_upload_time(rows[-1], shape.lora_params_per_rank() * args.rank * elem, h2d_bandwidth)
 
+    llm.shutdown()  # stops tensor-parallel workers; nothing to stop otherwise
     del llm
     gc.collect()
     if device.type == "cuda":
@@ -190,4 +198,11 @@ def offline_sections(result: dict) -> list[tuple[str, str]]:
         sections.append(step_section(result["decode_step"]))
     if "peer" in result:
         sections.append(peer_section(result["peer"], rows))
+    tp = (result.get("settings") or {}).get("tensor_parallel_size") or 1
+    if tp > 1:
+        sections.insert(0, ("Tensor parallelism", f"The engine ran over {tp} ranks (`--tensor-parallel-size {tp}`). "
+                            f"Floors and rooflines count {tp}x GPU 0's measured copy bandwidth and matmul rate (each "
+                            "rank moves 1/P of the projections and KV; replicated parts and all-reduces are not "
+                            "counted, so the floors are optimistic); the single-runner decode-step timing was "
+                            "skipped."))
     return sections

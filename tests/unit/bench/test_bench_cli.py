@@ -176,3 +176,16 @@ def test_bench_offline_smoke_over_an_fp8_kv_cache_counts_one_byte_per_cached_val
         assert row["output_tokens"] == row["num_requests"] * 4
         kv_bytes[kv] = row["roofline"]["kv_bytes"]
     assert kv_bytes["auto"] == 4 * kv_bytes["fp8"] > 0  # the smoke model runs in fp32 on the CPU
+
+
+def test_bench_offline_smoke_over_two_ranks(tmp_path):
+    """``--tensor-parallel-size 2`` (two gloo processes on the CPU): the engine runs over both ranks, the floors count
+    two GPUs' rates, the single-runner decode-step timing is skipped, and the report says so."""
+    out = tmp_path / "out"
+    assert main(["bench", "offline", "--smoke", "--popularity", "base,distinct", "--tensor-parallel-size", "2",
+                 "--work-dir", str(tmp_path / "work"), "--out-dir", str(out)]) == 0
+    data, md = _report(out, "offline")
+    assert data["settings"]["tensor_parallel_size"] == 2 and "decode_step" not in data
+    assert [r["popularity"] for r in data["throughput"]] == ["base", "distinct"]
+    assert all(r["output_tokens"] > 0 for r in data["throughput"])
+    assert "## Tensor parallelism" in md and "2x GPU 0's measured copy bandwidth" in md
