@@ -7,7 +7,6 @@ by every layer; the only device-to-host copy is the sampled tokens (and logprobs
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -53,14 +52,12 @@ class ModelRunner:
         self.tp = parallel.current() if config.tensor_parallel_size > 1 else None
         if config.tensor_parallel_size > 1 and self.tp is None:
             raise RuntimeError("tensor_parallel_size > 1 needs the process group (LLMEngine starts it)")
-        if self.tp is not None:  # fewer KV heads than ranks: each KV head on several ranks
-            self.tp = dataclasses.replace(self.tp, kv_replicas=parallel.kv_replicas(self.whole_hf_config,
-                                                                                    self.tp.size))
+        if self.tp is not None:  # KV-head replicas and the vocabulary-parallel head, from the whole model
+            self.tp = parallel.with_layout(self.tp, self.whole_hf_config)
         self.hf_config = parallel.local_hf_config(self.whole_hf_config, config.tensor_parallel_size)
         self.model_config = LlamaConfig.from_hf(self.hf_config)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
-        vocab_parts = self.tp.size if self.tp is not None and parallel.vocab_parallel(self.whole_hf_config,
-                                                                                       self.tp.size) else 1
+        vocab_parts = self.tp.size if self.tp is not None and self.tp.vocab_parallel else 1
         self.model = LlamaForCausalLM(self.model_config, self.device, self.dtype,
                                       reduce=parallel.all_reduce_ if self.tp is not None else None,
                                       vocab_parts=vocab_parts, gather_vocab=parallel.all_gather_vocab)

@@ -30,6 +30,7 @@ the minimum over ranks; warm-up passes and CUDA-graph captures run on every rank
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import signal
@@ -56,6 +57,7 @@ class TPInfo:
     rank: int
     size: int
     kv_replicas: int = 1  # ranks sharing each KV head (kv_replicas())
+    vocab_parallel: bool = False  # the LM head split by vocabulary rows (vocab_parallel())
 
 
 _STATE: dict[str, Any] = {}  # "info": TPInfo, "cpu_group": the gloo group of control messages
@@ -84,12 +86,23 @@ def vocab_parallel(hf_config: dict, size: int) -> bool:
     return size > 1 and not hf_config.get("tie_word_embeddings", False) and hf_config["vocab_size"] % size == 0
 
 
+def _kv_heads(hf_config: dict) -> int:
+    return hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
+
+
+def with_layout(info: TPInfo, hf_config: dict) -> TPInfo:
+    """``info`` with the whole model's layout decisions (KV-head replicas, vocabulary-parallel head), made once here
+    for the model, its checkpoint shards and its adapters."""
+    return dataclasses.replace(info, kv_replicas=kv_replicas(hf_config, info.size),
+                               vocab_parallel=vocab_parallel(hf_config, info.size))
+
+
 def check_shardable(hf_config: dict, size: int) -> None:
     """Raise ValueError unless the model's heads and intermediate size split evenly over ``size`` ranks."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     heads = hf_config["num_attention_heads"]
-    kv_heads = hf_config.get("num_key_value_heads") or heads
+    kv_heads = _kv_heads(hf_config)
     inter = hf_config["intermediate_size"]
     for name, value in (("num_attention_heads", heads), ("intermediate_size", inter)):
         if value % size:
@@ -101,9 +114,7 @@ def check_shardable(hf_config: dict, size: int) -> None:
 
 def kv_replicas(hf_config: dict, size: int) -> int:
     """Ranks holding each KV head: 1, or size / KV heads when there are fewer KV heads than ranks."""
-    heads = hf_config["num_attention_heads"]
-    kv_heads = hf_config.get("num_key_value_heads") or heads
-    return max(1, size // kv_heads)
+    return max(1, size // _kv_heads(hf_config))
 
 
 def local_hf_config(hf_config: dict, size: int) -> dict:
@@ -115,7 +126,7 @@ def local_hf_config(hf_config: dict, size: int) -> dict:
     local = dict(hf_config)
     local["head_dim"] = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
     local["num_attention_heads"] = heads // size
-    local["num_key_value_heads"] = max(1, (hf_config.get("num_key_value_heads") or heads) // size)
+    local["num_key_value_heads"] = max(1, _kv_heads(hf_config) // size)
     local["intermediate_size"] = hf_config["intermediate_size"] // size
     return local
 
@@ -140,8 +151,8 @@ def shard_checkpoint_tensor(name: str, tensor: torch.Tensor, info: TPInfo) -> to
     """One rank's part of a Hugging Face checkpoint tensor (replicated tensors are returned whole)."""
     parts = name.split(".")  # model.layers.<i>.<self_attn|mlp>.<module>.<weight|bias>
     module = parts[-2] if len(parts) >= 3 else ""
-    if info.size > 1 and name == "lm_head.weight" and tensor.shape[0] % info.size == 0:
-        return _part(tensor, 0, info.rank, info.size)  # vocabulary-parallel head (vocab_parallel)
+    if name == "lm_head.weight" and info.vocab_parallel:
+        return _part(tensor, 0, info.rank, info.size)  # vocabulary-parallel head
     if info.size == 1 or ".layers." not in name or module not in MODULES:
         return tensor  # embeddings, norms, a tied LM head
     if module not in ROW_PARALLEL_MODULES:
@@ -387,8 +398,6 @@ def _terminate_self() -> None:
 
 def worker_main(config, rank: int, port: int) -> None:
     """A worker rank: the same runner on its shard, then every step rank 0 broadcasts, until "stop"."""
-    import dataclasses
-
     logging.basicConfig(level=os.environ.get("LORAPLEX_LOG_LEVEL", "WARNING"))
     config = dataclasses.replace(config, device=rank_device(config.device, rank))
     init_group(rank, config.tensor_parallel_size, torch.device(config.device), port)

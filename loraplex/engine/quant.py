@@ -104,6 +104,7 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, out: torch
 # such step on an 8B model) while the GEMM itself is compute-bound. Decode-sized steps keep the 8-bit kernel.
 DEQUANT_GEMM_MIN_ROWS = int(os.environ.get("LORAPLEX_QUANT_DEQUANT_MIN_ROWS", "1024"))
 
+
 def dequantize_into_scratch(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     """``weight.dequantize(dtype)`` written into ``weight.scratch`` (one flat buffer a model's weights share, sized by
     ``quantize_model_`` at load so CUDA-graph captures never allocate it; a weight without one gets its own): the
@@ -124,6 +125,7 @@ def quantize_model_(model, method: str) -> int:
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
     freed = 0
+    weights = []
     for layer in model.layers:
         for name in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight"):
             weight = getattr(layer, name)
@@ -131,8 +133,7 @@ def quantize_model_(model, method: str) -> int:
             freed += weight.numel() * weight.element_size() - quantized.nbytes()
             del layer._parameters[name]  # a Parameter's name cannot take another kind of value
             object.__setattr__(layer, name, quantized)
-    weights = [getattr(layer, n) for layer in model.layers
-               for n in ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")]
+            weights.append(quantized)
     if model.embed_tokens.is_cuda and weights:  # the large-step path's buffer, shared, allocated now
         scratch = torch.empty(max(w.qweight.numel() for w in weights), dtype=model.embed_tokens.dtype,
                               device=model.embed_tokens.device)

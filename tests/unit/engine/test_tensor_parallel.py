@@ -17,9 +17,9 @@ from loraplex.engine.weights import iter_tensors
 from tests.conftest import adapter_dir
 
 
-def _joined(name: str, tensor: torch.Tensor, size: int) -> torch.Tensor:
+def _joined(name: str, tensor: torch.Tensor, size: int, cfg: dict) -> torch.Tensor:
     """The shards of every rank put back together the way the model sums or concatenates them."""
-    parts = [shard_checkpoint_tensor(name, tensor, TPInfo(r, size)) for r in range(size)]
+    parts = [shard_checkpoint_tensor(name, tensor, parallel.with_layout(TPInfo(r, size), cfg)) for r in range(size)]
     if ".o_proj.bias" in name or ".down_proj.bias" in name:
         return sum(parts)  # rank 0 holds the bias, the all-reduce adds it once
     if ".o_proj." in name or ".down_proj." in name:
@@ -32,8 +32,9 @@ def _joined(name: str, tensor: torch.Tensor, size: int) -> torch.Tensor:
 
 
 def test_checkpoint_shards_rebuild_every_tensor(tiny_model):
+    cfg = json.loads((Path(tiny_model["model_dir"]) / "config.json").read_text())
     for name, tensor in iter_tensors(tiny_model["model_dir"]):
-        assert torch.equal(_joined(name, tensor, 2), tensor), name
+        assert torch.equal(_joined(name, tensor, 2, cfg), tensor), name
 
 
 def test_lora_shards_sum_to_the_whole_delta():
@@ -51,13 +52,15 @@ def test_lora_shards_sum_to_the_whole_delta():
 
 
 def test_vocab_parallel_only_for_an_untied_head_that_divides():
-    cfg = {"vocab_size": 512, "tie_word_embeddings": False}
+    cfg = {"vocab_size": 512, "tie_word_embeddings": False, "num_attention_heads": 4}
     assert parallel.vocab_parallel(cfg, 2) and parallel.vocab_parallel(cfg, 4)
     assert not parallel.vocab_parallel(cfg, 1) and not parallel.vocab_parallel({**cfg, "vocab_size": 513}, 2)
     assert not parallel.vocab_parallel({**cfg, "tie_word_embeddings": True}, 2)  # the embedding table: replicated
     head = torch.arange(513 * 2, dtype=torch.float32).view(513, 2)
-    assert shard_checkpoint_tensor("lm_head.weight", head, TPInfo(1, 2)) is head  # not divisible: whole
-    assert torch.equal(shard_checkpoint_tensor("lm_head.weight", head[:512], TPInfo(1, 2)), head[256:512])
+    odd = parallel.with_layout(TPInfo(1, 2), {**cfg, "vocab_size": 513})
+    assert shard_checkpoint_tensor("lm_head.weight", head, odd) is head  # not divisible: whole
+    even = parallel.with_layout(TPInfo(1, 2), cfg)
+    assert torch.equal(shard_checkpoint_tensor("lm_head.weight", head[:512], even), head[256:512])
 
 
 def test_local_config_and_limits(tiny_model):
