@@ -52,7 +52,7 @@ class LoRAStep:
 
     def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool,
                  fuse_silu_mul: bool = False, overlap_shrink: bool = False, expand_first_min_tokens: int = 0,
-                 has_base_tokens: bool = True) -> None:
+                 has_base_tokens: bool = True, gemm_shrink: bool = False) -> None:
         self.pool = pool
         self.token_slots = token_slots  # [T] int32
         self.num_active = num_active  # distinct adapters in the step (host-known)
@@ -70,6 +70,9 @@ class LoRAStep:
         self.expand_first = bool(expand_first_min_tokens and use_triton and num_active
                                  and token_slots.shape[0] >= expand_first_min_tokens)
         self.has_base_tokens = has_base_tokens  # host-known: False lets the output start uninitialized
+        # the shrink inside the base GEMM for projections whose pool A rows are folded under the base weight
+        # (``SlotPool.fold_base_weights``): one cuBLAS GEMM gives the base output and every slot's y, then the expand
+        self.gemm_shrink = bool(gemm_shrink and num_active)
         if use_triton and num_active:
             from loraplex.kernels import lora_ops
             from loraplex.kernels.lora_expand import slice_col_align
@@ -145,11 +148,43 @@ class LoRAStep:
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` plus every token's adapter delta for ``proj``: the base GEMM, then ``add``;
         with ``overlap_shrink``, the shrink on a forked stream while the GEMM runs, then the expand."""
+        if self.gemm_shrink and bias is None and proj in self.pool.folded and not self._fused(proj):
+            folded, n = self.pool.folded[proj]
+            if weight.shape[0] == n and weight.data_ptr() == folded[layer_idx].data_ptr():
+                return self._gemm_shrink_linear(layer_idx, proj, x, folded[layer_idx], n)
         if self.expand_first and bias is None and proj in self._configs and not self._configs[proj].fused:
             return self._expand_first_linear(layer_idx, proj, x, weight)
         if self.overlap_shrink and proj in self._configs and not self._configs[proj].fused:
             return self._overlapped_linear(layer_idx, proj, x, weight, bias)
         return self.add(layer_idx, proj, x, base_linear(x, weight, bias))
+
+    def _fused(self, proj: str) -> bool:
+        return bool(self.use_triton and proj in self._configs and self._configs[proj].fused)
+
+    def _gemm_shrink_linear(self, layer_idx: int, proj: str, x: torch.Tensor, folded: torch.Tensor,
+                            n: int) -> torch.Tensor:
+        """One GEMM over the folded weight ([W; A of every slot], ``SlotPool.fold_base_weights``): its first n
+        columns are the base output, the rest every slot's y for every token; then the expand reads each token's
+        own slot's group of y and adds the delta into the base columns. Returns the base columns, a view with the
+        folded row stride. The GEMM reads every slot's A, used or not: it pays when most slots are in the step,
+        and it moves those bytes at cuBLAS's rate instead of the shrink kernel's, without the shrink's launch."""
+        full = torch.nn.functional.linear(x, folded)  # [T, n + max_loras * S * R]
+        out = full[:, :n]
+        _, bt, ranks = self.pool.layer_view(proj, layer_idx)
+        num_slices, max_rank = len(PROJ_MODULES[proj]), self.pool.max_rank
+        if not self.use_triton:
+            from loraplex.kernels.lora_ref import gemm_shrink_y, lora_expand_ref
+
+            y = gemm_shrink_y(full, n, self.token_slots, num_slices, max_rank)
+            return lora_expand_ref(y, bt, self.token_slots, ranks, self.pool.scaling,
+                                   self.pool.slice_loc_host[proj], out)
+        num_tokens = x.shape[0]
+        y = full.as_strided((1, num_slices, num_tokens, max_rank), (0, max_rank, full.stride(0), 1),
+                            full.storage_offset() + n)
+        return self._ops.lora_expand_apply(y, {}, out, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj],
+                                           self._widths[proj], self._meta, self._configs[proj], self._col_align[proj],
+                                           self._layer_chunk_ranks(layer_idx, proj),
+                                           y_slot_stride=num_slices * max_rank)
 
     def _expand_first_linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The LoRA work first, then the base GEMM accumulating into its result: the shrink, the expand *writing*

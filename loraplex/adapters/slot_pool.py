@@ -76,6 +76,9 @@ class SlotPool:
         # in-flight copy reads)
         self._pending_fills: dict[int, tuple[torch.cuda.Event, HostAdapter]] = {}
         self.fill_version = [0] * max_loras  # per slot, +1 on every fill or clear (copies of a slot check it)
+        # projections whose A rows sit under the base weight in one tensor (``fold_base_weights``): proj -> (
+        # [L, N + max_loras * S * R, K], N)
+        self.folded: dict[str, tuple[torch.Tensor, int]] = {}
 
     @property
     def num_bytes(self) -> int:
@@ -167,6 +170,34 @@ class SlotPool:
         self.wait_for_fills([slot])  # a fill still in flight would write the ranks back
         self.ranks[:, :, slot] = 0
         self.fill_version[slot] += 1
+
+    def fold_base_weights(self, proj: str, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Put every layer's base weight of ``proj`` [N, K] and the pool's A rows of all slots in one tensor
+        [L, N + max_loras * S * R, K] (base rows first) and return the base weights as views of it, for the model
+        to use instead. ``x @ folded[layer].T`` is then the base projection *and* every slot's shrink in one
+        cuBLAS GEMM (``LoRAStep`` with ``gemm_shrink``); ``a[proj]`` becomes a view of the same tensor, so fills,
+        the Triton shrink and the twins see no difference. Rows beyond an adapter's rank hold whatever was there
+        (their products are computed and never read)."""
+        if proj in self.folded:
+            raise ValueError(f"{proj} is already folded")
+        num_layers, _, num_slices, max_rank, k_dim = self.a[proj].shape
+        if len(weights) != num_layers:
+            raise ValueError(f"{proj}: {len(weights)} weights for {num_layers} layers")
+        n = weights[0].shape[0]
+        for w in weights:
+            same_device = w.device.type == self.device.type and self.device.index in (None, w.device.index)
+            if w.shape != (n, k_dim) or w.dtype != self.dtype or not same_device:
+                raise ValueError(f"{proj}: a base weight of {tuple(w.shape)} {w.dtype} on {w.device}, want "
+                                 f"({n}, {k_dim}) {self.dtype} on {self.device}")
+        rows = self.max_loras * num_slices * max_rank
+        folded = torch.empty(num_layers, n + rows, k_dim, dtype=self.dtype, device=self.device)
+        for i, w in enumerate(weights):
+            folded[i, :n].copy_(w)
+        folded[:, n:].copy_(self.a[proj].reshape(num_layers, rows, k_dim))
+        self.a[proj] = folded[:, n:].view(num_layers, self.max_loras, num_slices, max_rank, k_dim)
+        self.folded[proj] = (folded, n)
+        self._layer_views = {k: v for k, v in self._layer_views.items() if k[0] != proj}
+        return [folded[i, :n] for i in range(num_layers)]
 
     def layer_view(self, proj: str, layer: int):
         """(a [max_loras, S, R, K], bt [max_loras, R, N_total], ranks [S, max_loras]) of one layer."""

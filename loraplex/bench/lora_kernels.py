@@ -484,7 +484,8 @@ def bench_decode_steps(shapes, num_tokens: int, rank: int, device, dtype, copy_b
 IN_LAYER_POLICIES = (("sequential", {}), ("sequential, weights into L2", {"cfg": {"weight_prefetch": "l2"}}),
                      ("sequential, first weight tile", {"cfg": {"weight_prefetch": "first"}}),
                      ("overlap", {"overlap_shrink": True}),
-                     ("expand-first", {"expand_first_min_tokens": 1, "has_base_tokens": False}))
+                     ("expand-first", {"expand_first_min_tokens": 1, "has_base_tokens": False}),
+                     ("gemm shrink", {"gemm_shrink": True}))
 
 
 def _in_layer_step(bench, options: dict):
@@ -502,12 +503,14 @@ SMOKE_IN_LAYER_MIXES = (("8 adapters", 8), ("2 adapters", 2))
 
 
 def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: float, reps: int,
-                   mixes=STEP_MIXES, num_slots: int | None = None) -> dict:
+                   mixes=STEP_MIXES, num_slots: int | None = None, policies=None) -> dict:
     """The base projections of one step (32 layers x qkv, o, gate|up, down; random bf16 weights of the model's
     shapes, distinct per layer) with and without the LoRA work, each one CUDA graph built as the engine builds its
     graphs (LoRAStep inside the graph). ``added_ms`` = step with LoRA - base projections alone: what LoRA costs a
     step when its launches sit between the GEMMs, per policy (``IN_LAYER_POLICIES``). ``num_slots``: the pool's
-    slots (default one per token: a decode step's distinct adapters)."""
+    slots (default one per token: a decode step's distinct adapters). Every projection's weights are folded with the
+    pool's A rows (``SlotPool.fold_base_weights``) for the ``gemm shrink`` policy; the others use the base rows, views
+    of the same tensors. ``policies``: names of ``IN_LAYER_POLICIES`` to run (default all)."""
 
     bench = _DecodeStepBench(shapes, num_tokens, rank, device, dtype, num_slots=num_slots)
     gen = torch.Generator(device=device).manual_seed(1)
@@ -515,6 +518,10 @@ def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: f
                 .normal_(0.0, 0.02, generator=gen) for p in bench.projs} for _ in range(shapes.num_layers)]
     elem = torch.finfo(dtype).bits // 8
     base_bytes = sum(w.numel() for layer in weights for w in layer.values()) * elem
+    for p in bench.projs:
+        views = bench.pool.fold_base_weights(p, [layer[p] for layer in weights])
+        for layer, view in zip(weights, views):
+            layer[p] = view
 
     def run(step) -> None:
         for layer in range(shapes.num_layers):
@@ -531,6 +538,8 @@ def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: f
              "base_floor_ms": base_bytes / copy_bw * 1e3, "lora_floor_ms": 0.0}]
     log.info("IN-LAYER %s", rows[-1])
     for name, options in IN_LAYER_POLICIES:
+        if policies is not None and name not in policies:
+            continue
         bench.slots.copy_(_mix_slots(num_tokens, mixes[0][1], device))
         try:
             graph = _capture(lambda options=options: run(_in_layer_step(bench, options)), device)
@@ -549,19 +558,22 @@ def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: f
                          "lora_floor_ms": (lora_w + acts) / copy_bw * 1e3})
             log.info("IN-LAYER %s", rows[-1])
         del graph
-    return {"tokens": num_tokens, "rank": rank, "layers": shapes.num_layers, "rows": rows}
+    return {"tokens": num_tokens, "rank": rank, "layers": shapes.num_layers, "slots": bench.pool.max_loras,
+            "rows": rows}
 
 
 def _in_layer_markdown(in_layer: dict | None) -> list[str]:
     if not in_layer:
         return []
     lines = [f"## LoRA inside the base projections of one step of {in_layer['tokens']} tokens", "",
-             f"{in_layer['tokens']} tokens, rank {in_layer['rank']}, {in_layer['layers']} layers x (q|k|v, o, gate|up, "
-             "down): the base GEMMs (random weights of the model's shapes) with the LoRA work between them, one CUDA "
+             f"{in_layer['tokens']} tokens, rank {in_layer['rank']}, {in_layer.get('slots', '?')} slots, "
+             f"{in_layer['layers']} layers x (q|k|v, o, gate|up, down): the base GEMMs (random weights of the model's shapes) with the LoRA work between them, one CUDA "
              "graph each, median replay. Added = with LoRA - base projections alone. `overlap`: each shrink on a "
              "forked stream while its GEMM runs (engine option `lora_overlap_shrink`); `sequential`: after it; "
              "`expand-first`: shrink and a write-only expand, then the GEMM accumulating into that output (engine "
-             "option `lora_expand_first_min_tokens`).", "",
+             "option `lora_expand_first_min_tokens`); `gemm shrink`: every slot's A rows folded under the base weight, "
+             "one cuBLAS GEMM gives the base output and every slot's y, then the expand (engine option "
+             "`lora_gemm_shrink`; it reads every slot's A whatever the step uses).", "",
              "| policy | workload | adapters | time (ms) | added by LoRA (ms) | LoRA floor (ms) | base floor (ms) |",
              "|---|---|---|---|---|---|---|"]
     for r in in_layer["rows"]:
@@ -973,6 +985,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-layer-tokens", default="",
                         help="more token counts (comma-separated) for the in-layer benchmark, e.g. 8192: prefill-sized "
                              "steps with 32 and 8 adapters (the decode step's count always runs)")
+    parser.add_argument("--in-layer-decode", default="",
+                        help="more decode-step token counts (comma-separated, e.g. 256) for the in-layer benchmark, "
+                             "one slot per token, policies sequential and gemm shrink, distinct / 46 / 8 adapters")
     parser.add_argument("--steps-only", action="store_true",
                         help="the decode-step policies and the in-layer run at the decode step's size, then stop")
     parser.add_argument("--in-layer-only", action="store_true",
@@ -1062,6 +1077,16 @@ def main(argv: list[str] | None = None) -> int:
     payload["in_layer"] = bench_in_layer(shapes, step_tokens, 16, device, dtype, copy_bw, reps,
                                          mixes=STEP_MIXES if not args.smoke else (("distinct", 8), ("identical", 1)))
     write()
+    for tokens in (int(t) for t in args.in_layer_decode.split(",") if t.strip()):
+        # larger decode steps, one slot per token (the offline bench's distinct workload), few and many adapters
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        mixes = ((f"distinct", tokens), ("46 adapters", 46), ("8 adapters", 8)) if not args.smoke else (
+            ("distinct", tokens), ("2 adapters", 2))
+        payload.setdefault("in_layer_more", []).append(bench_in_layer(
+            shapes, tokens, 16, device, dtype, copy_bw, reps, mixes=mixes, num_slots=tokens,
+            policies=("sequential", "gemm shrink")))
+        write()
     if args.steps_only:
         log.info("wrote %s and %s", out, out.with_suffix(".md"))
         return 0

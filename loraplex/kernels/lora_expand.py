@@ -14,6 +14,10 @@ slices its adapter does not target; rows of slot -1 tokens are still never writt
 base GEMM then accumulates into out (beta = 1), so the projection's output is read once, by the GEMM's epilogue,
 instead of once more by the expand.
 
+``y_slot_stride`` (the shrink folded into the base GEMM, ``LoRAStep`` with ``gemm_shrink``): y is then the GEMM's
+extra output columns, one group of S * R per slot, so token t reads ``y[0, s, t, j]`` shifted by its slot times
+``y_slot_stride``; y may then be in the model dtype (it is rounded to B's dtype before the product either way).
+
 Shape:
     y          [SPLIT_K, S, T, R] float32      shrink partials (P of them valid: ``split_parts`` of the shrink)
     lora_b     [num_slots, R, N_total]         B transposed: rank rows packed first, columns contiguous
@@ -76,7 +80,7 @@ def _lora_expand_kernel(
     sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr,
     chunk_tokens_ptr, chunk_ranks_ptr,
     progs, shrink_progs, k_tiles,
-    stride_yp, stride_ys, stride_yt, stride_yr,
+    stride_yp, stride_ys, stride_yt, stride_yr, stride_yl,
     stride_bl, stride_br, stride_bn,
     stride_ot, stride_on,
     stride_rs, stride_crs,
@@ -138,7 +142,8 @@ def _lora_expand_kernel(
     r_mask = offs_r < rank
     scale = tl.load(scaling_ptr + slot)
     parts, _ = split_parts(shrink_progs, num_chunks, SPLIT_K, k_tiles)
-    y_ptrs = y_ptr + sl * stride_ys + tok[:, None] * stride_yt + offs_r[None, :] * stride_yr
+    y_ptrs = (y_ptr + slot.to(tl.int64) * stride_yl + sl * stride_ys + tok[:, None] * stride_yt
+              + offs_r[None, :] * stride_yr)
     y_mask = m_mask[:, None] & r_mask[None, :]
     b_rows = b_ptr + slot.to(tl.int64) * stride_bl + offs_r[:, None].to(tl.int64) * stride_br
     o_rows = out_ptr + tok[:, None] * stride_ot
@@ -229,13 +234,14 @@ def lora_expand(
     chunk_ranks: torch.Tensor | None = None,  # [S, max_chunks] int32 (with meta.chunk_tokens: per-chunk tables)
     accumulate: bool = True,  # False: write the delta (zeros in untargeted slices), out not read (module doc)
     weight_prefetch: str = "off",  # before the PDL wait: "first" B tile into registers, or the "l2" share into L2
+    y_slot_stride: int = 0,  # y of token t with slot l at y[p, s, t, r] + l * y_slot_stride (the in-GEMM shrink)
 ) -> torch.Tensor:
     split_k, num_slices, num_tokens, max_rank = y.shape
     num_slots, b_rank, n_total = lora_b.shape
     assert b_rank == max_rank, f"y has R={max_rank}, lora_b has R={b_rank}"
     assert out.shape == (num_tokens, n_total), f"out is {tuple(out.shape)}, want ({num_tokens}, {n_total})"
     assert out.dtype == lora_b.dtype, f"out is {out.dtype}, lora_b is {lora_b.dtype}"
-    assert y.dtype == torch.float32 and scaling.dtype == torch.float32
+    assert y.dtype in (torch.float32, out.dtype) and scaling.dtype == torch.float32
     assert ranks.shape == (num_slices, num_slots) and ranks.dtype == torch.int32 and ranks.stride(1) == 1
     assert slice_loc.shape == (num_slices + 1,) and slice_loc.dtype == torch.int32
     assert lora_b.stride(2) == 1, "lora_b must be contiguous along N"
@@ -258,7 +264,7 @@ def lora_expand(
         meta.sorted_token_ids, meta.chunk_slots, meta.chunk_starts, meta.chunk_lens, num_chunks_of(meta),
         *tables,
         progs, shrink_progs, k_tiles,
-        y.stride(0), y.stride(1), y.stride(2), y.stride(3),
+        y.stride(0), y.stride(1), y.stride(2), y.stride(3), y_slot_stride,
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         out.stride(0), out.stride(1),
         ranks.stride(0), tables[1].stride(0),

@@ -44,6 +44,23 @@ def lora_shrink_ref(
     return y
 
 
+def gemm_shrink_y(
+    full: torch.Tensor,  # [T, N + num_slots * S * R]: x @ [W; A of every slot].T (``SlotPool.fold_base_weights``)
+    n: int,  # base output columns
+    token_slots: torch.Tensor,  # [T] int, -1 = no adapter
+    num_slices: int,
+    max_rank: int,
+) -> torch.Tensor:  # [S, T, R] float32
+    """The shrink's y from the folded GEMM's extra columns: token t with slot l >= 0 reads columns
+    ``n + (l * S + s) * R + r``; rows of slot -1 tokens are 0. Entries beyond a slot's rank are whatever the GEMM
+    made of the rows there (the expand never reads them)."""
+    slots = token_slots.to(torch.int64)
+    groups = full[:, n:].reshape(full.shape[0], -1, num_slices, max_rank)  # [T, num_slots, S, R]
+    picked = groups[torch.arange(full.shape[0], device=full.device), slots.clamp(min=0)]  # [T, S, R]
+    picked = torch.where((slots >= 0)[:, None, None], picked.float(), torch.zeros((), device=full.device))
+    return picked.permute(1, 0, 2).contiguous()
+
+
 def lora_expand_ref(
     y: torch.Tensor,  # [S, T, R] float32 (the shrink output)
     lora_b: torch.Tensor,  # [num_slots, R, N_total]

@@ -101,3 +101,46 @@ def test_expand_first_linear_equals_gemm_then_expand(with_base_tokens):
     x = torch.randn(num_tokens, SHAPES.proj_in("o"), generator=gen)
     weight = torch.randn(sum(SHAPES.slice_widths("o")), SHAPES.proj_in("o"), generator=gen) * 0.2
     torch.testing.assert_close(first.linear(0, "o", x, weight, bias), plain.linear(0, "o", x, weight, bias))
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("num_tokens, num_active", [(6, 3), (70, 4)])
+def test_gemm_shrink_linear_equals_gemm_then_lora(use_triton, num_tokens, num_active):
+    """``gemm_shrink``: with the pool's A rows folded under the base weights (``SlotPool.fold_base_weights``), one
+    GEMM gives the base output and every slot's y, then the expand; same result as the base GEMM then the usual
+    shrink + expand, every projection, mixed ranks (rank 0 included), base tokens among the adapters'. Rows of the
+    pool beyond an adapter's rank hold garbage (they are computed and never read), and the base rows of a token
+    without an adapter are the plain GEMM's."""
+    gen = torch.Generator().manual_seed(31 + num_tokens + use_triton)
+    pool, slots = _pool_and_slots(gen, num_tokens, num_active)
+    slots[0] = -1
+    assert bool((pool.ranks == 0).any())
+    weights = {p: [torch.randn(sum(SHAPES.slice_widths(p)), SHAPES.proj_in(p), generator=gen) * 0.2
+                   for _ in range(SHAPES.num_layers)] for p in PROJ_MODULES}
+    a_before = {p: pool.a[p].clone() for p in PROJ_MODULES}
+    folded = {p: pool.fold_base_weights(p, weights[p]) for p in PROJ_MODULES}
+    for p in PROJ_MODULES:  # the pool's A is unchanged, now a view under the base rows
+        assert torch.equal(pool.a[p], a_before[p])
+        assert pool.a[p].data_ptr() == pool.folded[p][0][0, pool.folded[p][1]:].data_ptr()
+        for w, view in zip(weights[p], folded[p]):
+            assert torch.equal(view, w)
+    plain = LoRAStep(pool, slots, num_active, use_triton=use_triton)
+    step = LoRAStep(pool, slots, num_active, use_triton=use_triton, gemm_shrink=True)
+    assert step.gemm_shrink and not LoRAStep(pool, slots, 0, use_triton=use_triton, gemm_shrink=True).gemm_shrink
+    for proj in PROJ_MODULES:
+        x = torch.randn(num_tokens, SHAPES.proj_in(proj), generator=gen)
+        for layer in range(SHAPES.num_layers):
+            w = folded[proj][layer]
+            want = plain.linear(layer, proj, x, w)
+            got = step.linear(layer, proj, x, w)
+            assert got.stride(0) == pool.folded[proj][0].shape[1]  # a view of the folded GEMM's output
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(got[slots < 0], x[slots < 0] @ w.t(), rtol=1e-5, atol=1e-5)
+            # a weight that is not the folded one (or a bias) takes the usual path
+            other = w.clone()
+            assert step.linear(layer, proj, x, other).stride(0) == other.shape[0]
+    # a fill after folding lands in the folded tensor
+    pool.a["o"][:, 1].zero_()
+    assert not pool.folded["o"][0][:, pool.folded["o"][1]:].view_as(pool.a["o"])[:, 1].any()
+    with pytest.raises(ValueError, match="already folded"):
+        pool.fold_base_weights("o", weights["o"])
