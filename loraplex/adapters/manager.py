@@ -78,6 +78,10 @@ class LoRAManager:
         # steps of at least this many tokens run the LoRA work before the base GEMM (engine option
         # lora_expand_first_min_tokens; 0: never)
         self.expand_first_min_tokens = 0
+        # pure-decode steps of at most this many tokens (0: never) whose distinct adapters fill at least half of the
+        # slots run each folded projection's shrink inside its base GEMM (engine option lora_gemm_shrink; the model
+        # runner folds the weights, SlotPool.fold_base_weights, and sets this)
+        self.gemm_shrink_max_tokens = 0
         self.host_cache: HostLRUCache[HostAdapter] = HostLRUCache(max(max_cpu_loras or max_loras, max_loras))
         self._validated: ValidatedFiles[HostAdapter] = ValidatedFiles()
         self.loader = BackgroundLoader(self._load_files, num_load_workers or min(4, os.cpu_count() or 1))
@@ -338,24 +342,41 @@ class LoRAManager:
         return len(keep) <= self.max_loras
 
     def prepare_step(self, token_adapter_ids: torch.Tensor, adapter_ids=None,
-                     slot_of: dict[int, int] | None = None, has_base_tokens: bool = True) -> LoRAStep:
+                     slot_of: dict[int, int] | None = None, has_base_tokens: bool = True,
+                     pure_decode: bool = False) -> LoRAStep:
         """Give every adapter of the step a slot and build the step's mapping.
 
         ``adapter_ids`` (optional) lists the step's distinct adapter ids as known on the host; without it
         they are read from the tensor (one device->host sync). ``slot_of``: the slots ``assign_slots`` already
-        gave them this step (skips assigning again).
+        gave them this step (skips assigning again). ``pure_decode``: one token per sequence (the in-GEMM shrink
+        may apply, ``use_gemm_shrink``).
         """
         if slot_of is None:
             if adapter_ids is None:
                 adapter_ids = torch.unique(token_adapter_ids).tolist()
             slot_of = self.assign_slots(adapter_ids)
-        return self.make_step(token_slots_from_ids(token_adapter_ids, slot_of), len(slot_of), has_base_tokens)
+        gemm = pure_decode and self.use_gemm_shrink(token_adapter_ids.shape[0], len(slot_of))
+        return self.make_step(token_slots_from_ids(token_adapter_ids, slot_of), len(slot_of), has_base_tokens,
+                              gemm_shrink=gemm)
 
-    def make_step(self, token_slots: torch.Tensor, num_active: int, has_base_tokens: bool = True) -> LoRAStep:
+    def make_step(self, token_slots: torch.Tensor, num_active: int, has_base_tokens: bool = True,
+                  gemm_shrink: bool = False) -> LoRAStep:
         """A step's mapping over this manager's pool and kernel options (slots already assigned);
-        ``has_base_tokens`` (host-known; True when unknown) whether some token of the step has no adapter."""
+        ``has_base_tokens`` (host-known; True when unknown) whether some token of the step has no adapter;
+        ``gemm_shrink``: the folded projections' shrinks inside their base GEMMs (``use_gemm_shrink`` decides)."""
         return LoRAStep(self.pool, token_slots, num_active, self.use_triton, self.fuse_silu_mul, self.overlap_shrink,
-                        self.expand_first_min_tokens, has_base_tokens)
+                        self.expand_first_min_tokens, has_base_tokens,
+                        gemm_shrink=gemm_shrink and bool(self.pool.folded))
+
+    def gemm_shrink_possible(self, num_tokens: int) -> bool:
+        """Whether a pure-decode step of ``num_tokens`` rows may take the in-GEMM shrink (then it has a graph)."""
+        return bool(self.pool.folded) and 0 < num_tokens <= self.gemm_shrink_max_tokens \
+            and 2 * min(num_tokens, self.max_loras) >= self.max_loras
+
+    def use_gemm_shrink(self, num_tokens: int, num_active: int) -> bool:
+        """The in-GEMM shrink for a pure-decode step of ``num_tokens`` rows and ``num_active`` distinct adapters:
+        it reads every slot's A, so only when the step's adapters fill at least half of the slots."""
+        return self.gemm_shrink_possible(num_tokens) and 2 * num_active >= self.max_loras
 
     def assign_slots(self, adapter_ids) -> dict[int, int]:
         """Give every adapter of a step (ids, 0 = base, ignored) a GPU slot; returns adapter id -> slot.

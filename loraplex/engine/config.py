@@ -75,6 +75,16 @@ class EngineConfig:
     # of an 8,192-token step from 19.3 to 14.0 ms and of a 2,048-token step from 5.9 to 4.8 ms (32 adapters), and
     # raised offline zipf/uniform by 1.5-2.5%; at 64 tokens it is a wash, hence 2,048
     lora_expand_first_min_tokens: int = 2048
+    # pure-decode steps of at most lora_gemm_shrink_max_tokens tokens whose distinct adapters fill at least half of the
+    # GPU slots run each projection's LoRA shrink inside its base GEMM: every slot's A rows sit under the base weight
+    # (SlotPool.fold_base_weights, at start-up) and one cuBLAS GEMM gives the base output and every slot's y, then the
+    # expand. The GEMM reads every slot's A whether used or not, so it pays only when most slots are in the step. On
+    # the H200 (run 18) it cut the LoRA work between the GEMMs of a 64-token step on 64 distinct adapters (64 slots)
+    # from 2.57 to 2.14 ms; with 8 or 1 adapters (slots unused) it cost more, and at 256 tokens on 256 slots the GEMM
+    # is compute-bound and lost (8.5 vs 7.4 ms). CUDA only, bf16/fp16 weights that are not quantized, one GPU, no
+    # projection biases (otherwise ignored). Off by default
+    lora_gemm_shrink: bool = False
+    lora_gemm_shrink_max_tokens: int = 64
     # after the engine loads, freeze the heap alive then out of the cyclic GC's reach (engine/gc_heap.py): shorter
     # full collections. For processes that exist to run the engine (the server and the benchmarks set it); off for
     # a library caller, whose heap it would freeze too
@@ -131,6 +141,8 @@ class EngineConfig:
             raise ValueError(f"lora_group_max_skips must be >= 0, got {self.lora_group_max_skips}")
         if self.lora_expand_first_min_tokens < 0:
             raise ValueError(f"lora_expand_first_min_tokens must be >= 0, got {self.lora_expand_first_min_tokens}")
+        if self.lora_gemm_shrink_max_tokens < 1:
+            raise ValueError(f"lora_gemm_shrink_max_tokens must be >= 1, got {self.lora_gemm_shrink_max_tokens}")
         if self.piecewise_graph_max_tokens < 1:
             raise ValueError(f"piecewise_graph_max_tokens must be >= 1, got {self.piecewise_graph_max_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -63,6 +63,11 @@ def gc_paused():
             gc.enable()
 
 
+# the mode of a decode graph whose adapters' shrinks run inside the base GEMMs (engine option lora_gemm_shrink): a
+# third value of a key's "with adapters" (truthy, so every "with adapters" test still holds)
+GEMM_SHRINK = "gemm-shrink"
+
+
 class BucketedGraphs:
     """What both graph runners share: graphs keyed by (bucket, with adapters), the bucket of a size, and capturing
     every key at start-up. A subclass sets ``buckets`` (ascending), ``capture_graphs``, ``_graphs`` and
@@ -87,9 +92,13 @@ class BucketedGraphs:
         modes = (False, True) if lora_manager is not None else (False,)
         with gc_paused():
             for bucket in reversed(self.buckets):
-                for with_lora in modes:
+                for with_lora in modes + self._extra_modes(bucket, lora_manager):
                     if (bucket, with_lora) not in self._graphs:
                         self._capture((bucket, with_lora), lora_manager)
+
+    def _extra_modes(self, bucket: int, lora_manager) -> tuple:
+        """More graph variants of a bucket than without / with adapters (the decode graphs: ``GEMM_SHRINK``)."""
+        return ()
 
     def capture(self, key: tuple[int, bool], lora_manager) -> None:
         """Capture one key now (a key ``capture_all`` did not capture, first met in a step)."""
@@ -142,6 +151,8 @@ class DecodeGraphRunner(BucketedGraphs):
         assert batch.is_decode and batch.num_rows in self.buckets, "only padded pure-decode batches replay"
         bucket, num_seqs = batch.num_rows, batch.num_seqs
         key = (bucket, bool(slot_of))
+        if slot_of and lora_manager is not None and lora_manager.use_gemm_shrink(bucket, len(slot_of)):
+            key = (bucket, GEMM_SHRINK)
         if key not in self._graphs:
             self.capture(key, lora_manager)
         self._load_inputs(batch, slot_of if key[1] else None)
@@ -182,8 +193,12 @@ class DecodeGraphRunner(BucketedGraphs):
         lora = None
         if with_lora:
             # built here so that, under capture, the kernel metadata is derived from the static slots
-            lora = lora_manager.make_step(self.token_slots[:bucket], min(bucket, lora_manager.max_loras))
+            lora = lora_manager.make_step(self.token_slots[:bucket], min(bucket, lora_manager.max_loras),
+                                          gemm_shrink=with_lora == GEMM_SHRINK)
         return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, attn, lora)
+
+    def _extra_modes(self, bucket: int, lora_manager) -> tuple:
+        return (GEMM_SHRINK,) if lora_manager is not None and lora_manager.gemm_shrink_possible(bucket) else ()
 
     # ---- capture -------------------------------------------------------------------------------------
     def _capture(self, key: tuple[int, bool], lora_manager) -> None:
@@ -208,5 +223,6 @@ class DecodeGraphRunner(BucketedGraphs):
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             hidden = self._forward(key, lora_manager)
         self._graphs[key] = (graph, hidden)
-        log.debug("captured decode CUDA graph: batch %d%s", bucket, " with adapters" if key[1] else "")
+        log.debug("captured decode CUDA graph: batch %d%s", bucket,
+                  " with adapters, in-GEMM shrink" if key[1] == GEMM_SHRINK else " with adapters" if key[1] else "")
 

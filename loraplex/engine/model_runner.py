@@ -287,11 +287,38 @@ class ModelRunner:
             self.lora_manager.fuse_silu_mul = self.config.fuse_lora_silu_mul
             self.lora_manager.overlap_shrink = self.config.lora_overlap_shrink
             self.lora_manager.expand_first_min_tokens = self.config.lora_expand_first_min_tokens
+            if self.config.lora_gemm_shrink:
+                self._fold_lora_rows()
             if self.config.merge_single_lora:
                 from loraplex.adapters.merged import MergedLoRA
 
                 self.lora_manager.merged = MergedLoRA(self.model, self.lora_manager.pool)
         return self.lora_manager
+
+    def _fold_lora_rows(self) -> None:
+        """Engine option ``lora_gemm_shrink``: every projection's base weight and the slot pool's A rows into one
+        tensor per projection (``SlotPool.fold_base_weights``), the model's weights then views of it. Skipped (with
+        a log line) where the in-GEMM shrink cannot run: tensor parallelism (the row-parallel outputs are
+        all-reduced in place), 8-bit weights, a projection with a bias. On the CPU the twins run the same order."""
+        manager, model = self.lora_manager, self.model
+        why = ("tensor parallelism" if self.tp is not None else "8-bit weights" if self.config.quantization
+               else None)
+        if why is not None:
+            log.info("lora_gemm_shrink: ignored (%s)", why)
+            return
+        folded = []
+        for proj in ("qkv", "o", "gate_up", "down"):
+            if any(getattr(layer, f"{proj}_bias") is not None for layer in model.layers):
+                continue
+            views = manager.pool.fold_base_weights(proj, [getattr(layer, f"{proj}_weight") for layer in model.layers])
+            for layer, view in zip(model.layers, views):
+                setattr(layer, f"{proj}_weight", torch.nn.Parameter(view, requires_grad=False))
+            folded.append(proj)
+        manager.gemm_shrink_max_tokens = self.config.lora_gemm_shrink_max_tokens if folded else 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the KV cache is sized from free memory next
+        log.info("lora_gemm_shrink: %s folded with the A rows of %d slots (decode steps up to %d tokens)",
+                 ", ".join(folded) or "no projection", manager.max_loras, self.config.lora_gemm_shrink_max_tokens)
 
     # ---- one step ------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -405,7 +432,7 @@ class ModelRunner:
                 # some sequence without an adapter (its rows must start at zero in the write-first order)
                 has_base = 0 in batch.lora_ids
                 lora = manager.prepare_step(batch.token_lora_ids().to(dev, non_blocking=nb), slot_of=slot_of,
-                                            has_base_tokens=has_base)
+                                            has_base_tokens=has_base, pure_decode=batch.is_decode)
         else:
             self._merged_step(None, batch)
         self.inputs.mark_copied()  # after the last copy out of the builder's buffers

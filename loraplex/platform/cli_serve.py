@@ -158,7 +158,8 @@ def check_serve_settings(settings: Settings) -> None:
         engine_config(settings, Path(settings.model or demo_model_dir(settings)), "check")
     except ValueError as exc:
         message = str(exc)
-        fields = ("device", "kv_cache_dtype", "lora_expand_first_min_tokens", "prompt_lookup_min",
+        fields = ("device", "kv_cache_dtype", "lora_expand_first_min_tokens", "lora_gemm_shrink_max_tokens",
+                  "prompt_lookup_min",
                   "num_speculative_tokens", "quantization", "merge_single_lora", *_COUNTS)
         field = next((f for f in fields if message.startswith(f)), "device")
         raise FlagError(f"{_flag(field)}: {message}") from None

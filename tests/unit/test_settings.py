@@ -81,6 +81,22 @@ def test_lora_expand_first_min_tokens_reaches_the_engine_config(tmp_path):
                       Path(tmp_path), "m")
 
 
+def test_lora_gemm_shrink_reaches_the_engine_config(tmp_path):
+    from pathlib import Path
+
+    from loraplex.platform.engine_boot import engine_config
+
+    default = engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu"}), Path(tmp_path), "m")
+    assert (default.lora_gemm_shrink, default.lora_gemm_shrink_max_tokens) == (False, 64)
+    on = Settings.from_env({"LORAPLEX_LORA_GEMM_SHRINK": "1", "LORAPLEX_LORA_GEMM_SHRINK_MAX_TOKENS": "32",
+                            "LORAPLEX_DEVICE": "cpu"})
+    got = engine_config(on, Path(tmp_path), "m")
+    assert (got.lora_gemm_shrink, got.lora_gemm_shrink_max_tokens) == (True, 32)
+    with pytest.raises(ValueError, match="lora_gemm_shrink_max_tokens must be >= 1"):
+        engine_config(Settings.from_env({"LORAPLEX_LORA_GEMM_SHRINK_MAX_TOKENS": "0", "LORAPLEX_DEVICE": "cpu"}),
+                      Path(tmp_path), "m")
+
+
 def test_kv_cache_dtype_reaches_the_engine_config_and_a_bad_one_is_named(tmp_path):
     from pathlib import Path
 

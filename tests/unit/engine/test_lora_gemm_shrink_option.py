@@ -1,0 +1,51 @@
+"""Engine option ``lora_gemm_shrink`` on the CPU (the twins run the same order as the CUDA kernels): the base weights
+are folded with the slot pool's A rows, pure-decode steps whose adapters fill at least half of the slots take the
+in-GEMM shrink, other steps the usual path, and the greedy tokens (and logprobs) are those of the usual path. The
+kernels themselves are checked on CUDA (tests/gpu/test_lora_gemm_shrink_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.adapters.mapping import LoRAStep
+from loraplex.engine.config import EngineConfig
+from tests.conftest import adapter_dir
+
+
+def test_gemm_shrink_folds_the_weights_and_decodes_the_same_tokens(tiny_model, monkeypatch):
+    assert EngineConfig(model="m").lora_gemm_shrink is False
+    with pytest.raises(ValueError, match="lora_gemm_shrink_max_tokens must be >= 1"):
+        EngineConfig(model="m", lora_gemm_shrink_max_tokens=0).resolve(tiny_model["model_dir"])
+    loras = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(3)]
+    mix = [loras[0], None, loras[1], loras[0], loras[2], loras[1]]
+    prompts = [{"prompt_token_ids": [1] + [7 + 13 * i + j for j in range(5 + 3 * i)]} for i in range(len(mix))]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    steps = []
+    init = LoRAStep.__init__
+
+    def spy(self, *a, **kw):
+        init(self, *a, **kw)
+        steps.append(self)
+
+    monkeypatch.setattr(LoRAStep, "__init__", spy)
+    kw = dict(dtype="float32", enable_lora=True, max_loras=4, max_num_seqs=8)
+    want = LLM(tiny_model["model_dir"], **kw).generate(prompts, params, lora_request=mix)
+    assert not any(s.gemm_shrink for s in steps)
+    llm = LLM(tiny_model["model_dir"], lora_gemm_shrink=True, **kw)
+    runner = llm.engine.runner
+    manager = runner.lora_manager
+    assert set(manager.pool.folded) == {"qkv", "o", "gate_up", "down"} and manager.gemm_shrink_max_tokens == 64
+    for layer_idx, layer in enumerate(runner.model.layers):  # the model's weights are views of the folded tensors
+        assert layer.qkv_weight.data_ptr() == manager.pool.folded["qkv"][0][layer_idx].data_ptr()
+        assert layer.down_weight.data_ptr() == manager.pool.folded["down"][0][layer_idx].data_ptr()
+    assert manager.use_gemm_shrink(6, 2) and not manager.use_gemm_shrink(6, 1) and not manager.use_gemm_shrink(65, 4)
+    steps.clear()
+    got = llm.generate(prompts, params, lora_request=mix)
+    used = [s for s in steps if s.gemm_shrink]
+    assert used and any(s.num_active and not s.gemm_shrink for s in steps)  # decode steps in it, prompt steps not
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            tok = next(iter(lw))
+            assert abs(lg[tok].logprob - lw[tok].logprob) < 1e-4
