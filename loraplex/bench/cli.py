@@ -134,6 +134,9 @@ def add_offline_args(p) -> None:
                    help="engine option lora_expand_first_min_tokens: steps of at least this many tokens run the LoRA "
                         "work before the base GEMM, which accumulates into its output (0: never; default: the "
                         "engine's default)")
+    p.add_argument("--lora-gemm-shrink", action=argparse.BooleanOptionalAction, default=None,
+                   help="engine option lora_gemm_shrink: pure-decode steps of <= 64 tokens whose adapters fill half "
+                        "the slots run each LoRA shrink inside the base GEMM (default: the engine's default, off)")
     p.add_argument("--attention-decode-split", action=argparse.BooleanOptionalAction, default=None,
                    help="engine option attention_decode_split: in steps mixing decodes and prompts, the decodes through "
                         "the split-KV decode kernel (default: the engine's default, on)")
