@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import logging
 import platform
@@ -65,7 +67,9 @@ def command_line(args=None) -> str:
         if value == action.default:
             continue
         flag = action.option_strings[-1]
-        if value is True:
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: the one that gives the value
+            words.append(next(f for f in action.option_strings if f.startswith("--no-") != bool(value)))
+        elif value is True:
             words.append(flag)
         else:
             text = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)

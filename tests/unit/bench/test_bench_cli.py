@@ -189,3 +189,21 @@ def test_bench_offline_smoke_over_two_ranks(tmp_path):
     assert [r["popularity"] for r in data["throughput"]] == ["base", "distinct"]
     assert all(r["output_tokens"] > 0 for r in data["throughput"])
     assert "## Tensor parallelism" in md and "2x GPU 0's measured copy bandwidth" in md
+
+
+def test_the_recorded_command_names_on_off_flags_as_given(monkeypatch):
+    """A report's command rebuilt from the parsed options (run from Python, not as ``loraplex``): an on/off flag
+    appears as the form that was given (``--x`` or ``--no-x``), without a value, and only when it differs from the
+    default."""
+    from loraplex.bench.report import command_line
+    from loraplex.cli import build_parser
+
+    monkeypatch.setattr("sys.argv", ["pytest"])
+    for given, want in ((["--lora-gemm-shrink"], "--lora-gemm-shrink"),
+                        (["--no-lora-gemm-shrink"], "--no-lora-gemm-shrink"),
+                        (["--no-piecewise-cuda-graphs", "--max-loras", "64"], "--max-loras 64 --no-piecewise-cuda-graphs")):
+        args = build_parser().parse_args(["bench", "offline", *given])
+        line = command_line(args)
+        assert line.startswith("loraplex bench offline") and line.endswith(want), line
+        assert "True" not in line and "False" not in line
+    assert command_line(build_parser().parse_args(["bench", "offline"])) == "loraplex bench offline"
