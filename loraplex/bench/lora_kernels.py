@@ -1081,7 +1081,7 @@ def main(argv: list[str] | None = None) -> int:
         # larger decode steps, one slot per token (the offline bench's distinct workload), few and many adapters
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        mixes = ((f"distinct", tokens), ("46 adapters", 46), ("8 adapters", 8)) if not args.smoke else (
+        mixes = (("distinct", tokens), ("46 adapters", 46), ("8 adapters", 8)) if not args.smoke else (
             ("distinct", tokens), ("2 adapters", 2))
         payload.setdefault("in_layer_more", []).append(bench_in_layer(
             shapes, tokens, 16, device, dtype, copy_bw, reps, mixes=mixes, num_slots=tokens,

@@ -100,12 +100,12 @@ class BucketedGraphs:
         """More graph variants of a bucket than without / with adapters (the decode graphs: ``GEMM_SHRINK``)."""
         return ()
 
-    def capture(self, key: tuple[int, bool], lora_manager) -> None:
+    def capture(self, key: tuple[int, bool | str], lora_manager) -> None:
         """Capture one key now (a key ``capture_all`` did not capture, first met in a step)."""
         with gc_paused():
             self._capture(key, lora_manager)
 
-    def _capture(self, key: tuple[int, bool], lora_manager) -> None:
+    def _capture(self, key: tuple[int, bool | str], lora_manager) -> None:
         raise NotImplementedError
 
 
@@ -184,7 +184,7 @@ class DecodeGraphRunner(BucketedGraphs):
             host[num_seqs:rows] = -1
             self.token_slots[:rows].copy_(self._slots_host[:rows], non_blocking=nb)
 
-    def _forward(self, key: tuple[int, bool], lora_manager) -> torch.Tensor:
+    def _forward(self, key: tuple[int, bool | str], lora_manager) -> torch.Tensor:
         bucket, with_lora = key
         attn = AttentionMetadata(
             backend=self.backend, slot_mapping=self.slot_mapping[:bucket], block_tables=self.block_tables[:bucket],
@@ -201,7 +201,7 @@ class DecodeGraphRunner(BucketedGraphs):
         return (GEMM_SHRINK,) if lora_manager is not None and lora_manager.gemm_shrink_possible(bucket) else ()
 
     # ---- capture -------------------------------------------------------------------------------------
-    def _capture(self, key: tuple[int, bool], lora_manager) -> None:
+    def _capture(self, key: tuple[int, bool | str], lora_manager) -> None:
         bucket = key[0]
         # padding everywhere: the warm-up runs must not write KV through slots left by an earlier step
         self.slot_mapping.fill_(-1)

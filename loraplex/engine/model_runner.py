@@ -299,10 +299,13 @@ class ModelRunner:
         """Engine option ``lora_gemm_shrink``: every projection's base weight and the slot pool's A rows into one
         tensor per projection (``SlotPool.fold_base_weights``), the model's weights then views of it. Skipped (with
         a log line) where the in-GEMM shrink cannot run: tensor parallelism (the row-parallel outputs are
-        all-reduced in place), 8-bit weights, a projection with a bias. On the CPU the twins run the same order."""
+        all-reduced in place), 8-bit weights, a projection with a bias, more slots than twice the largest decode
+        step it may take (such a step never uses half of them). On the CPU the twins run the same order."""
         manager, model = self.lora_manager, self.model
+        most = min(self.config.lora_gemm_shrink_max_tokens, self.config.max_num_seqs)
         why = ("tensor parallelism" if self.tp is not None else "8-bit weights" if self.config.quantization
-               else None)
+               else f"max_loras {manager.max_loras} > twice the largest eligible decode step ({most} tokens): no "
+                    "step could fill half of the slots" if 2 * most < manager.max_loras else None)
         if why is not None:
             log.info("lora_gemm_shrink: ignored (%s)", why)
             return

@@ -49,3 +49,11 @@ def test_gemm_shrink_folds_the_weights_and_decodes_the_same_tokens(tiny_model, m
         for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
             tok = next(iter(lw))
             assert abs(lg[tok].logprob - lw[tok].logprob) < 1e-4
+
+
+def test_gemm_shrink_is_left_off_where_no_step_could_use_it(tiny_model):
+    """More slots than twice the largest decode step the option may take: no weights folded, no step takes it."""
+    llm = LLM(tiny_model["model_dir"], dtype="float32", enable_lora=True, max_loras=8, max_num_seqs=8,
+              lora_gemm_shrink=True, lora_gemm_shrink_max_tokens=3)
+    manager = llm.engine.runner.lora_manager
+    assert not manager.pool.folded and not manager.gemm_shrink_possible(3) and not manager.use_gemm_shrink(3, 3)
