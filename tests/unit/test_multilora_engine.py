@@ -102,11 +102,12 @@ def _record_steps(manager, engine) -> list[tuple[int, bool]]:
     steps = []
     prepare, assign = manager.prepare_step, manager.assign_slots
 
-    def recording(token_adapter_ids, adapter_ids=None, slot_of=None, has_base_tokens=True):
+    def recording(token_adapter_ids, adapter_ids=None, slot_of=None, has_base_tokens=True, **kw):
         has_base = bool((token_adapter_ids == 0).any())
         assert has_base_tokens or not has_base, "a step with base tokens was told it has none"
         steps.append((len(slot_of), has_base))
-        return prepare(token_adapter_ids, adapter_ids=adapter_ids, slot_of=slot_of, has_base_tokens=has_base_tokens)
+        return prepare(token_adapter_ids, adapter_ids=adapter_ids, slot_of=slot_of, has_base_tokens=has_base_tokens,
+                       **kw)
 
     def assigning(adapter_ids):
         running = {r.lora_id for r in engine.scheduler.running if r.lora_id}
