@@ -486,6 +486,9 @@ IN_LAYER_POLICIES = (("sequential", {}), ("sequential, weights into L2", {"cfg":
                      ("overlap", {"overlap_shrink": True}),
                      ("expand-first", {"expand_first_min_tokens": 1, "has_base_tokens": False}),
                      ("gemm shrink", {"gemm_shrink": True}))
+# --smoke (the interpreter, where each policy costs a minute of CPU): one of each kind of order; the weight-prefetch
+# forms are GPU-only (the interpreter drops the L2 form) and the overlap needs CUDA (on the CPU it is sequential)
+SMOKE_IN_LAYER_POLICIES = ("sequential", "expand-first", "gemm shrink")
 
 
 def _in_layer_step(bench, options: dict):
@@ -1074,8 +1077,10 @@ def main(argv: list[str] | None = None) -> int:
     write()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    smoke_policies = SMOKE_IN_LAYER_POLICIES if args.smoke else None
     payload["in_layer"] = bench_in_layer(shapes, step_tokens, 16, device, dtype, copy_bw, reps,
-                                         mixes=STEP_MIXES if not args.smoke else (("distinct", 8), ("identical", 1)))
+                                         mixes=STEP_MIXES if not args.smoke else (("distinct", 8), ("identical", 1)),
+                                         policies=smoke_policies)
     write()
     for tokens in (int(t) for t in args.in_layer_decode.split(",") if t.strip()):
         # larger decode steps, one slot per token (the offline bench's distinct workload), few and many adapters
@@ -1097,7 +1102,7 @@ def main(argv: list[str] | None = None) -> int:
         slots = max(a for _, a in mixes)
         payload.setdefault("in_layer_more", []).append(bench_in_layer(
             shapes, tokens, 16, device, dtype, copy_bw, max(1 if args.smoke else 3, reps // 10), mixes=mixes,
-            num_slots=min(tokens, slots)))
+            num_slots=min(tokens, slots), policies=smoke_policies))
         write()
     if args.in_layer_only:
         log.info("wrote %s and %s", out, out.with_suffix(".md"))
