@@ -184,11 +184,10 @@ class SlotPool:
         if len(weights) != num_layers:
             raise ValueError(f"{proj}: {len(weights)} weights for {num_layers} layers")
         n = weights[0].shape[0]
-        for w in weights:
-            same_device = w.device.type == self.device.type and self.device.index in (None, w.device.index)
-            if w.shape != (n, k_dim) or w.dtype != self.dtype or not same_device:
-                raise ValueError(f"{proj}: a base weight of {tuple(w.shape)} {w.dtype} on {w.device}, want "
-                                 f"({n}, {k_dim}) {self.dtype} on {self.device}")
+        for w in weights:  # (the weights may sit elsewhere, e.g. staged in host memory: they are copied over)
+            if w.shape != (n, k_dim) or w.dtype != self.dtype:
+                raise ValueError(f"{proj}: a base weight of {tuple(w.shape)} {w.dtype}, want ({n}, {k_dim}) "
+                                 f"{self.dtype}")
         rows = self.max_loras * num_slices * max_rank
         folded = torch.empty(num_layers, n + rows, k_dim, dtype=self.dtype, device=self.device)
         for i, w in enumerate(weights):

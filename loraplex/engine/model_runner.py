@@ -313,7 +313,15 @@ class ModelRunner:
         for proj in ("qkv", "o", "gate_up", "down"):
             if any(getattr(layer, f"{proj}_bias") is not None for layer in model.layers):
                 continue
-            views = manager.pool.fold_base_weights(proj, [getattr(layer, f"{proj}_weight") for layer in model.layers])
+            weights = [getattr(layer, f"{proj}_weight") for layer in model.layers]
+            if self._stage_before_fold(proj, weights):
+                # not enough free memory for the folded tensor beside the weights: they wait in host memory
+                for layer, w in zip(model.layers, weights):
+                    setattr(layer, f"{proj}_weight", torch.nn.Parameter(w.detach().cpu(), requires_grad=False))
+                weights = [getattr(layer, f"{proj}_weight") for layer in model.layers]
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            views = manager.pool.fold_base_weights(proj, weights)
             for layer, view in zip(model.layers, views):
                 setattr(layer, f"{proj}_weight", torch.nn.Parameter(view, requires_grad=False))
             folded.append(proj)
@@ -322,6 +330,22 @@ class ModelRunner:
             torch.cuda.empty_cache()  # the KV cache is sized from free memory next
         log.info("lora_gemm_shrink: %s folded with the A rows of %d slots (decode steps up to %d tokens)",
                  ", ".join(folded) or "no projection", manager.max_loras, self.config.lora_gemm_shrink_max_tokens)
+
+    def _stage_before_fold(self, proj: str, weights: list[torch.Tensor]) -> bool:
+        """Whether folding ``proj`` must first move its base weights to host memory: the folded tensor (weights and
+        every slot's A rows) is allocated while the weights still exist, so on CUDA it needs their size plus the A
+        rows free, with 1 GiB to spare."""
+        if self.device.type != "cuda":
+            return False
+        pool = self.lora_manager.pool
+        need = sum(w.numel() for w in weights) * weights[0].element_size() + pool.a[proj].numel() * pool.a[
+            proj].element_size()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        stage = free < need + (1 << 30)
+        if stage:
+            log.info("lora_gemm_shrink: %s staged in host memory while folding (%.1f GiB free, %.1f GiB needed)",
+                     proj, free / 2**30, need / 2**30)
+        return stage
 
     # ---- one step ------------------------------------------------------------------------------
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

@@ -57,3 +57,25 @@ def test_gemm_shrink_is_left_off_where_no_step_could_use_it(tiny_model):
               lora_gemm_shrink=True, lora_gemm_shrink_max_tokens=3)
     manager = llm.engine.runner.lora_manager
     assert not manager.pool.folded and not manager.gemm_shrink_possible(3) and not manager.use_gemm_shrink(3, 3)
+
+
+def test_gemm_shrink_folds_through_host_memory_when_the_device_is_short(tiny_model, monkeypatch):
+    """Where the folded tensor would not fit beside the weights, the weights wait in host memory while folding: the
+    model ends with views of the folded tensors on the engine's device and generates the same tokens."""
+    from loraplex.engine.model_runner import ModelRunner
+
+    staged = []
+    monkeypatch.setattr(ModelRunner, "_stage_before_fold", lambda self, proj, weights: staged.append(proj) or True)
+    loras = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(2)]
+    prompts = [{"prompt_token_ids": [1, 9 + i, 30, 31 + i]} for i in range(4)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    mix = [loras[0], loras[1], None, loras[0]]
+    kw = dict(dtype="float32", enable_lora=True, max_loras=4, max_num_seqs=8)
+    want = LLM(tiny_model["model_dir"], **kw).generate(prompts, params, lora_request=mix)
+    llm = LLM(tiny_model["model_dir"], lora_gemm_shrink=True, **kw)
+    runner = llm.engine.runner
+    assert staged == ["qkv", "o", "gate_up", "down"]
+    for layer_idx, layer in enumerate(runner.model.layers):
+        assert layer.gate_up_weight.data_ptr() == runner.lora_manager.pool.folded["gate_up"][0][layer_idx].data_ptr()
+    got = llm.generate(prompts, params, lora_request=mix)
+    assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
