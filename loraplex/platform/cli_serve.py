@@ -53,6 +53,13 @@ def register(subparsers) -> None:
                    help="while every running request uses one adapter, fold it into the weights and run the base "
                         "model (env LORAPLEX_MERGE_SINGLE_LORA, default off; keeps a copy of the projection "
                         "weights on the GPU)")
+    p.add_argument("--lora-gemm-shrink", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode steps of up to --lora-gemm-shrink-max-tokens tokens whose adapters fill half of the "
+                        "GPU slots compute the LoRA shrink inside the base GEMM (env LORAPLEX_LORA_GEMM_SHRINK, "
+                        "default off; for servers whose slots are mostly in use; docs/engine.md)")
+    p.add_argument("--lora-gemm-shrink-max-tokens", type=int,
+                   help="largest decode step for --lora-gemm-shrink (env LORAPLEX_LORA_GEMM_SHRINK_MAX_TOKENS, "
+                        f"default {DEFAULTS.lora_gemm_shrink_max_tokens:g})")
     p.add_argument("--device", help="auto | cpu | cuda (env LORAPLEX_DEVICE, default auto)")
     p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16 (env LORAPLEX_DTYPE, default auto)")
     p.add_argument("--max-model-len", type=int, help="context length (env LORAPLEX_MAX_MODEL_LEN, default: the "
@@ -85,7 +92,8 @@ def serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(
         args, model=args.model, host=args.host, port=args.port, enable_lora=args.enable_lora,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-        merge_single_lora=args.merge_single_lora, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        merge_single_lora=args.merge_single_lora, lora_gemm_shrink=args.lora_gemm_shrink,
+        lora_gemm_shrink_max_tokens=args.lora_gemm_shrink_max_tokens, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=args.num_kv_blocks, drain_timeout_s=args.drain_timeout_s,
         num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,

@@ -209,6 +209,8 @@ def test_db_upgrade_to_an_unknown_revision_is_one_line(revision, needles, tmp_pa
     (["--kv-cache-dtype", "int4"], {}, ["--kv-cache-dtype", "int4", "fp8, fp8_e4m3, int8"]),
     ([], {"LORAPLEX_KV_CACHE_DTYPE": "fp16"}, ["LORAPLEX_KV_CACHE_DTYPE", "fp16", "int8"]),
     ([], {"LORAPLEX_LORA_EXPAND_FIRST_MIN_TOKENS": "-1"}, ["LORAPLEX_LORA_EXPAND_FIRST_MIN_TOKENS", ">= 0"]),
+    (["--lora-gemm-shrink", "--lora-gemm-shrink-max-tokens", "0"], {},
+     ["--lora-gemm-shrink-max-tokens", "LORAPLEX_LORA_GEMM_SHRINK_MAX_TOKENS", ">= 1"]),
     (["--num-speculative-tokens", "-1"], {}, ["--num-speculative-tokens", "at least 0"]),
     (["--num-speculative-tokens", "17"], {}, ["--num-speculative-tokens", "at most 16"]),
     ([], {"LORAPLEX_NUM_SPECULATIVE_TOKENS": "2", "LORAPLEX_PROMPT_LOOKUP_MIN": "5"},
