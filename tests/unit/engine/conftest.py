@@ -53,3 +53,19 @@ def hf_logprobs(model, token_ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([token_ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.fixture
+def lora_steps(monkeypatch) -> list:
+    """Every ``LoRAStep`` built while the test runs, in order (the engine's per-step LoRA mappings)."""
+    from loraplex.adapters.mapping import LoRAStep
+
+    steps: list = []
+    init = LoRAStep.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        steps.append(self)
+
+    monkeypatch.setattr(LoRAStep, "__init__", recording)
+    return steps

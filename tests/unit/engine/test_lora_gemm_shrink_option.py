@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 
 from loraplex import LLM, LoRARequest, SamplingParams
-from loraplex.adapters.mapping import LoRAStep
 from loraplex.engine.config import EngineConfig
 from tests.conftest import adapter_dir
 
 
-def test_gemm_shrink_folds_the_weights_and_decodes_the_same_tokens(tiny_model, monkeypatch):
+def test_gemm_shrink_folds_the_weights_and_decodes_the_same_tokens(tiny_model, lora_steps):
     assert EngineConfig(model="m").lora_gemm_shrink is False
     with pytest.raises(ValueError, match="lora_gemm_shrink_max_tokens must be >= 1"):
         EngineConfig(model="m", lora_gemm_shrink_max_tokens=0).resolve(tiny_model["model_dir"])
@@ -21,14 +20,7 @@ def test_gemm_shrink_folds_the_weights_and_decodes_the_same_tokens(tiny_model, m
     mix = [loras[0], None, loras[1], loras[0], loras[2], loras[1]]
     prompts = [{"prompt_token_ids": [1] + [7 + 13 * i + j for j in range(5 + 3 * i)]} for i in range(len(mix))]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
-    steps = []
-    init = LoRAStep.__init__
-
-    def spy(self, *a, **kw):
-        init(self, *a, **kw)
-        steps.append(self)
-
-    monkeypatch.setattr(LoRAStep, "__init__", spy)
+    steps = lora_steps
     kw = dict(dtype="float32", enable_lora=True, max_loras=4, max_num_seqs=8)
     want = LLM(tiny_model["model_dir"], **kw).generate(prompts, params, lora_request=mix)
     assert not any(s.gemm_shrink for s in steps)
