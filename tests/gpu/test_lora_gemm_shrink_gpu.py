@@ -10,17 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.kernels.lora_testing import capture_cuda_graph, token_slots_for
-from tests.gpu.test_lora_expand_first_gpu import _upcast
-from tests.gpu.test_lora_overlap_gpu import PROJS, _chain, _setup
+from tests.gpu.test_lora_expand_first_gpu import (
+    _upcast,
+    as_accurate_as_the_usual_order,
+    equals_the_usual_order_eager_and_under_graph_replay,
+)
+from tests.gpu.test_lora_overlap_gpu import PROJS, _setup
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def _step(pool, slots_buf, active, **kw):
-    from loraplex.adapters.mapping import LoRAStep
-
-    return LoRAStep(pool, slots_buf, active, use_triton=True, **kw)
 
 
 def _fold(pool, weights, num_layers):
@@ -29,51 +26,22 @@ def _fold(pool, weights, num_layers):
     return [{p: views[p][i] for p in PROJS} for i in range(num_layers)]
 
 
+def _gemm_shrink(slots) -> dict:
+    return {"gemm_shrink": True}
+
+
 def test_gemm_shrink_fp32_equals_the_usual_order_eager_and_under_graph_replay():
-    shapes, pool, weights, x0, slots_buf, num_tokens, slots_n = _setup(torch.float32)
-    weights = _fold(pool, weights, shapes.num_layers)
-    active = min(num_tokens, slots_n)
-    results = {}
-
-    def graph_step():
-        step = _step(pool, slots_buf, active, gemm_shrink=True)
-        assert step.gemm_shrink
-        results["graph"] = _chain(step, shapes, weights, x0)
-
-    graph = capture_cuda_graph(graph_step)
-    cpu_gen = torch.Generator().manual_seed(5)
-    for mix in ("identical", "distinct", "zipf", "skewed"):
-        slots = token_slots_for(mix, num_tokens, slots_n, cpu_gen).cuda()
-        slots_buf.copy_(slots)
-        graph.replay()
-        torch.cuda.synchronize()
-        got = [o.clone() for o in results["graph"]]
-        eager = _chain(_step(pool, slots_buf, active, gemm_shrink=True), shapes, weights, x0)
-        usual = _chain(_step(pool, slots_buf, active), shapes, weights, x0)
-        for i, (g, e, u) in enumerate(zip(got, eager, usual)):
-            torch.testing.assert_close(e, u, rtol=1e-4, atol=1e-4, msg=lambda m, i=i, mix=mix: f"{mix} eager {i}: {m}")
-            torch.testing.assert_close(g, u, rtol=1e-4, atol=1e-4, msg=lambda m, i=i, mix=mix: f"{mix} graph {i}: {m}")
-        base_only = _chain(_step(pool, slots_buf, 0), shapes, weights, x0)
-        assert not torch.allclose(base_only[0], usual[0], rtol=1e-3, atol=1e-3)  # the delta is really there
+    setup = _setup(torch.float32)
+    weights = _fold(setup[1], setup[2], setup[0].num_layers)
+    equals_the_usual_order_eager_and_under_graph_replay(setup, weights, 5, "gemm_shrink", {"gemm_shrink": True},
+                                                        _gemm_shrink)
 
 
 def test_gemm_shrink_bf16_is_as_accurate_as_the_usual_order():
-    shapes, pool, weights, x0, slots_buf, num_tokens, slots_n = _setup(torch.bfloat16)
-    pool32, w32 = _upcast(pool), [{p: w.float() for p, w in d.items()} for d in weights]
-    weights = _fold(pool, weights, shapes.num_layers)
-    active = min(num_tokens, slots_n)
-    cpu_gen = torch.Generator().manual_seed(6)
-    for mix in ("identical", "distinct", "zipf", "skewed"):
-        slots = token_slots_for(mix, num_tokens, slots_n, cpu_gen).cuda()
-        slots_buf.copy_(slots)
-        ref = _chain(_step(pool32, slots_buf, active), shapes, w32, x0.float())
-        usual = _chain(_step(pool, slots_buf, active), shapes, weights, x0)
-        gemm = _chain(_step(pool, slots_buf, active, gemm_shrink=True), shapes, weights, x0)
-        for i, (r, u, g) in enumerate(zip(ref, usual, gemm)):
-            err_u = (u.float() - r).abs()
-            err_g = (g.float() - r).abs()
-            assert err_g.mean() <= 1.25 * err_u.mean() + 1e-4, (mix, i, err_g.mean().item(), err_u.mean().item())
-            assert err_g.max() <= 2 * err_u.max() + 1e-2, (mix, i, err_g.max().item(), err_u.max().item())
+    setup = _setup(torch.bfloat16)
+    pool32, w32 = _upcast(setup[1]), [{p: w.float() for p, w in d.items()} for d in setup[2]]
+    weights = _fold(setup[1], setup[2], setup[0].num_layers)
+    as_accurate_as_the_usual_order(setup, weights, pool32, w32, 6, _gemm_shrink)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
