@@ -368,15 +368,19 @@ class LoRAManager:
                         self.expand_first_min_tokens, has_base_tokens,
                         gemm_shrink=gemm_shrink and bool(self.pool.folded))
 
+    def fills_half_the_slots(self, num_adapters: int) -> bool:
+        """The in-GEMM shrink's rule: it reads every slot's A, so it pays only for steps whose distinct adapters fill
+        at least half of the slots (run 18: the crossover at 64 slots is near 27 adapters)."""
+        return 2 * min(num_adapters, self.max_loras) >= self.max_loras
+
     def gemm_shrink_possible(self, num_tokens: int) -> bool:
         """Whether a pure-decode step of ``num_tokens`` rows may take the in-GEMM shrink (then it has a graph)."""
         return bool(self.pool.folded) and 0 < num_tokens <= self.gemm_shrink_max_tokens \
-            and 2 * min(num_tokens, self.max_loras) >= self.max_loras
+            and self.fills_half_the_slots(num_tokens)
 
     def use_gemm_shrink(self, num_tokens: int, num_active: int) -> bool:
-        """The in-GEMM shrink for a pure-decode step of ``num_tokens`` rows and ``num_active`` distinct adapters:
-        it reads every slot's A, so only when the step's adapters fill at least half of the slots."""
-        return self.gemm_shrink_possible(num_tokens) and 2 * num_active >= self.max_loras
+        """The in-GEMM shrink for a pure-decode step of ``num_tokens`` rows and ``num_active`` distinct adapters."""
+        return self.gemm_shrink_possible(num_tokens) and self.fills_half_the_slots(num_active)
 
     def assign_slots(self, adapter_ids) -> dict[int, int]:
         """Give every adapter of a step (ids, 0 = base, ignored) a GPU slot; returns adapter id -> slot.

@@ -305,7 +305,7 @@ class ModelRunner:
         most = min(self.config.lora_gemm_shrink_max_tokens, self.config.max_num_seqs)
         why = ("tensor parallelism" if self.tp is not None else "8-bit weights" if self.config.quantization
                else f"max_loras {manager.max_loras} > twice the largest eligible decode step ({most} tokens): no "
-                    "step could fill half of the slots" if 2 * most < manager.max_loras else None)
+                    "step could fill half of the slots" if not manager.fills_half_the_slots(most) else None)
         if why is not None:
             log.info("lora_gemm_shrink: ignored (%s)", why)
             return
@@ -316,9 +316,9 @@ class ModelRunner:
             weights = [getattr(layer, f"{proj}_weight") for layer in model.layers]
             if self._stage_before_fold(proj, weights):
                 # not enough free memory for the folded tensor beside the weights: they wait in host memory
+                weights = [w.detach().cpu() for w in weights]
                 for layer, w in zip(model.layers, weights):
-                    setattr(layer, f"{proj}_weight", torch.nn.Parameter(w.detach().cpu(), requires_grad=False))
-                weights = [getattr(layer, f"{proj}_weight") for layer in model.layers]
+                    setattr(layer, f"{proj}_weight", torch.nn.Parameter(w, requires_grad=False))
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
             views = manager.pool.fold_base_weights(proj, weights)
