@@ -511,9 +511,9 @@ def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: f
     shapes, distinct per layer) with and without the LoRA work, each one CUDA graph built as the engine builds its
     graphs (LoRAStep inside the graph). ``added_ms`` = step with LoRA - base projections alone: what LoRA costs a
     step when its launches sit between the GEMMs, per policy (``IN_LAYER_POLICIES``). ``num_slots``: the pool's
-    slots (default one per token: a decode step's distinct adapters). Every projection's weights are folded with the
-    pool's A rows (``SlotPool.fold_base_weights``) for the ``gemm shrink`` policy; the others use the base rows, views
-    of the same tensors. ``policies``: names of ``IN_LAYER_POLICIES`` to run (default all)."""
+    slots (default one per token: a decode step's distinct adapters). With the ``gemm shrink`` policy every projection's
+    weights are folded with the pool's A rows (``SlotPool.fold_base_weights``) and the other policies use the base
+    rows, views of the same tensors. ``policies``: names of ``IN_LAYER_POLICIES`` to run (default all)."""
 
     bench = _DecodeStepBench(shapes, num_tokens, rank, device, dtype, num_slots=num_slots)
     gen = torch.Generator(device=device).manual_seed(1)
@@ -521,10 +521,11 @@ def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: f
                 .normal_(0.0, 0.02, generator=gen) for p in bench.projs} for _ in range(shapes.num_layers)]
     elem = torch.finfo(dtype).bits // 8
     base_bytes = sum(w.numel() for layer in weights for w in layer.values()) * elem
-    for p in bench.projs:
-        views = bench.pool.fold_base_weights(p, [layer[p] for layer in weights])
-        for layer, view in zip(weights, views):
-            layer[p] = view
+    if policies is None or "gemm shrink" in policies:
+        for p in bench.projs:
+            views = bench.pool.fold_base_weights(p, [layer[p] for layer in weights])
+            for layer, view in zip(weights, views):
+                layer[p] = view
 
     def run(step) -> None:
         for layer in range(shapes.num_layers):
