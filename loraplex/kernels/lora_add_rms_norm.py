@@ -13,7 +13,8 @@ Semantics (twin: ``lora_add_rms_norm_ref``), token t with slot l = token_slots[t
     res[t]   = cast(float32(residual[t]) + float32(h[t]))
     out[t]   = rmsnorm(res[t]) * weight
 
-with ``y_t[j] = sum_p y[p, 0, t, j]`` (the shrink's valid split-K partials, rounded to B's dtype as the expand
+with ``y_t[j] = sum_p y[p, 0, t, j]`` (the shrink's valid split-K partials, or the in-GEMM shrink's columns of the
+token's slot, ``y_slot_stride``; rounded to B's dtype as the expand
 kernel rounds them), i.e. the expand into x (``lora_expand``) then ``add_rms_norm``, up to the summation order.
 x and residual are not modified.
 
@@ -40,7 +41,7 @@ UNSPECIALIZED = ("shrink_progs", "k_tiles", "stride_yp", "stride_yt")
 def _lora_add_rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, y_ptr, b_ptr, ranks_ptr, scaling_ptr, token_slots_ptr,
     num_chunks_ptr, shrink_progs, k_tiles, n_cols, eps,
-    stride_x, stride_res, stride_out, stride_res_out, stride_yp, stride_yt, stride_bl, stride_br,
+    stride_x, stride_res, stride_out, stride_res_out, stride_yp, stride_yt, stride_yl, stride_bl, stride_br,
     SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, R_STEP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -53,14 +54,15 @@ def _lora_add_rms_norm_kernel(
         parts, _ = split_parts(shrink_progs, tl.load(num_chunks_ptr), SPLIT_K, k_tiles)
         offs_j = tl.arange(0, R_STEP)
         b_row = b_ptr + slot.to(tl.int64) * stride_bl
+        y_row = y_ptr + row * stride_yt + slot.to(tl.int64) * stride_yl
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for r0 in tl.static_range(0, BLOCK_R, R_STEP):
             j = r0 + offs_j
             j_mask = j < rank
-            yj = tl.load(y_ptr + row * stride_yt + j, mask=j_mask, other=0.0)
+            yj = tl.load(y_row + j, mask=j_mask, other=0.0)
             for p in tl.static_range(1, SPLIT_K):
                 p_mask = (offs_j * 0 + p) < parts  # a tensor compare: the interpreter rejects a scalar-broadcast mask
-                yj += tl.load(y_ptr + p * stride_yp + row * stride_yt + j, mask=j_mask & p_mask, other=0.0)
+                yj += tl.load(y_row + p * stride_yp + j, mask=j_mask & p_mask, other=0.0)
             yj = yj.to(b_ptr.dtype.element_ty).to(tl.float32)  # as the expand kernel rounds y before its dot
             b = tl.load(b_row + j[:, None].to(tl.int64) * stride_br + cols[None, :],
                         mask=j_mask[:, None] & mask[None, :], other=0.0)
@@ -83,7 +85,7 @@ def lora_add_rms_norm(
     residual: torch.Tensor,  # [T, N] (not modified)
     weight: torch.Tensor,  # [N]: the norm's weight
     eps: float,
-    y: torch.Tensor,  # [SPLIT_K, 1, T, R] float32: the projection's shrink partials
+    y: torch.Tensor,  # [SPLIT_K, 1, T, R] float32 partials of the shrink (or one [1, 1, T, R] view, see y_slot_stride)
     lora_b: torch.Tensor,  # [num_slots, R, N]
     ranks: torch.Tensor,  # [1, num_slots] int32
     scaling: torch.Tensor,  # [num_slots] float32
@@ -91,6 +93,8 @@ def lora_add_rms_norm(
     *,
     shrink_progs: int | None = None,  # the shrink's ``progs`` and K tiles: which partials of y are valid;
     k_tiles: int | None = None,  # None: all y.shape[0] of them
+    y_slot_stride: int = 0,  # > 0: each token's y sits at y[0, 0, t, slot * y_slot_stride + j] (the in-GEMM shrink's
+    # view of every slot's y, ``LoRAStep(gemm_shrink=True)``; y may then be in the model's dtype)
     r_step: int = 4,
     num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,12 +106,13 @@ def lora_add_rms_norm(
     assert y_tokens == num_tokens and b_rank == max_rank and b_cols == n_cols
     assert x.stride(1) == 1 and residual.shape == x.shape and residual.stride(1) == 1
     assert lora_b.stride(2) == 1 and lora_b.dtype == x.dtype and weight.shape == (n_cols,)
-    assert y.dtype == torch.float32 and y.stride(3) == 1 and scaling.dtype == torch.float32
+    assert (y.dtype == torch.float32 or y_slot_stride) and y.stride(3) == 1 and scaling.dtype == torch.float32
+    assert not y_slot_stride or split_k == 1, "the in-GEMM shrink's y has one part"
     assert ranks.shape == (1, num_slots) and ranks.dtype == torch.int32
     assert meta.num_tokens == num_tokens and meta.num_slots == num_slots
     assert (shrink_progs is None) == (k_tiles is None), "shrink_progs and k_tiles come together"
-    out = torch.empty_like(x)
-    res_out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # x may be a strided view (the in-GEMM shrink's)
+    res_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out, res_out
     if shrink_progs is None:
@@ -119,7 +124,7 @@ def lora_add_rms_norm(
     _lora_add_rms_norm_kernel[(num_tokens,)](
         x, residual, weight, out, res_out, y, lora_b, ranks, scaling, meta.token_slots, num_chunks_of(meta),
         shrink_progs, k_tiles, n_cols, eps,
-        x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), y.stride(0), y.stride(2),
+        x.stride(0), residual.stride(0), out.stride(0), res_out.stride(0), y.stride(0), y.stride(2), y_slot_stride,
         lora_b.stride(0), lora_b.stride(1),
         SPLIT_K=split_k, BLOCK=next_power_of_2(n_cols), BLOCK_R=block_r, R_STEP=r_step, num_warps=num_warps,
     )

@@ -94,3 +94,26 @@ def test_graph_replay_with_another_mix_equals_eager():
         step()
         for g, expect in zip(got, results["out"]):
             assert torch.equal(g, expect), adapters
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_with_the_norm_fold_matches_the_usual_path(tiny_model, dtype, monkeypatch):
+    """The engine on CUDA graphs with ``lora_norm_fold_max_tokens``: decode steps fold (their graphs are built with
+    it), fp32 the usual path's tokens and logprobs, bf16 the same up to near ties."""
+    from loraplex.adapters.mapping import LoRAStep
+    from tests.gpu.test_cuda_graphs import _compare, generate_with, mixed_requests
+
+    folded = []
+    original = LoRAStep.add_rms_norm
+
+    def recording(self, *args, **kwargs):
+        folded.append(self._deferred is not None)
+        return original(self, *args, **kwargs)
+
+    requests = mixed_requests(tiny_model, seed=5)
+    _, plain = generate_with(tiny_model, dtype, requests)
+    monkeypatch.setattr(LoRAStep, "add_rms_norm", recording)
+    _, fold = generate_with(tiny_model, dtype, requests, lora_norm_fold_max_tokens=64)
+    assert any(folded)
+    compared = _compare(plain, fold, dtype)
+    assert compared >= (1.0 if dtype == "float32" else 0.8) * 40 * 12
