@@ -1012,7 +1012,11 @@ def main(argv: list[str] | None = None) -> int:
                              "steps with 32 and 8 adapters (the decode step's count always runs)")
     parser.add_argument("--in-layer-decode", default="",
                         help="more decode-step token counts (comma-separated, e.g. 256) for the in-layer benchmark, "
-                             "one slot per token, policies sequential and gemm shrink, distinct / 46 / 8 adapters")
+                             "one slot per token, policies sequential, gemm shrink and the norm fold (alone and with it), "
+                             "distinct / 46 / 8 adapters")
+    parser.add_argument("--in-layer-policies", default="",
+                        help="comma-separated names of IN_LAYER_POLICIES for the decode step's in-layer run (default "
+                             "all; --smoke: one of each order)")
     parser.add_argument("--steps-only", action="store_true",
                         help="the decode-step policies and the in-layer run at the decode step's size, then stop")
     parser.add_argument("--in-layer-only", action="store_true",
@@ -1100,9 +1104,14 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     smoke_policies = SMOKE_IN_LAYER_POLICIES if args.smoke else None
+    chosen = tuple(p.strip() for p in args.in_layer_policies.split(",") if p.strip())
+    unknown = set(chosen) - {name for name, _ in IN_LAYER_POLICIES}
+    if unknown:
+        parser.error(f"--in-layer-policies: unknown {', '.join(sorted(unknown))}; "
+                     f"known: {', '.join(name for name, _ in IN_LAYER_POLICIES)}")
     payload["in_layer"] = bench_in_layer(shapes, step_tokens, 16, device, dtype, copy_bw, reps,
                                          mixes=STEP_MIXES if not args.smoke else (("distinct", 8), ("identical", 1)),
-                                         policies=smoke_policies)
+                                         policies=chosen or smoke_policies)
     write()
     for tokens in (int(t) for t in args.in_layer_decode.split(",") if t.strip()):
         # larger decode steps, one slot per token (the offline bench's distinct workload), few and many adapters
@@ -1112,7 +1121,7 @@ def main(argv: list[str] | None = None) -> int:
             ("distinct", tokens), ("2 adapters", 2))
         payload.setdefault("in_layer_more", []).append(bench_in_layer(
             shapes, tokens, 16, device, dtype, copy_bw, reps, mixes=mixes, num_slots=tokens,
-            policies=("sequential", "gemm shrink")))
+            policies=("sequential", "gemm shrink", "norm fold", "gemm shrink + norm fold")))
         write()
     if args.steps_only:
         log.info("wrote %s and %s", out, out.with_suffix(".md"))
