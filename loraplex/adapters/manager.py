@@ -82,9 +82,6 @@ class LoRAManager:
         # slots run each folded projection's shrink inside its base GEMM (engine option lora_gemm_shrink; the model
         # runner folds the weights, SlotPool.fold_base_weights, and sets this)
         self.gemm_shrink_max_tokens = 0
-        # steps of at most this many tokens (0: never) add o's and down's delta inside the residual add + RMSNorm after
-        # each (engine option lora_norm_fold_max_tokens, LoRAStep.linear_deferred / add_rms_norm)
-        self.norm_fold_max_tokens = 0
         self.host_cache: HostLRUCache[HostAdapter] = HostLRUCache(max(max_cpu_loras or max_loras, max_loras))
         self._validated: ValidatedFiles[HostAdapter] = ValidatedFiles()
         self.loader = BackgroundLoader(self._load_files, num_load_workers or min(4, os.cpu_count() or 1))
@@ -369,8 +366,7 @@ class LoRAManager:
         ``gemm_shrink``: the folded projections' shrinks inside their base GEMMs (``use_gemm_shrink`` decides)."""
         return LoRAStep(self.pool, token_slots, num_active, self.use_triton, self.fuse_silu_mul, self.overlap_shrink,
                         self.expand_first_min_tokens, has_base_tokens,
-                        gemm_shrink=gemm_shrink and bool(self.pool.folded),
-                        norm_fold_max_tokens=self.norm_fold_max_tokens)
+                        gemm_shrink=gemm_shrink and bool(self.pool.folded))
 
     def fills_half_the_slots(self, num_adapters: int) -> bool:
         """The in-GEMM shrink's rule: it reads every slot's A, so it pays only for steps whose distinct adapters fill

@@ -47,16 +47,12 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-# the projections whose expand can fold into the residual add + RMSNorm that reads their output
-NORM_FOLD_PROJS = ("o", "down")
-
-
 class LoRAStep:
     """One step's token->slot mapping and device metadata, shared by every layer and projection."""
 
     def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool,
                  fuse_silu_mul: bool = False, overlap_shrink: bool = False, expand_first_min_tokens: int = 0,
-                 has_base_tokens: bool = True, gemm_shrink: bool = False, norm_fold_max_tokens: int = 0) -> None:
+                 has_base_tokens: bool = True, gemm_shrink: bool = False) -> None:
         self.pool = pool
         self.token_slots = token_slots  # [T] int32
         self.num_active = num_active  # distinct adapters in the step (host-known)
@@ -77,10 +73,6 @@ class LoRAStep:
         # the shrink inside the base GEMM for projections whose pool A rows are folded under the base weight
         # (``SlotPool.fold_base_weights``): one cuBLAS GEMM gives the base output and every slot's y, then the expand
         self.gemm_shrink = bool(gemm_shrink and num_active)
-        # steps of at most this many tokens (0: never) add o's and down's delta inside the residual add + RMSNorm that
-        # follows each (``linear_deferred``, then ``add_rms_norm``): the expand is folded into the norm's row pass
-        self.fold_norm = bool(norm_fold_max_tokens and num_active and token_slots.shape[0] <= norm_fold_max_tokens)
-        self._deferred = None  # (layer, proj, y, valid partials, y slot stride): the delta the next norm adds
         if use_triton and num_active:
             from loraplex.kernels import lora_ops
             from loraplex.kernels.lora_expand import slice_col_align
@@ -144,73 +136,6 @@ class LoRAStep:
 
         return lora_silu_mul_apply(x, gate_up, a, bt, ranks, self.pool.scaling, self._meta, self._configs["gate_up"],
                                    self._scratch, self._layer_chunk_ranks(layer_idx, "gate_up"))
-
-    @property
-    def folds_norm(self) -> bool:
-        """Whether the model should take o and down through ``linear_deferred`` and their norms through
-        ``add_rms_norm``."""
-        return self.fold_norm
-
-    @property
-    def has_deferred(self) -> bool:
-        """A projection's delta waits for the next ``add_rms_norm``."""
-        return self._deferred is not None
-
-    def linear_deferred(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The base projection of ``proj`` (o or down) and its shrink; the expand is left to the ``add_rms_norm`` that
-        must follow (the residual add + RMSNorm reading this output), which adds each row's delta as it reads the row.
-        With the in-GEMM shrink (``gemm_shrink``, a folded weight) one GEMM gives the output and every slot's y."""
-        if proj not in NORM_FOLD_PROJS:
-            raise ValueError(f"only {' and '.join(NORM_FOLD_PROJS)} fold into a norm, got {proj!r}")
-        if self._deferred is not None:
-            raise RuntimeError(f"the delta of layer {self._deferred[0]}'s {self._deferred[1]} was never added")
-        slot_stride, valid = 0, {}
-        folded = self.pool.folded.get(proj) if self.gemm_shrink and bias is None else None
-        if folded is not None and weight.shape[0] == folded[1] \
-                and weight.data_ptr() == folded[0][layer_idx].data_ptr():
-            n = folded[1]
-            full = torch.nn.functional.linear(x, folded[0][layer_idx])  # [T, n + max_loras * R]
-            out, max_rank = full[:, :n], self.pool.max_rank
-            if self.use_triton:
-                y = full.as_strided((1, 1, x.shape[0], max_rank), (0, max_rank, full.stride(0), 1),
-                                    full.storage_offset() + n)
-                slot_stride = max_rank
-            else:
-                from loraplex.kernels.lora_ref import gemm_shrink_y
-
-                y = gemm_shrink_y(full, n, self.token_slots, 1, max_rank)
-        else:
-            out = base_linear(x, weight, bias)
-            a, _, ranks = self.pool.layer_view(proj, layer_idx)
-            if x.stride(-1) != 1:
-                x = x.contiguous()
-            if self.use_triton:
-                y, valid = self._ops.lora_shrink_apply(x, a, ranks, self._meta, self._configs[proj], self._scratch,
-                                                       self._layer_chunk_ranks(layer_idx, proj))
-            else:
-                from loraplex.kernels.lora_ref import lora_shrink_ref
-
-                y = lora_shrink_ref(x, a, self.token_slots, ranks)
-        self._deferred = (layer_idx, proj, y, valid, slot_stride)
-        return out
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, ops):
-        """``ops.add_rms_norm(x + delta, residual, weight, eps)`` with the delta ``linear_deferred`` left for it (one
-        kernel, ``lora_add_rms_norm``); without one, ``ops.add_rms_norm`` itself."""
-        if self._deferred is None:
-            return ops.add_rms_norm(x, residual, weight, eps)
-        layer_idx, proj, y, valid, slot_stride = self._deferred
-        self._deferred = None
-        _, bt, ranks = self.pool.layer_view(proj, layer_idx)
-        if not self.use_triton:
-            from loraplex.kernels.lora_add_rms_norm import lora_add_rms_norm_ref
-
-            return lora_add_rms_norm_ref(x, residual, weight, eps, y, bt, self.token_slots, ranks, self.pool.scaling)
-        from loraplex.kernels.lora_add_rms_norm import lora_add_rms_norm
-
-        return lora_add_rms_norm(x, residual, weight, eps, y, bt, ranks, self.pool.scaling, self._meta, **valid,
-                                 y_slot_stride=slot_stride)
 
     def _layer_chunk_ranks(self, layer_idx: int, proj: str) -> torch.Tensor | None:
         """[S, max_chunks] ranks of each chunk's slot for this layer and projection (None without the tables)."""

@@ -137,9 +137,6 @@ def add_offline_args(p) -> None:
     p.add_argument("--lora-gemm-shrink", action=argparse.BooleanOptionalAction, default=None,
                    help="engine option lora_gemm_shrink: pure-decode steps of <= 64 tokens whose adapters fill half "
                         "the slots run each LoRA shrink inside the base GEMM (default: the engine's default, off)")
-    p.add_argument("--lora-norm-fold-max-tokens", type=int, default=None,
-                   help="engine option lora_norm_fold_max_tokens: steps of at most this many tokens add o's and down's "
-                        "LoRA delta inside the residual add + RMSNorm after each (0: never; default: the engine's, 0)")
     p.add_argument("--attention-decode-split", action=argparse.BooleanOptionalAction, default=None,
                    help="engine option attention_decode_split: in steps mixing decodes and prompts, the decodes through "
                         "the split-KV decode kernel (default: the engine's default, on)")

@@ -485,12 +485,10 @@ IN_LAYER_POLICIES = (("sequential", {}), ("sequential, weights into L2", {"cfg":
                      ("sequential, first weight tile", {"cfg": {"weight_prefetch": "first"}}),
                      ("overlap", {"overlap_shrink": True}),
                      ("expand-first", {"expand_first_min_tokens": 1, "has_base_tokens": False}),
-                     ("gemm shrink", {"gemm_shrink": True}),
-                     ("norm fold", {"norm_fold_max_tokens": 1 << 30}),
-                     ("gemm shrink + norm fold", {"gemm_shrink": True, "norm_fold_max_tokens": 1 << 30}))
+                     ("gemm shrink", {"gemm_shrink": True}))
 # --smoke (the interpreter, where each policy costs a minute of CPU): one of each kind of order; the weight-prefetch
 # forms are GPU-only (the interpreter drops the L2 form) and the overlap needs CUDA (on the CPU it is sequential)
-SMOKE_IN_LAYER_POLICIES = ("sequential", "expand-first", "gemm shrink", "norm fold")
+SMOKE_IN_LAYER_POLICIES = ("sequential", "expand-first", "gemm shrink")
 
 
 def _in_layer_step(bench, options: dict):
@@ -512,8 +510,7 @@ def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: f
     """The base projections of one step (32 layers x qkv, o, gate|up, down; random bf16 weights of the model's
     shapes, distinct per layer) with and without the LoRA work, each one CUDA graph built as the engine builds its
     graphs (LoRAStep inside the graph). ``added_ms`` = step with LoRA - base projections alone: what LoRA costs a
-    step when its launches sit between the GEMMs, per policy (``IN_LAYER_POLICIES``). Every variant also runs the
-    residual add + RMSNorm after o and after down (where the ``norm fold`` policies add those projections' delta). ``num_slots``: the pool's
+    step when its launches sit between the GEMMs, per policy (``IN_LAYER_POLICIES``). ``num_slots``: the pool's
     slots (default one per token: a decode step's distinct adapters). With the ``gemm shrink`` policy every projection's
     weights are folded with the pool's A rows (``SlotPool.fold_base_weights``) and the other policies use the base
     rows, views of the same tensors. ``policies``: names of ``IN_LAYER_POLICIES`` to run (default all)."""
@@ -524,34 +521,19 @@ def bench_in_layer(shapes, num_tokens: int, rank: int, device, dtype, copy_bw: f
                 .normal_(0.0, 0.02, generator=gen) for p in bench.projs} for _ in range(shapes.num_layers)]
     elem = torch.finfo(dtype).bits // 8
     base_bytes = sum(w.numel() for layer in weights for w in layer.values()) * elem
-    if policies is None or any(name.startswith("gemm shrink") for name in policies):
+    if policies is None or "gemm shrink" in policies:
         for p in bench.projs:
             views = bench.pool.fold_base_weights(p, [layer[p] for layer in weights])
             for layer, view in zip(weights, views):
                 layer[p] = view
 
-    from loraplex.adapters.mapping import NORM_FOLD_PROJS
-    from loraplex.kernels import fused_ops
-
-    # the residual add + RMSNorm after o and after down, in every policy (the norm fold adds their delta there)
-    hidden = shapes.proj_in("qkv")
-    residual = torch.randn(num_tokens, hidden, dtype=dtype, device=device)
-    norm_weight = torch.ones(hidden, dtype=dtype, device=device)
-
     def run(step) -> None:
         for layer in range(shapes.num_layers):
             for p in bench.projs:
                 if step is None:
-                    out = torch.nn.functional.linear(bench.xs[p], weights[layer][p])
-                elif step.folds_norm and p in NORM_FOLD_PROJS:
-                    out = step.linear_deferred(layer, p, bench.xs[p], weights[layer][p])
+                    torch.nn.functional.linear(bench.xs[p], weights[layer][p])
                 else:
-                    out = step.linear(layer, p, bench.xs[p], weights[layer][p])
-                if p in NORM_FOLD_PROJS:
-                    if step is None:
-                        fused_ops.add_rms_norm(out, residual, norm_weight, 1e-5)
-                    else:
-                        step.add_rms_norm(out, residual, norm_weight, 1e-5, fused_ops)
+                    step.linear(layer, p, bench.xs[p], weights[layer][p])
 
     graph = _capture(lambda: run(None), device)
     base_s = _replay_seconds(graph, reps)
@@ -595,10 +577,7 @@ def _in_layer_markdown(in_layer: dict | None) -> list[str]:
              "`expand-first`: shrink and a write-only expand, then the GEMM accumulating into that output (engine "
              "option `lora_expand_first_min_tokens`); `gemm shrink`: every slot's A rows folded under the base weight, "
              "one cuBLAS GEMM gives the base output and every slot's y, then the expand (engine option "
-             "`lora_gemm_shrink`; it reads every slot's A whatever the step uses); `norm fold`: o's and down's "
-             "expand left to the residual add + RMSNorm after each (engine option `lora_norm_fold_max_tokens`). Every "
-             "variant, base included, runs those two norms per layer (since 2026-12-03 run 19; earlier runs had none).",
-             "",
+             "`lora_gemm_shrink`; it reads every slot's A whatever the step uses).", "",
              "| policy | workload | adapters | time (ms) | added by LoRA (ms) | LoRA floor (ms) | base floor (ms) |",
              "|---|---|---|---|---|---|---|"]
     for r in in_layer["rows"]:
@@ -1012,8 +991,7 @@ def main(argv: list[str] | None = None) -> int:
                              "steps with 32 and 8 adapters (the decode step's count always runs)")
     parser.add_argument("--in-layer-decode", default="",
                         help="more decode-step token counts (comma-separated, e.g. 256) for the in-layer benchmark, "
-                             "one slot per token, policies sequential, gemm shrink and the norm fold (alone and with it), "
-                             "distinct / 46 / 8 adapters")
+                             "one slot per token, policies sequential and gemm shrink, distinct / 46 / 8 adapters")
     parser.add_argument("--in-layer-policies", default="",
                         help="comma-separated names of IN_LAYER_POLICIES for the decode step's in-layer run (default "
                              "all; --smoke: one of each order)")
@@ -1033,6 +1011,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="only: per-projection and whole-step CUDA-graph timings of the two-launch path and fused "
                              "configurations (decode, 64 tokens on 64 adapters, ranks 16 and 64)")
     args = parser.parse_args(argv)
+    chosen = tuple(p.strip() for p in args.in_layer_policies.split(",") if p.strip())
+    unknown = set(chosen) - {name for name, _ in IN_LAYER_POLICIES}
+    if unknown:
+        parser.error(f"--in-layer-policies: unknown {', '.join(sorted(unknown))}; "
+                     f"known: {', '.join(name for name, _ in IN_LAYER_POLICIES)}")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from loraplex.adapters.modules import BaseShapes
 
@@ -1104,11 +1087,6 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     smoke_policies = SMOKE_IN_LAYER_POLICIES if args.smoke else None
-    chosen = tuple(p.strip() for p in args.in_layer_policies.split(",") if p.strip())
-    unknown = set(chosen) - {name for name, _ in IN_LAYER_POLICIES}
-    if unknown:
-        parser.error(f"--in-layer-policies: unknown {', '.join(sorted(unknown))}; "
-                     f"known: {', '.join(name for name, _ in IN_LAYER_POLICIES)}")
     payload["in_layer"] = bench_in_layer(shapes, step_tokens, 16, device, dtype, copy_bw, reps,
                                          mixes=STEP_MIXES if not args.smoke else (("distinct", 8), ("identical", 1)),
                                          policies=chosen or smoke_policies)
@@ -1121,7 +1099,7 @@ def main(argv: list[str] | None = None) -> int:
             ("distinct", tokens), ("2 adapters", 2))
         payload.setdefault("in_layer_more", []).append(bench_in_layer(
             shapes, tokens, 16, device, dtype, copy_bw, reps, mixes=mixes, num_slots=tokens,
-            policies=("sequential", "gemm shrink", "norm fold", "gemm shrink + norm fold")))
+            policies=("sequential", "gemm shrink")))
         write()
     if args.steps_only:
         log.info("wrote %s and %s", out, out.with_suffix(".md"))

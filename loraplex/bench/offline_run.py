@@ -121,7 +121,6 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
                        lora_overlap_shrink=getattr(args, "lora_overlap_shrink", None),
                        lora_expand_first_min_tokens=getattr(args, "lora_expand_first_min_tokens", None),
                        lora_gemm_shrink=getattr(args, "lora_gemm_shrink", None),
-                       lora_norm_fold_max_tokens=getattr(args, "lora_norm_fold_max_tokens", None),
                        attention_decode_split=getattr(args, "attention_decode_split", None),
                        piecewise_cuda_graphs=getattr(args, "piecewise_cuda_graphs", None),
                        kv_cache_dtype=getattr(args, "kv_cache_dtype", None),

@@ -60,9 +60,6 @@ def add_step_profile_args(p) -> None:
     p.add_argument("--lora-gemm-shrink", action=argparse.BooleanOptionalAction, default=None,
                    help="engine option lora_gemm_shrink: small pure-decode steps whose adapters fill half the slots "
                         "run each LoRA shrink inside the base GEMM (default: the engine's default, off)")
-    p.add_argument("--lora-norm-fold-max-tokens", type=int, default=None,
-                   help="engine option lora_norm_fold_max_tokens: steps of at most this many tokens add o's and down's "
-                        "LoRA delta inside the residual add + RMSNorm (0: never; default: the engine's, 0)")
     p.add_argument("--merge-single-lora", action="store_true",
                    help="engine option merge_single_lora: a single adapter's steps on merged weights")
     p.add_argument("--attention-decode-split", action=argparse.BooleanOptionalAction, default=None,
@@ -246,7 +243,7 @@ def collect_step_profile(args, device) -> tuple[dict, list[tuple[str, str]]]:
     llm = make_llm(model_dir, str(device), args.dtype, args.max_loras or max(1, most), args.rank,
                    max_num_seqs=args.max_num_seqs, seed=args.seed, merge_single_lora=args.merge_single_lora,
                    fuse_lora_silu_mul=args.fuse_lora_silu_mul, lora_overlap_shrink=args.lora_overlap_shrink,
-                   lora_gemm_shrink=args.lora_gemm_shrink, lora_norm_fold_max_tokens=args.lora_norm_fold_max_tokens,
+                   lora_gemm_shrink=args.lora_gemm_shrink,
                    attention_decode_split=args.attention_decode_split,
                    piecewise_cuda_graphs=args.piecewise_cuda_graphs)
     bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)

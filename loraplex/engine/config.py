@@ -85,11 +85,6 @@ class EngineConfig:
     # projection biases (otherwise ignored). Off by default
     lora_gemm_shrink: bool = False
     lora_gemm_shrink_max_tokens: int = 64
-    # steps of at most this many tokens (0: never) add o's and down's LoRA delta inside the residual add + RMSNorm that
-    # reads each projection's output (kernels/lora_add_rms_norm.py): one row per program, each reading its adapter's
-    # B, instead of an expand launch that reads and rewrites the output. For decode-sized steps (rows that share an
-    # adapter re-read its B). Not under tensor parallelism (otherwise ignored). Off by default
-    lora_norm_fold_max_tokens: int = 0
     # after the engine loads, freeze the heap alive then out of the cyclic GC's reach (engine/gc_heap.py): shorter
     # full collections. For processes that exist to run the engine (the server and the benchmarks set it); off for
     # a library caller, whose heap it would freeze too
@@ -144,8 +139,6 @@ class EngineConfig:
             raise ValueError(f"prefill_batch_max_wait_steps must be >= 1, got {self.prefill_batch_max_wait_steps}")
         if self.lora_group_max_skips < 0:
             raise ValueError(f"lora_group_max_skips must be >= 0, got {self.lora_group_max_skips}")
-        if self.lora_norm_fold_max_tokens < 0:
-            raise ValueError(f"lora_norm_fold_max_tokens must be >= 0, got {self.lora_norm_fold_max_tokens}")
         if self.lora_expand_first_min_tokens < 0:
             raise ValueError(f"lora_expand_first_min_tokens must be >= 0, got {self.lora_expand_first_min_tokens}")
         if self.lora_gemm_shrink_max_tokens < 1:

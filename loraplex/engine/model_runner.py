@@ -287,7 +287,6 @@ class ModelRunner:
             self.lora_manager.fuse_silu_mul = self.config.fuse_lora_silu_mul
             self.lora_manager.overlap_shrink = self.config.lora_overlap_shrink
             self.lora_manager.expand_first_min_tokens = self.config.lora_expand_first_min_tokens
-            self.lora_manager.norm_fold_max_tokens = self.config.lora_norm_fold_max_tokens
             if self.config.lora_gemm_shrink:
                 self._fold_lora_rows()
             if self.config.merge_single_lora:

@@ -166,7 +166,7 @@ class PiecewiseGraphRunner(BucketedGraphs):
             self.q[:bucket].copy_(q)
             self.residual[:bucket].copy_(residual)
         else:
-            self.hidden[:bucket].copy_(model.final_norm(hidden, residual, lora))
+            self.hidden[:bucket].copy_(model.final_norm(hidden, residual))
         return lora
 
     # ---- capture -------------------------------------------------------------------------------------

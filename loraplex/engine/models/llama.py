@@ -3,10 +3,7 @@
 rotate-half RoPE computed in float32) so float32 results match it token for token.
 
 LoRA hook: with ``lora`` (a ``LoRAStep``) each projection is ``lora.linear(layer_idx, proj, x, weight, bias)``
-with ``proj`` in ``"qkv" | "o" | "gate_up" | "down"``: the base GEMM plus every token's adapter delta. When
-``lora.folds_norm`` (small steps, engine option ``lora_norm_fold_max_tokens``), o and down go through
-``lora.linear_deferred`` (the GEMM and the shrink) and the residual add + RMSNorm after each adds their delta
-(``lora.add_rms_norm``): down's is added by the next layer's input norm, or the final norm.
+with ``proj`` in ``"qkv" | "o" | "gate_up" | "down"``: the base GEMM plus every token's adapter delta.
 """
 
 from __future__ import annotations
@@ -14,7 +11,6 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -157,13 +153,6 @@ def _param(*shape, device, dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, device=device, dtype=dtype), requires_grad=False)
 
 
-def _add_rms_norm(lora, ops, x, residual, norm: RMSNorm):
-    """The residual add + RMSNorm, with the delta of a projection whose expand was left to it (``linear_deferred``)."""
-    if lora is not None and lora.has_deferred:
-        return lora.add_rms_norm(x, residual, norm.weight, norm.eps, ops)
-    return ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-
-
 def _linear(lora, layer: int, proj: str, x, weight, bias):
     """The base projection plus, with ``lora``, every token's adapter delta (``LoRAStep.linear``)."""
     if lora is None:
@@ -206,7 +195,7 @@ class LlamaLayer(nn.Module):
             residual = hidden
             x = ops.rms_norm(hidden, self.input_layernorm.weight, self.input_layernorm.eps)
         else:
-            x, residual = _add_rms_norm(lora, ops, hidden, residual, self.input_layernorm)
+            x, residual = ops.add_rms_norm(hidden, residual, self.input_layernorm.weight, self.input_layernorm.eps)
         qkv = _linear(lora, self.idx, "qkv", x, self.qkv_weight, self.qkv_bias)  # [T, q + 2kv]
         # RoPE on q and k; k and v go into the paged cache (attention reads the new tokens' K/V from there)
         q = ops.rope_store_kv(qkv, cos, sin, kv_cache, attn, self.num_heads, self.num_kv_heads,
@@ -215,20 +204,17 @@ class LlamaLayer(nn.Module):
 
     def post_attention(self, o, residual, lora, ops: _Ops):
         """The layer after attention (``o`` [T, Hq * D]): o-projection, norm, MLP. Returns (MLP output, residual)."""
-        # with the norm fold (LoRAStep.folds_norm; never under tensor parallelism, whose all-reduce comes between)
-        # o's and down's deltas are added by the residual add + RMSNorm that follows each
-        fold = lora is not None and self.reduce is None and lora.folds_norm
-        linear = lora.linear_deferred if fold else partial(_linear, lora)
-        out = linear(self.idx, "o", o, self.o_weight, self.o_bias)
+        out = _linear(lora, self.idx, "o", o, self.o_weight, self.o_bias)
         if self.reduce is not None:
             self.reduce(out)
-        x, residual = _add_rms_norm(lora, ops, out, residual, self.post_attention_layernorm)
+        norm = self.post_attention_layernorm
+        x, residual = ops.add_rms_norm(out, residual, norm.weight, norm.eps)
         if lora is not None and lora.fuses_silu_mul:  # gate|up's delta added inside SiLU-and-multiply
             act = lora.silu_mul(self.idx, x, quant.linear(x, self.gate_up_weight, self.gate_up_bias))
         else:
             gate_up = _linear(lora, self.idx, "gate_up", x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
             act = ops.silu_mul(gate_up)
-        down = linear(self.idx, "down", act, self.down_weight, self.down_bias)  # its delta: the next norm's
+        down = _linear(lora, self.idx, "down", act, self.down_weight, self.down_bias)
         if self.reduce is not None:
             self.reduce(down)
         return down, residual
@@ -263,7 +249,7 @@ class LlamaForCausalLM(nn.Module):
         ops, residual = self.ops, None
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, attn, lora, ops)
-        return self.final_norm(hidden, residual, lora)
+        return self.final_norm(hidden, residual)
 
     def embed(self, input_ids, positions):
         """(embeddings [T, H], RoPE cos [T, D], sin [T, D])."""
@@ -271,11 +257,10 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, positions, hidden.dtype)
         return hidden, cos, sin
 
-    def final_norm(self, hidden, residual, lora=None) -> torch.Tensor:
-        """``lora``: the step's LoRAStep when the last layer's down delta may still wait for this norm."""
+    def final_norm(self, hidden, residual) -> torch.Tensor:
         if residual is None:  # no layers
             return self.ops.rms_norm(hidden, self.norm.weight, self.norm.eps)
-        return _add_rms_norm(lora, self.ops, hidden, residual, self.norm)[0]
+        return self.ops.add_rms_norm(hidden, residual, self.norm.weight, self.norm.eps)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
 os.environ["TRITON_INTERPRET"] = "1"
 
 from loraplex.bench import lora_kernels  # noqa: E402
@@ -30,3 +32,12 @@ def test_in_layer_only_runs_every_policy_for_each_token_count(tmp_path):
     assert {r["adapters"] for r in runs[1]["rows"] if r["policy"] == "expand-first"} == {8, 2}
     md = out.with_suffix(".md").read_text()
     assert "one step of 8 tokens" in md and "one step of 24 tokens" in md and "| expand-first | 8 adapters |" in md
+
+
+def test_in_layer_policies_names_the_unknown_one(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        lora_kernels.main(["--smoke", "--in-layer-only", "--in-layer-policies", "sequential,no such order",
+                           "--out", str(tmp_path / "lk.json")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--in-layer-policies: unknown no such order" in err and "gemm shrink" in err
