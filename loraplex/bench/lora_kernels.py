@@ -991,10 +991,11 @@ def main(argv: list[str] | None = None) -> int:
                              "steps with 32 and 8 adapters (the decode step's count always runs)")
     parser.add_argument("--in-layer-decode", default="",
                         help="more decode-step token counts (comma-separated, e.g. 256) for the in-layer benchmark, "
-                             "one slot per token, policies sequential and gemm shrink, distinct / 46 / 8 adapters")
+                             "one slot per token, distinct / 46 / 8 adapters (policies: see --in-layer-policies)")
     parser.add_argument("--in-layer-policies", default="",
-                        help="comma-separated names of IN_LAYER_POLICIES for the decode step's in-layer run (default "
-                             "all; --smoke: one of each order)")
+                        help="comma-separated names of IN_LAYER_POLICIES for the in-layer runs at decode sizes (the "
+                             "decode step's: default all, --smoke one of each order; --in-layer-decode's: default "
+                             "sequential and gemm shrink)")
     parser.add_argument("--steps-only", action="store_true",
                         help="the decode-step policies and the in-layer run at the decode step's size, then stop")
     parser.add_argument("--in-layer-only", action="store_true",
@@ -1099,7 +1100,7 @@ def main(argv: list[str] | None = None) -> int:
             ("distinct", tokens), ("2 adapters", 2))
         payload.setdefault("in_layer_more", []).append(bench_in_layer(
             shapes, tokens, 16, device, dtype, copy_bw, reps, mixes=mixes, num_slots=tokens,
-            policies=("sequential", "gemm shrink")))
+            policies=chosen or ("sequential", "gemm shrink")))
         write()
     if args.steps_only:
         log.info("wrote %s and %s", out, out.with_suffix(".md"))
