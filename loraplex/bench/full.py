@@ -66,18 +66,36 @@ def _cut_short(signum, frame):
 
 def run_full(args, device: torch.device, out_dir: str | None) -> int:
     """Every part in one report. SIGTERM stops the run where it is and still writes the report of the parts that
-    finished (the report says where it was cut); the exit code is then 3."""
+    finished (the report says where it was cut); the exit code is then 3. The report is also rewritten after each
+    part, so a run that dies without unwinding (H200 run 19: killed in an offline round) leaves what it measured."""
+    import faulthandler
     import signal
 
-    from loraplex.bench.report import environment, write_report
+    from loraplex.bench.report import environment, utc_stamp, write_report
     from loraplex.bench.timing import SectionClock
 
-    clock = SectionClock(log, "bench all")
     started = time.perf_counter()
+    stamp = utc_stamp()  # one pair of report files, rewritten after each part and at the end
     result: dict = {"environment": environment(device)}
-    cut = None
     markdown: dict[str, str] = {}  # parts' own markdown that the report reuses (not in the JSON)
+
+    def write(cut: dict | None):
+        done = {**result, "section_wall_s": dict(clock.walls), "total_wall_s": time.perf_counter() - started}
+        if cut:
+            done["cut_short"] = cut
+        return write_report("issue9", done, _sections(done, markdown), out_dir, args, stamp=stamp)
+
+    def checkpoint(part: str) -> None:
+        # if the process dies before the end (a crash, a kill) the files still hold every part that finished
+        write({"reason": "the run had not ended when this copy was written", "after_s": time.perf_counter() - started,
+               "part": f"the part after {part}"})
+
+    clock = SectionClock(log, "bench all", on_end=checkpoint)
+    cut = None
+    # a native crash, or SIGTERM, prints every thread's Python stack to stderr (SIGTERM then goes on to _cut_short)
+    faulthandler.enable()
     previous = signal.signal(signal.SIGTERM, _cut_short)
+    faulthandler.register(signal.SIGTERM, chain=True)
     try:
         _run_parts(args, device, clock, result, markdown)
     except CutShort as exc:
@@ -85,13 +103,15 @@ def run_full(args, device: torch.device, out_dir: str | None) -> int:
         log.warning("bench all: cut short by %s after %.0f s, in %s: writing the parts that finished",
                     exc, cut["after_s"], clock.raised_in)
     finally:
+        faulthandler.unregister(signal.SIGTERM)
         signal.signal(signal.SIGTERM, previous)
+    clock.on_end = None
     result["section_wall_s"] = dict(clock.walls)
     result["total_wall_s"] = time.perf_counter() - started
     if cut:
         result["cut_short"] = cut
     log.info("bench all: %.1f s in all", result["total_wall_s"])
-    json_path, md_path = write_report("issue9", result, _sections(result, markdown), out_dir, args)
+    json_path, md_path = write(cut)
     print(md_path.read_text())
     print(f"wrote {json_path} and {md_path}")
     return 3 if cut else 0

@@ -96,13 +96,19 @@ def table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     return "\n".join([head, sep, *body])
 
 
+def utc_stamp() -> str:
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+
+
 def write_report(
     name: str, result: dict, sections: list[tuple[str, str]], out_dir: str | Path | None = None, args=None,
+    stamp: str | None = None,
 ) -> tuple[Path, Path]:
-    """``sections``: (title, markdown body). Returns the JSON and markdown paths."""
+    """``sections``: (title, markdown body). Returns the JSON and markdown paths. ``stamp``: the UTC time in the
+    file names (default now); a run that rewrites its report as it goes passes the same one each time."""
     out = Path(out_dir) if out_dir else DEFAULT_OUT_DIR
     out.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    stamp = stamp or utc_stamp()
     cmd = getattr(args, "report_command", None) or command_line(args)
     payload = {"name": name, "time_utc": stamp, "command": cmd, **result}
     json_path = out / f"{name}-{stamp}.json"

@@ -65,12 +65,13 @@ class SectionClock:
     """Wall time of each named section of a benchmark run, logged as each ends (a run that is cut short
     still shows in its log how far it got and what each part cost)."""
 
-    def __init__(self, logger, prefix: str):
+    def __init__(self, logger, prefix: str, on_end=None):
         self.logger = logger
         self.prefix = prefix
         self.walls: dict[str, float] = {}
         self.current: str | None = None  # the section running now
         self.raised_in: str | None = None  # the innermost section an exception (or a stop) left
+        self.on_end = on_end  # called with the name of each outermost section that ends without an exception
 
     @contextlib.contextmanager
     def __call__(self, name: str):
@@ -86,3 +87,5 @@ class SectionClock:
             self.current = outer
             self.walls[name] = self.walls.get(name, 0.0) + time.perf_counter() - start
             self.logger.info("%s: %s took %.1f s", self.prefix, name, self.walls[name])
+        if outer is None and self.on_end is not None:
+            self.on_end(name)

@@ -40,6 +40,7 @@ def test_sigterm_during_the_online_part_writes_a_partial_report_and_stops_the_se
         ["bench", "all", "--smoke", "--skip-lora-kernels", "--peer", "none", "--popularity", "base",
          "--online-rate", "1", "--work-dir", str(tmp_path / "work"), "--out-dir", str(out)], "online: uploaded")
     assert rc == 3, log[-3000:]
+    assert "(most recent call first)" in log  # faulthandler: where every thread was when the signal came
     assert server_pid and not Path(f"/proc/{server_pid}").exists(), "the launched server outlived the bench"
     (json_path,) = out.glob("issue9-*.json")
     data = json.loads(json_path.read_text())
@@ -58,3 +59,32 @@ def test_sigterm_stops_bench_online_and_the_server_it_launched(tmp_path):
     assert rc == 3, log[-3000:]
     assert server_pid and not Path(f"/proc/{server_pid}").exists(), "the launched server outlived the bench"
     assert "online: server stopped" in log
+
+
+def test_a_run_killed_without_unwinding_leaves_the_parts_that_finished(tmp_path):
+    """SIGKILL (or a crash) gives no chance to write at the end: the report rewritten after each part holds the
+    parts that finished and says the run had not ended."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "bench", "all", "--smoke", "--skip-lora-kernels",
+                             "--peer", "none", "--popularity", "base", "--online-rate", "0",
+                             "--work-dir", str(tmp_path / "work"), "--out-dir", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "bench all: engine start ..." in line:  # logged after the previous part's report was written
+                proc.kill()
+                break
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL, "".join(lines)[-3000:]
+    (json_path,) = out.glob("issue9-*.json")
+    data = json.loads(json_path.read_text())
+    assert data["attention"]["decode"] and not data.get("offline")
+    assert data["cut_short"]["reason"] == "the run had not ended when this copy was written"
+    assert "engine start" not in data["section_wall_s"] and "model and adapter files" in data["section_wall_s"]
+    md = next(out.glob("issue9-*.md")).read_text()
+    assert "## Cut short" in md and "## Paged attention" in md
