@@ -86,9 +86,13 @@ def run_full(args, device: torch.device, out_dir: str | None) -> int:
         return write_report("issue9", done, _sections(done, markdown), out_dir, args, stamp=stamp)
 
     def checkpoint(part: str) -> None:
-        # if the process dies before the end (a crash, a kill) the files still hold every part that finished
-        write({"reason": "the run had not ended when this copy was written", "after_s": time.perf_counter() - started,
-               "part": f"the part after {part}"})
+        # if the process dies before the end (a crash, a kill) the files still hold every part that finished; a
+        # copy that cannot be written (a part's figures not yet reportable) never stops the run
+        try:
+            write({"reason": "the run had not ended when this copy was written",
+                   "after_s": time.perf_counter() - started, "part": f"the part after {part}"})
+        except Exception:
+            log.warning("bench all: no copy of the report after %s", part, exc_info=True)
 
     clock = SectionClock(log, "bench all", on_end=checkpoint)
     cut = None

@@ -88,3 +88,25 @@ def test_a_run_killed_without_unwinding_leaves_the_parts_that_finished(tmp_path)
     assert "engine start" not in data["section_wall_s"] and "model and adapter files" in data["section_wall_s"]
     md = next(out.glob("issue9-*.md")).read_text()
     assert "## Cut short" in md and "## Paged attention" in md
+
+
+def test_a_copy_that_cannot_be_written_does_not_stop_the_run(tmp_path, monkeypatch, caplog):
+    from loraplex.bench import full
+    from loraplex.cli import main
+
+    sections = full._sections
+
+    def failing_copies(result, markdown):
+        if result.get("cut_short"):  # the copies written after each part, not the final report
+            raise KeyError("a figure not reportable yet")
+        return sections(result, markdown)
+
+    monkeypatch.setattr(full, "_sections", failing_copies)
+    out = tmp_path / "out"
+    rc = main(["bench", "all", "--smoke", "--skip-lora-kernels", "--peer", "none", "--popularity", "base",
+               "--online-rate", "0", "--work-dir", str(tmp_path / "work"), "--out-dir", str(out)])
+    assert rc == 0
+    assert "no copy of the report after attention" in caplog.text
+    (json_path,) = out.glob("issue9-*.json")
+    data = json.loads(json_path.read_text())
+    assert data["offline"] and "cut_short" not in data
