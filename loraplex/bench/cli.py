@@ -6,7 +6,6 @@ engine, the Triton interpreter for the kernels) so the harness itself is tested 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import tempfile
@@ -94,6 +93,8 @@ def register(subparsers) -> None:
 
 
 def add_offline_args(p) -> None:
+    from loraplex.bench.engine_flags import OFFLINE, add_flags
+
     p.add_argument("--model", default=None, help="HF model directory (default: a random Llama-3-8B-shaped "
                                                    "model written under --work-dir)")
     p.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "loraplex-bench"))
@@ -122,42 +123,12 @@ def add_offline_args(p) -> None:
     p.add_argument("--peer-adapters", type=int, default=8)
     p.add_argument("--peer-output-len", type=int, default=None, help="default: --output-len")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fuse-lora-silu-mul", action="store_true",
-                   help="engine option fuse_lora_silu_mul: gate|up's LoRA delta added inside SiLU-and-multiply")
-    p.add_argument("--merge-single-lora", action="store_true",
-                   help="engine option merge_single_lora: while every step has one adapter and no base token "
-                        "(identical popularity), that adapter is folded into the base weights")
-    p.add_argument("--lora-overlap-shrink", action=argparse.BooleanOptionalAction, default=None,
-                   help="engine option lora_overlap_shrink: each LoRA shrink on a forked CUDA stream alongside the "
-                        "base GEMM (default: the engine's default)")
-    p.add_argument("--lora-expand-first-min-tokens", type=int, default=None,
-                   help="engine option lora_expand_first_min_tokens: steps of at least this many tokens run the LoRA "
-                        "work before the base GEMM, which accumulates into its output (0: never; default: the "
-                        "engine's default)")
-    p.add_argument("--lora-gemm-shrink", action=argparse.BooleanOptionalAction, default=None,
-                   help="engine option lora_gemm_shrink: pure-decode steps of <= 64 tokens whose adapters fill half "
-                        "the slots run each LoRA shrink inside the base GEMM (default: the engine's default, off)")
-    p.add_argument("--attention-decode-split", action=argparse.BooleanOptionalAction, default=None,
-                   help="engine option attention_decode_split: in steps mixing decodes and prompts, the decodes through "
-                        "the split-KV decode kernel (default: the engine's default, on)")
-    p.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="engine option piecewise_cuda_graphs: prefill and mixed steps replay CUDA graphs captured "
-                        "around attention (default: the engine's default, on)")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "int8"), default=None,
-                   help="engine option kv_cache_dtype (default: the engine's default, auto = the model's dtype)")
-    p.add_argument("--quantization", choices=("int8", "fp8"), default=None,
-                   help="engine option quantization: the base projections as INT8 or FP8 weight-only (the roofline "
-                        "counts one byte per weight and the row scales; default: the weights as stored)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="engine option num_speculative_tokens: prompt-lookup drafts per sequence and step (default: "
-                        "the engine's default, 0 = off; random prompts seldom repeat, so drafts are few)")
+    add_flags(p, OFFLINE[:-1])  # the engine options (bench/engine_flags.py), then --tensor-parallel-size
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="engine option tensor_parallel_size: the model over this many GPUs (CPU processes with "
                         "--smoke); the floors then count that many times GPU 0's measured copy bandwidth and matmul "
                         "rate, and the single-runner decode-step timing (--step-batch) is skipped")
-    p.add_argument("--lora-grouping", action="store_true",
-                   help="engine option lora_grouping: admit waiting requests whose adapter already runs first, the "
-                        "others grouped by adapter (instead of FCFS)")
+    add_flags(p, OFFLINE[-1:])
 
 
 def _device(args):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from loraplex.bench.engine_flags import OFFLINE, engine_kwargs
+
 log = logging.getLogger(__name__)
 
 
@@ -115,19 +117,8 @@ def collect_offline(args, device: torch.device, clock=None, result: dict | None 
         llm = make_llm(model_dir, str(device), args.dtype, args.max_loras, args.rank,
                        max_num_seqs=args.max_num_seqs, max_cpu_loras=args.max_cpu_loras,
                        max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed,
-                       merge_single_lora=args.merge_single_lora,
-                       lora_grouping=args.lora_grouping,
                        freeze_gc=not args.smoke,  # this process exists for the run (a smoke run may be a test's)
-                       lora_overlap_shrink=getattr(args, "lora_overlap_shrink", None),
-                       lora_expand_first_min_tokens=getattr(args, "lora_expand_first_min_tokens", None),
-                       lora_gemm_shrink=getattr(args, "lora_gemm_shrink", None),
-                       attention_decode_split=getattr(args, "attention_decode_split", None),
-                       piecewise_cuda_graphs=getattr(args, "piecewise_cuda_graphs", None),
-                       kv_cache_dtype=getattr(args, "kv_cache_dtype", None),
-                       num_speculative_tokens=getattr(args, "num_speculative_tokens", None),
-                       quantization=getattr(args, "quantization", None),
-                       tensor_parallel_size=tp,
-                       fuse_lora_silu_mul=args.fuse_lora_silu_mul)
+                       tensor_parallel_size=tp, **engine_kwargs(args, OFFLINE))
     with clock("engine warm-up"):
         # compiles kernels and fills allocator pools before anything is timed: the LoRA kernels are compiled per
         # launch configuration and per integer-argument specialization (token counts divisible by 16 or not),

@@ -11,7 +11,6 @@ the host, so the phase times come from the unprofiled steps and the profiled ste
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import statistics
@@ -19,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from loraplex.bench.engine_flags import STEP_PROFILE, add_flags, engine_kwargs
 from loraplex.bench.report import table
 
 log = logging.getLogger(__name__)
@@ -52,22 +52,7 @@ def add_step_profile_args(p) -> None:
                         "step, run without the decode CUDA graphs, as a server's steps are under arrivals)")
     p.add_argument("--trace-dir", default=None, help="also keep each profiler trace here (.json.gz, Perfetto)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fuse-lora-silu-mul", action="store_true",
-                   help="engine option fuse_lora_silu_mul: gate|up's LoRA delta added inside SiLU-and-multiply")
-    p.add_argument("--lora-overlap-shrink", action=argparse.BooleanOptionalAction, default=None,
-                   help="engine option lora_overlap_shrink: each LoRA shrink on a forked CUDA stream alongside the "
-                        "base GEMM (default: the engine's default)")
-    p.add_argument("--lora-gemm-shrink", action=argparse.BooleanOptionalAction, default=None,
-                   help="engine option lora_gemm_shrink: small pure-decode steps whose adapters fill half the slots "
-                        "run each LoRA shrink inside the base GEMM (default: the engine's default, off)")
-    p.add_argument("--merge-single-lora", action="store_true",
-                   help="engine option merge_single_lora: a single adapter's steps on merged weights")
-    p.add_argument("--attention-decode-split", action=argparse.BooleanOptionalAction, default=None,
-                   help="engine option attention_decode_split: in mixed steps, the decodes through the split-KV "
-                        "decode kernel (default: the engine's default, on)")
-    p.add_argument("--piecewise-cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="engine option piecewise_cuda_graphs: mixed steps replay CUDA graphs captured around "
-                        "attention (default: the engine's default, on)")
+    add_flags(p, STEP_PROFILE)  # the engine options (bench/engine_flags.py)
 
 
 def _smoke(args) -> None:
@@ -241,11 +226,7 @@ def collect_step_profile(args, device) -> tuple[dict, list[tuple[str, str]]]:
     adapter_dirs = write_adapter_pool(model_dir, max(1, min(most, args.num_adapter_files)), args.rank, device) \
         if most else []
     llm = make_llm(model_dir, str(device), args.dtype, args.max_loras or max(1, most), args.rank,
-                   max_num_seqs=args.max_num_seqs, seed=args.seed, merge_single_lora=args.merge_single_lora,
-                   fuse_lora_silu_mul=args.fuse_lora_silu_mul, lora_overlap_shrink=args.lora_overlap_shrink,
-                   lora_gemm_shrink=args.lora_gemm_shrink,
-                   attention_decode_split=args.attention_decode_split,
-                   piecewise_cuda_graphs=args.piecewise_cuda_graphs)
+                   max_num_seqs=args.max_num_seqs, seed=args.seed, **engine_kwargs(args, STEP_PROFILE))
     bandwidth = measure_copy_bandwidth(device, nbytes=(1 << 30) if device.type == "cuda" else 1 << 24)
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     log.info("step-profile: model and engine ready in %.1f s", time.perf_counter() - started)
