@@ -66,10 +66,10 @@ class LoRAStep:
         # the shrink of ``linear`` on a forked stream, alongside the base GEMM (Triton on CUDA only)
         self.overlap_shrink = bool(overlap_shrink and use_triton and num_active and token_slots.is_cuda)
         # steps of at least this many tokens (0: never) run the LoRA work before the base GEMM, which accumulates
-        # into the expand's output (``_expand_first_linear``); rows without an adapter then need zeros first
+        # into the expand's output (``_expand_first_linear``); rows without an adapter then need zeros (the expand's)
         self.expand_first = bool(expand_first_min_tokens and use_triton and num_active
                                  and token_slots.shape[0] >= expand_first_min_tokens)
-        self.has_base_tokens = has_base_tokens  # host-known: False lets the output start uninitialized
+        self.has_base_tokens = has_base_tokens  # host-known: False spares the expand zeroing base rows
         # the shrink inside the base GEMM for projections whose pool A rows are folded under the base weight
         # (``SlotPool.fold_base_weights``): one cuBLAS GEMM gives the base output and every slot's y, then the expand
         self.gemm_shrink = bool(gemm_shrink and num_active)
@@ -191,16 +191,17 @@ class LoRAStep:
         ``out`` (the delta; zeros in slices an adapter does not target), then ``out += x @ W^T`` (cuBLAS with
         beta = 1, whose epilogue reads ``out``). The usual order (GEMM, then an expand that reads and rewrites
         ``out``) moves the projection's output through memory twice more; in a large step the GEMM is
-        compute-bound and its epilogue's read is nearly free. Rows of tokens without an adapter start at zero."""
+        compute-bound and its epilogue's read is nearly free. Rows of tokens without an adapter start at zero:
+        the expand's extra programs write them (``zero_base``) when the step may have some."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         a, bt, ranks = self.pool.layer_view(proj, layer_idx)
         cfg = self._configs[proj]
         chunk_ranks = self._layer_chunk_ranks(layer_idx, proj)
-        alloc = torch.zeros if self.has_base_tokens else torch.empty
-        out = alloc(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         y, valid = self._ops.lora_shrink_apply(x, a, ranks, self._meta, cfg, self._scratch, chunk_ranks)
-        self._expand(proj, y, valid, out, bt, ranks, cfg, chunk_ranks, accumulate=False)
+        self._expand(proj, y, valid, out, bt, ranks, cfg, chunk_ranks, accumulate=False,
+                     zero_base=self.has_base_tokens)
         return base_linear(x, weight, out=out, accumulate=True)
 
     def _overlapped_linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
@@ -225,12 +226,12 @@ class LoRAStep:
         return self._expand(proj, y, valid, out, bt, ranks, cfg, chunk_ranks)
 
     def _expand(self, proj: str, y, valid: dict, out: torch.Tensor, bt, ranks, cfg, chunk_ranks,
-                accumulate: bool = True) -> torch.Tensor:
+                accumulate: bool = True, zero_base: bool = False) -> torch.Tensor:
         """The expand of one layer's ``proj`` from a shrink's partials ``y`` into ``out`` (``lora_expand_apply``
         with this step's pool, metadata and column hints)."""
         return self._ops.lora_expand_apply(y, valid, out, bt, ranks, self.pool.scaling, self.pool.slice_loc[proj],
                                            self._widths[proj], self._meta, cfg, self._col_align[proj], chunk_ranks,
-                                           accumulate=accumulate)
+                                           accumulate=accumulate, zero_base=zero_base)
 
     def add(self, layer_idx: int, proj: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out [T, N_total] += LoRA delta of x [T, K] for ``proj`` in qkv | o | gate_up | down."""

@@ -479,12 +479,14 @@ def bench_decode_steps(shapes, num_tokens: int, rank: int, device, dtype, copy_b
 # LoRA inside the base projections (bench_in_layer), as LoRAStep options: the shrink after the GEMM on the same
 # stream, or on a forked stream alongside it (engine option lora_overlap_shrink), or the write-first order (shrink
 # and a write-only expand, then the GEMM accumulating into that output: engine option lora_expand_first_min_tokens;
-# every token carries an adapter in these mixes)
+# every token carries an adapter in these mixes; "(graph)": the step does not know that, as a decode CUDA
+# graph does not, so the expand's extra programs look for base rows to zero)
 # ("cfg": overrides of every projection's kernel configuration, not a LoRAStep option)
 IN_LAYER_POLICIES = (("sequential", {}), ("sequential, weights into L2", {"cfg": {"weight_prefetch": "l2"}}),
                      ("sequential, first weight tile", {"cfg": {"weight_prefetch": "first"}}),
                      ("overlap", {"overlap_shrink": True}),
                      ("expand-first", {"expand_first_min_tokens": 1, "has_base_tokens": False}),
+                     ("expand-first (graph)", {"expand_first_min_tokens": 1, "has_base_tokens": True}),
                      ("gemm shrink", {"gemm_shrink": True}))
 # --smoke (the interpreter, where each policy costs a minute of CPU): one of each kind of order; the weight-prefetch
 # forms are GPU-only (the interpreter drops the L2 form) and the overlap needs CUDA (on the CPU it is sequential)

@@ -10,9 +10,11 @@ Rows of slot -1 tokens and slices an adapter does not target are never written (
 
 ``accumulate=False`` (the write-first order of large steps, ``LoRAStep`` with ``expand_first_min_tokens``): out is
 not read; every row of a token with an adapter gets ``cast(scaling[l] * sum_j y_t[j] * B[l, j, n])``, zeros in the
-slices its adapter does not target; rows of slot -1 tokens are still never written (the caller zeroes them). The
-base GEMM then accumulates into out (beta = 1), so the projection's output is read once, by the GEMM's epilogue,
-instead of once more by the expand.
+slices its adapter does not target. Rows of slot -1 tokens are not written, or with ``zero_base`` get zeros:
+extra programs (beyond the chunks' ones) store them, so the caller need not clear out first (inside a decode CUDA
+graph, which cannot know whether a step has base tokens, that was one memset launch and one pass over every
+projection's output). The base GEMM then accumulates into out (beta = 1), so the projection's output is read once,
+by the GEMM's epilogue, instead of once more by the expand.
 
 ``y_slot_stride`` (the shrink folded into the base GEMM, ``LoRAStep`` with ``gemm_shrink``): y is then the GEMM's
 extra output columns, one group of S * R per slot, so token t reads ``y[0, s, t, j]`` shifted by its slot times
@@ -62,7 +64,8 @@ from loraplex.kernels.lora_shrink import (
 )
 
 # as the shrink: no variant per token count
-UNSPECIALIZED = ("progs", "shrink_progs", "k_tiles", "stride_yp", "stride_ys", "stride_crs")
+UNSPECIALIZED = ("progs", "shrink_progs", "k_tiles", "stride_yp", "stride_ys", "stride_crs", "num_tokens",
+                 "zero_splits")
 
 
 @triton.jit
@@ -73,13 +76,49 @@ def _b_tile(b_rows, offs_n, r_mask, n_hi, stride_bn):
                    other=0.0)
 
 
+@triton.jit
+def _zero_base_rows(out_ptr, sorted_ids_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr, slice_loc_ptr,
+                    z, sl, zero_splits, num_tokens, stride_ot, stride_on,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COL_ALIGN: tl.constexpr, USE_PDL: tl.constexpr):
+    """Zero program ``z`` of slice ``sl``: zeros in its share of the slice's columns for BLOCK_M rows of tokens
+    without an adapter. Those tokens sort after every chunk's (``sorted_token_ids``), from the end of the last
+    chunk in use; a program whose rows lie beyond T stores nothing."""
+    num_chunks = tl.load(num_chunks_ptr)
+    last = tl.maximum(num_chunks - 1, 0)
+    base_start = tl.load(chunk_starts_ptr + last) + tl.load(chunk_lens_ptr + last)
+    base_start = tl.where(num_chunks > 0, base_start, 0)
+    row0 = base_start + (z // zero_splits) * BLOCK_M
+    rows = row0 + tl.arange(0, BLOCK_M)
+    m_mask = rows < num_tokens
+    tok = tl.load(sorted_ids_ptr + rows, mask=m_mask, other=0).to(tl.int64)
+    n_begin = tl.load(slice_loc_ptr + sl)
+    n_end = tl.load(slice_loc_ptr + sl + 1)
+    if COL_ALIGN > 1:
+        n_begin = tl.multiple_of(n_begin, COL_ALIGN)
+        n_end = tl.multiple_of(n_end, COL_ALIGN)
+    share = (n_end - n_begin + zero_splits - 1) // zero_splits
+    share = (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    n_lo = n_begin + (z % zero_splits) * share
+    n_hi = tl.minimum(n_lo + share, n_end)
+    n_hi = tl.where(row0 < num_tokens, n_hi, n_lo)  # no base row here: no trip
+    o_rows = out_ptr + tok[:, None] * stride_ot
+    offs_bn = tl.arange(0, BLOCK_N)
+    zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=out_ptr.dtype.element_ty)
+    if USE_PDL:
+        gdc_wait()  # out's memory may have been another tensor's, still read by an earlier launch
+    for n0 in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n0 + offs_bn
+        tl.store(o_rows + offs_n[None, :].to(tl.int64) * stride_on, zeros,
+                 mask=m_mask[:, None] & (offs_n < n_hi)[None, :])
+
+
 @fast_launch
 @triton.jit(do_not_specialize=UNSPECIALIZED)
 def _lora_expand_kernel(
     y_ptr, b_ptr, out_ptr, ranks_ptr, scaling_ptr, slice_loc_ptr,
     sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr,
     chunk_tokens_ptr, chunk_ranks_ptr,
-    progs, shrink_progs, k_tiles,
+    progs, shrink_progs, k_tiles, num_tokens, zero_splits,
     stride_yp, stride_ys, stride_yt, stride_yr, stride_yl,
     stride_bl, stride_br, stride_bn,
     stride_ot, stride_on,
@@ -87,13 +126,19 @@ def _lora_expand_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     DOT_PRECISION: tl.constexpr, COL_ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
     PREFETCH_OUT: tl.constexpr = True, CHUNK_TABLES: tl.constexpr = False, ACCUMULATE: tl.constexpr = True,
-    PREFETCH_B: tl.constexpr = 0, PF_LINE: tl.constexpr = 64,
+    PREFETCH_B: tl.constexpr = 0, PF_LINE: tl.constexpr = 64, ZERO_BASE: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     sl = tl.program_id(1)
     if USE_PDL:
         if (pid == 0) & (sl == 0):
             gdc_wait()
+    if ZERO_BASE:
+        if pid >= progs:  # the programs after the chunks' zero the rows of tokens without an adapter
+            _zero_base_rows(out_ptr, sorted_ids_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr, slice_loc_ptr,
+                            pid - progs, sl, zero_splits, num_tokens, stride_ot, stride_on,
+                            BLOCK_M, BLOCK_N, COL_ALIGN, USE_PDL)
+            return
     num_chunks = tl.load(num_chunks_ptr)
     per_chunk = progs // tl.maximum(num_chunks, 1)
     chunk = pid // per_chunk
@@ -235,6 +280,7 @@ def lora_expand(
     accumulate: bool = True,  # False: write the delta (zeros in untargeted slices), out not read (module doc)
     weight_prefetch: str = "off",  # before the PDL wait: "first" B tile into registers, or the "l2" share into L2
     y_slot_stride: int = 0,  # y of token t with slot l at y[p, s, t, r] + l * y_slot_stride (the in-GEMM shrink)
+    zero_base: bool = False,  # with accumulate=False: rows of slot -1 tokens get zeros (module doc)
 ) -> torch.Tensor:
     split_k, num_slices, num_tokens, max_rank = y.shape
     num_slots, b_rank, n_total = lora_b.shape
@@ -248,6 +294,8 @@ def lora_expand(
     assert meta.num_tokens == num_tokens and meta.num_slots == num_slots
     assert col_align in (1, 2, 4, 8, 16) and col_align <= block_n, "col_align: a power of two <= 16 and <= block_n"
     assert (shrink_progs is None) == (k_tiles is None), "shrink_progs and k_tiles come together"
+    assert not (zero_base and accumulate), "zero_base needs accumulate=False"
+    assert not zero_base or meta.num_chunks is not None, "zero_base needs meta.num_chunks (where base rows start)"
     if num_tokens == 0 or meta.max_chunks == 0:
         return out
     if shrink_progs is None:  # every partial valid: P = split_k for any chunk count
@@ -256,14 +304,18 @@ def lora_expand(
     max_tiles = cdiv(max_slice_width, block_n)
     n_splits = max_tiles if n_splits is None else max(1, min(n_splits, max_tiles))
     progs = n_splits * meta.max_chunks
-    grid = (progs, num_slices)
+    # zero_base: programs for every block of BLOCK_M rows that may hold base tokens, each zeroing a share of a
+    # slice's columns (a few tiles each; at most ~1,024 per slice, most exiting at once when few tokens lack one)
+    row_blocks = cdiv(num_tokens, meta.block_m)
+    zero_splits = max(1, min(cdiv(max_tiles, 4), cdiv(1024, row_blocks))) if zero_base else 1
+    grid = (progs + (row_blocks * zero_splits if zero_base else 0), num_slices)
     tables = chunk_tables(meta, chunk_ranks, num_slices)
     prefetch, line = weight_prefetch_mode(weight_prefetch, lora_b.dtype, block_n)
     _lora_expand_kernel[grid](
         y, lora_b, out, ranks, scaling, slice_loc,
         meta.sorted_token_ids, meta.chunk_slots, meta.chunk_starts, meta.chunk_lens, num_chunks_of(meta),
         *tables,
-        progs, shrink_progs, k_tiles,
+        progs, shrink_progs, k_tiles, num_tokens, zero_splits,
         y.stride(0), y.stride(1), y.stride(2), y.stride(3), y_slot_stride,
         lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
         out.stride(0), out.stride(1),
@@ -271,6 +323,6 @@ def lora_expand(
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_N=block_n, BLOCK_R=block_r,
         DOT_PRECISION=dot_precision(out.dtype), COL_ALIGN=col_align, USE_PDL=pdl, PREFETCH_OUT=prefetch_out,
         CHUNK_TABLES=tables[0] is not meta.chunk_slots, ACCUMULATE=accumulate, PREFETCH_B=prefetch, PF_LINE=line,
-        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
+        ZERO_BASE=zero_base, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return out

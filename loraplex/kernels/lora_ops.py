@@ -218,14 +218,14 @@ def lora_shrink_apply(x, lora_a, ranks, meta, cfg: LoRAKernelConfig, scratch, ch
 
 def lora_expand_apply(y, valid: dict, out, lora_b, ranks, scaling, slice_loc, max_slice_width: int, meta,
                       cfg: LoRAKernelConfig, col_align: int = 1, chunk_ranks=None, accumulate: bool = True,
-                      y_slot_stride: int = 0) -> torch.Tensor:
+                      y_slot_stride: int = 0, zero_base: bool = False) -> torch.Tensor:
     """The expand of ``cfg``: out += scaling * y @ B (``accumulate=False``: out = ..., see lora_expand), reading the
     partials ``lora_shrink_apply`` said are valid."""
     return lora_expand(y, lora_b, ranks, scaling, slice_loc, max_slice_width, meta, out, block_n=cfg.block_n,
                        n_splits=cfg.expand_splits, num_warps=cfg.expand_warps, num_stages=cfg.expand_stages,
                        col_align=col_align, **valid, pdl=cfg.pdl, prefetch_out=cfg.prefetch_out and accumulate,
                        chunk_ranks=chunk_ranks if cfg.chunk_tables else None, accumulate=accumulate,
-                       weight_prefetch=cfg.weight_prefetch, y_slot_stride=y_slot_stride)
+                       weight_prefetch=cfg.weight_prefetch, y_slot_stride=y_slot_stride, zero_base=zero_base)
 
 
 def lora_silu_mul_apply(

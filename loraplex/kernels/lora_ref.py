@@ -70,6 +70,7 @@ def lora_expand_ref(
     slice_loc: list[int] | torch.Tensor,  # [S + 1] column offsets of the slices in out
     out: torch.Tensor,  # [T, N_total], updated in place
     accumulate: bool = True,
+    zero_base: bool = False,
 ) -> torch.Tensor:
     """Semantics: for every token t with slot l = token_slots[t] >= 0 and slice s with r = rank[s, l] > 0,
     columns n in [slice_loc[s], slice_loc[s+1]):
@@ -80,8 +81,12 @@ def lora_expand_ref(
     (bit-identical), nor are slices an adapter does not target.
 
     ``accumulate=False``: out is not read; those rows get ``cast(scaling[l] * sum_j ...)``, and zeros in the
-    slices their adapter does not target (rank 0); rows of slot -1 tokens are still not touched.
+    slices their adapter does not target (rank 0); rows of slot -1 tokens are still not touched, or with
+    ``zero_base`` set to zero.
     """
+    assert not (zero_base and accumulate), "zero_base needs accumulate=False"
+    if zero_base:
+        out[token_slots < 0] = 0
     loc = slice_loc.tolist() if torch.is_tensor(slice_loc) else list(slice_loc)
     rank_table = ranks.tolist()
     scales = scaling.tolist()

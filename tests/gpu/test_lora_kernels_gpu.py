@@ -243,6 +243,44 @@ def test_expand_column_hint_bf16(widths, num_tokens, num_active):
     torch.testing.assert_close(out.float(), _reference(batch).float(), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("widths", [(4096, 1024, 1024), (14336, 14336)])
+@pytest.mark.parametrize("num_tokens, num_active, base_share", [(256, 64, 0.25), (256, 64, 0.0), (64, 8, 0.9),
+                                                               (3000, 8, 0.5), (256, 64, 1.0)])
+def test_write_only_expand_zeroes_base_rows_bf16(widths, num_tokens, num_active, base_share):
+    """The write-first order's expand with ``zero_base`` as LoRAStep launches it (the engine's config for the
+    size: programmatic dependent launch, chunk tables, column hint) into an output full of NaN: every element
+    written, base rows exactly zero, adapter rows the twin's delta."""
+    from loraplex.kernels.lora_expand import slice_col_align
+    from loraplex.kernels.lora_ops import lora_expand_apply, lora_shrink_apply
+    from loraplex.kernels.lora_ref import lora_expand_ref, lora_shrink_ref
+    from loraplex.kernels.lora_shrink import pdl_supported
+
+    loc = [0]
+    for w in widths:
+        loc.append(loc[-1] + w)
+    gen = torch.Generator().manual_seed(num_tokens + int(base_share * 10))
+    slots = torch.randint(0, num_active, (num_tokens,), generator=gen)
+    slots = torch.where(torch.rand(num_tokens, generator=gen) < base_share, -1, slots).to(torch.int32)
+    batch = make_lora_batch(num_tokens, 4096, widths, num_slots=num_active, max_rank=16, dtype=torch.bfloat16,
+                            device="cuda", token_slots=slots, seed=3)
+    cfg = choose_config(num_tokens, num_active, num_active, 16, 4096, len(widths), batch.max_slice_width,
+                        pdl=pdl_supported(batch.x.device))
+    meta = build_lora_meta(batch.token_slots, num_active, cfg.block_m)
+    chunk_ranks = batch.ranks.index_select(1, meta.chunk_slots.clamp(min=0))
+    out = torch.full_like(batch.out, float("nan"))
+    y, valid = lora_shrink_apply(batch.x, batch.lora_a, batch.ranks, meta, cfg, None, chunk_ranks)
+    lora_expand_apply(y, valid, out, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc,
+                      batch.max_slice_width, meta, cfg, slice_col_align(loc), chunk_ranks, accumulate=False,
+                      zero_base=True)
+    y_ref = lora_shrink_ref(batch.x.float(), batch.lora_a.float(), batch.token_slots, batch.ranks)
+    ref = lora_expand_ref(y_ref, batch.lora_b.float(), batch.token_slots, batch.ranks, batch.scaling,
+                          batch.slice_loc, torch.zeros_like(out, dtype=torch.float32), accumulate=False, zero_base=True)
+    assert not out.isnan().any(), "every element must be written"
+    base = batch.token_slots < 0
+    assert torch.equal(out[base], torch.zeros_like(out[base]))
+    torch.testing.assert_close(out.float(), ref.to(out.dtype).float(), **TOL[torch.bfloat16])
+
+
 # ---- metadata in one launch, grids spread over the chunks in use, programmatic dependent launch ----------
 
 

@@ -249,3 +249,40 @@ def test_write_only_expand_writes_every_adapter_row_and_no_base_row(mix, prefetc
     summed[~rows] = batch.out[~rows]
     _, _, acc_ref = _run_both(batch)
     torch.testing.assert_close(summed, acc_ref, **TOL[out.dtype])
+
+
+@pytest.mark.parametrize("case", ["zipf", "mostly-base", "all-base", "no-base"])
+@pytest.mark.parametrize("n_splits", [1, 2])
+def test_write_only_expand_with_zero_base_writes_zeros_in_base_rows(case, n_splits):
+    """``zero_base``: the expand's extra programs write zeros in every row of a token without an adapter, so out
+    may start as anything (NaN here): every element is written, base rows exactly 0, adapter rows as the twin's.
+    Tokens are interleaved (base and adapter rows alternate in memory); 70 tokens in blocks of 16 leave a partial
+    block of base rows; ``all-base`` has no chunk at all (base rows from sorted position 0)."""
+    gen = torch.Generator().manual_seed(5)
+    slots = {"zipf": None,
+             "mostly-base": torch.where(torch.rand(70, generator=gen) < 0.8, -1, torch.randint(0, 8, (70,), generator=gen)),
+             "all-base": torch.full((70,), -1),
+             "no-base": torch.randint(0, 8, (70,), generator=gen)}[case]
+    batch = make_lora_batch(70, K_DIM, QKV, max_rank=16, mix="zipf", seed=12, token_slots=slots)
+    meta = build_lora_meta(batch.token_slots, batch.lora_a.shape[0], 16)
+    y = lora_shrink.lora_shrink(batch.x, batch.lora_a, batch.ranks, meta, split_k=2, block_r=16, block_k=32)
+    out = torch.full_like(batch.out, float("nan"))
+    lora_expand.lora_expand(y, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc, batch.max_slice_width,
+                            meta, out, block_n=16, n_splits=n_splits, accumulate=False, zero_base=True,
+                            **lora_shrink.shrink_split(batch.x.shape[1], meta, 2, 32))
+    y_ref = lora_shrink_ref(batch.x, batch.lora_a, batch.token_slots, batch.ranks)
+    ref = lora_expand_ref(y_ref, batch.lora_b, batch.token_slots, batch.ranks, batch.scaling, batch.slice_loc,
+                          torch.full_like(batch.out, float("nan")), accumulate=False, zero_base=True)
+    assert not torch.isnan(out).any(), "every element must be written"
+    base = batch.token_slots < 0
+    assert torch.equal(out[base], torch.zeros_like(out[base]))
+    torch.testing.assert_close(out, ref, **TOL[out.dtype])
+
+
+def test_zero_base_needs_the_write_only_order():
+    batch = make_lora_batch(8, K_DIM, QKV, max_rank=16, seed=1)
+    meta = build_lora_meta(batch.token_slots, batch.lora_a.shape[0], 16)
+    y = lora_shrink.lora_shrink(batch.x, batch.lora_a, batch.ranks, meta, split_k=1, block_r=16, block_k=32)
+    with pytest.raises(AssertionError, match="zero_base needs accumulate=False"):
+        lora_expand.lora_expand(y, batch.lora_b, batch.ranks, batch.scaling, batch.slice_loc, batch.max_slice_width,
+                                meta, batch.out.clone(), zero_base=True)
