@@ -73,8 +73,10 @@ class EngineConfig:
     # the base GEMM, which then accumulates into that output (cuBLAS beta = 1): one pass less over every projection's
     # output (LoRAStep._expand_first_linear). CUDA only. On the H200 (run 14) it cut the LoRA work between the GEMMs
     # of an 8,192-token step from 19.3 to 14.0 ms and of a 2,048-token step from 5.9 to 4.8 ms (32 adapters), and
-    # raised offline zipf/uniform by 1.5-2.5%; at 64 tokens it is a wash, hence 2,048
-    lora_expand_first_min_tokens: int = 2048
+    # raised offline zipf/uniform by 1.5-2.5%. Since the expand zeroes the rows of tokens without an adapter itself
+    # (no memset in decode graphs), it also pays at the offline workloads' 248-token decode steps: threshold 128
+    # against 2,048, same call, ABBA (run 20): distinct's decode steps -4.5%, zipf's unchanged; at 64 tokens a wash
+    lora_expand_first_min_tokens: int = 128
     # pure-decode steps of at most lora_gemm_shrink_max_tokens tokens whose distinct adapters fill at least half of the
     # GPU slots run each projection's LoRA shrink inside its base GEMM: every slot's A rows sit under the base weight
     # (SlotPool.fold_base_weights, at start-up) and one cuBLAS GEMM gives the base output and every slot's y, then the

@@ -73,7 +73,7 @@ def test_lora_expand_first_min_tokens_reaches_the_engine_config(tmp_path):
     from loraplex.platform.engine_boot import engine_config
 
     default = engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu"}), Path(tmp_path), "m")
-    assert default.lora_expand_first_min_tokens == 2048
+    assert default.lora_expand_first_min_tokens == 128
     off = Settings.from_env({"LORAPLEX_LORA_EXPAND_FIRST_MIN_TOKENS": "0", "LORAPLEX_DEVICE": "cpu"})
     assert engine_config(off, Path(tmp_path), "m").lora_expand_first_min_tokens == 0
     with pytest.raises(ValueError, match="lora_expand_first_min_tokens must be >= 0"):
