@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from loraplex.engine.penalty_state import PenaltyState, token_counts
 from loraplex.engine.sampling_params import (
     SAMPLE_BAD_WORDS,
     SAMPLE_LOGIT_BIAS,
@@ -48,6 +49,9 @@ class SampleRow:
     # the tokens that would end the sequence (EOS unless ignore_eos, stop_token_ids): banned while
     # num_output_tokens < params.min_tokens, as in vLLM
     stop_token_ids: Sequence[int] = ()
+    # (seq_id, sample index): lets the penalties keep this row's token counts on the device across steps
+    # (``penalty_state``); None counts them from the token lists again
+    key: tuple[int, int] | None = None
 
 
 @dataclass
@@ -59,11 +63,17 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [R, N]
 
 
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.int64: np.int64, torch.int32: np.int32, torch.bool: np.bool_}
+
+
 def to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
     """A small host list as a device tensor without a stream sync: ``torch.tensor(values, device=cuda)`` copies
     with ``non_blocking=False``, which waits for every kernel queued before it (with overlapped steps, the whole
-    previous step), so a batch with top-p or penalties would stall the queue every step."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+    previous step), so a batch with top-p or penalties would stall the queue every step. The list goes through
+    numpy (a third of ``torch.tensor``'s time for a few hundred values)."""
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    host = torch.from_numpy(np.asarray(values, dtype=np_dtype)) if np_dtype else torch.tensor(values, dtype=dtype)
+    return host.to(device, non_blocking=True)
 
 
 def row_seed(seed: int, index: int, position: int) -> int:
@@ -76,6 +86,7 @@ class Sampler:
         self.generator = torch.Generator(device=device).manual_seed(seed)
         # id(params) -> a live request's allowed_token_ids and logit_bias as arrays (``_arrays_of``)
         self._bias_arrays: dict[int, tuple[np.ndarray | None, np.ndarray, np.ndarray]] = {}
+        self._penalties: PenaltyState | None = None  # rows with a key: their penalty counts across steps
 
     def __call__(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         return self.sample(logits, [r.params for r in rows], lambda: rows)
@@ -209,6 +220,30 @@ class Sampler:
             return logits
         dev, vocab = self.device, logits.shape[1]
         params = [rows[i].params for i in idx]
+        keys = [rows[i].key for i in idx]
+        if None not in keys and len(set(keys)) == len(keys):
+            counts, prompt_seen = self._penalty_rows(vocab).rows_for(
+                keys, [rows[i].prompt_token_ids for i in idx], [rows[i].output_token_ids for i in idx],
+                [rows[i].inflight_src for i in idx], inflight_tokens)
+        else:
+            counts, prompt_seen = self._counts_from_lists(rows, idx, vocab, inflight_tokens)
+        rep, freq, pres = to_device([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                                     [p.presence_penalty for p in params]], torch.float32, dev)[:, :, None]
+        rows_t = to_device(idx, torch.int64, dev)
+        sub = logits.index_select(0, rows_t)
+        sub = torch.where((counts > 0) | prompt_seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - freq * counts - pres * (counts > 0).float()
+        return logits.index_copy(0, rows_t, sub)
+
+    def _penalty_rows(self, vocab: int) -> PenaltyState:
+        if self._penalties is None or self._penalties.vocab != vocab:
+            self._penalties = PenaltyState(vocab, self.device)
+        return self._penalties
+
+    def _counts_from_lists(self, rows: list[SampleRow], idx: list[int], vocab: int,
+                           inflight_tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output counts and prompt mask of rows ``idx`` from their whole token lists (rows without a key)."""
+        dev = self.device
         outputs, late_rows, late_src = [], [], []
         for j, i in enumerate(idx):
             r = rows[i]
@@ -218,20 +253,13 @@ class Sampler:
                 outputs.append(r.output_token_ids[:-1])  # the placeholder
                 late_rows.append(j)
                 late_src.append(r.inflight_src)
-        counts = _token_counts(outputs, vocab, dev)  # [R', V]
+        counts = token_counts(outputs, vocab, dev)  # [R', V]
         if late_rows:
             assert inflight_tokens is not None, "a row's token is in flight but the step has no in-flight tokens"
             index = to_device([late_rows, late_src], torch.int64, dev)
             counts.index_put_((index[0], inflight_tokens.index_select(0, index[1])),
                               torch.ones(len(late_rows), device=dev), accumulate=True)
-        prompt_seen = _token_counts([rows[i].prompt_token_ids for i in idx], vocab, dev) > 0
-        rep, freq, pres = to_device([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
-                                     [p.presence_penalty for p in params]], torch.float32, dev)[:, :, None]
-        rows_t = to_device(idx, torch.int64, dev)
-        sub = logits.index_select(0, rows_t)
-        sub = torch.where((counts > 0) | prompt_seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
-        sub = sub - freq * counts - pres * (counts > 0).float()
-        return logits.index_copy(0, rows_t, sub)
+        return counts, token_counts([rows[i].prompt_token_ids for i in idx], vocab, dev) > 0
 
     def _sample(self, logits: torch.Tensor, params: list[SamplingParams], rows: list[SampleRow] | None,
                 flags: int) -> torch.Tensor:
@@ -266,20 +294,6 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams], flags: in
         min_p = to_device([p.min_p for p in params], torch.float32, device)
         probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs
-
-
-def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
-    """[len(token_lists), vocab] float32 occurrence counts, with one scatter. A row may be a numpy array
-    (the step sampler passes each request's prompt as an array it keeps, so a long prompt is not turned
-    into a tensor again every step)."""
-    arrays = [t if isinstance(t, np.ndarray) else np.asarray(t, dtype=np.int64) for t in token_lists]
-    lens = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
-    flat = np.concatenate(arrays, dtype=np.int64) if lens.sum() else np.zeros(0, dtype=np.int64)
-    index = np.repeat(np.arange(len(arrays), dtype=np.int64) * vocab, lens) + flat
-    counts = torch.zeros(len(arrays) * vocab, device=device)
-    index_t = torch.from_numpy(index).to(device, non_blocking=True)
-    counts.index_add_(0, index_t, torch.ones(index.size, device=device))
-    return counts.view(len(arrays), vocab)
 
 
 def _top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

@@ -135,7 +135,7 @@ class StepSampler:
                                       lambda: [SampleRow(r.sampling_params, r.index, r.num_output_tokens,
                                                          self._prompt_array(r), r.output_token_ids,
                                                          src_of.get(r.seq_id), r.bad_words_token_ids,
-                                                         r.min_tokens_ban)
+                                                         r.min_tokens_ban, (r.seq_id, r.index))
                                                for r in reqs],
                                       flags, inflight_tokens)
         n = row_idx.size
@@ -245,7 +245,7 @@ class StepSampler:
         def rows() -> list[SampleRow]:
             index = sample_index or [r.index for r in sample_reqs]
             return [SampleRow(r.sampling_params, i, r.num_output_tokens, self._prompt_array(r), r.output_token_ids,
-                              src_of.get(r.seq_id), r.bad_words_token_ids, r.min_tokens_ban)
+                              src_of.get(r.seq_id), r.bad_words_token_ids, r.min_tokens_ban, (r.seq_id, i))
                     for r, i in zip(sample_reqs, index)]
 
         out = self.sampler.sample(logits, [r.sampling_params for r in sample_reqs], rows, flags, inflight_tokens)
