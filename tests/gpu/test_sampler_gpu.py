@@ -95,3 +95,33 @@ def test_overlapped_decode_steps_make_no_sync_but_the_result_wait(tiny_model, pa
     assert decode_steps >= 5
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
     assert not syncs, syncs[:3]
+
+
+def test_penalty_rows_kept_on_the_device_without_a_sync_equal_the_lists():
+    """Keyed rows (penalties counted across steps in ``penalty_state``) on CUDA: no stream sync on the steps after
+    the first, in-flight tokens counted from the device, and the same penalized logits as counting the lists."""
+    dev = torch.device("cuda")
+    vocab = 1000
+    params = SamplingParams(temperature=0.0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    keyed, plain = Sampler(dev, seed=0), Sampler(dev, seed=0)
+    outputs = [[5, 6], [7], []]
+    for step in range(6):
+        logits = torch.randn(3, vocab, device=dev, generator=gen) * 3
+        inflight = torch.tensor([11 + step, 40 + step, 900 - step], device=dev)
+        lists = [o + [-1] for o in outputs]  # each row's newest token still in flight
+        rows = [SampleRow(params, 0, len(o), [1, 2, 3 + k], o, inflight_src=k) for k, o in enumerate(lists)]
+        keyed_rows = [SampleRow(params, 0, len(o), [1, 2, 3 + k], o, inflight_src=k, key=(k, 0))
+                      for k, o in enumerate(lists)]
+        torch.cuda.synchronize()
+        if step:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            a = keyed._apply_penalties(logits.clone(), keyed_rows, inflight)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        b = plain._apply_penalties(logits.clone(), rows, inflight)
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for o, t in zip(outputs, inflight.tolist()):
+            o.append(t)  # the host learns the in-flight token
+    assert keyed._penalties.rebuilt == 3
