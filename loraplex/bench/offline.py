@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from loraplex.bench.instrument import ScheduleRecorder, StepRecord, step_time_split, triton_compiled_kernels
+from loraplex.bench.report import host_state
 from loraplex.bench.workload import BenchRequest, make_requests, num_distinct_adapters
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ def run_generate(llm, requests: list[BenchRequest], adapter_dirs: list[Path],
         counters_after = llm.engine.counters
         diagnostics["engine"] = {k: counters_after[k] - counters_before[k] for k in DIAGNOSTIC_COUNTERS
                                  if k in counters_after}
+        diagnostics.update(host_state())  # right after the run: how fast the host ran Python then
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     errors = [o.outputs[0].error for o in outputs if o.outputs[0].error]
     expected = sum(r.output_len for r in requests)

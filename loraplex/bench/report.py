@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import platform
 import shlex
 import sys
@@ -16,10 +17,31 @@ log = logging.getLogger("loraplex.bench")
 DEFAULT_OUT_DIR = Path("docs/benchmarks")
 
 
+def host_probe_ms(loops: int = 200_000, repeats: int = 3) -> float:
+    """The best of ``repeats`` timings (ms) of a fixed pure-Python loop: how fast this host runs the engine's Python
+    right now. A busy or throttled host shows here, beside figures that move for no reason of their own."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        total = 0
+        for i in range(loops):
+            total += i
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def host_state() -> dict:
+    """``host_probe_ms`` and the 1-minute load average (None where the OS has none)."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return {"host_probe_ms": host_probe_ms(), "load_1m": load}
+
+
 def environment(device) -> dict:
     import torch
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "device": str(device)}
+    env["cpus"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    env.update({k: round(v, 2) for k, v in host_state().items() if v is not None})
     try:
         import triton
 

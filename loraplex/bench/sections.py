@@ -163,7 +163,8 @@ def time_split_table(rows: list[dict]) -> str:
     return ("\n\nWhere each run's wall time went (time from one step's scheduling to the next's, by step kind; "
             "\"compiles\": Triton kernel variants compiled inside the timed window; \"upload GB\": slot loads × one "
             "adapter's bytes, and \"at H2D s\" their time at the measured pinned host->device rate, a floor of its "
-            "own beside the HBM one when adapters churn):\n\n" + table(out, [
+            "own beside the HBM one when adapters churn; \"host probe ms\": a fixed pure-Python loop timed right "
+            "after the run, and the 1-minute load average: a slower host shows there):\n\n" + table(out, [
                 ("popularity", "popularity"), ("decode_steps", "decode steps"), ("decode_s", "decode s"),
                 ("decode_ms", "ms / decode step"), ("prefill_steps", "steps with prompt tokens"),
                 ("prefill_s", "their s"), ("prefill_ms", "ms / such step"), ("triton_compiles", "compiles"),
@@ -173,7 +174,8 @@ def time_split_table(rows: list[dict]) -> str:
                 ("engine_adapter_wait_seconds", "their s"), ("engine_lora_host_loads", "adapter file reads"),
                 ("engine_lora_host_load_seconds", "read s"), ("engine_lora_slot_loads", "slot loads"),
                 ("upload_gb", "upload GB"), ("adapter_upload_s", "at H2D s"), ("engine_lora_merges", "merges"),
-                ("engine_lora_merged_steps", "merged steps")]))
+                ("engine_lora_merged_steps", "merged steps"), ("host_probe_ms", "host probe ms"),
+                ("load_1m", "load 1m")]))
 
 
 def roofline_note(rows: list[dict]) -> str:

@@ -72,6 +72,12 @@ def test_schedule_recorder_sees_each_step_of_a_run(setup):
     eng = d["engine"]
     assert eng["num_steps"] >= len(steps) and eng["lora_slot_loads"] >= 6
     assert eng["lora_host_loads"] + eng["lora_host_reuses"] >= 6 and eng["num_preemptions"] >= 0
+    # the host's speed right after the run, shown in the report's time-split table
+    assert d["host_probe_ms"] > 0 and (d["load_1m"] is None or d["load_1m"] >= 0)
+    from loraplex.bench.sections import time_split_table
+
+    split = time_split_table([{**row, "popularity": "distinct"}])
+    assert "| host probe ms | load 1m |" in split and f"{d['host_probe_ms']:.2f}" in split
 
 
 def test_phase_timers_account_for_the_whole_step(setup):
