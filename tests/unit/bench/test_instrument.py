@@ -78,6 +78,11 @@ def test_schedule_recorder_sees_each_step_of_a_run(setup):
 
     split = time_split_table([{**row, "popularity": "distinct"}])
     assert "| host probe ms | load 1m |" in split and f"{d['host_probe_ms']:.2f}" in split
+    # the engine thread's own CPU time and its waits for the device: on the CPU the device is this thread, so the
+    # steps are all host; each is a part of the run's wall time
+    assert 0 < d["host_cpu_s"] and 0 <= d["device_wait_s"] <= row["elapsed_s"]
+    assert "| host CPU ms / step | device wait ms / step |" in split
+    assert f"{1e3 * d['host_cpu_s'] / eng['num_steps']:.2f}" in split
 
 
 def test_phase_timers_account_for_the_whole_step(setup):
