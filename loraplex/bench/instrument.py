@@ -41,6 +41,9 @@ class StepRecord:
     lora_ids: frozenset[int]  # distinct adapters in the step
     num_sampled: int = 0  # sequences that sample a token this step (rows through the LM head)
     scheduled_at: float = 0.0  # time.perf_counter() when the step was scheduled
+    # the engine's device_wait_seconds then: its time blocked on sampled tokens so far (the difference to the next
+    # step's is the waiting inside this step's interval)
+    device_wait_at: float = 0.0
 
     @property
     def is_decode(self) -> bool:
@@ -58,7 +61,7 @@ class ScheduleRecorder:
         self._patch = None
 
     def _wrap(self, schedule: Callable) -> Callable:
-        steps = self.steps
+        steps, engine = self.steps, self.engine
 
         def recorded_schedule():
             out = schedule()
@@ -69,7 +72,7 @@ class ScheduleRecorder:
                     new += s.num_new_tokens
                     sampled += s.num_samples > 0
                 steps.append(StepRecord(len(out.scheduled), new, computed + new, frozenset(out.lora_ids), sampled,
-                                        time.perf_counter()))
+                                        time.perf_counter(), getattr(engine, "device_wait_seconds", 0.0)))
             return out
 
         return recorded_schedule
@@ -83,15 +86,23 @@ class ScheduleRecorder:
         self._patch.__exit__(*exc)
 
 
-def step_time_split(steps: list[StepRecord], end: float) -> dict:
+def step_time_split(steps: list[StepRecord], end: float, end_wait: float | None = None) -> dict:
     """Wall time between one step's scheduling and the next's (the last step: until ``end``), summed by step kind:
     pure decode steps and steps that compute prompt tokens. With overlapped steps an interval is the host's
-    pace, which the device sets once the queue is full, so it is the step's time to within one step."""
-    split = {"decode_steps": 0, "decode_s": 0.0, "prefill_steps": 0, "prefill_s": 0.0}
-    for step, nxt in zip(steps, [s.scheduled_at for s in steps[1:]] + [end]):
+    pace, which the device sets once the queue is full, so it is the step's time to within one step.
+
+    ``{kind}_wait_s``: the engine's time blocked on the device's sampled tokens inside those intervals (the
+    last one up to ``end_wait``, the engine's total at ``end``). An interval with little waiting ran at the
+    host's pace: the device finished before the host asked (host-bound steps)."""
+    split = {"decode_steps": 0, "decode_s": 0.0, "prefill_steps": 0, "prefill_s": 0.0,
+             "decode_wait_s": 0.0, "prefill_wait_s": 0.0}
+    last_wait = steps[-1].device_wait_at if end_wait is None and steps else end_wait
+    for step, (nxt, nxt_wait) in zip(steps, [(s.scheduled_at, s.device_wait_at) for s in steps[1:]]
+                                     + [(end, last_wait)]):
         kind = "decode" if step.is_decode else "prefill"
         split[f"{kind}_steps"] += 1
         split[f"{kind}_s"] += max(0.0, nxt - step.scheduled_at)
+        split[f"{kind}_wait_s"] += max(0.0, nxt_wait - step.device_wait_at)
     return split
 
 

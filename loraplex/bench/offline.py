@@ -74,27 +74,22 @@ def run_generate(llm, requests: list[BenchRequest], adapter_dirs: list[Path],
     recorder = ScheduleRecorder(llm.engine) if steps is not None else contextlib.nullcontext()
     compiled_before = triton_compiled_kernels()
     counters_before = llm.engine.counters
-    wait_before = llm.engine.device_wait_seconds
     with recorder:
-        start, cpu_start = time.perf_counter(), time.thread_time()
+        start = time.perf_counter()
         outputs = llm.generate(prompts, params, lora_request=loras)
-        end, cpu_end = time.perf_counter(), time.thread_time()
+        end = time.perf_counter()
         elapsed = end - start
     diagnostics = {}
     if steps is not None:
         steps.extend(recorder.steps)
         # where the time went, and whether Triton compiled anything inside the timed window
-        diagnostics = step_time_split(recorder.steps, end)
+        diagnostics = step_time_split(recorder.steps, end, llm.engine.device_wait_seconds)
         compiled_after = triton_compiled_kernels()
         diagnostics["triton_compiles"] = (compiled_after - compiled_before
                                           if min(compiled_before, compiled_after) >= 0 else None)
         counters_after = llm.engine.counters
         diagnostics["engine"] = {k: counters_after[k] - counters_before[k] for k in DIAGNOSTIC_COUNTERS
                                  if k in counters_after}
-        # is the engine host-bound? the thread's own CPU time (scheduling, batch preparation, launches, output
-        # handling) and its time blocked on the device's sampled tokens; a step that never waits ran at the host's pace
-        diagnostics["host_cpu_s"] = cpu_end - cpu_start
-        diagnostics["device_wait_s"] = llm.engine.device_wait_seconds - wait_before
         diagnostics.update(host_state())  # right after the run: how fast the host ran Python then
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     errors = [o.outputs[0].error for o in outputs if o.outputs[0].error]

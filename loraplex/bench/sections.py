@@ -192,28 +192,29 @@ def time_split_table(rows: list[dict]) -> str:
                     "decode_ms": 1e3 * d["decode_s"] / d["decode_steps"] if d["decode_steps"] else None,
                     "prefill_ms": 1e3 * d["prefill_s"] / d["prefill_steps"] if d["prefill_steps"] else None,
                     "upload_gb": d["adapter_upload_bytes"] / 1e9 if "adapter_upload_bytes" in d else None,
-                    "host_cpu_ms": _per_step(d.get("host_cpu_s"), eng.get("num_steps")),
-                    "device_wait_ms": _per_step(d.get("device_wait_s"), eng.get("num_steps"))})
+                    "decode_wait_ms": _per_step(d.get("decode_wait_s"), d["decode_steps"]),
+                    "prefill_wait_ms": _per_step(d.get("prefill_wait_s"), d["prefill_steps"])})
     if not out:
         return ""
     return ("\n\nWhere each run's wall time went (time from one step's scheduling to the next's, by step kind; "
             "\"compiles\": Triton kernel variants compiled inside the timed window; \"upload GB\": slot loads × one "
             "adapter's bytes, and \"at H2D s\" their time at the measured pinned host->device rate, a floor of its "
             "own beside the HBM one when adapters churn; \"host probe ms\": a fixed pure-Python loop timed right "
-            "after the run, and the 1-minute load average: a slower host shows there; \"host CPU ms / step\": the "
-            "engine thread's own CPU time per step, and \"device wait ms / step\" its time blocked on the device's "
-            "sampled tokens: a run whose steps seldom wait ran at the host's pace, not the GPU's):\n\n" + table(out, [
+            "after the run, and the 1-minute load average: a slower host shows there; \"waiting ms\": per step of each kind, the engine's "
+            "time blocked on the device's sampled tokens: steps that seldom wait ran at the host's pace, not the "
+            "GPU's):\n\n" + table(out, [
                 ("popularity", "popularity"), ("decode_steps", "decode steps"), ("decode_s", "decode s"),
-                ("decode_ms", "ms / decode step"), ("prefill_steps", "steps with prompt tokens"),
-                ("prefill_s", "their s"), ("prefill_ms", "ms / such step"), ("triton_compiles", "compiles"),
+                ("decode_ms", "ms / decode step"),
+                ("decode_wait_ms", "waiting ms / decode step"), ("prefill_steps", "steps with prompt tokens"),
+                ("prefill_s", "their s"), ("prefill_ms", "ms / such step"),
+                ("prefill_wait_ms", "waiting ms / such step"), ("triton_compiles", "compiles"),
                 ("engine_num_overlapped_steps", "overlapped steps"),
                 ("engine_num_piecewise_graph_steps", "piecewise-graph steps"), ("engine_num_preemptions", "preemptions"),
                 ("engine_num_adapter_wait_steps", "steps idle for adapter reads"),
                 ("engine_adapter_wait_seconds", "their s"), ("engine_lora_host_loads", "adapter file reads"),
                 ("engine_lora_host_load_seconds", "read s"), ("engine_lora_slot_loads", "slot loads"),
                 ("upload_gb", "upload GB"), ("adapter_upload_s", "at H2D s"), ("engine_lora_merges", "merges"),
-                ("engine_lora_merged_steps", "merged steps"), ("host_cpu_ms", "host CPU ms / step"),
-                ("device_wait_ms", "device wait ms / step"), ("host_probe_ms", "host probe ms"),
+                ("engine_lora_merged_steps", "merged steps"), ("host_probe_ms", "host probe ms"),
                 ("load_1m", "load 1m")]))
 
 

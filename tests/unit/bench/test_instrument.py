@@ -78,11 +78,10 @@ def test_schedule_recorder_sees_each_step_of_a_run(setup):
 
     split = time_split_table([{**row, "popularity": "distinct"}])
     assert "| host probe ms | load 1m |" in split and f"{d['host_probe_ms']:.2f}" in split
-    # the engine thread's own CPU time and its waits for the device: on the CPU the device is this thread, so the
-    # steps are all host; each is a part of the run's wall time
-    assert 0 < d["host_cpu_s"] and 0 <= d["device_wait_s"] <= row["elapsed_s"]
-    assert "| host CPU ms / step | device wait ms / step |" in split
-    assert f"{1e3 * d['host_cpu_s'] / eng['num_steps']:.2f}" in split
+    # the engine's waits for the device's tokens, split like the wall time: parts of it, by step kind
+    assert 0 <= d["decode_wait_s"] <= d["decode_s"] and 0 <= d["prefill_wait_s"] <= d["prefill_s"]
+    assert "| ms / decode step | waiting ms / decode step |" in split
+    assert "| ms / such step | waiting ms / such step |" in split
 
 
 def test_phase_timers_account_for_the_whole_step(setup):
@@ -149,3 +148,15 @@ def test_compile_counter_finds_plain_jit_functions(monkeypatch):
     assert triton_compiled_kernels("loraplex_probe_kernels.") == 0
     kernel.device_caches[0] = ({"variant-a": object(), "variant-b": object()}, None, None, None)
     assert triton_compiled_kernels("loraplex_probe_kernels.") == 2
+
+
+def test_time_split_attributes_each_interval_and_its_waiting_to_the_step_scheduled_at_its_start():
+    from loraplex.bench.instrument import StepRecord, step_time_split
+
+    steps = [StepRecord(4, 400, 400, frozenset(), scheduled_at=0.0, device_wait_at=0.0),  # prompt step
+             StepRecord(4, 4, 404, frozenset(), scheduled_at=0.5, device_wait_at=0.1),  # decode: 0.2 s, waited 0.15
+             StepRecord(4, 4, 408, frozenset(), scheduled_at=0.7, device_wait_at=0.25)]  # decode: to the end, 0.05
+    d = step_time_split(steps, end=1.0, end_wait=0.3)
+    assert (d["prefill_steps"], d["decode_steps"]) == (1, 2)
+    assert d["prefill_s"] == pytest.approx(0.5) and d["prefill_wait_s"] == pytest.approx(0.1)
+    assert d["decode_s"] == pytest.approx(0.5) and d["decode_wait_s"] == pytest.approx(0.2)
