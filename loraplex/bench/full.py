@@ -151,11 +151,15 @@ def _run_parts(args, device: torch.device, clock, result: dict, markdown: dict[s
 
 
 def _sections(result: dict, markdown: dict[str, str]) -> list[tuple[str, str]]:
+    from loraplex.bench.gaps import gaps_section
     from loraplex.bench.offline_run import offline_sections
     from loraplex.bench.sections import attention_section, online_section, targets_section, wall_time_section
 
     attn, lora, offline = result.get("attention"), result.get("lora_kernels"), result.get("offline") or {}
     sections = [targets_section(attn, lora, offline)]
+    gaps = gaps_section(attn, lora, offline)
+    if gaps:
+        sections.append(gaps)
     cut = result.get("cut_short")
     if cut:
         sections.append(("Cut short", f"This run was stopped ({cut['reason']}) after {cut['after_s']:.0f} s, during "
