@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from loraplex.bench.gpu_clocks import GpuClockSampler
 from loraplex.bench.instrument import ScheduleRecorder, StepRecord, step_time_split, triton_compiled_kernels
 from loraplex.bench.report import host_state
 from loraplex.bench.workload import BenchRequest, make_requests, num_distinct_adapters
@@ -74,7 +75,9 @@ def run_generate(llm, requests: list[BenchRequest], adapter_dirs: list[Path],
     recorder = ScheduleRecorder(llm.engine) if steps is not None else contextlib.nullcontext()
     compiled_before = triton_compiled_kernels()
     counters_before = llm.engine.counters
-    with recorder:
+    # the GPU's clocks and power while the run lasts (nothing off CUDA): a slow round on a slower GPU shows there
+    clocks = (GpuClockSampler(llm.engine.runner.device) if steps is not None else None)
+    with recorder, (clocks or contextlib.nullcontext()):
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, lora_request=loras)
         end = time.perf_counter()
@@ -91,6 +94,7 @@ def run_generate(llm, requests: list[BenchRequest], adapter_dirs: list[Path],
         diagnostics["engine"] = {k: counters_after[k] - counters_before[k] for k in DIAGNOSTIC_COUNTERS
                                  if k in counters_after}
         diagnostics.update(host_state())  # right after the run: how fast the host ran Python then
+        diagnostics.update(clocks.summary() or {})
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     errors = [o.outputs[0].error for o in outputs if o.outputs[0].error]
     expected = sum(r.output_len for r in requests)

@@ -202,7 +202,7 @@ def time_split_table(rows: list[dict]) -> str:
             "own beside the HBM one when adapters churn; \"host probe ms\": a fixed pure-Python loop timed right "
             "after the run, and the 1-minute load average: a slower host shows there; \"waiting ms\": per step of each kind, the engine's "
             "time blocked on the device's sampled tokens: steps that seldom wait ran at the host's pace, not the "
-            "GPU's):\n\n" + table(out, [
+            "GPU's; \"SM MHz\", \"power W\": what nvidia-smi reported every 200 ms during the run):\n\n" + table(out, [
                 ("popularity", "popularity"), ("decode_steps", "decode steps"), ("decode_s", "decode s"),
                 ("decode_ms", "ms / decode step"),
                 ("decode_wait_ms", "waiting ms / decode step"), ("prefill_steps", "steps with prompt tokens"),
@@ -214,7 +214,8 @@ def time_split_table(rows: list[dict]) -> str:
                 ("engine_adapter_wait_seconds", "their s"), ("engine_lora_host_loads", "adapter file reads"),
                 ("engine_lora_host_load_seconds", "read s"), ("engine_lora_slot_loads", "slot loads"),
                 ("upload_gb", "upload GB"), ("adapter_upload_s", "at H2D s"), ("engine_lora_merges", "merges"),
-                ("engine_lora_merged_steps", "merged steps"), ("host_probe_ms", "host probe ms"),
+                ("engine_lora_merged_steps", "merged steps"), ("sm_clock_mhz_mean", "SM MHz mean"),
+                ("sm_clock_mhz_min", "SM MHz min"), ("power_w_mean", "power W"), ("host_probe_ms", "host probe ms"),
                 ("load_1m", "load 1m")]))
 
 
