@@ -107,7 +107,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self._kv_waste_sum = 0.0
         self._tokens_per_second = 0.0
-        self.device_wait_seconds = 0.0  # host time spent waiting for steps' sampled tokens (the device's work)
+        self._token_wait_seconds = 0.0  # host time spent waiting for steps' sampled tokens (the device's work)
         self.num_step_seqs = 0  # sequences scheduled, summed over steps (÷ steps = the mean batch)
         self.num_prompt_steps = 0  # steps with more tokens than sequences: prompt chunks (no decode CUDA graph)
         # overlapped steps pay off where the device runs asynchronously to the host
@@ -253,12 +253,19 @@ class LLMEngine:
                 self._mark_finished(d.request_id, d.index)
         return deltas
 
+    @property
+    def device_wait_seconds(self) -> float:
+        """Host time the steps spent blocked on the device: waiting for sampled tokens, and in the input builder
+        for the previous step's input copies (which queue behind the step before them)."""
+        inputs = getattr(self.runner, "inputs", None)
+        return self._token_wait_seconds + (getattr(inputs, "copy_wait_seconds", 0.0) if inputs is not None else 0.0)
+
     def _complete(self, out: SchedulerOutput, pending: PendingSample, deltas: list[TokenDelta],
                   provisional: bool) -> int:
         """Wait for a step's tokens, apply them, and append the deltas; returns how many samples got one."""
         waited = time.perf_counter()
         result = pending.result()
-        self.device_wait_seconds += time.perf_counter() - waited
+        self._token_wait_seconds += time.perf_counter() - waited
         extra = self._undo_provisional(out, result) if provisional else []
         before = self.scheduler.num_extra_tokens
         touched = self.scheduler.update_from_output(out, result)

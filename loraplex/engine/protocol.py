@@ -94,7 +94,7 @@ class EngineStats:
     loop_step_seconds: float = 0.0
     loop_step_cpu_seconds: float = 0.0  # the loop thread's own CPU time inside its steps (time.thread_time)
     loop_dispatch_seconds: float = 0.0
-    device_wait_seconds: float = 0.0  # inside the steps: waiting for the device's sampled tokens
+    device_wait_seconds: float = 0.0  # inside the steps: waiting for the device (sampled tokens, input copies)
     step_seqs: int = 0  # sequences scheduled, summed over the engine's steps since start (÷ steps: the mean batch)
     prompt_steps: int = 0  # steps that carried prompt chunks (more tokens than sequences: no decode CUDA graph)
     piecewise_graph_steps: int = 0  # of all steps, those that replayed piecewise CUDA graphs (prefill / mixed)

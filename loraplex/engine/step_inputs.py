@@ -19,6 +19,7 @@ recorded after the previous step's copies (``mark_copied``).
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -152,6 +153,9 @@ class StepInputBuilder:
         self._qsl, self._lens, self._bt = self._qsl_t.numpy(), self._lens_t.numpy(), self._bt_t.numpy()
         self._arange = np.arange(max(num_tokens, max_num_seqs) + 1, dtype=np.int64)
         self._copied: torch.cuda.Event | None = None
+        # host time blocked in prepare() until the previous step's input copies had run: with overlapped steps they
+        # queue behind the step before, so this is waiting on the device too (EngineCore.device_wait_seconds)
+        self.copy_wait_seconds = 0.0
 
     def mark_copied(self) -> None:
         """Record that every copy out of the buffers has been queued on the current stream."""
@@ -164,7 +168,9 @@ class StepInputBuilder:
         """The step's inputs. For a pure-decode step, ``bucket_for(B)`` (a CUDA-graph bucket >= B, or None)
         pads the batch to that many rows."""
         if self._copied is not None:
+            waited = time.perf_counter()
             self._copied.synchronize()  # the previous step's copies have left the buffers
+            self.copy_wait_seconds += time.perf_counter() - waited
         sched = out.scheduled
         reqs = [s.request for s in sched]
         num_seqs = len(reqs)

@@ -68,7 +68,7 @@ class _EngineCollector(Collector):
             ("loraplex:engine_loop_step_cpu_seconds",
              "CPU seconds of the engine loop thread itself inside its steps (the rest of a step is waiting: for the "
              "device, or for the GIL).", stats.loop_step_cpu_seconds),
-            ("loraplex:engine_device_wait_seconds", "Seconds the engine's steps waited for the device's sampled tokens.",
+            ("loraplex:engine_device_wait_seconds", "Seconds the engine's steps waited for the device: its sampled tokens, and the input copies of the step before.",
              stats.device_wait_seconds),
             ("loraplex:engine_step_sequences",
              "Sequences scheduled, summed over the engine's steps (divided by the steps: the mean batch).",

@@ -191,3 +191,18 @@ def _synchronous_and_overlapped(tiny_model, params) -> tuple[list, list]:
                                                                       params)])
     assert llm.engine.num_overlapped_steps >= 10
     return outputs[0], outputs[1]
+
+
+def test_device_wait_counts_the_sampled_tokens_and_the_input_copies_of_the_step_before(tiny_model):
+    """``device_wait_seconds`` (the bench's waiting columns, /metrics) is every host wait on the device in a step:
+    the sampled tokens, and the input builder's wait for the previous step's copies to leave its pinned buffers
+    (on CUDA they queue behind the step before; on the CPU there is no such wait)."""
+    llm, _ = _run(tiny_model, True, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), None)
+    engine = llm.engine
+    inputs = engine.runner.inputs
+    assert inputs.copy_wait_seconds == 0.0  # the CPU records no copy events
+    tokens = engine.device_wait_seconds
+    assert tokens == engine._token_wait_seconds >= 0.0
+    inputs.copy_wait_seconds = 0.25  # as if prepare() had blocked that long on CUDA
+    assert engine.device_wait_seconds == pytest.approx(tokens + 0.25)
+    assert engine.get_stats().device_wait_seconds == pytest.approx(tokens + 0.25)
