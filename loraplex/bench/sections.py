@@ -316,8 +316,9 @@ def online_section(result: dict) -> tuple[str, str]:
     if loop and loop.get("steps"):
         intro += (f"\n\nThe server's engine loop during the run (its /metrics counters): {loop['steps']:,} steps, "
                   f"{loop['steps_per_s']:.1f} per s; {loop['step_ms']:.2f} ms per step inside the engine's step "
-                  + (f"(the loop thread's own CPU {loop['step_cpu_ms']:.2f} ms, waiting for the device "
-                     f"{loop['device_wait_ms']:.2f} ms, other waits {loop['other_wait_ms']:.2f} ms) "
+                  + (f"(the loop thread on a CPU {loop['step_cpu_ms']:.2f} ms, which on a GPU includes its "
+                     f"{loop['device_wait_ms']:.2f} ms of waiting for the device, since CUDA's waits spin; off a CPU "
+                     f"{loop['other_wait_ms']:.2f} ms: the GIL or the OS) "
                      if loop.get("step_cpu_ms") is not None else "")
                   + f"and {loop['dispatch_ms']:.2f} ms handing out its deltas; busy {loop['busy_share']:.0%} of the run."
                   + (f" {loop['seqs_per_step']:.1f} sequences per step on average; "

@@ -29,9 +29,10 @@ def test_online_bench_launches_a_server_and_streams_every_request(tmp_path):
     # the server's engine loop over the measured run, from its /metrics counters: it stepped for these requests
     loop = data["engine_loop"]
     assert loop["steps"] >= 6 and loop["step_ms"] > 0 and loop["dispatch_ms"] > 0 and 0 < loop["busy_share"] <= 1
-    # a step's time splits into the loop thread's CPU, the device wait and the rest (none can exceed the step)
+    # a step's time: the loop thread on a CPU (on a GPU its device waits spin inside that) and off a CPU (the GIL,
+    # the OS); the device wait is a part of the step either way
     assert loop["step_cpu_ms"] > 0 and 0 <= loop["device_wait_ms"] <= loop["step_ms"]
-    assert loop["other_wait_ms"] >= 0
+    assert loop["other_wait_ms"] == pytest.approx(max(0.0, loop["step_ms"] - loop["step_cpu_ms"]))
     # the regime: mean batch (>= 1 sequence per step) and the share of steps with prompt chunks (6 prompts ran)
     assert loop["seqs_per_step"] >= 1 and 0 < loop["prompt_step_share"] <= 1
     assert data["serve_env"] == ["LORAPLEX_LOOP_TORCH_THREADS=1"]
