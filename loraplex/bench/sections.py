@@ -27,26 +27,17 @@ def _meets(value, target, higher_is_better: bool = True):
 # base rounds whose output tok/s spread more than this (max - min over the median) leave the ÷ base figures unjudged
 BASE_SPREAD_WARN = 0.05
 NOT_JUDGED = "not judged (noisy base)"
-# the same when the host probe (a fixed Python loop timed after each offline run, ``report.host_probe_ms``) ran this
-# many times slower in one run than in another: the engine's host work (scheduling, batch preparation) slowed with it,
-# a base run's more than a run with adapters, whose steps wait on the GPU longer
-HOST_PROBE_SPREAD_WARN = 1.25
-NOT_JUDGED_HOST = "not judged (noisy host)"
 
 
-def over_base_meets(summary: list[dict], row: dict, target, runs: list[dict] | None = None):
-    """``_meets`` for a ÷ base figure, unless the machine was noisier than the gaps being judged: the base rounds
-    alone spread more than ``BASE_SPREAD_WARN`` (a slow base round lifts every ratio of its round), or the host
-    probe of the offline ``runs`` (every round) spread more than ``HOST_PROBE_SPREAD_WARN``. The figure is then
-    reported as measured and judged ``NOT_JUDGED`` / ``NOT_JUDGED_HOST``."""
+def over_base_meets(summary: list[dict], row: dict, target):
+    """``_meets`` for a ÷ base figure, unless the base rounds alone spread more than ``BASE_SPREAD_WARN``: then the
+    machine's noise is as large as the gaps being judged (a slow base round lifts every ratio of its round), so the
+    figure is reported as measured and judged ``NOT_JUDGED``."""
     if target is None or row.get("over_base") is None:
         return None
     spread = base_spread(summary)
     if spread and spread[0] > BASE_SPREAD_WARN:
         return NOT_JUDGED
-    host = host_probe_spread(runs or [])
-    if host and host[0] > HOST_PROBE_SPREAD_WARN:
-        return NOT_JUDGED_HOST
     return _meets(row["over_base"], target)
 
 
@@ -58,15 +49,6 @@ def base_spread(summary: list[dict]) -> tuple[float, float, float] | None:
     runs = base["output_tok_per_s_rounds"]
     lo, hi = min(runs), max(runs)
     return (hi - lo) / statistics.median(runs), lo, hi
-
-
-def host_probe_spread(runs: list[dict]) -> tuple[float, float, float] | None:
-    """(max / min, min, max) of the host probe (ms) over the offline runs that recorded it; None for fewer than two."""
-    probes = [r["diagnostics"]["host_probe_ms"] for r in runs
-              if (r.get("diagnostics") or {}).get("host_probe_ms")]
-    if len(probes) < 2:
-        return None
-    return max(probes) / min(probes), min(probes), max(probes)
 
 
 def attention_section(result: dict) -> tuple[str, str]:
@@ -119,7 +101,7 @@ def throughput_section(rows: list[dict]) -> tuple[str, str]:
     for r in rows:
         target = OVER_BASE_TARGETS.get(r["popularity"])
         roof = r.get("roofline") or {}
-        out.append({**r, "target": target, "meets": over_base_meets(rows, r, target, all_rows),
+        out.append({**r, "target": target, "meets": over_base_meets(rows, r, target),
                     "floor_s": roof.get("floor_s"), "adapters_per_step": roof.get("mean_decode_adapters"),
                     "batch": roof.get("mean_decode_batch")})
     body = table(out, [
@@ -133,19 +115,7 @@ def throughput_section(rows: list[dict]) -> tuple[str, str]:
     note = roofline_note(rows)
     split = time_split_table(all_rows)
     return ("Offline throughput by adapter popularity",
-            rounds_table(rows) + host_noise_note(rows, all_rows) + body + ("\n\n" + note if note else "") + split)
-
-
-def host_noise_note(summary: list[dict], runs: list[dict]) -> str:
-    """The paragraph saying why the ÷ base targets are not judged when the host probe spread (and the base rounds
-    did not already say so); empty otherwise."""
-    spread, host = base_spread(summary), host_probe_spread(runs)
-    if not host or host[0] <= HOST_PROBE_SPREAD_WARN or (spread and spread[0] > BASE_SPREAD_WARN):
-        return ""
-    return (f"**Noisy host:** the host probe (a fixed Python loop timed after each run) took {host[1]:.1f}–"
-            f"{host[2]:.1f} ms, {host[0]:.2f}× apart (more than {HOST_PROBE_SPREAD_WARN}×): the engine's host work "
-            f"slowed as much between runs, a base run's steps more than those of runs whose steps wait on the GPU "
-            f"longer. The ÷ base targets are marked \"{NOT_JUDGED_HOST}\".\n\n")
+            rounds_table(rows) + body + ("\n\n" + note if note else "") + split)
 
 
 def rounds_table(summary: list[dict]) -> str:
@@ -357,8 +327,6 @@ def target_rows(attn: dict | None, lora: dict | None, offline: dict | None) -> l
     summary = summarize_rounds((offline or {}).get("throughput") or [])
     through = {r["popularity"]: r for r in summary}
     noise = base_spread(summary)
-    runs = (offline or {}).get("throughput") or []
-    host = host_probe_spread(runs)
     for pop, target in OVER_BASE_TARGETS.items():
         if pop in through and through[pop].get("over_base") is not None:
             r = through[pop]
@@ -367,12 +335,10 @@ def target_rows(attn: dict | None, lora: dict | None, offline: dict | None) -> l
                       if r.get("rounds", 1) > 1 and "over_base_min" in r else "")
             if noise and noise[0] > BASE_SPREAD_WARN:
                 spread += f"; the base rounds alone spread {noise[0]:.0%}"
-            elif host and host[0] > HOST_PROBE_SPREAD_WARN:
-                spread += f"; the host probe spread {host[0]:.2f}×"
             add(f"multi-LoRA ÷ base throughput, {pop}", r["over_base"], target,
                 note=f"{r['output_tok_per_s']:,.0f} output tok/s" + (f"; roofline ÷ base {roof:.3g}" if roof else "")
                      + spread)
-            rows[-1]["meets"] = over_base_meets(summary, r, target, runs)
+            rows[-1]["meets"] = over_base_meets(summary, r, target)
     peer = (offline or {}).get("peer")
     if peer and peer.get("output_tok_per_s"):
         for pop in ("uniform", "distinct"):
