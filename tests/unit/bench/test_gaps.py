@@ -61,12 +61,12 @@ def test_nothing_missed_gives_no_section():
     assert gaps_section(None, None, _offline([_run("base", 10.0, 6.0, 4.0), _run("zipf", 10.2, 6.1, 4.1)])) is None
 
 
-RECORD = Path(__file__).resolve().parents[3] / "docs/benchmarks/issue9-20261202-192910.json"
+RUN14 = Path(__file__).resolve().parents[3] / "docs/benchmarks/issue9-20261202-192910.json"  # run 14's full report
 
 
-@pytest.mark.skipif(not RECORD.exists(), reason="the report of record is not in this checkout")
-def test_the_report_of_record_gets_one_line_per_missed_target():
-    d = json.loads(RECORD.read_text())
+@pytest.mark.skipif(not RUN14.exists(), reason="run 14's report is not in this checkout")
+def test_a_saved_full_report_gets_one_line_per_missed_target():
+    d = json.loads(RUN14.read_text())
     body = gaps_section(d["attention"], d["lora_kernels"], d["offline"])[1]
     lines = [p for p in body.splitlines() if p.startswith("- ")]
     assert [p.split("**")[1] for p in lines] == ["zipf", "distinct", "Worst LoRA kernel", "64-adapter LoRA step"]
@@ -75,10 +75,10 @@ def test_the_report_of_record_gets_one_line_per_missed_target():
     assert "7.3 µs for 9.4 MB" in lines[2] and "over 256 LoRA launches is 4.0 µs each" in lines[3]
 
 
-@pytest.mark.skipif(not RECORD.exists(), reason="the report of record is not in this checkout")
+@pytest.mark.skipif(not RUN14.exists(), reason="run 14's report is not in this checkout")
 def test_the_command_prints_the_section_of_a_saved_report(capsys):
     from loraplex.bench.gaps import main
 
-    assert main([str(RECORD)]) == 0
+    assert main([str(RUN14)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("## Gaps that remain\n\n") and "- **zipf** (0.888 against 0.93" in out
