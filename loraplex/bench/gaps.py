@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from loraplex.bench.offline import summarize_rounds
 from loraplex.bench.roofline import ModelShape
-from loraplex.bench.sections import LORA_STEP_TARGET_MS, OVER_BASE_TARGETS, target_rows
+from loraplex.bench.sections import (
+    LORA_STEP_TARGET_MS,
+    OVER_BASE_TARGETS,
+    in_graph_kernels,
+    per_step_ms,
+    target_rows,
+)
 
 _ELEM_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -17,8 +23,8 @@ def _missed(row: dict) -> bool:
     if row["meets"] is False:
         return True
     if isinstance(row["meets"], str) and row["measured"] is not None:
-        goal = float(row["goal"].split()[-1])
-        return row["measured"] < goal if row["goal"].startswith("≥") else row["measured"] > goal
+        goal = row["target_value"]
+        return row["measured"] < goal if row["higher_is_better"] else row["measured"] > goal
     return False
 
 
@@ -26,9 +32,8 @@ def _same_round_base(runs: list[dict], row: dict) -> dict | None:
     return next((r for r in runs if r["popularity"] == "base" and r.get("round", 1) == row.get("round", 1)), None)
 
 
-def _per_step(d: dict, kind: str) -> float | None:
-    steps = d.get(f"{kind}_steps")
-    return d[f"{kind}_s"] / steps if steps else None
+def _step_ms(d: dict, kind: str) -> float | None:
+    return per_step_ms(d.get(f"{kind}_s"), d.get(f"{kind}_steps"))
 
 
 def over_base_gap(pop: str, row: dict, base: dict, offline: dict) -> str:
@@ -41,34 +46,33 @@ def over_base_gap(pop: str, row: dict, base: dict, offline: dict) -> str:
              f"against the base run's {base_wall:.2f} s; meeting the target needs {cut:.2f} s less."]
     d, db = row.get("diagnostics") or {}, base.get("diagnostics") or {}
     bandwidth = offline.get("copy_bandwidth_Bps")
-    shape = offline.get("model_shape")
     settings = offline.get("settings") or {}
     roof = row.get("roofline") or {}
+    shape = ModelShape(**offline["model_shape"]) if offline.get("model_shape") else None
+    elem = _ELEM_BYTES.get(settings.get("dtype") or "bfloat16", 2)
     if d.get("decode_steps") and db.get("decode_steps"):
-        extra = _per_step(d, "decode") - _per_step(db, "decode")
+        ms, base_ms = _step_ms(d, "decode"), _step_ms(db, "decode")
+        extra = ms - base_ms
         total = d["decode_s"] - db["decode_s"]
-        text = (f"Decode steps: {1e3 * extra:+.2f} ms each ({1e3 * _per_step(d, 'decode'):.2f} against "
-                f"{1e3 * _per_step(db, 'decode'):.2f}), {total:+.2f} s over {d['decode_steps']} steps")
+        text = (f"Decode steps: {extra:+.2f} ms each ({ms:.2f} against {base_ms:.2f}), {total:+.2f} s over "
+                f"{d['decode_steps']} steps")
         adapters = roof.get("mean_decode_adapters")
         if shape and bandwidth and adapters and settings.get("rank"):
-            elem = _ELEM_BYTES.get(settings.get("dtype") or "bfloat16", 2)
-            per_adapter = ModelShape(**shape).lora_params_per_rank() * settings["rank"] * elem
+            per_adapter = shape.lora_params_per_rank() * settings["rank"] * elem
             floor_ms = 1e3 * adapters * per_adapter / bandwidth
             text += (f"; the {adapters:.1f} adapters of a mean decode step hold {adapters * per_adapter / 1e9:.2f} GB, "
                      f"{floor_ms:.2f} ms at the copy bandwidth")
             if extra > 0:
-                text += f", so the LoRA work of a decode step ran at {floor_ms / (1e3 * extra):.0%} of it"
+                text += f", so the LoRA work of a decode step ran at {floor_ms / extra:.0%} of it"
         parts.append(text + ".")
     if d.get("prefill_steps") and db.get("prefill_steps"):
-        extra = _per_step(d, "prefill") - _per_step(db, "prefill")
+        extra = _step_ms(d, "prefill") - _step_ms(db, "prefill")
         total = d["prefill_s"] - db["prefill_s"]
-        text = (f"Steps with prompt tokens: {1e3 * extra:+.1f} ms each, {total:+.2f} s over {d['prefill_steps']} "
+        text = (f"Steps with prompt tokens: {extra:+.1f} ms each, {total:+.2f} s over {d['prefill_steps']} "
                 "steps")
         if shape and bandwidth and row.get("prompt_tokens"):
-            s = ModelShape(**shape)
-            dims = s.proj_dims()
-            outputs = s.num_layers * sum(out for _, out in dims.values())  # every projection output of a token
-            elem = _ELEM_BYTES.get(settings.get("dtype") or "bfloat16", 2)
+            # every projection output of a token, over the layers
+            outputs = shape.num_layers * sum(out for _, out in shape.proj_dims().values())
             tokens = row["prompt_tokens"] / d["prefill_steps"]
             traffic_ms = 1e3 * tokens * outputs * elem * 2 / bandwidth
             text += (f"; at {tokens:,.0f} prompt tokens a step, adding the delta to outputs that the base GEMM also "
@@ -114,9 +118,7 @@ def gaps_section(attn: dict | None, lora: dict | None, offline: dict | None) -> 
                            f"moved its bytes at {roof['floor_s'] / step['step_mean_s']:.0%} of the copy bandwidth "
                            "(this run does not split that time by kernel).")
         elif name.startswith("LoRA shrink/expand ÷ copy BW") and lora:
-            kernels = ((lora.get("decode_steps") or {}).get("kernels")) or []
-            policy = "no-pdl" if "(no-pdl" in name else "default"
-            graph = [k for k in kernels if k.get("policy") == policy and k.get("mix") == "distinct"]
+            _, graph = in_graph_kernels(lora)
             bandwidth = (lora.get("copy_bandwidth_gb_s") or 0) * 1e9
             if graph and bandwidth:
                 worst = min(graph, key=lambda k: k["pct_copy_bw"])

@@ -8,6 +8,7 @@ tell a slower GPU from slower code. Where ``nvidia-smi`` or CUDA is missing it r
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import threading
@@ -44,8 +45,6 @@ def _gpu_id(device) -> str | None:
     uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
     if uuid:
         return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-    import os
-
     # no UUID from this torch: nvidia-smi's index is CUDA's only when no CUDA_VISIBLE_DEVICES remaps it
     if os.environ.get("CUDA_VISIBLE_DEVICES") is None:
         return str(device.index if device.index is not None else torch.cuda.current_device())

@@ -145,7 +145,8 @@ def rounds_table(summary: list[dict]) -> str:
     return text
 
 
-def _per_step(seconds, steps):
+def per_step_ms(seconds, steps):
+    """``seconds`` over ``steps`` in ms; None without steps or seconds."""
     return 1e3 * seconds / steps if seconds is not None and steps else None
 
 
@@ -159,11 +160,11 @@ def time_split_table(rows: list[dict]) -> str:
         eng = d.get("engine", {})
         out.append({"popularity": r["popularity"] + (f" ({r['round']})" if r.get("round", 1) > 1 else ""),
                     **d, **{f"engine_{k}": v for k, v in eng.items()},
-                    "decode_ms": 1e3 * d["decode_s"] / d["decode_steps"] if d["decode_steps"] else None,
-                    "prefill_ms": 1e3 * d["prefill_s"] / d["prefill_steps"] if d["prefill_steps"] else None,
+                    "decode_ms": per_step_ms(d["decode_s"], d["decode_steps"]),
+                    "prefill_ms": per_step_ms(d["prefill_s"], d["prefill_steps"]),
                     "upload_gb": d["adapter_upload_bytes"] / 1e9 if "adapter_upload_bytes" in d else None,
-                    "decode_wait_ms": _per_step(d.get("decode_wait_s"), d["decode_steps"]),
-                    "prefill_wait_ms": _per_step(d.get("prefill_wait_s"), d["prefill_steps"])})
+                    "decode_wait_ms": per_step_ms(d.get("decode_wait_s"), d["decode_steps"]),
+                    "prefill_wait_ms": per_step_ms(d.get("prefill_wait_s"), d["prefill_steps"])})
     if not out:
         return ""
     return ("\n\nWhere each run's wall time went (time from one step's scheduling to the next's, by step kind; "
@@ -315,7 +316,8 @@ def target_rows(attn: dict | None, lora: dict | None, offline: dict | None) -> l
 
     def add(name, measured, target, higher_is_better=True, note=""):
         rows.append({"target": name, "measured": measured, "goal": ("≥ " if higher_is_better else "≤ ") + f"{target:g}",
-                     "meets": _meets(measured, target, higher_is_better), "note": note})
+                     "meets": _meets(measured, target, higher_is_better), "note": note,
+                     "target_value": target, "higher_is_better": higher_is_better})
 
     steps = (offline or {}).get("decode_step") or []
     base_step = next((s for s in steps if s["num_adapters"] == 0), None)
@@ -353,10 +355,7 @@ def target_rows(attn: dict | None, lora: dict | None, offline: dict | None) -> l
     # of the same report includes host launch time in each short kernel's figure. With programmatic dependent
     # launch a kernel starts before its predecessor ends and waits, so its duration is not its own: the policy
     # with PDL off gives the clean per-kernel figure when it was measured
-    graph_rows = ((lora or {}).get("decode_steps") or {}).get("kernels") or []
-    policies = {k.get("policy") for k in graph_rows}
-    policy = "no-pdl" if "no-pdl" in policies else "default"
-    in_graph = [k for k in graph_rows if k.get("policy") == policy and k.get("mix") == "distinct"]
+    policy, in_graph = in_graph_kernels(lora)
     if in_graph:
         worst = min(in_graph, key=lambda k: k["pct_copy_bw"])
         best = max(in_graph, key=lambda k: k["pct_copy_bw"])
@@ -381,6 +380,14 @@ def target_rows(attn: dict | None, lora: dict | None, offline: dict | None) -> l
                 "(ms; for reference, the target row is the one above)", r["added_ms"], LORA_STEP_TARGET_MS,
                 higher_is_better=False, note=f"step {r['time_ms']:.3f} ms; LoRA floor {r['lora_floor_ms']:.3f} ms")
     return rows
+
+
+def in_graph_kernels(lora: dict | None) -> tuple[str, list[dict]]:
+    """(policy, rows) of the per-kernel profile inside the decode graph, 64 distinct adapters: the policy with PDL
+    off where it was measured (clean per-kernel durations), else the default."""
+    graph_rows = ((lora or {}).get("decode_steps") or {}).get("kernels") or []
+    policy = "no-pdl" if "no-pdl" in {k.get("policy") for k in graph_rows} else "default"
+    return policy, [k for k in graph_rows if k.get("policy") == policy and k.get("mix") == "distinct"]
 
 
 def targets_section(attn: dict | None, lora: dict | None, offline: dict | None) -> tuple[str, str]:
