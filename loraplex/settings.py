@@ -62,6 +62,9 @@ class Settings:
     # loop thread shares the GIL with the HTTP event loop: each time it gives the GIL up (waiting for the GPU) it
     # may wait a whole interval to get it back while the event loop streams tokens
     gil_switch_interval_ms: float = 0.0
+    # loraplex serve: run the engine's step loop in a child process of its own (ProcessEngine) instead of a thread
+    # of the server (AsyncEngine), so the HTTP event loop and the engine never wait on one GIL
+    engine_process: bool = True
     # loraplex serve: once the engine has loaded, freeze the heap alive then out of the cyclic GC's reach
     # (loraplex/engine/gc_heap.py; a full collection then walks ~50k objects instead of ~400k+)
     freeze_gc: bool = True

@@ -230,9 +230,9 @@ def loop_delta(before: dict | None, after: dict | None, wall_s: float) -> dict |
     def per_step(x: float) -> float | None:
         return x / steps * 1e3 if steps else None
 
-    # inside a step: the loop thread's own CPU time; its waits for the device (CUDA's synchronization spins, so on a
+    # inside a step: the loop's own CPU time (its thread's); its waits for the device (CUDA's synchronization spins, so on a
     # GPU these are inside the CPU time: H200 run 21, offline, CPU time equalled the wall time); and the time off a
-    # CPU (waiting for the GIL while the HTTP event loop holds it, or for the OS to run the thread)
+    # CPU (in a thread of the server: waiting for the GIL while the HTTP event loop holds it; or for the OS)
     return {"steps": int(steps), "steps_per_s": steps / wall_s, "step_ms": per_step(step_s),
             "step_cpu_ms": per_step(cpu_s), "device_wait_ms": per_step(device_s),
             "other_wait_ms": per_step(max(0.0, step_s - cpu_s)),
@@ -265,6 +265,10 @@ def _launch(args, device):
     started = time.perf_counter()
     server = launch_server(model_dir, serve_args, env=env)
     server.timings["start_s"] = time.perf_counter() - started
+    from loraplex.settings import Settings
+
+    # where the server ran its engine loop (Settings.engine_process, as the server read it from its environment)
+    server.timings["engine_mode"] = "process" if Settings.from_env({**os.environ, **env}).engine_process else "thread"
     log.info("online: loraplex serve ready in %.1f s (pid %d, data dir %s)", server.timings["start_s"],
              server.proc.pid, server.data_dir)
     try:

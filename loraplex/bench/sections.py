@@ -285,11 +285,13 @@ def online_section(result: dict) -> tuple[str, str]:
                   + (" (killed: it did not drain in time)" if server.get("killed") else "") + ".")
     loop = result.get("engine_loop")
     if loop and loop.get("steps"):
-        intro += (f"\n\nThe server's engine loop during the run (its /metrics counters): {loop['steps']:,} steps, "
-                  f"{loop['steps_per_s']:.1f} per s; {loop['step_ms']:.2f} ms per step inside the engine's step "
-                  + (f"(the loop thread on a CPU {loop['step_cpu_ms']:.2f} ms, which on a GPU includes its "
+        mode = {"process": " (in a process of its own)", "thread": " (in a thread of the server)"}.get(
+            (server or {}).get("engine_mode"), "")
+        intro += (f"\n\nThe server's engine loop{mode} during the run (its /metrics counters): {loop['steps']:,} "
+                  f"steps, {loop['steps_per_s']:.1f} per s; {loop['step_ms']:.2f} ms per step inside the engine's step "
+                  + (f"(the loop on a CPU {loop['step_cpu_ms']:.2f} ms, which on a GPU includes its "
                      f"{loop['device_wait_ms']:.2f} ms of waiting for the device, since CUDA's waits spin; off a CPU "
-                     f"{loop['other_wait_ms']:.2f} ms: the GIL or the OS) "
+                     f"{loop['other_wait_ms']:.2f} ms: the GIL, in a thread of the server, or the OS) "
                      if loop.get("step_cpu_ms") is not None else "")
                   + f"and {loop['dispatch_ms']:.2f} ms handing out its deltas; busy {loop['busy_share']:.0%} of the run."
                   + (f" {loop['seqs_per_step']:.1f} sequences per step on average; "

@@ -236,46 +236,19 @@ class AsyncEngine:
                     done.set_exception(exc)
 
     def _add_all(self, requests: list[EngineRequest], streams: list[_Stream]) -> None:
-        """Add every request of a group, or none (a refusal takes back those added before it: no step ran
-        in between, so the engine did no work for them)."""
+        """Add every request of a group, or none; the ids must be free of open streams too."""
         ids = [r.request_id for r in requests]
-        for rid in ids:
-            # open: its stream still waits for final deltas
-            if rid in self._streams or ids.count(rid) > 1:
-                raise ValueError(f"request_id {rid!r} is already in use")
-        added: list[str] = []
-        try:
-            for r in requests:
-                self.engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params,
-                                        lora_request=r.lora_request, cache_salt=r.cache_salt, priority=r.priority,
-                                        arrival_time=r.arrival_time)
-                added.append(r.request_id)
-        except Exception:
-            for rid in added:  # no step ran since: as if never added, and the id is free again at once
-                self.engine.take_back(rid)
-            raise
+        check_ids_free(ids, self._streams)
+        add_all(self.engine, requests)
         for rid, stream in zip(ids, streams):
             self._streams[rid] = stream  # before any step: no delta can be missed
 
     def _dispatch(self, deltas: list[TokenDelta]) -> None:
-        for delta in deltas:
-            stream = self._streams.get(delta.request_id)
-            if stream is None:
-                continue
-            if delta.finished:
-                stream.finished.add(delta.index)
-                if len(stream.finished) >= stream.num_samples:
-                    del self._streams[delta.request_id]
-            _put(stream, delta)
+        dispatch(self._streams, deltas)
 
     def _fail_everything(self, exc: BaseException) -> None:
         message = f"engine loop died: {exc!r}"
-        for request_id, stream in list(self._streams.items()):
-            for index in range(stream.num_samples):
-                if index not in stream.finished:
-                    _put(stream, TokenDelta(request_id=request_id, index=index, token_ids=[], text="",
-                                            finished=True, finish_reason="error", error=message))
-        self._streams.clear()
+        fail_streams(self._streams, message)
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -291,7 +264,7 @@ class RequestStream:
     ``close()`` before the end aborts the request (an ``async for`` left early does not close it: the
     owner closes it, as ``AsyncEngine.generate`` does); ``drain`` then reads the abort's final deltas."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream):
+    def __init__(self, engine, request_id: str, stream: _Stream):  # engine: AsyncEngine or ProcessEngine
         self.request_id = request_id
         self._engine = engine
         self._stream = stream
@@ -335,8 +308,58 @@ class RequestStream:
         return got
 
 
-def _put(stream: _Stream, delta: TokenDelta) -> None:
+def check_ids_free(ids: list[str], open_streams: dict[str, _Stream]) -> None:
+    """Refuse a group whose request ids repeat, or are in use by a stream still waiting for final deltas."""
+    for rid in ids:
+        if rid in open_streams or ids.count(rid) > 1:
+            raise ValueError(f"request_id {rid!r} is already in use")
+
+
+def add_all(engine: LLMEngine, requests: Sequence[EngineRequest]) -> None:
+    """Add every request of a group to the engine, or none: a refusal takes back those added before it (no step
+    ran in between, so the engine did no work for them) and raises."""
+    added: list[str] = []
     try:
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, delta)
-    except RuntimeError:  # the caller's event loop is closed: nobody is listening
-        pass
+        for r in requests:
+            engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params, lora_request=r.lora_request,
+                               cache_salt=r.cache_salt, priority=r.priority, arrival_time=r.arrival_time)
+            added.append(r.request_id)
+    except Exception:
+        for rid in added:  # as if never added, and the id is free again at once
+            engine.take_back(rid)
+        raise
+
+
+def dispatch(streams: dict[str, _Stream], deltas: list[TokenDelta]) -> None:
+    """Hand a step's deltas to their streams (called off the callers' event loops): one wake-up per event loop
+    per step, not one per delta. A stream leaves ``streams`` with its last sample's final delta."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, TokenDelta]]] = {}
+    for delta in deltas:
+        stream = streams.get(delta.request_id)
+        if stream is None:
+            continue
+        if delta.finished:
+            stream.finished.add(delta.index)
+            if len(stream.finished) >= stream.num_samples:
+                del streams[delta.request_id]
+        by_loop.setdefault(stream.loop, []).append((stream.queue, delta))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
+
+
+def fail_streams(streams: dict[str, _Stream], message: str) -> None:
+    """End every open stream with an "error" final delta for each sample not finished yet."""
+    deltas = [TokenDelta(request_id=request_id, index=index, token_ids=[], text="", finished=True,
+                         finish_reason="error", error=message)
+              for request_id, stream in list(streams.items())
+              for index in range(stream.num_samples) if index not in stream.finished]
+    dispatch(streams, deltas)
+    streams.clear()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, TokenDelta]]) -> None:
+    for q, delta in items:
+        q.put_nowait(delta)

@@ -32,6 +32,9 @@ class SamplingParamsError(ValueError):
         self.param = param
         self.detail = message  # the message without the field name (a caller may call the field otherwise)
 
+    def __reduce__(self):  # pickled whole (the engine process sends refusals to the server): field and message
+        return type(self), (self.param, self.detail)
+
 
 class RequestLimitError(SamplingParamsError):
     """A request over a limit of this engine: ``param`` names the request field (``prompt``, ``max_tokens``
@@ -41,6 +44,9 @@ class RequestLimitError(SamplingParamsError):
     def __init__(self, param: str, message: str, limit: int):
         super().__init__(param, message)
         self.limit = limit
+
+    def __reduce__(self):
+        return type(self), (self.param, self.detail, self.limit)
 
 
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")

@@ -1,7 +1,8 @@
 """Start the engine for ``loraplex serve``: the demo model on first run, engine knobs from Settings.
 
-The engine's step loop runs in its own thread (``AsyncEngine``), so the HTTP event loop never stalls
-a step; loading happens off the event loop too, and ``/ready`` stays 503 until it is done.
+The engine's step loop runs in a child process of its own (``ProcessEngine``; with ``engine_process`` off, in a
+thread of the server: ``AsyncEngine``), so the HTTP event loop never stalls a step; loading happens off the event
+loop too, and ``/ready`` stays 503 until it is done.
 """
 
 from __future__ import annotations
@@ -69,12 +70,17 @@ def engine_config(settings: Settings, model_dir: Path, model_id: str):
     )
 
 
-def build_engine(settings: Settings, model_id: str):
-    """Blocking: load weights and start the engine thread."""
+def build_engine(settings: Settings, model_id: str, freeze_gc: bool = False):
+    """Blocking: load weights and start the engine's loop (its process, or its thread). ``freeze_gc``: the engine
+    process freezes its own heap once loaded (``gc_heap``; a thread's heap is the server's, frozen by the caller)."""
+    config = engine_config(settings, ensure_model(settings), model_id)
+    if settings.engine_process:
+        from loraplex.engine.engine_process import ProcessEngine
+
+        return ProcessEngine.from_config(config, freeze_gc=freeze_gc)
     from loraplex.engine.async_engine import AsyncEngine
 
-    model_dir = ensure_model(settings)
-    return AsyncEngine.from_config(engine_config(settings, model_dir, model_id))
+    return AsyncEngine.from_config(config)
 
 
 async def start_engine_in_background(services) -> None:
@@ -90,7 +96,7 @@ async def start_engine_in_background(services) -> None:
     first = True
     while True:
         try:
-            engine = await asyncio.to_thread(build_engine, settings, services.base_model_id)
+            engine = await asyncio.to_thread(build_engine, settings, services.base_model_id, services.freeze_gc)
         except Exception as exc:
             log.exception("the engine failed to start")
             services.engine_error = f"{type(exc).__name__}: {exc}"

@@ -62,12 +62,12 @@ class _EngineCollector(Collector):
              stats.num_lora_merges),
             ("loraplex:lora_merged_steps", "Engine steps run on merged weights since start.",
              stats.num_lora_merged_steps),
-            ("loraplex:engine_loop_steps", "Steps the engine loop thread ran since start.", stats.loop_steps),
-            ("loraplex:engine_loop_step_seconds", "Seconds the engine loop thread spent inside its steps.",
+            ("loraplex:engine_loop_steps", "Steps the engine loop (its thread or process) ran since start.", stats.loop_steps),
+            ("loraplex:engine_loop_step_seconds", "Seconds the engine loop spent inside its steps.",
              stats.loop_step_seconds),
             ("loraplex:engine_loop_step_cpu_seconds",
-             "CPU seconds of the engine loop thread itself inside its steps (the rest of a step is waiting: for the "
-             "device, or for the GIL).", stats.loop_step_cpu_seconds),
+             "CPU seconds of the engine loop's own thread inside its steps (the rest of a step is waiting: for the "
+             "device, or, in a thread of the server, for the GIL).", stats.loop_step_cpu_seconds),
             ("loraplex:engine_device_wait_seconds", "Seconds the engine's steps waited for the device: its sampled tokens, and the input copies of the step before.",
              stats.device_wait_seconds),
             ("loraplex:engine_step_sequences",
@@ -80,7 +80,8 @@ class _EngineCollector(Collector):
              "Engine steps (prefill or mixed) that replayed CUDA graphs captured piecewise around attention; the "
              "other prompt steps ran eagerly.", stats.piecewise_graph_steps),
             ("loraplex:engine_loop_dispatch_seconds",
-             "Seconds the engine loop thread spent handing its steps' token deltas to the request handlers.",
+             "Seconds the engine loop spent handing its steps' token deltas to the request handlers (in a process of "
+             "its own: sending them to the server).",
              stats.loop_dispatch_seconds),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
