@@ -299,6 +299,9 @@ def online_section(result: dict) -> tuple[str, str]:
                      if loop.get("seqs_per_step") is not None else ""))
     if result.get("serve_env"):
         intro += " Server settings given: " + ", ".join(f"`{e}`" for e in result["serve_env"]) + "."
+    if s.get("failed") and s.get("errors"):
+        intro += (f" The failed requests' errors ({len(s['errors'])} distinct shown): "
+                  + "; ".join(f"`{e[:160]}`" for e in s["errors"]) + ".")
     return "Online serving", intro + "\n\n" + body
 
 

@@ -122,6 +122,7 @@ def test_bench_all_smoke_puts_every_target_in_one_report_with_a_launched_server(
     assert server["exit_code"] == 0 and not server["killed"]
     assert not Path(f"/proc/{server['pid']}").exists() and not Path(server["data_dir"]).exists()
     assert "## Online serving" in md and "embedded default" in md
+    assert server["engine_mode"] == "process" and "engine loop (in a process of its own)" in md
     walls = data["section_wall_s"]
     assert {"attention", "online (launched loraplex serve)", "offline base", "offline distinct"} <= set(walls)
     assert sum(walls.values()) <= data["total_wall_s"] and "## Wall time by part" in md
