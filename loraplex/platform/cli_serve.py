@@ -49,6 +49,10 @@ def register(subparsers) -> None:
                    f"default {DEFAULTS.max_lora_rank:g})")
     p.add_argument("--max-cpu-loras", type=int, help="adapters kept in host memory (env LORAPLEX_MAX_CPU_LORAS, "
                    f"default {DEFAULTS.max_cpu_loras:g})")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the engine's step loop in a process of its own, so the HTTP server and the engine never "
+                        "share a GIL (env LORAPLEX_ENGINE_PROCESS, default on; --no-engine-process runs it in a "
+                        "thread of the server)")
     p.add_argument("--merge-single-lora", action=argparse.BooleanOptionalAction, default=None,
                    help="while every running request uses one adapter, fold it into the weights and run the base "
                         "model (env LORAPLEX_MERGE_SINGLE_LORA, default off; keeps a copy of the projection "
@@ -92,7 +96,8 @@ def serve(args: argparse.Namespace) -> int:
     settings = settings_from_args(
         args, model=args.model, host=args.host, port=args.port, enable_lora=args.enable_lora,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-        merge_single_lora=args.merge_single_lora, lora_gemm_shrink=args.lora_gemm_shrink,
+        merge_single_lora=args.merge_single_lora, engine_process=args.engine_process,
+        lora_gemm_shrink=args.lora_gemm_shrink,
         lora_gemm_shrink_max_tokens=args.lora_gemm_shrink_max_tokens, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=args.num_kv_blocks, drain_timeout_s=args.drain_timeout_s,
         num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,

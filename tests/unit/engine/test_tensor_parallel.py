@@ -5,6 +5,7 @@ adapters of mixed ranks and targets, a removal, preemption) and close logprobs."
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -167,15 +168,45 @@ def test_two_ranks_equal_one(tiny_model):
     assert not any(p.is_alive() for p in two.engine.tp_driver.procs)
 
 
-async def test_server_engine_over_two_ranks_streams_and_stops_its_workers(tiny_model):
-    """The server's engine (AsyncEngine) over two ranks: streams the offline API's tokens, and its shutdown
+def _state(pid: int) -> str | None:
+    """The process's state letter from /proc (Linux), None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _children(pid: int) -> set[int]:
+    """Running processes whose parent is ``pid``."""
+    kids = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            kids.add(int(stat.parent.name))
+    return kids
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+async def test_server_engine_over_two_ranks_streams_and_stops_its_workers(tiny_model, kind):
+    """The server's engine over two ranks, its loop in a thread (AsyncEngine) or in a process of its own
+    (ProcessEngine, whose child starts the rank's worker): streams the offline API's tokens, and its shutdown
     stops the worker process."""
     from loraplex.engine.async_engine import AsyncEngine
     from loraplex.engine.config import EngineConfig
+    from loraplex.engine.engine_process import ProcessEngine
     from loraplex.engine.protocol import EngineRequest
 
-    eng = AsyncEngine.from_config(EngineConfig(model=tiny_model["model_dir"], dtype="float32", tensor_parallel_size=2))
-    procs = eng.engine.tp_driver.procs
+    config = EngineConfig(model=tiny_model["model_dir"], dtype="float32", tensor_parallel_size=2)
+    if kind == "thread":
+        eng = AsyncEngine.from_config(config)
+        workers = [p.pid for p in eng.engine.tp_driver.procs]
+    else:
+        eng = ProcessEngine.from_config(config)
+        workers = sorted(_children(eng.pid))  # the rank-1 worker (and multiprocessing's resource tracker)
+        assert workers, "the engine process started no worker for rank 1"
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     try:
         streams = []
@@ -183,7 +214,10 @@ async def test_server_engine_over_two_ranks_streams_and_stops_its_workers(tiny_m
             streams.append([d async for d in eng.generate(EngineRequest(f"r{i}", p, params))])
     finally:
         await eng.shutdown()
-    assert not any(p.is_alive() for p in procs)
+    deadline = time.monotonic() + 10
+    while any(_state(w) not in (None, "Z") for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_state(w) in (None, "Z") for w in workers), "a worker outlived the engine's shutdown"
     offline = LLM(tiny_model["model_dir"], dtype="float32").generate([{"prompt_token_ids": p} for p in _prompts()[:2]],
                                                                       params)
     for deltas, want in zip(streams, offline):
