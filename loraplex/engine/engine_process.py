@@ -12,8 +12,8 @@ full pipe; a reader thread receives each step's deltas and the engine's stats in
 caller's event loop once per step. Replies to "add" carry the refusal itself (``SamplingParamsError`` and
 ``RequestLimitError`` keep their field and limit).
 
-The child ignores SIGINT (a Ctrl-C reaches the whole process group; the server drains, then stops it) and
-exits when the pipe closes, so a server that dies without stopping it does not leave it holding the GPU.
+The child ignores SIGINT and SIGTERM (a Ctrl-C, or systemd's stop, reaches every process of the group; the
+server drains, then stops it) and exits when the pipe closes, so a server that dies without stopping it does not leave it holding the GPU.
 If the child dies, every open stream ends with an "error" delta, ``is_healthy()`` turns False and new requests
 raise ``EngineDeadError``, as with the loop thread.
 """
@@ -258,11 +258,8 @@ class ProcessEngine:
 
     def _stop_child(self, timeout_s: float) -> None:
         self._proc.join(timeout_s)
-        if self._proc.is_alive():
-            log.warning("the engine process did not stop within %.0f s; terminating it", timeout_s)
-            self._proc.terminate()
-            self._proc.join(5.0)
-        if self._proc.is_alive():
+        if self._proc.is_alive():  # it ignores SIGTERM (see _child_main)
+            log.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
             self._proc.kill()
             self._proc.join(5.0)
 
@@ -285,13 +282,18 @@ def _load_exception(data: bytes) -> BaseException:
 
 
 def _child_main(config: EngineConfig, conn, parent_pid: int, log_level: int, freeze_gc: bool) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server drains first, then stops this process
+    # a Ctrl-C reaches the whole process group, and systemd's stop sends SIGTERM to every process of the unit: the
+    # server drains its requests first, then stops this process itself (or it exits when the server's pipe closes)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _name_os_thread(LOOP_THREAD_OS_NAME)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
     try:
         from loraplex.engine.engine_core import LLMEngine
 
         engine = LLMEngine(config)
+        if engine.tp_driver is not None:
+            engine.tp_driver.on_worker_death = _exit_on_worker_death(engine.tp_driver)
         threads = config.loop_torch_threads
         if threads is None:
             threads = 1 if engine.runner.device.type == "cpu" else 0
@@ -314,6 +316,21 @@ def _child_main(config: EngineConfig, conn, parent_pid: int, log_level: int, fre
             pass
         return
     _ChildLoop(engine, conn, parent_pid).run()
+
+
+def _exit_on_worker_death(driver):
+    """A dead tensor-parallel worker leaves this rank blocked in its next collective. In a thread of the server, the
+    driver stops the whole server (SIGTERM to itself); here, the engine process ends its other workers and exits, the
+    server sees its pipe close, fails the open streams and its supervisor starts a new engine."""
+
+    def exit_now() -> None:
+        log.critical("tensor parallel: a worker died; the engine process exits (the server starts a new engine)")
+        for proc in driver.procs:
+            if proc.is_alive():
+                proc.kill()
+        os._exit(70)  # the loop may be blocked inside a collective: no clean way out of it
+
+    return exit_now
 
 
 class _ChildLoop:

@@ -96,7 +96,7 @@ def test_bench_all_smoke_puts_every_target_in_one_report_with_a_launched_server(
     assert rc == 0
     data, md = _report(out, "issue9")
     assert data["online"]["serve_env"] == ["LORAPLEX_PREFILL_BATCH_MIN_TOKENS=0"]
-    assert "`LORAPLEX_PREFILL_BATCH_MIN_TOKENS=0`" in md and "engine loop during the run" in md
+    assert "`LORAPLEX_PREFILL_BATCH_MIN_TOKENS=0`" in md and "engine loop (in a process of its own) during the run" in md
     assert set(data) >= {"attention", "offline", "online", "command", "environment", "section_wall_s"}
     # one pair of files, rewritten after each part: the last write is the whole run's, not marked unfinished
     assert len(list(out.glob("issue9-*.json"))) == 1 and "cut_short" not in data and "## Cut short" not in md

@@ -39,7 +39,7 @@ def test_online_bench_launches_a_server_and_streams_every_request(tmp_path):
     md = next((tmp_path / "out").glob("online-*.md")).read_text()
     assert "TTFT" in md and "goodput" in md and data["command"] in md
     assert "sequences per step on average" in md
-    assert "engine loop during the run" in md and "`LORAPLEX_LOOP_TORCH_THREADS=1`" in md
+    assert "engine loop (in a process of its own) during the run" in md and "`LORAPLEX_LOOP_TORCH_THREADS=1`" in md
 
 
 @pytest.mark.parametrize("name", ["LORAPLEX_DATABASE_URL", "LORAPLEX_PORT", "LORAPLEX_DATA_DIR"])

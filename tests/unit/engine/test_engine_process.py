@@ -132,6 +132,18 @@ async def test_abort_and_early_exit_end_the_stream_and_the_stats_follow(engine):
     assert engine.stats().num_running == 0 and engine.stats().num_waiting == 0
 
 
+async def test_sigint_and_sigterm_to_the_engine_process_leave_it_serving(engine):
+    """A Ctrl-C or a stop of the whole process group reaches the engine too: it keeps serving while the server drains
+    (the server stops it when done)."""
+    task = asyncio.create_task(_collect(engine, EngineRequest("signals", [1, 40, 41], _greedy(40))))
+    await asyncio.sleep(0.05)
+    os.kill(engine.pid, signal.SIGINT)
+    os.kill(engine.pid, signal.SIGTERM)
+    deltas = await asyncio.wait_for(task, 30)
+    assert deltas[-1].finish_reason == "length" and sum(len(d.token_ids) for d in deltas) == 40
+    assert engine.is_healthy()
+
+
 async def test_a_killed_engine_process_ends_open_streams_and_refuses_new_requests(tiny_model):
     eng = ProcessEngine.from_config(EngineConfig(model=tiny_model["model_dir"], dtype="float32"))
     try:

@@ -4,6 +4,7 @@ adapters of mixed ranks and targets, a removal, preemption) and close logprobs."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -222,6 +223,42 @@ async def test_server_engine_over_two_ranks_streams_and_stops_its_workers(tiny_m
                                                                       params)
     for deltas, want in zip(streams, offline):
         assert sum((d.token_ids for d in deltas), []) == want.outputs[0].token_ids
+
+
+async def test_a_dead_rank_worker_ends_the_engine_process_not_the_server(tiny_model):
+    """With the loop in a process of its own, a rank worker that dies takes down that process alone: open streams
+    end with an error, the client reports the engine dead (the server's supervisor then starts a new one)."""
+    import os
+    import signal
+
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.engine_process import ProcessEngine
+    from loraplex.engine.protocol import EngineRequest
+
+    eng = ProcessEngine.from_config(EngineConfig(model=tiny_model["model_dir"], dtype="float32", tensor_parallel_size=2))
+    try:
+        workers = sorted(_children(eng.pid))
+        got = []
+
+        async def consume():
+            params = SamplingParams(max_tokens=100_000, temperature=0, ignore_eos=True)
+            async for d in eng.generate(EngineRequest("long", [1, 40, 41], params)):
+                got.append(d)
+
+        task = asyncio.create_task(consume())
+        while not got:
+            await asyncio.sleep(0.01)
+        for w in workers:  # the rank-1 worker (and the resource tracker, which the engine does not depend on)
+            os.kill(w, signal.SIGKILL)
+        await asyncio.wait_for(task, 30)
+        assert got[-1].finished and got[-1].finish_reason == "error"
+        assert not eng.is_healthy()
+        deadline = time.monotonic() + 30  # on gloo the collective fails rather than hangs: the loop stops itself
+        while _state(eng.pid) not in (None, "Z") and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert _state(eng.pid) in (None, "Z"), "the engine process outlived its dead worker"
+    finally:
+        eng.close(timeout_s=5)
 
 
 def test_serve_checks_the_flag():
