@@ -40,6 +40,7 @@ from loraplex.engine.async_engine import (
     _name_os_thread,
     _Stream,
     add_all,
+    chat_template_ids,
     check_ids_free,
     dispatch,
     fail_streams,
@@ -145,12 +146,8 @@ class ProcessEngine:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,
                             template_kwargs: dict | None = None) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 continue_final_message=continue_final_message, tokenize=True,
-                                                 **(template_kwargs or {}))
-        if hasattr(ids, "keys"):  # a BatchEncoding in newer transformers
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_template_ids(self.tokenizer, messages, add_generation_prompt, continue_final_message,
+                                 template_kwargs)
 
     async def remove_adapter(self, adapter_id: int) -> None:
         await self._call("remove_adapter", adapter_id)
