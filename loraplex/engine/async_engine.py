@@ -54,7 +54,50 @@ class _Stream:
     finished: set[int] = field(default_factory=set)
 
 
-class AsyncEngine:
+class StreamingClient:
+    """What the thread engine (``AsyncEngine``) and the process engine (``ProcessEngine``) share of the
+    ``EngineClient``: the tokenizer here, the requests' snapshots, ``generate`` over ``add_requests``, and aborts as
+    commands to the loop (each subclass's ``_send``)."""
+
+    tokenizer: object  # set by each engine's constructor
+    _stats: EngineStats
+
+    def _snapshot(self, requests: Sequence[EngineRequest]) -> list[EngineRequest]:
+        """Check the requests' params and copy them: each request runs its params as they are now, whatever the
+        caller sets on its objects later."""
+        for r in requests:
+            check_type("sampling_params", r.sampling_params, SamplingParams, "SamplingParams")
+        return [dataclasses.replace(r, sampling_params=p)
+                for r, p in zip(requests, snapshots([r.sampling_params for r in requests]))]
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
+        """Stream the request's deltas (all ``n`` samples); ends after each sample's final delta. A refused
+        request raises on the first iteration (``add_requests`` refuses before anything starts); leaving
+        early aborts it."""
+        (stream,) = await self.add_requests([request])
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.close()
+
+    async def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            template_kwargs: dict | None = None) -> list[int]:
+        return chat_template_ids(self.tokenizer, messages, add_generation_prompt, continue_final_message,
+                                 template_kwargs)
+
+
+class AsyncEngine(StreamingClient):
     def __init__(self, engine: LLMEngine, model_id: str | None = None):
         self.engine = engine
         self.model_id = model_id or engine.config.model_id or "model"
@@ -87,11 +130,7 @@ class AsyncEngine:
         ``RequestLimitError`` naming the field), it raises here, before any delta exists, and nothing of the
         group stays in the engine. Returns one open stream per request, in order."""
         self._check_alive()
-        for r in requests:
-            check_type("sampling_params", r.sampling_params, SamplingParams, "SamplingParams")
-        # each request runs its params as they are now, whatever the caller sets on its objects later
-        requests = [dataclasses.replace(r, sampling_params=p)
-                    for r, p in zip(requests, snapshots([r.sampling_params for r in requests]))]
+        requests = self._snapshot(requests)
         loop = asyncio.get_running_loop()
         streams = [_Stream(loop, asyncio.Queue(), r.sampling_params.n) for r in requests]
         added = concurrent.futures.Future()
@@ -99,34 +138,8 @@ class AsyncEngine:
         await asyncio.wrap_future(added)  # cancelled before the loop takes it: the loop adds nothing
         return [RequestStream(self, r.request_id, s) for r, s in zip(requests, streams)]
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
-        """Stream the request's deltas (all ``n`` samples); ends after each sample's final delta. A refused
-        request raises on the first iteration (``add_requests`` refuses before anything starts); leaving
-        early aborts it."""
-        (stream,) = await self.add_requests([request])
-        try:
-            async for delta in stream:
-                yield delta
-        finally:
-            stream.close()
-
-    async def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
-
     def is_healthy(self) -> bool:
         return self._dead is None and self._thread.is_alive()
-
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False,
-                            template_kwargs: dict | None = None) -> list[int]:
-        return chat_template_ids(self.tokenizer, messages, add_generation_prompt, continue_final_message,
-                                 template_kwargs)
 
     async def remove_adapter(self, adapter_id: int) -> None:
         done = concurrent.futures.Future()

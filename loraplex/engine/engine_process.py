@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -32,30 +31,29 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 from loraplex.engine.async_engine import (
     LOOP_THREAD_OS_NAME,
     RequestStream,
+    StreamingClient,
     _name_os_thread,
     _Stream,
     add_all,
-    chat_template_ids,
     check_ids_free,
     dispatch,
     fail_streams,
 )
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.engine_core import check_type, load_tokenizer
-from loraplex.engine.protocol import EngineDeadError, EngineRequest, EngineStats, TokenDelta
-from loraplex.engine.sampling_params import SamplingParams, snapshots
+from loraplex.engine.engine_core import load_tokenizer
+from loraplex.engine.protocol import EngineDeadError, EngineRequest, EngineStats
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 1800.0  # loading an 8B model from a slow disk, plus CUDA graph capture
 
 
-class ProcessEngine:
+class ProcessEngine(StreamingClient):
     """``EngineClient`` over an engine in a child process (started here; blocks until its model has loaded)."""
 
     def __init__(self, config: EngineConfig, model_id: str | None = None, *, freeze_gc: bool = False,
@@ -98,10 +96,7 @@ class ProcessEngine:
     async def add_requests(self, requests: Sequence[EngineRequest]) -> list[RequestStream]:
         """As ``AsyncEngine.add_requests``: all admitted, or a refusal raised here and none kept."""
         self._check_alive()
-        for r in requests:
-            check_type("sampling_params", r.sampling_params, SamplingParams, "SamplingParams")
-        requests = [dataclasses.replace(r, sampling_params=p)
-                    for r, p in zip(requests, snapshots([r.sampling_params for r in requests]))]
+        requests = self._snapshot(requests)
         loop = asyncio.get_running_loop()
         ids = [r.request_id for r in requests]
         streams = [_Stream(loop, asyncio.Queue(), r.sampling_params.n) for r in requests]
@@ -123,31 +118,8 @@ class ProcessEngine:
             raise
         return [RequestStream(self, r.request_id, s) for r, s in zip(requests, streams)]
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[TokenDelta]:
-        (stream,) = await self.add_requests([request])
-        try:
-            async for delta in stream:
-                yield delta
-        finally:
-            stream.close()
-
-    async def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
-
     def is_healthy(self) -> bool:
         return self._dead is None and self._proc.is_alive()
-
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False,
-                            template_kwargs: dict | None = None) -> list[int]:
-        return chat_template_ids(self.tokenizer, messages, add_generation_prompt, continue_final_message,
-                                 template_kwargs)
 
     async def remove_adapter(self, adapter_id: int) -> None:
         await self._call("remove_adapter", adapter_id)

@@ -28,14 +28,17 @@ async def _collect(eng, req):
     return [d async for d in eng.generate(req)]
 
 
-async def _long_stream_started(eng, request_id: str):
-    """A long greedy request consumed by a background task; returns once its first delta arrived."""
-    params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+async def _long_stream_started(eng, request_id: str, max_tokens: int = 2000, per_delta_s: float = 0.0):
+    """A long greedy request consumed by a background task (``per_delta_s``: a reader slower than the engine, so
+    deltas queue up and the stream stays open); returns once its first delta arrived."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     got = []
 
     async def consume():
         async for d in eng.generate(EngineRequest(request_id, [1, 40, 41], params)):
             got.append(d)
+            if per_delta_s:
+                await asyncio.sleep(per_delta_s)
 
     task = asyncio.create_task(consume())
     while not got:

@@ -19,6 +19,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine_process import ProcessEngine
 from loraplex.engine.protocol import EngineDeadError, EngineRequest
 from loraplex.engine.sampling_params import RequestLimitError, SamplingParamsError
+from tests.unit.engine.test_async_engine import _long_stream_started
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -110,15 +111,7 @@ async def test_request_id_in_use_is_refused_without_touching_the_first_stream(en
 
 
 async def test_abort_and_early_exit_end_the_stream_and_the_stats_follow(engine):
-    got = []
-
-    async def consume():
-        async for d in engine.generate(EngineRequest("long", [1, 40, 41], _greedy(2000))):
-            got.append(d)
-
-    task = asyncio.create_task(consume())
-    while not got:
-        await asyncio.sleep(0.01)
+    task, got = await _long_stream_started(engine, "long")
     await engine.abort("long")
     await asyncio.wait_for(task, 30)
     assert got[-1].finished and got[-1].finish_reason == "abort"
@@ -147,16 +140,7 @@ async def test_sigint_and_sigterm_to_the_engine_process_leave_it_serving(engine)
 async def test_a_killed_engine_process_ends_open_streams_and_refuses_new_requests(tiny_model):
     eng = ProcessEngine.from_config(EngineConfig(model=tiny_model["model_dir"], dtype="float32"))
     try:
-        got = []
-
-        async def consume():
-            async for d in eng.generate(EngineRequest("victim", [1, 40, 41], _greedy(1000))):
-                got.append(d)
-                await asyncio.sleep(0.01)  # slower than the engine: deltas queue up, the stream stays open
-
-        task = asyncio.create_task(consume())
-        while not got:
-            await asyncio.sleep(0.01)
+        task, got = await _long_stream_started(eng, "victim", max_tokens=1000, per_delta_s=0.01)
         os.kill(eng.pid, signal.SIGKILL)
         await asyncio.wait_for(task, 30)
         assert got[-1].finished and got[-1].finish_reason == "error" and "exit" in got[-1].error
@@ -169,15 +153,7 @@ async def test_a_killed_engine_process_ends_open_streams_and_refuses_new_request
 
 async def test_shutdown_ends_open_streams_and_stops_the_process(tiny_model):
     eng = ProcessEngine.from_config(EngineConfig(model=tiny_model["model_dir"], dtype="float32"))
-    got = []
-
-    async def consume():
-        async for d in eng.generate(EngineRequest("open", [1, 40, 41], _greedy(2000))):
-            got.append(d)
-
-    task = asyncio.create_task(consume())
-    while not got:
-        await asyncio.sleep(0.01)
+    task, got = await _long_stream_started(eng, "open")
     await eng.shutdown()
     await asyncio.wait_for(task, 30)
     assert got[-1].finished and got[-1].finish_reason == "error" and "shut down" in got[-1].error
