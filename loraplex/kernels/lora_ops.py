@@ -75,14 +75,17 @@ DECODE_SPLIT_K_MAX = 32
 
 def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_rank: int,
                   k_dim: int, num_slices: int = 3, max_slice_width: int | None = None,
-                  pdl: bool = False) -> LoRAKernelConfig:
+                  pdl: bool = False, regime: str | None = None) -> LoRAKernelConfig:
     """Pick tiles from host-known sizes only (token count, distinct adapters), never device values.
 
     ``pdl``: the caller's device supports programmatic dependent launch (``lora_shrink.pdl_supported``) and
-    the policy wants it (``USE_PDL``)."""
+    the policy wants it (``USE_PDL``). ``regime``: "decode" or "prefill" tiles whatever the mean tokens per adapter
+    (None: decode at 32 or fewer)."""
+    if regime not in (None, "decode", "prefill"):
+        raise ValueError(f"regime must be decode, prefill or None, got {regime!r}")
     per_adapter = num_tokens / max(1, num_active_slots)
     rank_pow2 = max(16, next_power_of_2(max_rank))
-    decode = per_adapter <= 32
+    decode = per_adapter <= 32 if regime is None else regime == "decode"
     if decode:
         block_m, block_r, block_k, shrink_warps, max_split = 16, 16, 128, 2, 16
     else:
