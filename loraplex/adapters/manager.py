@@ -78,6 +78,8 @@ class LoRAManager:
         # steps of at least this many tokens run the LoRA work before the base GEMM (engine option
         # lora_expand_first_min_tokens; 0: never)
         self.expand_first_min_tokens = 0
+        # eager steps' kernel tiles follow where most of their tokens are (engine option lora_segment_tiles)
+        self.segment_tiles = False
         # pure-decode steps of at most this many tokens (0: never) whose distinct adapters fill at least half of the
         # slots run each folded projection's shrink inside its base GEMM (engine option lora_gemm_shrink; the model
         # runner folds the weights, SlotPool.fold_base_weights, and sets this)
@@ -343,13 +345,14 @@ class LoRAManager:
 
     def prepare_step(self, token_adapter_ids: torch.Tensor, adapter_ids=None,
                      slot_of: dict[int, int] | None = None, has_base_tokens: bool = True,
-                     pure_decode: bool = False) -> LoRAStep:
+                     pure_decode: bool = False, long_tokens: int | None = None) -> LoRAStep:
         """Give every adapter of the step a slot and build the step's mapping.
 
         ``adapter_ids`` (optional) lists the step's distinct adapter ids as known on the host; without it
         they are read from the tensor (one device->host sync). ``slot_of``: the slots ``assign_slots`` already
         gave them this step (skips assigning again). ``pure_decode``: one token per sequence (the in-GEMM shrink
-        may apply, ``use_gemm_shrink``).
+        may apply, ``use_gemm_shrink``). ``long_tokens``: the step's tokens in requests of more than 32 of them (the
+        kernel tiles follow where most tokens are, with ``segment_tiles``; None: unknown).
         """
         if slot_of is None:
             if adapter_ids is None:
@@ -357,16 +360,16 @@ class LoRAManager:
             slot_of = self.assign_slots(adapter_ids)
         gemm = pure_decode and self.use_gemm_shrink(token_adapter_ids.shape[0], len(slot_of))
         return self.make_step(token_slots_from_ids(token_adapter_ids, slot_of), len(slot_of), has_base_tokens,
-                              gemm_shrink=gemm)
+                              gemm_shrink=gemm, long_tokens=long_tokens if self.segment_tiles else None)
 
     def make_step(self, token_slots: torch.Tensor, num_active: int, has_base_tokens: bool = True,
-                  gemm_shrink: bool = False) -> LoRAStep:
+                  gemm_shrink: bool = False, long_tokens: int | None = None) -> LoRAStep:
         """A step's mapping over this manager's pool and kernel options (slots already assigned);
         ``has_base_tokens`` (host-known; True when unknown) whether some token of the step has no adapter;
         ``gemm_shrink``: the folded projections' shrinks inside their base GEMMs (``use_gemm_shrink`` decides)."""
         return LoRAStep(self.pool, token_slots, num_active, self.use_triton, self.fuse_silu_mul, self.overlap_shrink,
                         self.expand_first_min_tokens, has_base_tokens,
-                        gemm_shrink=gemm_shrink and bool(self.pool.folded))
+                        gemm_shrink=gemm_shrink and bool(self.pool.folded), long_tokens=long_tokens)
 
     def fills_half_the_slots(self, num_adapters: int) -> bool:
         """The in-GEMM shrink's rule: it reads every slot's A, so it pays only for steps whose distinct adapters fill

@@ -52,7 +52,7 @@ class LoRAStep:
 
     def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool,
                  fuse_silu_mul: bool = False, overlap_shrink: bool = False, expand_first_min_tokens: int = 0,
-                 has_base_tokens: bool = True, gemm_shrink: bool = False) -> None:
+                 has_base_tokens: bool = True, gemm_shrink: bool = False, long_tokens: int | None = None) -> None:
         self.pool = pool
         self.token_slots = token_slots  # [T] int32
         self.num_active = num_active  # distinct adapters in the step (host-known)
@@ -70,6 +70,7 @@ class LoRAStep:
         self.expand_first = bool(expand_first_min_tokens and use_triton and num_active
                                  and token_slots.shape[0] >= expand_first_min_tokens)
         self.has_base_tokens = has_base_tokens  # host-known: False spares the expand zeroing base rows
+        self.long_tokens = long_tokens  # host-known: tokens in requests of more than 32 (None: unknown)
         # the shrink inside the base GEMM for projections whose pool A rows are folded under the base weight
         # (``SlotPool.fold_base_weights``): one cuBLAS GEMM gives the base output and every slot's y, then the expand
         self.gemm_shrink = bool(gemm_shrink and num_active)
@@ -88,8 +89,11 @@ class LoRAStep:
             num_tokens = token_slots.shape[0]
             shapes = pool.shapes
             pdl = pdl_supported(token_slots.device)
+            # long_tokens (host-known): tokens in requests of more than 32 in the step; most of them there gives
+            # prefill tiles whatever the mean per adapter (choose_config)
             self._configs = {p: choose_config(num_tokens, num_active, pool.max_loras, pool.max_rank,
-                                              shapes.proj_in(p), len(mods), max(shapes.slice_widths(p)), pdl=pdl)
+                                              shapes.proj_in(p), len(mods), max(shapes.slice_widths(p)), pdl=pdl,
+                                              long_tokens=long_tokens)
                              for p, mods in PROJ_MODULES.items()}
             self._widths = {p: max(shapes.slice_widths(p)) for p in PROJ_MODULES}
             block_m = self._configs["qkv"].block_m  # same regime for every proj (depends on T and adapters)

@@ -27,6 +27,10 @@ FLAGS: dict[str, dict] = {
         type=int, default=None,
         help="engine option lora_expand_first_min_tokens: steps of at least this many tokens run the LoRA work "
              "before the base GEMM, which accumulates into its output (0: never; default: the engine's default)"),
+    "lora_segment_tiles": dict(
+        **_ON_OFF,
+        help="engine option lora_segment_tiles: eager steps whose tokens sit mostly in requests of more than 32 get "
+             "the LoRA kernels' prefill tiles (default: the engine's default)"),
     "lora_gemm_shrink": dict(
         **_ON_OFF,
         help="engine option lora_gemm_shrink: pure-decode steps of <= 64 tokens whose adapters fill half the slots "
@@ -58,7 +62,7 @@ FLAGS: dict[str, dict] = {
 
 # the options of each benchmark, in the order of its --help
 OFFLINE = ("fuse_lora_silu_mul", "merge_single_lora", "lora_overlap_shrink", "lora_expand_first_min_tokens",
-           "lora_gemm_shrink", "attention_decode_split", "piecewise_cuda_graphs", "kv_cache_dtype", "quantization",
+           "lora_segment_tiles", "lora_gemm_shrink", "attention_decode_split", "piecewise_cuda_graphs", "kv_cache_dtype", "quantization",
            "num_speculative_tokens", "lora_grouping")
 STEP_PROFILE = ("fuse_lora_silu_mul", "lora_overlap_shrink", "lora_gemm_shrink", "merge_single_lora",
                 "attention_decode_split", "piecewise_cuda_graphs")

@@ -287,6 +287,7 @@ class ModelRunner:
             self.lora_manager.fuse_silu_mul = self.config.fuse_lora_silu_mul
             self.lora_manager.overlap_shrink = self.config.lora_overlap_shrink
             self.lora_manager.expand_first_min_tokens = self.config.lora_expand_first_min_tokens
+            self.lora_manager.segment_tiles = self.config.lora_segment_tiles
             if self.config.lora_gemm_shrink:
                 self._fold_lora_rows()
             if self.config.merge_single_lora:
@@ -458,8 +459,12 @@ class ModelRunner:
             if not self._merged_step(slot_of, batch):
                 # some sequence without an adapter (its rows must start at zero in the write-first order)
                 has_base = 0 in batch.lora_ids
+                from loraplex.kernels.lora_ops import LONG_SEGMENT
+
+                long_tokens = None if batch.is_decode else int(batch.query_lens[batch.query_lens > LONG_SEGMENT].sum())
                 lora = manager.prepare_step(batch.token_lora_ids().to(dev, non_blocking=nb), slot_of=slot_of,
-                                            has_base_tokens=has_base, pure_decode=batch.is_decode)
+                                            has_base_tokens=has_base, pure_decode=batch.is_decode,
+                                            long_tokens=long_tokens)
         else:
             self._merged_step(None, batch)
         self.inputs.mark_copied()  # after the last copy out of the builder's buffers

@@ -31,6 +31,7 @@ from loraplex.kernels.lora_silu_mul import lora_silu_mul
 # the swept optimum of the decode shapes is around 8 programs per SM.
 TARGET_PROGRAMS = 1024
 MIN_K_PER_SPLIT = 512  # split-K below this leaves each program too few loads to pipeline
+LONG_SEGMENT = 32  # tokens per adapter above which a step (or a request's part of it) is prefill-like
 
 
 @dataclass(frozen=True)
@@ -75,17 +76,22 @@ DECODE_SPLIT_K_MAX = 32
 
 def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_rank: int,
                   k_dim: int, num_slices: int = 3, max_slice_width: int | None = None,
-                  pdl: bool = False, regime: str | None = None) -> LoRAKernelConfig:
+                  pdl: bool = False, regime: str | None = None, long_tokens: int | None = None) -> LoRAKernelConfig:
     """Pick tiles from host-known sizes only (token count, distinct adapters), never device values.
 
     ``pdl``: the caller's device supports programmatic dependent launch (``lora_shrink.pdl_supported``) and
     the policy wants it (``USE_PDL``). ``regime``: "decode" or "prefill" tiles whatever the mean tokens per adapter
-    (None: decode at 32 or fewer)."""
+    (None: decode at 32 or fewer). ``long_tokens`` (host-known, None: unknown): the step's tokens in requests with
+    more than ``LONG_SEGMENT`` of them; when they are most of the step, it gets prefill tiles even if its mean per
+    adapter is small (a step admitting prompts while hundreds of others decode on distinct adapters)."""
     if regime not in (None, "decode", "prefill"):
         raise ValueError(f"regime must be decode, prefill or None, got {regime!r}")
     per_adapter = num_tokens / max(1, num_active_slots)
     rank_pow2 = max(16, next_power_of_2(max_rank))
-    decode = per_adapter <= 32 if regime is None else regime == "decode"
+    if regime is None:
+        regime = "decode" if per_adapter <= LONG_SEGMENT and not (long_tokens and 2 * long_tokens > num_tokens) \
+            else "prefill"
+    decode = regime == "decode"
     if decode:
         block_m, block_r, block_k, shrink_warps, max_split = 16, 16, 128, 2, 16
     else:

@@ -144,3 +144,24 @@ def test_gemm_shrink_linear_equals_gemm_then_lora(use_triton, num_tokens, num_ac
     assert not pool.folded["o"][0][:, pool.folded["o"][1]:].view_as(pool.a["o"])[:, 1].any()
     with pytest.raises(ValueError, match="already folded"):
         pool.fold_base_weights("o", weights["o"])
+
+
+def test_mixed_step_takes_prefill_tiles_where_most_tokens_are_long_segments():
+    """A step of one-token decodes on distinct adapters plus one long prompt chunk: its mean per adapter says decode
+    tiles; told how many of its tokens sit in long requests (``long_tokens``), it takes prefill tiles, and either way
+    the result equals the twins'."""
+    gen = torch.Generator().manual_seed(7)
+    pool, _ = _pool_and_slots(gen, 1, 1)
+    slots = torch.tensor([0, 1, 2] + [3] * 40, dtype=torch.int32)  # 3 decodes, then a 40-token prompt chunk
+    by_mean = LoRAStep(pool, slots, 4, use_triton=True)
+    by_segments = LoRAStep(pool, slots, 4, use_triton=True, long_tokens=40)
+    few_long = LoRAStep(pool, slots, 4, use_triton=True, long_tokens=20)  # under half of the 43 tokens
+    assert by_mean._configs["qkv"].block_m == 16 and few_long._configs["qkv"].block_m == 16
+    assert all(c.block_m == 64 for c in by_segments._configs.values())
+    twin = LoRAStep(pool, slots, 4, use_triton=False)
+    for proj in PROJ_MODULES:
+        x = torch.randn(43, SHAPES.proj_in(proj), generator=gen)
+        base = torch.randn(43, sum(SHAPES.slice_widths(proj)), generator=gen)
+        want = twin.add(1, proj, x, base.clone())
+        for step in (by_mean, by_segments):
+            torch.testing.assert_close(step.add(1, proj, x, base.clone()), want, rtol=1e-5, atol=1e-5)
