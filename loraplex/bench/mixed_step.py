@@ -25,8 +25,15 @@ from pathlib import Path
 
 import torch
 
-from loraplex.bench.lora_kernels import (LLAMA3_8B, SMOKE, _capture, _profile_kernels, _replay_seconds, _sync,
-                                         _use_interpreter)
+from loraplex.bench.lora_kernels import (
+    LLAMA3_8B,
+    SMOKE,
+    _capture,
+    _profile_kernels,
+    _replay_seconds,
+    _sync,
+    _use_interpreter,
+)
 from loraplex.bench.report import markdown_head
 from loraplex.bench.roofline import measure_copy_bandwidth
 
@@ -104,7 +111,7 @@ def run(shapes, num_slots: int, rank: int, mixes: list[dict], device, dtype, rep
         slots = torch.tensor(mix["slots"], dtype=torch.int32, device=device)
         xs = {p: torch.randn(num_tokens, shapes.proj_in(p), dtype=dtype, device=device) for p in projs}
 
-        def layers(step) -> None:
+        def layers(step, xs=xs) -> None:
             for layer in range(shapes.num_layers):
                 for p in projs:
                     if step is None:
@@ -119,9 +126,8 @@ def run(shapes, num_slots: int, rank: int, mixes: list[dict], device, dtype, rep
         for regime in regimes:
             lora_ops.choose_config = functools.partial(original, regime=None if regime == "auto" else regime)
             try:
-                def with_lora() -> None:
-                    layers(LoRAStep(pool, slots, mix["adapters"], True, expand_first_min_tokens=128,
-                                    has_base_tokens=False))
+                def with_lora(layers=layers, slots=slots, adapters=mix["adapters"]) -> None:
+                    layers(LoRAStep(pool, slots, adapters, True, expand_first_min_tokens=128, has_base_tokens=False))
 
                 probe = LoRAStep(pool, slots, mix["adapters"], True)
                 chosen = "decode" if probe._configs["qkv"].block_m == 16 else "prefill"
