@@ -21,7 +21,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.cuda_graphs import DecodeGraphRunner
 from loraplex.engine.kv_cache import LayerKV
 from loraplex.engine.models.llama import LlamaConfig, LlamaForCausalLM
-from loraplex.engine.piecewise_graphs import PiecewiseGraphRunner
+from loraplex.engine.piecewise_graphs import PiecewiseGraphRunner, long_tokens_of
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from loraplex.engine.step_inputs import StepBatch, StepInputBuilder
@@ -459,9 +459,7 @@ class ModelRunner:
             if not self._merged_step(slot_of, batch):
                 # some sequence without an adapter (its rows must start at zero in the write-first order)
                 has_base = 0 in batch.lora_ids
-                from loraplex.kernels.lora_ops import LONG_SEGMENT
-
-                long_tokens = None if batch.is_decode else int(batch.query_lens[batch.query_lens > LONG_SEGMENT].sum())
+                long_tokens = None if batch.is_decode else long_tokens_of(batch.query_lens)
                 lora = manager.prepare_step(batch.token_lora_ids().to(dev, non_blocking=nb), slot_of=slot_of,
                                             has_base_tokens=has_base, pure_decode=batch.is_decode,
                                             long_tokens=long_tokens)

@@ -65,6 +65,7 @@ def engine_config(settings: Settings, model_dir: Path, model_id: str):
         attention_decode_split=settings.attention_decode_split,
         piecewise_cuda_graphs=settings.piecewise_cuda_graphs,
         lora_expand_first_min_tokens=settings.lora_expand_first_min_tokens,
+        lora_segment_tiles=settings.lora_segment_tiles,
         lora_gemm_shrink=settings.lora_gemm_shrink,
         lora_gemm_shrink_max_tokens=settings.lora_gemm_shrink_max_tokens,
     )

@@ -97,6 +97,16 @@ def test_lora_gemm_shrink_reaches_the_engine_config(tmp_path):
                       Path(tmp_path), "m")
 
 
+def test_lora_segment_tiles_reaches_the_engine_config(tmp_path):
+    from pathlib import Path
+
+    from loraplex.platform.engine_boot import engine_config
+
+    assert engine_config(Settings.from_env({"LORAPLEX_DEVICE": "cpu"}), Path(tmp_path), "m").lora_segment_tiles is False
+    on = Settings.from_env({"LORAPLEX_LORA_SEGMENT_TILES": "true", "LORAPLEX_DEVICE": "cpu"})
+    assert engine_config(on, Path(tmp_path), "m").lora_segment_tiles is True
+
+
 def test_kv_cache_dtype_reaches_the_engine_config_and_a_bad_one_is_named(tmp_path):
     from pathlib import Path
 

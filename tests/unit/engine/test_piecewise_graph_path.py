@@ -27,9 +27,9 @@ def test_piecewise_graph_max_tokens_is_checked():
         EngineConfig(model="", piecewise_graph_max_tokens=0)
 
 
-def _llm(tiny_model, piecewise: bool, max_tokens: int = 2048, **kw) -> LLM:
+def _llm(tiny_model, piecewise: bool, max_tokens: int = 2048, max_num_batched_tokens: int = 40, **kw) -> LLM:
     llm = LLM(tiny_model["model_dir"], dtype="float32", enable_lora=True, max_loras=4, max_num_seqs=32,
-              max_num_batched_tokens=40, piecewise_graph_max_tokens=max_tokens, **kw)
+              max_num_batched_tokens=max_num_batched_tokens, piecewise_graph_max_tokens=max_tokens, **kw)
     runner = llm.engine.runner
     assert runner.piecewise is None  # no CUDA graphs on the CPU
     if piecewise:
@@ -93,3 +93,41 @@ def test_steps_beyond_the_largest_bucket_run_eagerly(tiny_model):
     _same(eager, got)
     pw = llm.engine.runner.piecewise
     assert pw.num_steps > 0 and all(b <= 20 for b, _ in pw.used_keys)
+
+
+def _long_workload(tiny_model):
+    loras = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(3)]
+    mix = [loras[0], loras[1], None, loras[2], loras[0], None, loras[1]]
+    lengths = [70, 5, 90, 8, 100, 60, 6]  # requests of more than 32 tokens hold most of the prompt steps' tokens
+    prompts = [{"prompt_token_ids": [1] + [(7 + 13 * i + j) % 90 + 3 for j in range(n)]} for i, n in enumerate(lengths)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+    return prompts, params, mix
+
+
+@pytest.mark.parametrize("segment_tiles", [False, True])
+def test_segment_tiles_give_long_prompt_steps_the_prefill_tile_graphs(tiny_model, lora_steps, segment_tiles):
+    from loraplex.engine.piecewise_graphs import PREFILL_TILES, PREFILL_TILES_MIN_BUCKET
+
+    prompts, params, mix = _long_workload(tiny_model)
+    kw = dict(max_num_batched_tokens=160)
+    eager = _llm(tiny_model, piecewise=False, **kw).generate(prompts, params, lora_request=mix)
+    llm = _llm(tiny_model, piecewise=True, lora_segment_tiles=segment_tiles, **kw)
+    pw = llm.engine.runner.piecewise
+    manager = llm.engine.runner.get_lora_manager()
+    assert pw._extra_modes(PREFILL_TILES_MIN_BUCKET, manager) == ((PREFILL_TILES,) if segment_tiles else ())
+    assert pw._extra_modes(PREFILL_TILES_MIN_BUCKET - 16, manager) == ()
+    assert pw._extra_modes(PREFILL_TILES_MIN_BUCKET, None) == ()
+    lora_steps.clear()
+    got = llm.generate(prompts, params, lora_request=mix)
+    _same(eager, got)  # the twins run here: tiles change nothing but speed
+    modes = {mode for _, mode in pw.used_keys}
+    tiled = {b for b, mode in pw.used_keys if mode == PREFILL_TILES}
+    # the LoRA steps built by the pieces: those of the prefill-tile graphs are told every token is in a long request
+    told = [s.token_slots.shape[0] for s in lora_steps if s.long_tokens is not None]
+    if segment_tiles:
+        assert tiled and min(tiled) >= PREFILL_TILES_MIN_BUCKET
+        assert True in modes  # steps of mostly short requests (and small buckets) keep the plain variant
+        assert told and all(s.long_tokens == s.token_slots.shape[0] for s in lora_steps if s.long_tokens is not None)
+        assert set(told) == tiled
+    else:
+        assert not tiled and not told and True in modes
