@@ -77,11 +77,12 @@ class EngineConfig:
     # (no memset in decode graphs), it also pays at the offline workloads' 248-token decode steps: threshold 128
     # against 2,048, same call, ABBA (run 20): distinct's decode steps -4.5%, zipf's unchanged; at 64 tokens a wash
     lora_expand_first_min_tokens: int = 128
-    # prefill and mixed steps whose tokens sit mostly in requests of more than 32 tokens get the LoRA kernels' prefill
-    # tiles even when their mean per adapter is 32 or less: a step admitting ~30 prompts while ~230 requests decode on
-    # distinct adapters averages ~29 tokens per adapter, and decode tiles then re-read each prompt's adapter weights
-    # once per 16 tokens (kernels/lora_ops.choose_config). Eager steps are told their count; the piecewise graphs of
-    # buckets of 128 tokens or more get a prefill-tile variant (33 more graphs a bucket to capture at start-up)
+    # eager steps of 3,584 tokens or more (lora_ops.PREFILL_TILES_MIN_TOKENS) whose tokens sit mostly in requests of
+    # more than 32 tokens get the LoRA kernels' prefill tiles even when their mean per adapter is 32 or less (a step
+    # admitting ~30 prompts while ~230 requests decode on distinct adapters: ~29 per adapter). Off: on an H200 the
+    # offline A/B (run 24) gave distinct 7,943 (off) against 7,919 tok/s and zipf 9,407 against 9,415, and mixed_step
+    # timed the 7,535-token offline step's LoRA work at 20.04 ms (decode tiles) against 19.81 (prefill); on an H100 a
+    # 4,096-token step of 200 decodes and one 3,896-token prompt on distinct adapters: 15.39 against 17.20 ms
     lora_segment_tiles: bool = False
     # pure-decode steps of at most lora_gemm_shrink_max_tokens tokens whose distinct adapters fill at least half of the
     # GPU slots run each projection's LoRA shrink inside its base GEMM: every slot's A rows sit under the base weight

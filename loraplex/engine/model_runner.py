@@ -21,12 +21,13 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.cuda_graphs import DecodeGraphRunner
 from loraplex.engine.kv_cache import LayerKV
 from loraplex.engine.models.llama import LlamaConfig, LlamaForCausalLM
-from loraplex.engine.piecewise_graphs import PiecewiseGraphRunner, long_tokens_of
+from loraplex.engine.piecewise_graphs import PiecewiseGraphRunner
 from loraplex.engine.sampler import Sampler
 from loraplex.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from loraplex.engine.step_inputs import StepBatch, StepInputBuilder
 from loraplex.engine.step_sampler import PendingSample, StepSampler
 from loraplex.engine.weights import load_weights
+from loraplex.kernels.lora_ops import long_tokens_of
 
 log = logging.getLogger(__name__)
 

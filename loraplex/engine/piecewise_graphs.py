@@ -20,11 +20,9 @@ KV slot -1 (the store skips them), LoRA slot -1; attention never reads them and 
 
 With adapters, piece 0 also builds the step's LoRA kernel metadata from the static per-token slots (so it is
 rebuilt by every replay, before any piece reads it), planned like the decode graphs for ``min(bucket, max_loras)``
-distinct adapters: correct for any mix. With 64 or more slots that plan is the LoRA kernels' decode tiles for every
-bucket. With engine option ``lora_segment_tiles``, buckets of ``PREFILL_TILES_MIN_BUCKET`` tokens or more also get a
-third variant, ``PREFILL_TILES`` (the prefill tiles, still planned for any mix), replayed by steps whose tokens sit
-mostly in requests of more than 32 tokens (``lora_ops.choose_config``): a prompt chunk of 1,848 tokens beside 200
-decodes then reads its adapter's weights once per 64 rows instead of once per 16.
+distinct adapters: correct for any mix. Buckets below ``lora_ops.PREFILL_TILES_MIN_TOKENS`` (3,584) get the LoRA
+kernels' decode tiles whatever the step holds, measured faster than the prefill tiles there even for one long prompt
+(docs/benchmarks/H200-2026-12-05-run24.md).
 
 ``capture=False`` runs the same pieces without graphs (the CPU tests check the padding and the split against
 the eager forward).
@@ -39,20 +37,8 @@ import torch
 
 from loraplex.engine.attention import AttentionBackend, AttentionMetadata
 from loraplex.engine.cuda_graphs import BucketedGraphs
-from loraplex.kernels.lora_ops import LONG_SEGMENT
 
 log = logging.getLogger(__name__)
-
-# the mode of a piecewise graph whose LoRA step has the prefill tiles (a third value of a key's "with adapters",
-# truthy like GEMM_SHRINK of the decode graphs), and the smallest bucket that has one: below two 64-row chunks the
-# tiles change little, and every variant is 33 more graphs to capture at start-up
-PREFILL_TILES = "prefill-tiles"
-PREFILL_TILES_MIN_BUCKET = 4 * LONG_SEGMENT
-
-
-def long_tokens_of(query_lens) -> int:
-    """Tokens of a step in requests of more than ``LONG_SEGMENT`` of them (``query_lens``: one entry per request)."""
-    return int(query_lens[query_lens > LONG_SEGMENT].sum())
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -118,9 +104,6 @@ class PiecewiseGraphRunner(BucketedGraphs):
         bucket = self.bucket_for(num_tokens)
         assert bucket is not None, f"{num_tokens} tokens: more than the largest bucket {self.max_tokens}"
         key = (bucket, bool(slot_of))
-        if slot_of and PREFILL_TILES in self._extra_modes(bucket, lora_manager) \
-                and 2 * long_tokens_of(batch.query_lens) > num_tokens:
-            key = (bucket, PREFILL_TILES)
         if key not in self._graphs:
             self.capture(key, lora_manager)
         self._load_inputs(batch, bucket, slot_of if key[1] else None)
@@ -172,9 +155,7 @@ class PiecewiseGraphRunner(BucketedGraphs):
             lora = None
             if with_lora:
                 # built here so that every replay of piece 0 rebuilds the metadata from the static slots
-                # PREFILL_TILES: told that every token sits in a long request, so choose_config picks prefill tiles
-                lora = lora_manager.make_step(self.token_slots[:bucket], min(bucket, lora_manager.max_loras),
-                                              long_tokens=bucket if with_lora == PREFILL_TILES else None)
+                lora = lora_manager.make_step(self.token_slots[:bucket], min(bucket, lora_manager.max_loras))
             hidden, c, s = model.embed(self.input_ids[:bucket], self.positions[:bucket])
             cos.copy_(c)
             sin.copy_(s)
@@ -189,12 +170,6 @@ class PiecewiseGraphRunner(BucketedGraphs):
         else:
             self.hidden[:bucket].copy_(model.final_norm(hidden, residual))
         return lora
-
-    def _extra_modes(self, bucket: int, lora_manager) -> tuple:
-        if lora_manager is not None and lora_manager.segment_tiles \
-                and bucket >= PREFILL_TILES_MIN_BUCKET:
-            return (PREFILL_TILES,)
-        return ()
 
     # ---- capture -------------------------------------------------------------------------------------
     def _capture(self, key: tuple[int, bool], lora_manager) -> None:
@@ -233,4 +208,4 @@ class PiecewiseGraphRunner(BucketedGraphs):
         self._lora_steps[key] = lora
         self._graphs[key] = graphs
         log.debug("captured %d piecewise CUDA graphs: %d tokens%s", len(graphs), bucket,
-                  " with adapters, prefill tiles" if key[1] == PREFILL_TILES else " with adapters" if key[1] else "")
+                  " with adapters" if key[1] else "")

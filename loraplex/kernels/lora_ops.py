@@ -32,6 +32,12 @@ from loraplex.kernels.lora_silu_mul import lora_silu_mul
 TARGET_PROGRAMS = 1024
 MIN_K_PER_SPLIT = 512  # split-K below this leaves each program too few loads to pipeline
 LONG_SEGMENT = 32  # tokens per adapter above which a step (or a request's part of it) is prefill-like
+# steps of fewer tokens keep the decode tiles whatever their mean per adapter: mixed_step (CUDA graph of the 32 layers'
+# LoRA work, Llama-3-8B, rank 16; docs/benchmarks/H200-2026-12-05-run24.md) found decode tiles faster in every mix
+# measured up to 3,072 tokens (one 2,048-token prompt on the H200: 4.43 against 5.51 ms; one 512-token prompt on an
+# H100: 2.89 against 4.70) and prefill tiles faster for prompts from 3,840 tokens on (H100) and in the 7,535-token
+# offline step (H200; one adapter 11.87 against 14.33). Between 3,072 and 3,840 it was not measured.
+PREFILL_TILES_MIN_TOKENS = 3584
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,11 @@ class LoRAKernelConfig:
 DECODE_SPLIT_K_MAX = 32
 
 
+def long_tokens_of(query_lens) -> int:
+    """Tokens of a step in requests of more than ``LONG_SEGMENT`` of them (``query_lens``: one entry per request)."""
+    return int(query_lens[query_lens > LONG_SEGMENT].sum())
+
+
 def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_rank: int,
                   k_dim: int, num_slices: int = 3, max_slice_width: int | None = None,
                   pdl: bool = False, regime: str | None = None, long_tokens: int | None = None) -> LoRAKernelConfig:
@@ -81,16 +92,17 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
 
     ``pdl``: the caller's device supports programmatic dependent launch (``lora_shrink.pdl_supported``) and
     the policy wants it (``USE_PDL``). ``regime``: "decode" or "prefill" tiles whatever the mean tokens per adapter
-    (None: decode at 32 or fewer). ``long_tokens`` (host-known, None: unknown): the step's tokens in requests with
-    more than ``LONG_SEGMENT`` of them; when they are most of the step, it gets prefill tiles even if its mean per
-    adapter is small (a step admitting prompts while hundreds of others decode on distinct adapters)."""
+    (None: decode at 32 or fewer, and below ``PREFILL_TILES_MIN_TOKENS`` tokens whatever the mean). ``long_tokens``
+    (host-known, None: unknown): the step's tokens in requests with more than ``LONG_SEGMENT`` of them; when they are
+    most of a step of ``PREFILL_TILES_MIN_TOKENS`` or more, it gets prefill tiles even if its mean per adapter is
+    small (a step admitting prompts while hundreds of others decode on distinct adapters)."""
     if regime not in (None, "decode", "prefill"):
         raise ValueError(f"regime must be decode, prefill or None, got {regime!r}")
     per_adapter = num_tokens / max(1, num_active_slots)
     rank_pow2 = max(16, next_power_of_2(max_rank))
     if regime is None:
-        regime = "decode" if per_adapter <= LONG_SEGMENT and not (long_tokens and 2 * long_tokens > num_tokens) \
-            else "prefill"
+        long_step = per_adapter > LONG_SEGMENT or bool(long_tokens and 2 * long_tokens > num_tokens)
+        regime = "prefill" if long_step and num_tokens >= PREFILL_TILES_MIN_TOKENS else "decode"
     decode = regime == "decode"
     if decode:
         block_m, block_r, block_k, shrink_warps, max_split = 16, 16, 128, 2, 16

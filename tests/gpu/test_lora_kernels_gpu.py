@@ -71,7 +71,7 @@ def _apply(batch, num_active, weight_prefetch=None):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("max_rank", [8, 16, 32, 64, 24])
 @pytest.mark.parametrize("mix", MIXES)
-@pytest.mark.parametrize("num_tokens", [1, 7, 133, 2048])
+@pytest.mark.parametrize("num_tokens", [1, 7, 133, 2048, 4096])  # 4,096: the prefill tiles (PREFILL_TILES_MIN_TOKENS)
 def test_against_twin(num_tokens, mix, max_rank, dtype):
     batch = make_lora_batch(num_tokens, 512 + 8, QKV, num_slots=16, max_rank=max_rank, mix=mix, dtype=dtype,
                             device="cuda", seed=num_tokens + max_rank)
@@ -220,7 +220,7 @@ def test_fused_split_k_under_cuda_graph_replay(monkeypatch):
 
 
 @pytest.mark.parametrize("widths", [(4096, 1024, 1024), (14336, 14336), (56, 56), (72, 24)])
-@pytest.mark.parametrize("num_tokens, num_active", [(64, 64), (300, 4)])
+@pytest.mark.parametrize("num_tokens, num_active", [(64, 64), (300, 4), (4096, 4)])
 def test_expand_column_hint_bf16(widths, num_tokens, num_active):
     """lora_apply with the vectorizing COL_ALIGN hint (as LoRAStep passes it) against the twin, decode and
     prefill regimes, widths that allow 16-, 8- and 8-element alignment."""
@@ -245,7 +245,7 @@ def test_expand_column_hint_bf16(widths, num_tokens, num_active):
 
 @pytest.mark.parametrize("widths", [(4096, 1024, 1024), (14336, 14336)])
 @pytest.mark.parametrize("num_tokens, num_active, base_share", [(256, 64, 0.25), (256, 64, 0.0), (64, 8, 0.9),
-                                                               (3000, 8, 0.5), (256, 64, 1.0)])
+                                                               (3000, 8, 0.5), (4000, 8, 0.5), (256, 64, 1.0)])
 def test_write_only_expand_zeroes_base_rows_bf16(widths, num_tokens, num_active, base_share):
     """The write-first order's expand with ``zero_base`` as LoRAStep launches it (the engine's config for the
     size: programmatic dependent launch, chunk tables, column hint) into an output full of NaN: every element

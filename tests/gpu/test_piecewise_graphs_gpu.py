@@ -35,24 +35,6 @@ def test_piecewise_graphs_match_eager_mixed_steps(tiny_model, dtype):
     assert _compare(want, again, dtype) > (200 if dtype == "float32" else 100)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_piecewise_prefill_tile_graphs_match_eager(tiny_model, dtype):
-    """Engine option lora_segment_tiles: buckets of 128+ tokens also get graphs whose LoRA kernels have the prefill
-    tiles (planned for any mix), replayed by steps mostly in long prompts; against eager steps with decode tiles."""
-    from loraplex.engine.piecewise_graphs import PREFILL_TILES, PREFILL_TILES_MIN_BUCKET
-
-    requests = mixed_requests(tiny_model, seed=14, num_requests=40)
-    _, eager = generate_with(tiny_model, dtype, requests, max_num_batched_tokens=256, piecewise_cuda_graphs=False)
-    llm, graphs = generate_with(tiny_model, dtype, requests, max_num_batched_tokens=256, piecewise_cuda_graphs=True,
-                                piecewise_graph_max_tokens=256, lora_segment_tiles=True)
-    pw = llm.engine.runner.piecewise
-    tiled_buckets = [b for b in pw.buckets if b >= PREFILL_TILES_MIN_BUCKET]
-    assert tiled_buckets and pw.num_graphs == (len(pw.buckets) * 2 + len(tiled_buckets)) * pw.num_pieces
-    modes = {mode for _, mode in pw.used_keys}
-    assert PREFILL_TILES in modes and True in modes
-    assert _compare(eager, graphs, dtype) > (300 if dtype == "float32" else 150)
-
-
 def test_piecewise_graphs_prompt_logprobs(tiny_model):
     """Prompt logprobs read every row of a step's hidden states (the graphs' static output buffer)."""
     prompts, mix, _ = mixed_requests(tiny_model, seed=13, num_requests=12)

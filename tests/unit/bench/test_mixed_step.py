@@ -36,6 +36,18 @@ def test_regime_overrides_the_mean_tokens_per_adapter():
         choose_config(64, 64, 64, 16, 4096, 3, 4096, regime="fast")
 
 
+def test_steps_below_the_token_floor_keep_the_decode_tiles():
+    """Prefill tiles only from PREFILL_TILES_MIN_TOKENS tokens on (run 24: decode tiles were faster in every mix
+    measured up to 3,072 tokens, even one 2,048-token prompt on one adapter), by mean or by long requests."""
+    from loraplex.kernels.lora_ops import PREFILL_TILES_MIN_TOKENS as floor
+
+    for tokens, adapters, long_tokens, want in [(512, 1, None, 16), (2048, 1, None, 16), (floor - 1, 1, None, 16),
+                                                (floor, 1, None, 64), (7535, 47, None, 64),
+                                                (2048, 201, 1848, 16), (7535, 256, 7308, 64), (7535, 256, 3000, 16)]:
+        cfg = choose_config(tokens, adapters, 256, 16, 4096, 3, 4096, long_tokens=long_tokens)
+        assert cfg.block_m == want, (tokens, adapters, long_tokens)
+
+
 def test_smoke_run_writes_every_mix(tmp_path):
     out = tmp_path / "mixed.json"
     assert mixed_step.main(["--smoke", "--regimes", "auto", "--out", str(out)]) == 0

@@ -146,13 +146,18 @@ def test_gemm_shrink_linear_equals_gemm_then_lora(use_triton, num_tokens, num_ac
         pool.fold_base_weights("o", weights["o"])
 
 
-def test_mixed_step_takes_prefill_tiles_where_most_tokens_are_long_segments():
+def test_mixed_step_takes_prefill_tiles_where_most_tokens_are_long_segments(monkeypatch):
     """A step of one-token decodes on distinct adapters plus one long prompt chunk: its mean per adapter says decode
-    tiles; told how many of its tokens sit in long requests (``long_tokens``), it takes prefill tiles, and either way
-    the result equals the twins'."""
+    tiles; told how many of its tokens sit in long requests (``long_tokens``), it takes prefill tiles once it has
+    ``PREFILL_TILES_MIN_TOKENS`` tokens (lowered here to this tiny step's size), and either way the result equals the
+    twins'."""
+    from loraplex.kernels import lora_ops
+
     gen = torch.Generator().manual_seed(7)
     pool, _ = _pool_and_slots(gen, 1, 1)
     slots = torch.tensor([0, 1, 2] + [3] * 40, dtype=torch.int32)  # 3 decodes, then a 40-token prompt chunk
+    assert LoRAStep(pool, slots, 4, use_triton=True, long_tokens=40)._configs["qkv"].block_m == 16  # 43 < the floor
+    monkeypatch.setattr(lora_ops, "PREFILL_TILES_MIN_TOKENS", 43)
     by_mean = LoRAStep(pool, slots, 4, use_triton=True)
     by_segments = LoRAStep(pool, slots, 4, use_triton=True, long_tokens=40)
     few_long = LoRAStep(pool, slots, 4, use_triton=True, long_tokens=20)  # under half of the 43 tokens
