@@ -71,7 +71,7 @@ class Settings:
     attention_decode_split: bool = True  # engine option (EngineConfig.attention_decode_split); off for A/B runs
     piecewise_cuda_graphs: bool = True  # engine option (EngineConfig.piecewise_cuda_graphs); off for A/B runs
     lora_expand_first_min_tokens: int = 128  # engine option (EngineConfig.lora_expand_first_min_tokens); 0: never
-    lora_segment_tiles: bool = False  # engine option (EngineConfig.lora_segment_tiles); for A/B runs until measured
+    lora_segment_tiles: bool = False  # engine option (EngineConfig.lora_segment_tiles); measured no gain on an H200
     lora_gemm_shrink: bool = False  # engine option (EngineConfig.lora_gemm_shrink): small decode steps, slots mostly used
     lora_gemm_shrink_max_tokens: int = 64  # engine option (EngineConfig.lora_gemm_shrink_max_tokens)
     max_model_len: int | None = None

@@ -29,8 +29,8 @@ FLAGS: dict[str, dict] = {
              "before the base GEMM, which accumulates into its output (0: never; default: the engine's default)"),
     "lora_segment_tiles": dict(
         **_ON_OFF,
-        help="engine option lora_segment_tiles: prefill and mixed steps whose tokens sit mostly in requests of more "
-             "than 32 get the LoRA kernels' prefill tiles, in piecewise graphs too (default: the engine's default)"),
+        help="engine option lora_segment_tiles: eager steps of 3,584+ tokens whose tokens sit mostly in requests of "
+             "more than 32 get the LoRA kernels' prefill tiles (default: the engine's default)"),
     "lora_gemm_shrink": dict(
         **_ON_OFF,
         help="engine option lora_gemm_shrink: pure-decode steps of <= 64 tokens whose adapters fill half the slots "
