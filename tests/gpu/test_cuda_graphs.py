@@ -11,8 +11,10 @@ from loraplex import LLM, LoRARequest, SamplingParams
 from tests.conftest import adapter_dir
 
 # bf16 logprobs move with the GEMM's row count (a padded bucket vs the real batch) and the attention
-# split count; fp32 only by reassociation
-LOGPROB_ATOL = {"float32": 2e-3, "bfloat16": 8e-2}
+# split count; fp32 only by reassociation. bf16: one ulp of a logit in [8, 16) (0.0625) plus the log-sum-exp's own
+# shift; 0.08 was exceeded once (0.0825, the in-GEMM shrink engine test under 4 xdist workers on an H100, run 24;
+# alone it passed), so 1.5 ulp; the fp32 runs of the same tests (2e-3) are the exactness check.
+LOGPROB_ATOL = {"float32": 2e-3, "bfloat16": 9.4e-2}
 # a near tie in bf16: one ulp of a logit in [8, 16) is 1/16 = 0.0625 (seen with the fused element-wise kernels)
 NEAR_TIE = {"float32": 1e-3, "bfloat16": 7e-2}
 
