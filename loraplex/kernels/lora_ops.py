@@ -36,7 +36,8 @@ LONG_SEGMENT = 32  # tokens per adapter above which a step (or a request's part 
 # LoRA work, Llama-3-8B, rank 16; docs/benchmarks/H200-2026-12-05-run24.md) found decode tiles faster in every mix
 # measured up to 3,072 tokens (one 2,048-token prompt on the H200: 4.43 against 5.51 ms; one 512-token prompt on an
 # H100: 2.89 against 4.70) and prefill tiles faster for prompts from 3,840 tokens on (H100) and in the 7,535-token
-# offline step (H200; one adapter 11.87 against 14.33). Between 3,072 and 3,840 it was not measured.
+# offline step (H200; one adapter 11.87 against 14.33). In between (H100, run 25): decode tiles won 3 of 4 such mixes
+# at 3,328 tokens, prefill tiles won or tied all 4 at 3,584.
 PREFILL_TILES_MIN_TOKENS = 3584
 
 
@@ -170,7 +171,8 @@ WEIGHT_PREFETCH = os.environ.get("LORAPLEX_LORA_WEIGHT_PREFETCH", "off")
 
 # Off: on the H200 (docs/benchmarks/NOTES-lora.md) every fused configuration measured slower than the
 # two-launch path for every Llama-3-8B decode projection (rank 16: 25-100% slower per projection in a CUDA
-# graph). The kernel stays, tested, for other shapes and for later work.
+# graph; again on an H100 in run 25 with the vectorized expand: 27-71% slower at rank 16, q|k|v 2% faster at rank 64).
+# The kernel stays, tested, for other shapes and for later work.
 FUSED_DECODE = False
 FUSED_TARGET_PROGRAMS = 256  # ~2 per SM: each fused program streams 100+ KB, enough to keep loads in flight
 
