@@ -5,6 +5,7 @@ what they show."""
 
 from __future__ import annotations
 
+from loraplex.bench.launch_floor import chain_floor_ms
 from loraplex.bench.offline import summarize_rounds
 from loraplex.bench.roofline import ModelShape
 from loraplex.bench.sections import (
@@ -137,7 +138,19 @@ def gaps_section(attn: dict | None, lora: dict | None, offline: dict | None) -> 
             if launches:
                 text += (f"; {over:.2f} ms above the floor over {launches} LoRA launches is {1e3 * over / launches:.1f} "
                          "µs each")
-            out.append(text + ".")
+            text += "."
+            floor = lora.get("launch_floor") or {}
+            chain = chain_floor_ms(floor)
+            empty = min((r["time_ms"] for r in floor.get("rows", []) if r["body"] == "empty"), default=None)
+            if chain is not None and empty is not None:
+                text += (f" The same {floor['num_launches']} launches with empty bodies take {empty:.2f} ms, and with "
+                         f"only the dependent loads each program makes before its first multiply {chain:.2f} ms (same "
+                         f"run, launch floor). Bandwidth floor + that chain: {step['floor_ms'] + chain:.2f} ms, an "
+                         "estimate of what this launch structure allows (not a strict bound: with PDL part of each "
+                         "chain overlaps the previous kernel's transfers); the other "
+                         f"{step['time_ms'] - step['floor_ms'] - chain:.2f} ms are the kernels moving their bytes "
+                         "below the copy bandwidth.")
+            out.append(text)
         elif name.startswith("speedup over HF + PEFT") or name.startswith("paged decode attention"):
             out.append(f"**{name}**: {t['measured']:.3g} against {t['goal']} ({t['note']}).")
     if not out:

@@ -917,6 +917,10 @@ def _markdown(payload: dict) -> str:
         lines += ["## All LoRA work of one decode step", "",
                   f"{steps['tokens']} tokens, rank {steps['rank']} on all 7 modules, {steps['layers']} layers, one "
                   f"CUDA graph. {STEPS_NOTE}", ""] + _steps_markdown(steps) + [""]
+    if payload.get("launch_floor"):
+        from loraplex.bench import launch_floor
+
+        lines += ["### The launch floor of that step", ""] + launch_floor.table_lines(payload["launch_floor"]) + [""]
     lines += _in_layer_markdown(payload.get("in_layer"))
     for more in payload.get("in_layer_more") or []:
         lines += _in_layer_markdown(more)
@@ -1081,6 +1085,12 @@ def main(argv: list[str] | None = None) -> int:
         payload["decode_steps"] = steps
         # the distinct-adapter step of the default policy (the issue-9 target row)
         payload["decode_step"] = {**default_distinct, "cuda_graph": device.type == "cuda"}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        # the same launches with stand-in bodies: what this launch structure costs before it moves any bytes
+        from loraplex.bench import launch_floor
+
+        payload["launch_floor"] = launch_floor.run(shapes, step_tokens, 16, device, dtype, reps)
 
     def write() -> None:  # after each part: a run cut short still leaves what it measured
         out.write_text(json.dumps(payload, indent=2) + "\n")

@@ -82,3 +82,24 @@ def test_the_command_prints_the_section_of_a_saved_report(capsys):
     assert main([str(RUN14)]) == 0
     out = capsys.readouterr().out
     assert out.startswith("## Gaps that remain\n\n") and "- **zipf** (0.888 against 0.93" in out
+
+
+@pytest.mark.skipif(not RUN14.exists(), reason="run 14's report is not in this checkout")
+def test_the_lora_step_gap_is_split_by_the_launch_floor_of_the_same_run():
+    d = json.loads(RUN14.read_text())
+    lora = d["lora_kernels"]
+    step = lora["decode_step"]
+    lora["launch_floor"] = {"num_launches": 256, "rows": [
+        {"body": "real", "pdl": "as recorded", "time_ms": 2.8},
+        {"body": "empty", "pdl": "as recorded", "time_ms": 0.40}, {"body": "empty", "pdl": "off", "time_ms": 0.32},
+        {"body": "chain", "pdl": "as recorded", "time_ms": 0.46}, {"body": "chain", "pdl": "off", "time_ms": 0.65}]}
+    line = next(p for p in gaps_section(d["attention"], lora, d["offline"])[1].splitlines()
+                if p.startswith("- **64-adapter LoRA step**"))
+    # the fastest of each stand-in; the chain added to the bandwidth floor, the rest is the kernels' own
+    assert "empty bodies take 0.32 ms" in line and "before its first multiply 0.46 ms" in line
+    assert f"Bandwidth floor + that chain: {step['floor_ms'] + 0.46:.2f} ms" in line
+    assert f"the other {step['time_ms'] - step['floor_ms'] - 0.46:.2f} ms are the kernels" in line
+    del lora["launch_floor"]  # a report without it keeps the old line
+    line = next(p for p in gaps_section(d["attention"], lora, d["offline"])[1].splitlines()
+                if p.startswith("- **64-adapter LoRA step**"))
+    assert "launch floor" not in line and line.endswith("µs each.")
