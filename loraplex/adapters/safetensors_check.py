@@ -32,6 +32,29 @@ class TensorEntry:
     end: int
 
 
+# What a weights upload most often is when it is not safetensors, told by its first bytes (compared, never parsed)
+_FOREIGN_MAGIC = (
+    (b"PK\x03\x04", "it is a zip file, as torch.save writes; uploads are never unpickled: save the adapter with "
+                     "safetensors (PEFT: save_pretrained(..., safe_serialization=True))"),
+    (b"\x1f\x8b", "it is gzip-compressed; send an adapter archive (.tar.gz or .zip) as the archive, not as the weights"),
+)
+_PICKLE_HINT = ("it is a Python pickle (torch.save's legacy format); uploads are never unpickled: save the adapter "
+                "with safetensors (PEFT: save_pretrained(..., safe_serialization=True))")
+
+
+def foreign_format(head: bytes) -> str | None:
+    """Which other format the first bytes of a would-be safetensors file look like, or None: a pickle opens with PROTO
+    (0x80) and its protocol 2-5, a zip with ``PK\\3\\4``, gzip with 1f 8b. A real safetensors file can open with
+    such bytes too (its header length, little-endian: 640 is ``80 02 00 ...``), so the caller asks only once the
+    header length read from them is impossible (over the cap, or longer than the file)."""
+    for magic, why in _FOREIGN_MAGIC:
+        if head.startswith(magic):
+            return why
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return _PICKLE_HINT
+    return None
+
+
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
     out: dict = {}
     for key, value in pairs:
@@ -60,7 +83,11 @@ def read_safetensors_header(
     if size < 8:
         raise AdapterError("not a safetensors file (shorter than its 8-byte header length)", file=name)
     with open(path, "rb") as f:
-        header_len = int.from_bytes(f.read(8), "little")
+        head = f.read(8)
+        header_len = int.from_bytes(head, "little")
+        foreign = foreign_format(head)
+        if foreign is not None and (header_len > max_header_bytes or 8 + header_len > size):
+            raise AdapterError(f"not a safetensors file: {foreign}", file=name)
         if header_len > max_header_bytes:
             raise AdapterError(f"safetensors header claims {header_len} bytes, over the cap", file=name,
                                limit=max_header_bytes)

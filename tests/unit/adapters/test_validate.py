@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import builtins
+import gzip
+import io
 import json
 import math
+import pickle
 import shutil
 import struct
 from pathlib import Path
@@ -152,6 +155,43 @@ def test_huge_header_claim_refused_before_reading(adapter, base_config):
     with pytest.raises(AdapterError, match="header claims 100000000 bytes") as err:
         validate_adapter_dir(adapter, base_config, 64)
     assert err.value.limit == 1 << 20
+
+
+def _torch_zip(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("content, match", [
+    (lambda t: pickle.dumps({k: v.tolist() for k, v in list(t.items())[:2]}), "a Python pickle"),
+    (lambda t: _torch_zip(t), "a zip file, as torch.save writes"),
+    (lambda t: gzip.compress(b"x" * 4096, mtime=0), "gzip-compressed"),
+], ids=["pickle", "torch.save zip", "gzip"])
+def test_other_formats_as_weights_are_named_not_parsed(adapter, base_config, content, match):
+    """A pickle or a torch.save file uploaded as the weights: told by its first bytes, before anything is parsed
+    (never unpickled), and named, instead of "header claims N bytes, over the cap"."""
+    path = adapter / "adapter_model.safetensors"
+    path.write_bytes(content(load_file(str(path))))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pickle, "loads", lambda *a, **k: pytest.fail("unpickled"))
+        mp.setattr(pickle, "load", lambda *a, **k: pytest.fail("unpickled"))
+        with pytest.raises(AdapterError, match="^not a safetensors file: it is ") as err:
+            validate_adapter_dir(adapter, base_config, 64)
+    assert match in str(err.value) and err.value.file == "adapter_model.safetensors"
+
+
+def test_a_real_header_whose_length_opens_like_a_pickle_is_still_read(adapter, base_config):
+    """0x10280 bytes of header start with 80 02, a pickle's first two bytes: the length is possible, so it is read."""
+    path = adapter / "adapter_model.safetensors"
+    raw = path.read_bytes()
+    n = struct.unpack("<Q", raw[:8])[0]
+    header, data = raw[8:8 + n], raw[8 + n:]
+    padded = header + b" " * (0x10280 - n)
+    path.write_bytes(struct.pack("<Q", len(padded)) + padded + data)
+    assert path.read_bytes()[:2] == b"\x80\x02"
+    spec = validate_adapter_dir(adapter, base_config, 64)
+    assert spec.rank == 8
 
 
 # "data\u005foffsets" is "data_offsets" once parsed: the byte count before parsing misses it, the count after not

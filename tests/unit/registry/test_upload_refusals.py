@@ -133,6 +133,8 @@ def _too_big(c, w):
 CASES = {
     "pickle adapter_model.bin": (_pickle_bin, 422, "pickle"),
     "pickle inside an archive": (_pickle_in_archive, 422, "pickle"),
+    "pickle sent as the safetensors weights": (lambda c, w: {"config": c, "weights": _pickle_bin(c, w)["weights"]}, 422,
+                                               "not a safetensors file: it is a Python pickle"),
     "archive member with ..": (_dotdot, 422, ".."),
     "archive member with an absolute path": (_absolute, 422, "absolute"),
     "archive symlink": (_symlink, 422, "link"),
