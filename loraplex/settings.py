@@ -97,6 +97,9 @@ class Settings:
     engine_restart_delay_s: float = 2.0  # first wait before a dead engine is replaced (then doubles)
     # secrets: server secret for cache-salt HMAC and session cookies; generated into data_dir if unset
     server_secret: str | None = None
+    # /metrics names tenants and adapters: when set, a scrape must send ``Authorization: Bearer <token>`` (for
+    # deployments where /metrics is reachable from outside; the k8s ingress keeps it inside the cluster instead)
+    metrics_token: str | None = None
     log_level: str = "INFO"
     log_prompts: bool = False
 

@@ -105,6 +105,7 @@ def serve(args: argparse.Namespace) -> int:
     )
 
     check_serve_settings(settings)
+    warn_open_metrics(settings)
     if settings.model and not Path(settings.model).is_dir():
         raise ConfigError(f"model directory {settings.model} does not exist (MODEL / LORAPLEX_MODEL: a "
                           "Llama-family Hugging Face directory; leave it out for the demo model)")
@@ -141,6 +142,30 @@ _COUNTS = {"max_loras": 1, "max_lora_rank": 1, "max_cpu_loras": 1, "max_num_seqs
            "num_kv_blocks": 1, "tensor_parallel_size": 1}
 
 
+MIN_METRICS_TOKEN_CHARS = 16
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (what the server binds) is reachable from this machine only."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
+
+
+def warn_open_metrics(settings: Settings) -> bool:
+    """A warning when ``/metrics`` (it names tenants and adapters) answers beyond this machine without a token."""
+    if settings.metrics_token or is_loopback(settings.host):
+        return False
+    log.warning("/metrics names tenants and adapters and answers anyone who reaches %s:%d: keep it inside the "
+                "cluster (the deploy/k8s ingress does) or set LORAPLEX_METRICS_TOKEN", settings.host, settings.port)
+    return True
+
+
 def _flag(field: str) -> str:
     """How the operator sets ``field``: its flag and its environment variable."""
     return f"--{field.replace('_', '-')} / LORAPLEX_{field.upper()}"
@@ -155,6 +180,9 @@ def check_serve_settings(settings: Settings) -> None:
         check_int(_flag(field), getattr(settings, field), least)
     check_seconds(_flag("drain_timeout_s"), settings.drain_timeout_s, zero_ok=True, most=MAX_DRAIN_TIMEOUT_S)
     check_int(_flag("num_speculative_tokens"), settings.num_speculative_tokens, 0, MAX_SPECULATIVE_TOKENS, " (0: off)")
+    if settings.metrics_token is not None and len(settings.metrics_token) < MIN_METRICS_TOKEN_CHARS:
+        raise FlagError(f"LORAPLEX_METRICS_TOKEN must be at least {MIN_METRICS_TOKEN_CHARS} characters, got "
+                        f"{len(settings.metrics_token)}")
     if not (math.isfinite(settings.gil_switch_interval_ms) and 0 <= settings.gil_switch_interval_ms <= 1000):
         raise FlagError(f"LORAPLEX_GIL_SWITCH_INTERVAL_MS must be at least 0 and at most 1000, "
                         f"got {settings.gil_switch_interval_ms:g}")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 
 import msgspec
 from litestar import Request, Response, get
 from litestar.openapi.datastructures import ResponseSpec
 
+from loraplex.platform.errors import ApiError
 from loraplex.platform.metrics import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,18 @@ async def _database_error(services) -> str | None:
 
 @get("/metrics", summary="Prometheus metrics", tags=["system"], media_type=CONTENT_TYPE)
 async def metrics(request: Request) -> Response[bytes]:
-    return Response(request.app.state.services.metrics.render(), media_type=CONTENT_TYPE)
+    """Prometheus text. With ``LORAPLEX_METRICS_TOKEN`` set, only for ``Authorization: Bearer <that token>``
+    (tenant API keys do not open it: it names every tenant and adapter)."""
+    services = request.app.state.services
+    token = services.settings.metrics_token
+    if token:
+        sent = request.headers.get("authorization", "")
+        scheme, _, value = sent.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+            raise ApiError(401, "/metrics needs the metrics token (LORAPLEX_METRICS_TOKEN) as a bearer token.",
+                           param="authorization", code="invalid_metrics_token",
+                           headers={"WWW-Authenticate": 'Bearer realm="metrics"'})
+    return Response(services.metrics.render(), media_type=CONTENT_TYPE)
 
 
 def route_handlers() -> list:

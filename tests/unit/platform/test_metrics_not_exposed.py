@@ -64,3 +64,46 @@ def test_no_spelling_of_metrics_the_app_serves_is_routed_by_the_ingress(tmp_path
                                       ("/%6detrics%2F", "/metrics/"), ("/a/../metrics", "/metrics")])
 def test_nginx_normalisation_model(raw, uri):
     assert _nginx_uri(raw) == uri
+
+
+TOKEN = "m" * 12 + "-scrape-token"
+
+
+def test_with_a_metrics_token_only_that_bearer_token_reads_metrics(tmp_path):
+    """LORAPLEX_METRICS_TOKEN: for deployments where /metrics is reachable from outside. Tenant and admin API keys
+    do not open it; every spelling the app serves asks for the token."""
+    settings = Settings.from_env({"LORAPLEX_METRICS_TOKEN": TOKEN}, data_dir=str(tmp_path))
+    keys: list[str] = []
+    app = create_app(settings, start_engine=False, on_bootstrap_key=keys.append)
+    with TestClient(app) as client:
+        asked = 0
+        for raw in SPELLINGS:  # spellings the app does not serve stay 404s
+            r = client.get(raw)
+            assert r.status_code in (401, 404) and "loraplex_" not in r.text, raw
+            if r.status_code == 401:
+                assert r.json()["error"]["code"] == "invalid_metrics_token" and r.headers["www-authenticate"]
+                asked += 1
+        assert asked >= 3
+        for header in (f"Bearer {TOKEN}x", f"Basic {TOKEN}", TOKEN, f"Bearer {keys[0]}", "Bearer "):
+            r = client.get("/metrics", headers={"Authorization": header})
+            assert r.status_code == 401, header
+        r = client.get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200 and "loraplex_" in r.text
+        assert client.get("/health").status_code == 200  # the probes stay open
+
+
+def test_serve_refuses_a_short_metrics_token_and_warns_when_metrics_are_open_beyond_loopback(tmp_path, caplog):
+    from loraplex.platform.cli import FlagError
+    from loraplex.platform.cli_serve import check_serve_settings, is_loopback, warn_open_metrics
+
+    with pytest.raises(FlagError, match="LORAPLEX_METRICS_TOKEN must be at least 16 characters, got 5"):
+        check_serve_settings(Settings(metrics_token="short"))
+    check_serve_settings(Settings(metrics_token=TOKEN))
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.1.2.3") and not is_loopback("api.example.com")
+    with caplog.at_level("WARNING", logger="loraplex.platform.cli_serve"):
+        assert not warn_open_metrics(Settings(host="127.0.0.1"))
+        assert not warn_open_metrics(Settings(host="0.0.0.0", metrics_token=TOKEN))
+        assert caplog.records == []
+        assert warn_open_metrics(Settings(host="0.0.0.0", port=8123))
+    assert "0.0.0.0:8123" in caplog.text and "LORAPLEX_METRICS_TOKEN" in caplog.text
