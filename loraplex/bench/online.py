@@ -204,11 +204,16 @@ LOOP_COUNTERS = ("loraplex:engine_loop_steps_total", "loraplex:engine_loop_step_
 
 def loop_counters(url: str) -> dict[str, float] | None:
     """The server's engine-loop counters from ``/metrics`` (None when it cannot be read: another server, or
-    metrics not reachable from here)."""
+    metrics not reachable from here). ``LORAPLEX_METRICS_TOKEN`` in this environment is sent as the bearer token
+    (a server that requires one)."""
+    import os
+
     import httpx
 
+    token = os.environ.get("LORAPLEX_METRICS_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        text = httpx.get(url.rstrip("/") + "/metrics", timeout=5.0).text
+        text = httpx.get(url.rstrip("/") + "/metrics", timeout=5.0, headers=headers).text
     except httpx.HTTPError:
         return None
     found = {}

@@ -62,3 +62,35 @@ def test_a_token_with_held_back_text_counts_as_arrived():
     note_chunk(r, {"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 5}}, 0.5)
     assert r.ttft == 0.25 and r.chunk_times == [0.25, 0.4]
     assert (r.output_tokens, r.prompt_tokens) == (2, 5)
+
+
+def test_loop_counters_send_the_metrics_token_when_the_environment_has_one(monkeypatch):
+    """A server with LORAPLEX_METRICS_TOKEN answers /metrics only to that bearer token; the bench sends it."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from loraplex.bench.online import LOOP_COUNTERS, loop_counters
+
+    token = "t" * 20
+    body = "".join(f'{name}{{model_name="m"}} 3.0\n' for name in LOOP_COUNTERS).encode()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            ok = self.path == "/metrics" and self.headers.get("Authorization") == f"Bearer {token}"
+            self.send_response(200 if ok else 401)
+            self.end_headers()
+            self.wfile.write(body if ok else b'{"error": {}}')
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        monkeypatch.delenv("LORAPLEX_METRICS_TOKEN", raising=False)
+        assert loop_counters(url) is None
+        monkeypatch.setenv("LORAPLEX_METRICS_TOKEN", token)
+        assert loop_counters(url) == {name: 3.0 for name in LOOP_COUNTERS}
+    finally:
+        server.shutdown()
