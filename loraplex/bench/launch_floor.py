@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("needs CUDA; use --smoke on the CPU (with TRITON_INTERPRET=1)")
     if args.smoke:
         _use_interpreter()
-        shapes, dtype, tokens, reps = BaseShapes.from_config(SMOKE), torch.float32, 8, 1
+        shapes, dtype, tokens, reps = BaseShapes.from_config(SMOKE), torch.float32, 4, 1
     else:
         shapes, dtype, tokens, reps = BaseShapes.from_config(LLAMA3_8B), torch.bfloat16, args.tokens, args.reps
     import triton
