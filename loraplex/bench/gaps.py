@@ -141,7 +141,8 @@ def gaps_section(attn: dict | None, lora: dict | None, offline: dict | None) -> 
             text += "."
             floor = lora.get("launch_floor") or {}
             chain = chain_floor_ms(floor)
-            empty = min((r["time_ms"] for r in floor.get("rows", []) if r["body"] == "empty"), default=None)
+            empty = min((r["time_ms"] for r in floor.get("rows", []) if r["body"] == "empty" and not r.get("grid_cap")),
+                        default=None)
             if chain is not None and empty is not None:
                 text += (f" The same {floor['num_launches']} launches with empty bodies take {empty:.2f} ms, and with "
                          f"only the dependent loads each program makes before its first multiply {chain:.2f} ms (same "

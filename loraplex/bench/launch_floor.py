@@ -71,6 +71,15 @@ def record_launches(bench, step) -> list[dict]:
     return launches
 
 
+def capped(grid: tuple[int, int, int], cap: int | None) -> tuple[int, int, int]:
+    """``grid`` with its first dimension cut so that it holds at most ``cap`` programs (at least one per row of the
+    other two dimensions)."""
+    if cap is None:
+        return grid
+    rest = grid[1] * grid[2]
+    return (max(1, min(grid[0], cap // rest)), grid[1], grid[2])
+
+
 class _Stand:
     """Buffers of the stand-in launches: every (launch, program) reads its own weight row."""
 
@@ -86,20 +95,23 @@ class _Stand:
         self.out = torch.zeros(widest, CHAIN_M, dtype=torch.float32, device=device)
         self.widest = widest
 
-    def run(self, body: str, pdl: str) -> None:
+    def run(self, body: str, pdl: str, cap: int | None = None) -> None:
+        """Every recorded launch with a stand-in body; ``cap``: at most that many programs per launch (the first grid
+        dimension cut), to see what the launch costs with fewer programs."""
         from loraplex.kernels.stand_in import chain_kernel, empty_kernel
 
         for i, entry in enumerate(self.launches):
             use_pdl = entry["pdl"] if pdl == "as recorded" else False
             opts = {"num_warps": entry["num_warps"], **({"launch_pdl": True} if use_pdl else {})}
+            grid = capped(entry["grid"], cap)
             if body == "empty":
-                empty_kernel[entry["grid"]](self.out, USE_PDL=use_pdl, **opts)
+                empty_kernel[grid](self.out, USE_PDL=use_pdl, **opts)
             else:
-                chain_kernel[entry["grid"]](self.count, self.table, self.w, self.x, self.out, i * self.widest,
+                chain_kernel[grid](self.count, self.table, self.w, self.x, self.out, i * self.widest,
                                              BLOCK_M=CHAIN_M, BLOCK_K=CHAIN_K, USE_PDL=use_pdl, **opts)
 
 
-def run(shapes, num_tokens: int, rank: int, device, dtype, reps: int) -> dict:
+def run(shapes, num_tokens: int, rank: int, device, dtype, reps: int, grid_caps=()) -> dict:
     from loraplex.adapters.mapping import LoRAStep
     from loraplex.bench.lora_kernels import _capture, _DecodeStepBench, _mix_slots, _replay_seconds, _sync
 
@@ -126,6 +138,15 @@ def run(shapes, num_tokens: int, rank: int, device, dtype, reps: int) -> dict:
             del graph
             rows.append({"launches": f"stand-in: {body}", "body": body, "pdl": pdl, "time_ms": seconds * 1e3,
                          "us_per_launch": seconds * 1e6 / len(launches)})
+    for cap in grid_caps:
+        for body in ("empty", "chain"):
+            for pdl in pdl_options:
+                graph = _capture(lambda body=body, pdl=pdl, cap=cap: stand.run(body, pdl, cap), device)
+                seconds = _replay_seconds(graph, reps)
+                del graph
+                rows.append({"launches": f"stand-in: {body}, at most {cap} programs a launch", "body": body,
+                             "pdl": pdl, "grid_cap": cap, "time_ms": seconds * 1e3,
+                             "us_per_launch": seconds * 1e6 / len(launches)})
     for r in rows:
         log.info("FLOOR %s", r)
     grids: dict[tuple, int] = {}
@@ -167,7 +188,7 @@ def table_lines(floor: dict) -> list[str]:
 
 def chain_floor_ms(floor: dict) -> float | None:
     """The fastest chain stand-in of a launch-floor run (ms): what these launches cost with no bytes to move."""
-    chains = [r["time_ms"] for r in floor.get("rows", []) if r["body"] == "chain"]
+    chains = [r["time_ms"] for r in floor.get("rows", []) if r["body"] == "chain" and not r.get("grid_cap")]
     return min(chains) if chains else None
 
 
@@ -178,9 +199,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--grid-caps", default="",
+                        help="comma-separated program counts: the stand-ins again with at most that many programs a "
+                             "launch (e.g. 132,528: one or four per SM of an H100 / H200)")
     args = parser.parse_args(argv)
     if args.tokens < 1 or args.rank < 1:
         parser.error("--tokens and --rank must be at least 1")
+    try:
+        grid_caps = [int(c) for c in args.grid_caps.split(",") if c.strip()]
+    except ValueError:
+        parser.error(f"--grid-caps: want comma-separated integers, got {args.grid_caps!r}")
+    if any(c < 3 for c in grid_caps):
+        parser.error("--grid-caps: each cap must be at least 3 (a program per slice)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from loraplex.adapters.modules import BaseShapes
     from loraplex.bench.lora_kernels import LLAMA3_8B, SMOKE, _use_interpreter
@@ -203,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                         "torch": torch.__version__, "triton": triton.__version__,
                         "dtype": str(dtype).replace("torch.", ""),
                         "pdl": device.type == "cuda" and pdl_supported(device)},
-        **run(shapes, tokens, args.rank, device, dtype, reps)}
+        **run(shapes, tokens, args.rank, device, dtype, reps, grid_caps)}
     write_json_and_markdown(args.out, payload, markdown(payload))
     return 0
 

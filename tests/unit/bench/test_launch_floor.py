@@ -73,7 +73,24 @@ def test_smoke_run_writes_the_report(tmp_path):
     assert "### The launch floor of that step" in lk and "| stand-in: empty | off |" in lk
 
 
-def test_bad_sizes_are_named(tmp_path, capsys):
+@pytest.mark.parametrize("argv, flag", [(["--tokens", "0"], "--tokens"), (["--grid-caps", "132,x"], "--grid-caps"),
+                                        (["--grid-caps", "2"], "--grid-caps")])
+def test_bad_sizes_are_named(tmp_path, capsys, argv, flag):
     with pytest.raises(SystemExit) as exc:
-        launch_floor.main(["--smoke", "--tokens", "0", "--out", str(tmp_path / "f.json")])
-    assert exc.value.code == 2 and "--tokens" in capsys.readouterr().err
+        launch_floor.main(["--smoke", *argv, "--out", str(tmp_path / "f.json")])
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_grid_caps_cut_the_first_dimension_only_and_leave_the_floor_figures_alone(tmp_path):
+    assert launch_floor.capped((544, 1, 3), 132) == (44, 1, 3)
+    assert launch_floor.capped((272, 2, 1), 132) == (66, 2, 1)
+    assert launch_floor.capped((16, 1, 3), 132) == (16, 1, 3)  # already below the cap
+    assert launch_floor.capped((16, 1, 3), 2) == (1, 1, 3)  # one program per slice at least
+    assert launch_floor.capped((16, 1, 3), None) == (16, 1, 3)
+    out = tmp_path / "floor.json"
+    assert launch_floor.main(["--smoke", "--grid-caps", "3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    capped = [r for r in rows if r.get("grid_cap") == 3]
+    assert [r["body"] for r in capped] == ["empty", "chain"] and "at most 3 programs" in capped[1]["launches"]
+    plain_chain = next(r for r in rows if r["body"] == "chain" and not r.get("grid_cap"))
+    assert launch_floor.chain_floor_ms({"rows": rows}) == plain_chain["time_ms"]
