@@ -5,7 +5,7 @@ what they show."""
 
 from __future__ import annotations
 
-from loraplex.bench.launch_floor import chain_floor_ms
+from loraplex.bench.launch_floor import stand_in_ms
 from loraplex.bench.offline import summarize_rounds
 from loraplex.bench.roofline import ModelShape
 from loraplex.bench.sections import (
@@ -140,9 +140,7 @@ def gaps_section(attn: dict | None, lora: dict | None, offline: dict | None) -> 
                          "µs each")
             text += "."
             floor = lora.get("launch_floor") or {}
-            chain = chain_floor_ms(floor)
-            empty = min((r["time_ms"] for r in floor.get("rows", []) if r["body"] == "empty" and not r.get("grid_cap")),
-                        default=None)
+            chain, empty = stand_in_ms(floor, "chain"), stand_in_ms(floor, "empty")
             if chain is not None and empty is not None:
                 text += (f" The same {floor['num_launches']} launches with empty bodies take {empty:.2f} ms, and with "
                          f"only the dependent loads each program makes before its first multiply {chain:.2f} ms (same "

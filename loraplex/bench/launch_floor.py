@@ -27,12 +27,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shlex
-import sys
 
 import torch
 
-from loraplex.bench.report import write_json_and_markdown
+from loraplex.bench.report import kernel_environment, module_command, write_json_and_markdown
 
 log = logging.getLogger("loraplex.bench.launch_floor")
 
@@ -131,22 +129,17 @@ def run(shapes, num_tokens: int, rank: int, device, dtype, reps: int, grid_caps=
         rows.append({"launches": f"the real kernels, {mix}", "body": "real", "pdl": "as recorded",
                      "time_ms": seconds * 1e3, "us_per_launch": seconds * 1e6 / len(launches)})
     pdl_options = ("as recorded", "off") if any(e["pdl"] for e in launches) else ("off",)
-    for body in ("empty", "chain"):
-        for pdl in pdl_options:
-            graph = _capture(lambda body=body, pdl=pdl: stand.run(body, pdl), device)
-            seconds = _replay_seconds(graph, reps)
-            del graph
-            rows.append({"launches": f"stand-in: {body}", "body": body, "pdl": pdl, "time_ms": seconds * 1e3,
-                         "us_per_launch": seconds * 1e6 / len(launches)})
-    for cap in grid_caps:
+    for cap in (None, *grid_caps):  # the recorded grids, then each cap
         for body in ("empty", "chain"):
             for pdl in pdl_options:
                 graph = _capture(lambda body=body, pdl=pdl, cap=cap: stand.run(body, pdl, cap), device)
                 seconds = _replay_seconds(graph, reps)
                 del graph
-                rows.append({"launches": f"stand-in: {body}, at most {cap} programs a launch", "body": body,
-                             "pdl": pdl, "grid_cap": cap, "time_ms": seconds * 1e3,
-                             "us_per_launch": seconds * 1e6 / len(launches)})
+                row = {"launches": f"stand-in: {body}", "body": body, "pdl": pdl, "time_ms": seconds * 1e3,
+                       "us_per_launch": seconds * 1e6 / len(launches)}
+                if cap is not None:
+                    row.update(launches=f"stand-in: {body}, at most {cap} programs a launch", grid_cap=cap)
+                rows.append(row)
     for r in rows:
         log.info("FLOOR %s", r)
     grids: dict[tuple, int] = {}
@@ -186,10 +179,15 @@ def table_lines(floor: dict) -> list[str]:
     return lines
 
 
+def stand_in_ms(floor: dict, body: str) -> float | None:
+    """The fastest run of a stand-in body (``empty`` or ``chain``) at the recorded grids, ms (None: not measured)."""
+    return min((r["time_ms"] for r in floor.get("rows", []) if r["body"] == body and not r.get("grid_cap")),
+               default=None)
+
+
 def chain_floor_ms(floor: dict) -> float | None:
     """The fastest chain stand-in of a launch-floor run (ms): what these launches cost with no bytes to move."""
-    chains = [r["time_ms"] for r in floor.get("rows", []) if r["body"] == "chain" and not r.get("grid_cap")]
-    return min(chains) if chains else None
+    return stand_in_ms(floor, "chain")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,27 +211,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--grid-caps: each cap must be at least 3 (a program per slice)")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from loraplex.adapters.modules import BaseShapes
-    from loraplex.bench.lora_kernels import LLAMA3_8B, SMOKE, _use_interpreter
+    from loraplex.bench.lora_kernels import LLAMA3_8B, SMOKE, cuda_or_smoke
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    if device.type != "cuda" and not args.smoke:
-        parser.error("needs CUDA; use --smoke on the CPU (with TRITON_INTERPRET=1)")
+    device = cuda_or_smoke(parser, args.smoke)
     if args.smoke:
-        _use_interpreter()
         shapes, dtype, tokens, reps = BaseShapes.from_config(SMOKE), torch.float32, 4, 1
     else:
         shapes, dtype, tokens, reps = BaseShapes.from_config(LLAMA3_8B), torch.bfloat16, args.tokens, args.reps
-    import triton
-
     from loraplex.kernels.lora_shrink import pdl_supported
 
-    payload = {"command": "python -m loraplex.bench.launch_floor " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
-        "environment": {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                        "torch": torch.__version__, "triton": triton.__version__,
-                        "dtype": str(dtype).replace("torch.", ""),
-                        "pdl": device.type == "cuda" and pdl_supported(device)},
-        **run(shapes, tokens, args.rank, device, dtype, reps, grid_caps)}
+    payload = {"command": module_command("loraplex.bench.launch_floor", argv),
+               "environment": {**kernel_environment(device, dtype), "pdl": pdl_supported(device)},
+               **run(shapes, tokens, args.rank, device, dtype, reps, grid_caps)}
     write_json_and_markdown(args.out, payload, markdown(payload))
     return 0
 

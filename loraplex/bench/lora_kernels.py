@@ -980,6 +980,17 @@ def _use_interpreter() -> None:
             importlib.reload(module)
 
 
+def cuda_or_smoke(parser: argparse.ArgumentParser, smoke: bool) -> torch.device:
+    """A kernel benchmark's device: CUDA, or with ``--smoke`` the CPU under Triton's interpreter (set up here);
+    without CUDA and without ``--smoke``, a usage error."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not smoke else "cpu")
+    if device.type != "cuda" and not smoke:
+        parser.error("needs CUDA; use --smoke on the CPU (with TRITON_INTERPRET=1)")
+    if smoke:
+        _use_interpreter()
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loraplex.bench.lora_kernels", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="docs/benchmarks/lora_kernels_h200.json", help="JSON path (.md beside it)")

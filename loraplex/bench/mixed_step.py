@@ -18,8 +18,6 @@ import argparse
 import functools
 import json
 import logging
-import shlex
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -32,9 +30,9 @@ from loraplex.bench.lora_kernels import (
     _profile_kernels,
     _replay_seconds,
     _sync,
-    _use_interpreter,
+    cuda_or_smoke,
 )
-from loraplex.bench.report import markdown_head
+from loraplex.bench.report import kernel_environment, markdown_head, module_command
 from loraplex.bench.roofline import measure_copy_bandwidth
 
 log = logging.getLogger("loraplex.bench.mixed_step")
@@ -189,11 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from loraplex.adapters.modules import BaseShapes
 
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    if device.type != "cuda" and not args.smoke:
-        parser.error("needs CUDA; use --smoke on the CPU (with TRITON_INTERPRET=1)")
+    device = cuda_or_smoke(parser, args.smoke)
     if args.smoke:
-        _use_interpreter()
         shapes, dtype = BaseShapes.from_config(SMOKE), torch.float32
         slots, layouts, reps = 8, [(3, 1, 20)], 1
     else:
@@ -206,17 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         if not layouts or any(len(t) != 3 or min(t) < 0 or t[1] < 1 for t in layouts):
             parser.error(f"--layouts: want decode:prompts:prompt_len items with at least one prompt, got {args.layouts!r}")
     copy_bw = measure_copy_bandwidth(device, 1 << (22 if args.smoke else 30), iters=20 if args.smoke else 100)
-    import triton
-
     mixes = [m for layout in layouts for m in build_mixes(slots, *layout)]
     rows = run(shapes, slots, args.rank, mixes, device, dtype, reps, profile=not args.no_profile, regimes=regimes)
-    payload = {"command": "python -m loraplex.bench.mixed_step " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
-        "environment": {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                        "torch": torch.__version__, "triton": triton.__version__,
-                        "dtype": str(dtype).replace("torch.", "")},
-        "copy_bandwidth_gb_s": copy_bw / 1e9, "slots": slots, "rank": args.rank, "layers": shapes.num_layers,
-        "rows": rows}
+    payload = {"command": module_command("loraplex.bench.mixed_step", argv),
+               "environment": kernel_environment(device, dtype),
+               "copy_bandwidth_gb_s": copy_bw / 1e9, "slots": slots, "rank": args.rank, "layers": shapes.num_layers,
+               "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2) + "\n")

@@ -55,6 +55,16 @@ def environment(device) -> dict:
     return env
 
 
+def kernel_environment(device, dtype) -> dict:
+    """The environment line of a kernel benchmark's report: device name, torch, triton, dtype. Call it only after
+    ``--smoke`` has chosen the interpreter (triton is imported here)."""
+    import torch
+    import triton
+
+    return {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "triton": triton.__version__, "dtype": str(dtype).replace("torch.", "")}
+
+
 def module_command(module: str, argv: list[str] | None = None) -> str:
     """``python -m <module> <args>`` as run (``argv``: the arguments a caller passed to ``main``, else sys.argv's)."""
     return f"python -m {module} " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))

@@ -92,11 +92,18 @@ def parse_key(raw: str | None) -> str | None:
     return m.group(1) if m else None
 
 
+def authorization_bearer(header: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header value (None: no header, or another scheme)."""
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
 def bearer_token(connection: ASGIConnection) -> str | None:
     header = connection.headers.get("authorization")
     if header:
-        scheme, _, token = header.partition(" ")
-        return token.strip() if scheme.lower() == "bearer" else None
+        return authorization_bearer(header)
     # some clients send the key as x-api-key
     return connection.headers.get("x-api-key")
 

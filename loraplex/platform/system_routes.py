@@ -10,6 +10,7 @@ import msgspec
 from litestar import Request, Response, get
 from litestar.openapi.datastructures import ResponseSpec
 
+from loraplex.platform.auth import authorization_bearer
 from loraplex.platform.errors import ApiError
 from loraplex.platform.metrics import CONTENT_TYPE
 
@@ -82,9 +83,8 @@ async def metrics(request: Request) -> Response[bytes]:
     services = request.app.state.services
     token = services.settings.metrics_token
     if token:
-        sent = request.headers.get("authorization", "")
-        scheme, _, value = sent.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+        sent = authorization_bearer(request.headers.get("authorization"))
+        if sent is None or not hmac.compare_digest(sent.encode(), token.encode()):
             raise ApiError(401, "/metrics needs the metrics token (LORAPLEX_METRICS_TOKEN) as a bearer token.",
                            param="authorization", code="invalid_metrics_token",
                            headers={"WWW-Authenticate": 'Bearer realm="metrics"'})
