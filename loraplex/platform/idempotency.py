@@ -66,7 +66,7 @@ def json_body_sha256(raw: bytes) -> str:
     """The hash of the canonical JSON body: key order and whitespace do not make a request different."""
     try:
         canonical = json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than json can recurse: the bytes as sent
         canonical = raw
     return hashlib.sha256(canonical).hexdigest()
 

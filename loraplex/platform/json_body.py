@@ -1,4 +1,6 @@
-"""JSON request bodies: a number no 64-bit float can hold (``1e309``) is a 400 naming its field.
+"""JSON request bodies: a number no 64-bit float can hold (``1e309``) is a 400 naming its field, and
+objects or arrays nested too deeply to parse are a 400 (msgspec's decoder recurses, so a body of a few
+kilobytes of ``[[[[...`` would otherwise end in a RecursionError: a 500 logged as a server fault).
 
 Litestar parses a body into plain values before it converts them to the handler's type, so msgspec's
 "Number out of range" comes without a field (``$[...]``). Only on that error is the body parsed again,
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 from litestar import Request
@@ -48,19 +51,24 @@ def out_of_range_field(body: bytes) -> str | None:
     """The field (``temperature``, ``logit_bias.7``, ``messages[1].content[0].x``) of the first number in
     ``body`` that overflows a float; None if there is none or the body cannot be parsed."""
     try:
-        doc = json.loads(body, parse_float=_parse_float)
-    except (ValueError, RecursionError):  # not JSON after all, or an integer of over 4300 digits
+        path = _first_overflow(json.loads(body, parse_float=_parse_float), "")
+    except (ValueError, RecursionError):  # not JSON after all, an integer of over 4300 digits, or nested too deep
         return None
-    path = _first_overflow(doc, "")
     return path or None
 
 
 class JsonBodyRequest(Request):
-    """The app's request class: :meth:`json` answers an out-of-range number with a 400 naming the field."""
+    """The app's request class: :meth:`json` answers an out-of-range number with a 400 naming the field, and
+    a body nested deeper than the decoder can recurse with a 400."""
 
     async def json(self) -> Any:
         try:
             return await super().json()
+        except RecursionError:
+            # how deep the decoder may go depends on the stack it starts from (Python's recursion limit, 1000):
+            # no request field nests more than a few levels, so any body this deep is malformed
+            raise bad_request("The JSON body nests objects or arrays too deeply to parse (about "
+                              f"{sys.getrecursionlimit()} levels); no request field nests more than a few.") from None
         except SerializationException as exc:
             if _OUT_OF_RANGE not in str(exc.detail):
                 raise

@@ -177,3 +177,16 @@ def test_a_json_number_out_of_range_names_its_field(client, path, body, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
     assert err["param"] == param and "out of range" in err["message"] and param in err["message"], err
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/admin/tenants"])
+@pytest.mark.parametrize("leaf", [b"1", b"1e999"])
+def test_a_body_nested_too_deeply_is_a_400_not_a_server_fault(client, path, leaf, caplog):
+    body = b'{"model": "m", "prompt": "a", "meta": ' + b"[" * 100_000 + leaf + b"]" * 100_000 + b"}"
+    r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_value" and err["param"] is None
+    assert "too deeply" in err["message"] and "levels" in err["message"], err
+    assert "unhandled error" not in caplog.text
+

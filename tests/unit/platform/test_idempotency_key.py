@@ -32,3 +32,10 @@ def test_scopes_never_contain_the_raw_key_and_differ_per_tenant():
     a = idem.IdempotencyStore.scope("tenant-a", "completions", "secret-order-7")
     b = idem.IdempotencyStore.scope("tenant-b", "completions", "secret-order-7")
     assert a != b and "secret-order-7" not in a
+
+
+def test_a_body_nested_deeper_than_json_can_recurse_still_has_a_fingerprint():
+    """msgspec decodes a body nested ~980 levels deep, Python's json (from the handler's deeper stack) does not:
+    the fingerprint then falls back to the bytes as sent instead of failing the request with a 500."""
+    deep = b'{"model": "m", "meta": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    assert idem.json_body_sha256(deep) == idem.json_body_sha256(deep) != idem.json_body_sha256(deep + b" ")
