@@ -119,18 +119,32 @@ _CODES = {401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 4
 
 
 _MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+# Litestar names the request body by the handler's argument, "data": that is no field of the request
+_BODY_KEYS = (None, "", "data")
+# what Litestar reports when a route that takes a body gets none (a KeyError of that argument)
+_NO_BODY = "'data'"
 
 
 def _validation_param(exc: ValidationException) -> str | None:
     extra = exc.extra
     if isinstance(extra, list) and extra and isinstance(extra[0], dict):
         key = extra[0].get("key")
-        # a missing field is reported at its parent ("data" for the body itself): name the field
+        # a missing field is reported at its parent (the body itself, or the object holding it): name the field
         missing = _MISSING_FIELD.search(str(extra[0].get("message", "")))
         if missing:
-            return missing.group(1) if key in (None, "", "data") else f"{key}.{missing.group(1)}"
-        return str(key) if key else None
+            return missing.group(1) if key in _BODY_KEYS else f"{key}.{missing.group(1)}"
+        return None if key in _BODY_KEYS else str(key)  # the body as a whole (not an object, or none) has no param
     return None
+
+
+def _validation_message(exc: ValidationException) -> str:
+    message = str(exc.detail or "error")
+    if isinstance(exc.extra, list) and exc.extra and isinstance(exc.extra[0], dict):
+        detail = str(exc.extra[0].get("message", ""))
+        if detail == _NO_BODY and exc.extra[0].get("key") in _BODY_KEYS:
+            return f"{message}: the request body is empty; send a JSON object."
+        message = f"{message}: {detail}".rstrip(": ")
+    return message
 
 
 def _handle_api_error(_: Request, exc: ApiError) -> Response[Any]:
@@ -145,8 +159,7 @@ def _handle_http(_: Request, exc: HTTPException) -> Response[Any]:
         # framework validation (malformed JSON, wrong types, missing fields): 400 like OpenAI
         status = 400
         param = _validation_param(exc)
-        if isinstance(exc.extra, list) and exc.extra and isinstance(exc.extra[0], dict):
-            message = f"{message}: {exc.extra[0].get('message', '')}".rstrip(": ")
+        message = _validation_message(exc)
     if status >= 500:
         return error_response(status, message, "server_error", code="server_error", headers=exc.headers)
     return error_response(

@@ -190,3 +190,17 @@ def test_a_body_nested_too_deeply_is_a_400_not_a_server_fault(client, path, leaf
     assert "too deeply" in err["message"] and "levels" in err["message"], err
     assert "unhandled error" not in caplog.text
 
+
+@pytest.mark.parametrize("body, words", [
+    (b"", "body is empty"), (b"[1]", "got `array`"), (b"null", "got `null`"), (b'"x"', "got `str`"),
+])
+@pytest.mark.parametrize("path", ["/v1/completions", "/admin/tenants"])
+def test_a_body_that_is_no_json_object_names_no_field(client, path, body, words):
+    """The body as a whole has no ``param`` (OpenAI's null), never Litestar's argument name ``data``."""
+    r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] is None and words in err["message"] and "'data'" not in err["message"], err
+    # a field of the body is still named
+    r = client.post(path, json={"name": 5, "model": 5})
+    assert r.status_code == 400 and r.json()["error"]["param"] in ("name", "model"), r.text
