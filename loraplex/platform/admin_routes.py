@@ -148,11 +148,15 @@ async def set_limits(request: Request, data: TenantLimits, tenant: str = _NAME) 
 
 @post("/keys", status_code=201, responses=_ERR, summary="Create an API key (the key is shown once)")
 async def create_key(request: Request, data: KeyCreate) -> KeyCreated:
-    expires_at = as_utc(data.expires_at)
+    expires_at = data.expires_at
     if data.expires_in_s is not None:
-        if data.expires_in_s < 1:
-            raise bad_request("expires_in_s must be >= 1", param="expires_in_s")
-        expires_at = utcnow() + timedelta(seconds=min(data.expires_in_s, 10 * 365 * 86400))
+        if expires_at is not None:
+            raise bad_request("Send expires_at or expires_in_s, not both.", param="expires_in_s")
+        max_s = svc.MAX_KEY_DAYS * 86400
+        if not 1 <= data.expires_in_s <= max_s:
+            raise bad_request(f"expires_in_s must be between 1 and {max_s} ({svc.MAX_KEY_DAYS} days), got "
+                              f"{data.expires_in_s}.", param="expires_in_s")
+        expires_at = utcnow() + timedelta(seconds=data.expires_in_s)
     async with request.app.state.services.sessions() as s:
         key, new = await svc.create_key(s, data.tenant, data.scopes, data.name, expires_at)
         tenant = await svc.get_tenant(s, key.tenant_id)

@@ -12,8 +12,7 @@ from datetime import datetime, timedelta
 from loraplex.platform.cli import add_common, check_services, flag_error, settings_from_args
 from loraplex.platform.db import as_utc
 from loraplex.platform.models import ALL_SCOPES
-
-MAX_KEY_DAYS = 36500  # 100 years: far enough for "never", near enough for a date type
+from loraplex.platform.tenants import MAX_KEY_DAYS
 
 
 def register(subparsers) -> None:

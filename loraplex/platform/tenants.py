@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -27,6 +27,7 @@ from loraplex.platform.models import (
 TENANT_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 TENANT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 ADMIN_TENANT = "admin"
+MAX_KEY_DAYS = 36500  # how far ahead a key may expire (100 years: far enough for "never", near enough for a date type)
 
 
 def validate_tenant_name(name: str) -> str:
@@ -123,6 +124,21 @@ async def update_tenant_limits(
     return tenant
 
 
+def _key_expiry(expires_at: datetime | None) -> datetime | None:
+    """``expires_at`` in UTC (naive means UTC), in the future and at most ``MAX_KEY_DAYS`` ahead. SQLite keeps no
+    offset: a time stored as ``+14:00`` would be read back as that wall-clock time in UTC, 14 hours late."""
+    if expires_at is None:
+        return None
+    if expires_at.tzinfo is None:
+        expires_at = expires_at.replace(tzinfo=timezone.utc)
+    ahead = expires_at - utcnow()  # before converting: a time near year 9999 may not fit in UTC
+    if ahead <= timedelta(0):
+        raise bad_request("expires_at must be in the future.", param="expires_at")
+    if ahead > timedelta(days=MAX_KEY_DAYS):
+        raise bad_request(f"expires_at must be at most {MAX_KEY_DAYS} days ahead.", param="expires_at")
+    return expires_at.astimezone(timezone.utc)
+
+
 async def create_key(
     session: AsyncSession,
     tenant_name_or_id: str,
@@ -136,8 +152,7 @@ async def create_key(
         # an admin key acts on every tenant; keeping them in one tenant keeps that visible
         raise bad_request(f"The '{SCOPE_ADMIN}' scope is only granted to keys of the '{ADMIN_TENANT}' tenant.",
                           param="scopes")
-    if expires_at is not None and expires_at <= utcnow():
-        raise bad_request("expires_at must be in the future.", param="expires_at")
+    expires_at = _key_expiry(expires_at)
     if name is not None and (len(name) > 128 or not name.isprintable()):
         raise bad_request("name must be at most 128 printable characters.", param="name")
     new = generate_key()

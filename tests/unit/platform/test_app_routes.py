@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from litestar.testing import TestClient
@@ -204,3 +205,35 @@ def test_a_body_that_is_no_json_object_names_no_field(client, path, body, words)
     # a field of the body is still named
     r = client.post(path, json={"name": 5, "model": 5})
     assert r.status_code == 400 and r.json()["error"]["param"] in ("name", "model"), r.text
+
+
+def test_a_key_expires_at_the_instant_sent_whatever_its_utc_offset(client):
+    """SQLite keeps no offset: ``expires_at`` stored as sent was read back as that wall-clock time in UTC, so a
+    key meant to last an hour (sent at -05:00) was dead on arrival, and one sent at +14:00 lived 14 hours more."""
+    assert client.post("/admin/tenants", json={"name": "acme"}).status_code == 201
+    now = datetime.now(timezone.utc)
+    for hours in (-5, 14):
+        wanted = (now + timedelta(hours=1)).astimezone(timezone(timedelta(hours=hours))).replace(microsecond=0)
+        r = client.post("/admin/keys", json={"tenant": "acme", "expires_at": wanted.isoformat()})
+        assert r.status_code == 201, r.text
+        created = r.json()
+        listed = {k["id"]: k for k in client.get("/admin/keys", params={"tenant": "acme"}).json()["data"]}
+        assert datetime.fromisoformat(listed[created["id"]]["expires_at"]) == wanted, (hours, listed[created["id"]])
+        r = client.get("/v1/models", headers={"Authorization": f"Bearer {created['key']}"})
+        assert r.status_code != 401, (hours, r.text)
+
+
+@pytest.mark.parametrize("body, param, words", [
+    ({"expires_in_s": 101 * 365 * 86400}, "expires_in_s", "36500 days"),  # was cut to 10 years without a word
+    ({"expires_in_s": 0}, "expires_in_s", "between 1 and"),
+    ({"expires_in_s": 60, "expires_at": "2099-01-01T00:00:00Z"}, "expires_in_s", "not both"),
+    ({"expires_at": "9999-12-31T23:59:59-05:00"}, "expires_at", "36500 days"),  # beyond what UTC can hold
+    ({"expires_at": "2001-01-01T00:00:00+14:00"}, "expires_at", "future"),
+])
+def test_a_key_expiry_out_of_range_is_a_400_naming_the_field_and_the_limit(client, body, param, words):
+    assert client.post("/admin/tenants", json={"name": "acme"}).status_code == 201
+    r = client.post("/admin/keys", json={"tenant": "acme", **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    assert client.get("/admin/keys", params={"tenant": "acme"}).json()["data"] == []  # nothing created
