@@ -20,7 +20,7 @@ when an early line runs long.
 An OUTPUT that exists and is not empty is refused unless ``--resume`` (keep its complete lines, drop a cut-short
 last line, check that its ids are those of the input's first lines, and run only the lines after them) or
 ``--overwrite`` (start over). A run records the options that change what a line produces (model, dtype,
-max_tokens, temperature, seed, ...) in ``OUTPUT.options.json`` (batch_options.py); ``--resume`` with other values
+kv_cache_dtype, max_tokens, temperature, seed, ...) in ``OUTPUT.options.json`` (batch_options.py); ``--resume`` with other values
 is refused, naming the flags. SIGINT/SIGTERM: no new lines are added, the lines in flight are aborted, the
 finished lines before the oldest unfinished one are written, and the command exits with 128 + the signal
 number; ``--resume`` continues from there. Exit codes: 0 every line ran, 1 some line failed, 2 bad arguments

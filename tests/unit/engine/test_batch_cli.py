@@ -292,6 +292,7 @@ def test_resume_refuses_other_generation_options_naming_them(tiny_model, tmp_pat
     cases = [(["--max-tokens", "5"], "--max-tokens 5"), (["--temperature", "0.7"], "--temperature 0.7"),
              (["--seed", "1"], "--seed 1"), (["--max-model-len", "64"], "--max-model-len 64"),
              (["--dtype", "bfloat16"], '--dtype "bfloat16"'), (["--enable-lora"], "--enable-lora true"),
+             (["--kv-cache-dtype", "int8"], '--kv-cache-dtype "int8"'),
              (["--model", str(another_model)], "--model")]
     for flags, named in cases:
         assert _run(tiny_model, src, dst, "--resume", "--max-tokens", "4", *flags) == 2
@@ -304,6 +305,26 @@ def test_resume_refuses_other_generation_options_naming_them(tiny_model, tmp_pat
     dst.write_bytes(dst.read_bytes().splitlines(keepends=True)[0])
     assert _run(tiny_model, src, dst, "--resume", "--max-tokens", "4") == 2
     assert "--max-tokens 4" in capsys.readouterr().err
+
+
+def test_resume_of_an_options_file_without_kv_cache_dtype_takes_it_as_auto(tiny_model, tmp_path, capsys):
+    """An OUT.options.json written before --kv-cache-dtype was recorded resumes with the default, and is
+    refused with another value (an int8 or fp8 cache gives other tokens than the kept lines')."""
+    from loraplex.engine import batch_options
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [{"id": i, "prompt_token_ids": [1, 40 + i], "params": {"ignore_eos": True}} for i in range(2)])
+    assert _run(tiny_model, src, dst, "--max-tokens", "3") == 0
+    lines = dst.read_bytes().splitlines(keepends=True)
+    options = batch_options.recorded(str(dst))
+    assert options.pop("kv_cache_dtype") == "auto"
+    Path(batch_options.path_of(str(dst))).write_text(json.dumps(options))
+    dst.write_bytes(lines[0])
+    assert _run(tiny_model, src, dst, "--max-tokens", "3", "--resume", "--kv-cache-dtype", "fp8") == 2
+    assert '--kv-cache-dtype "fp8" (earlier "auto")' in capsys.readouterr().err
+    assert dst.read_bytes() == lines[0]
+    assert _run(tiny_model, src, dst, "--max-tokens", "3", "--resume") == 0
+    assert dst.read_bytes() == b"".join(lines)
 
 
 def test_resume_counts_the_failed_lines_it_keeps_in_the_exit_code(tiny_model, tmp_path):
