@@ -277,6 +277,34 @@ def test_a_signal_writes_complete_lines_in_order_and_resume_continues(tiny_model
     assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == [x["id"] for x in items[: len(done) + 3]]
 
 
+def test_stdout_closed_by_its_reader_stops_with_one_line_and_exit_141(tiny_model, tmp_path):
+    """``loraplex batch IN - | head -1``: the reader goes away; the command stops like a shell command on SIGPIPE
+    (exit 141) with one line on stderr, no traceback and no advice to --resume (there is no file to resume)."""
+    import os
+    import subprocess
+    import sys
+
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"id": i, "prompt_token_ids": [1, 20 + i], "params": {"ignore_eos": True}} for i in range(300)])
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "batch", str(src), "-", "--model",
+                             tiny_model["model_dir"], *MODEL_ARGS, "--max-tokens", "4", "--max-num-seqs", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        first = proc.stdout.readline()
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert json.loads(first)["id"] == 0
+    assert proc.returncode == 141, err[-2000:]
+    assert "Traceback" not in err and "Exception ignored" not in err and "--resume" not in err, err[-2000:]
+    assert "the reader of stdout closed it" in err
+
+
 def test_resume_refuses_other_generation_options_naming_them(tiny_model, tmp_path, capsys):
     """The kept lines and the new ones must come from the same options: a --resume that changes one is refused
     in one line naming the flag, and OUTPUT stays as it was; flags that only schedule (--max-num-seqs) may
