@@ -98,6 +98,7 @@ def test_import_platform_is_stdlib():
     (["--hidden-size", "65"], "--hidden-size"),  # these three were tracebacks
     (["--heads", "4", "--kv-heads", "3"], "--kv-heads"),
     (["--vocab-size", "10"], "--vocab-size"),
+    (["--hidden-size", "24", "--heads", "8"], "--hidden-size / --heads must be even"),  # neither HF nor we ran it
 ])
 def test_cli_bad_shape_flags_are_one_error_line(flags, needle, tmp_path, capsys):
     from loraplex.cli import main
