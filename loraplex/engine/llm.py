@@ -74,6 +74,9 @@ class LLM:
         """Run every prompt to completion; outputs come back in the order of ``prompts``."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts: must be a prompt (a string or a dict) or a list of them, got "
+                            f"{type(prompts).__name__} {prompts!r}")
         num = len(prompts)
         if priority is not None and not isinstance(priority, (list, tuple)):
             raise TypeError(f"priority: must be a list of integers, one per prompt, got {priority!r}")
@@ -98,7 +101,8 @@ class LLM:
 
     def _add_request(self, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None,
                      priority: int) -> tuple[str, RequestOutput]:
-        """Queue one prompt (ValueError for a bad one, nothing queued); its output fills in as it runs."""
+        """Queue one prompt (ValueError for a bad one, nothing queued); its output fills in as it runs. A prompt is a
+        string, ``{"prompt_token_ids": [...]}`` (``"prompt"`` beside it is only echoed) or ``{"prompt": text}``."""
         text, token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids))
         self.engine.add_request(request_id, token_ids, params, lora_request=lora, priority=priority, prompt=text)
@@ -134,7 +138,10 @@ class LLM:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
                                           for t in prompt["prompt_token_ids"]]
-        raise ValueError("each prompt must be a string or a dict with 'prompt_token_ids'")
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
+            return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"])
+        raise ValueError("each prompt must be a string, a dict with 'prompt_token_ids', or a dict with 'prompt' "
+                         f"(a string), got {type(prompt).__name__} {prompt!r:.80}")
 
 
 def _check_types(name: str, values: list, types, expected: str) -> None:

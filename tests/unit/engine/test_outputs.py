@@ -322,3 +322,20 @@ def test_engine_add_request_samples_a_changed_sampling_params_with_its_new_value
     with pytest.raises(SamplingParamsError, match="^temperature: "):
         engine.add_request("p5", ids, params)
     assert not engine.has_unfinished_requests()
+
+
+def test_a_text_prompt_dict_runs_as_its_string_and_other_prompts_name_the_argument(llm):
+    """vLLM's ``{"prompt": text}`` (TextPrompt) gives the tokens of the plain string; a prompt that is none of the
+    accepted forms (or prompts=None) is refused naming what is accepted, and the LLM stays usable."""
+    params = SamplingParams(max_tokens=4, temperature=0)
+    want = llm.generate("Hello there", params)[0]
+    got = llm.generate([{"prompt": "Hello there"}], params)[0]
+    assert got.prompt == "Hello there" and got.prompt_token_ids == want.prompt_token_ids
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    for bad in ([[1, 2, 3]], [{"text": "Hello"}]):
+        with pytest.raises(ValueError, match="'prompt_token_ids'.*'prompt'"):
+            llm.generate(bad, params)
+    with pytest.raises(TypeError, match="prompts: must be"):
+        llm.generate(None, params)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate("Hello there", params)[0].outputs[0].token_ids == want.outputs[0].token_ids
