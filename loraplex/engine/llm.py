@@ -99,6 +99,26 @@ class LLM:
             raise
         return self._run(outputs)
 
+    def chat(self, messages: list[dict] | Sequence[list[dict]], sampling_params: SamplingParams
+             | Sequence[SamplingParams] | None = None, lora_request: LoRARequest | Sequence[LoRARequest | None]
+             | None = None, use_tqdm: bool = False, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them, each
+        through the tokenizer's chat template (the server's path: ``chat_template_ids``), then ``generate``."""
+        from loraplex.engine.async_engine import chat_template_ids
+
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError(f"messages: must be a conversation (a list of message dicts) or a list of them, got "
+                            f"{messages!r:.80}")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for conversation in conversations:
+            ids = chat_template_ids(tokenizer, list(conversation), add_generation_prompt, continue_final_message,
+                                    chat_template_kwargs)
+            prompts.append({"prompt_token_ids": ids, "prompt": tokenizer.decode(ids, skip_special_tokens=False)})
+        return self.generate(prompts, sampling_params, lora_request, use_tqdm)
+
     def _add_request(self, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None,
                      priority: int) -> tuple[str, RequestOutput]:
         """Queue one prompt (ValueError for a bad one, nothing queued); its output fills in as it runs. A prompt is a
