@@ -208,6 +208,26 @@ def write_adapter(
     return out_dir
 
 
+def _forget_earlier_build(out: Path) -> None:
+    """Rewriting a demo model: drop the earlier manifest first (a rewrite cut short is then no demo model the
+    server would take as complete) and the adapters it lists (with fewer adapters or another shape they
+    would stay behind, not fitting the new base model). Nothing the manifest does not name is removed."""
+    import shutil
+
+    manifest = out / "loraplex_demo.json"
+    if not manifest.is_file():
+        return
+    try:
+        names = [a["name"] for a in json.loads(manifest.read_text())["adapters"]]
+    except (ValueError, KeyError, TypeError):
+        names = []
+    manifest.unlink()
+    for name in names:
+        path = out / "adapters" / name
+        if isinstance(name, str) and path.parent == out / "adapters" and path.is_dir():
+            shutil.rmtree(path)
+
+
 def build_demo_model(out_dir: str | Path, spec: DemoModelSpec | None = None) -> dict:
     """Write model, tokenizer and ``spec.adapters`` adapters under ``out_dir``.
 
@@ -222,6 +242,7 @@ def build_demo_model(out_dir: str | Path, spec: DemoModelSpec | None = None) -> 
         raise ValueError("hidden_size must divide by heads, and heads by kv_heads")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _forget_earlier_build(out)
     tok_size = train_tokenizer(out, spec.vocab_size)
     if tok_size > spec.vocab_size:
         raise ValueError(f"tokenizer has {tok_size} tokens, more than --vocab-size {spec.vocab_size}")

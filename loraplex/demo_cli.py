@@ -60,6 +60,10 @@ def _check(args: argparse.Namespace) -> None:
     if args.hidden_size % args.heads or args.heads % args.kv_heads:
         raise ValueError(f"--hidden-size ({args.hidden_size}) must divide by --heads ({args.heads}), and --heads "
                          f"by --kv-heads ({args.kv_heads})")
+    head_dim = args.hidden_size // args.heads
+    if head_dim % 2:  # rotary embeddings turn pairs of a head's features: an odd head size runs nowhere
+        raise ValueError(f"--hidden-size / --heads must be even (the head size, rotary embeddings turn pairs of its "
+                         f"features), got {args.hidden_size} / {args.heads} = {head_dim}")
     out = Path(args.out_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} exists and is not a directory")

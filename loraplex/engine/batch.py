@@ -20,11 +20,12 @@ when an early line runs long.
 An OUTPUT that exists and is not empty is refused unless ``--resume`` (keep its complete lines, drop a cut-short
 last line, check that its ids are those of the input's first lines, and run only the lines after them) or
 ``--overwrite`` (start over). A run records the options that change what a line produces (model, dtype,
-max_tokens, temperature, seed, ...) in ``OUTPUT.options.json`` (batch_options.py); ``--resume`` with other values
+kv_cache_dtype, max_tokens, temperature, seed, ...) in ``OUTPUT.options.json`` (batch_options.py); ``--resume`` with other values
 is refused, naming the flags. SIGINT/SIGTERM: no new lines are added, the lines in flight are aborted, the
 finished lines before the oldest unfinished one are written, and the command exits with 128 + the signal
-number; ``--resume`` continues from there. Exit codes: 0 every line ran, 1 some line failed, 2 bad arguments
-or an OUTPUT that cannot be used.
+number; ``--resume`` continues from there. OUTPUT ``-`` whose reader closes the pipe (``| head``) stops the run
+with one line on stderr and exit code 141 (128 + SIGPIPE). Exit codes: 0 every line ran, 1 some line failed, 2 bad
+arguments or an OUTPUT that cannot be used.
 """
 
 from __future__ import annotations
@@ -147,9 +148,16 @@ def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None
     with _stop_on_signals() as received:
         try:
             finished = window.run(lines, stop=lambda: bool(received), tick=progress.tick)
+        except BrokenPipeError:
+            if args.output != "-":
+                raise
+            return _reader_gone(window.stats.num_written)
         except Exception:
-            log.error("batch: failed after writing %d lines (%d in all); the same command with --resume "
-                      "continues after them", window.stats.num_written, num_kept + window.stats.num_written)
+            if args.output == "-":  # nothing to resume: the lines went to a pipe
+                log.error("batch: failed after writing %d lines to stdout", window.stats.num_written)
+            else:
+                log.error("batch: failed after writing %d lines (%d in all); the same command with --resume "
+                          "continues after them", window.stats.num_written, num_kept + window.stats.num_written)
             raise
     stats = window.stats
     wall = time.monotonic() - loaded
@@ -167,6 +175,17 @@ def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None
                     num_kept + stats.num_written, reached, stats.num_dropped)
         return 128 + signum
     return 0 if stats.num_failed + num_kept_failed == 0 else 1
+
+
+def _reader_gone(num_written: int) -> int:
+    """OUTPUT is stdout and its reader closed the pipe (``| head``): stop as a shell command does on SIGPIPE,
+    with one line on stderr instead of a traceback."""
+    # stdout's buffered rest would fail again when Python flushes it at exit ("Exception ignored ...")
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, _stdout().fileno())
+    os.close(devnull)
+    log.warning("batch: stopped: the reader of stdout closed it after %d lines", num_written)
+    return 128 + signal.SIGPIPE
 
 
 # ---- arguments ---------------------------------------------------------------------------------------------

@@ -7,8 +7,10 @@ import json
 import os
 
 # the flags that change what a line produces; scheduling flags (--max-num-seqs, --max-in-flight, ...) do not
-FLAGS = ("model", "device", "dtype", "max_tokens", "temperature", "seed", "max_model_len", "enable_lora",
-         "max_lora_rank")
+FLAGS = ("model", "device", "dtype", "kv_cache_dtype", "max_tokens", "temperature", "seed", "max_model_len",
+         "enable_lora", "max_lora_rank")
+# flags recorded since a later release: an options file without one was written with the flag's default
+RECORDED_LATER = {"kv_cache_dtype": "auto"}
 
 
 def path_of(output: str) -> str:
@@ -38,6 +40,7 @@ def recorded(output: str) -> dict | None:
 
 def differences(earlier: dict, options: dict) -> list[str]:
     """``--flag VALUE (earlier VALUE)`` for each flag whose value differs from the earlier run's."""
+    earlier = {**RECORDED_LATER, **earlier}
     return [f"--{name.replace('_', '-')} {json.dumps(options[name])} (earlier {json.dumps(earlier.get(name))})"
             for name in FLAGS if earlier.get(name) != options[name]]
 

@@ -74,6 +74,9 @@ class LLM:
         """Run every prompt to completion; outputs come back in the order of ``prompts``."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts: must be a prompt (a string or a dict) or a list of them, got "
+                            f"{type(prompts).__name__} {prompts!r}")
         num = len(prompts)
         if priority is not None and not isinstance(priority, (list, tuple)):
             raise TypeError(f"priority: must be a list of integers, one per prompt, got {priority!r}")
@@ -96,9 +99,30 @@ class LLM:
             raise
         return self._run(outputs)
 
+    def chat(self, messages: list[dict] | Sequence[list[dict]], sampling_params: SamplingParams
+             | Sequence[SamplingParams] | None = None, lora_request: LoRARequest | Sequence[LoRARequest | None]
+             | None = None, use_tqdm: bool = False, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them, each
+        through the tokenizer's chat template (the server's path: ``chat_template_ids``), then ``generate``."""
+        from loraplex.engine.async_engine import chat_template_ids
+
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError(f"messages: must be a conversation (a list of message dicts) or a list of them, got "
+                            f"{messages!r:.80}")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for conversation in conversations:
+            ids = chat_template_ids(tokenizer, list(conversation), add_generation_prompt, continue_final_message,
+                                    chat_template_kwargs)
+            prompts.append({"prompt_token_ids": ids, "prompt": tokenizer.decode(ids, skip_special_tokens=False)})
+        return self.generate(prompts, sampling_params, lora_request, use_tqdm)
+
     def _add_request(self, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None,
                      priority: int) -> tuple[str, RequestOutput]:
-        """Queue one prompt (ValueError for a bad one, nothing queued); its output fills in as it runs."""
+        """Queue one prompt (ValueError for a bad one, nothing queued); its output fills in as it runs. A prompt is a
+        string, ``{"prompt_token_ids": [...]}`` (``"prompt"`` beside it is only echoed) or ``{"prompt": text}``."""
         text, token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids))
         self.engine.add_request(request_id, token_ids, params, lora_request=lora, priority=priority, prompt=text)
@@ -134,7 +158,10 @@ class LLM:
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), [int(t) if isinstance(t, numbers.Integral) and not isinstance(t, bool) else t
                                           for t in prompt["prompt_token_ids"]]
-        raise ValueError("each prompt must be a string or a dict with 'prompt_token_ids'")
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):  # vLLM's TextPrompt
+            return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"])
+        raise ValueError("each prompt must be a string, a dict with 'prompt_token_ids', or a dict with 'prompt' "
+                         f"(a string), got {type(prompt).__name__} {prompt!r:.80}")
 
 
 def _check_types(name: str, values: list, types, expected: str) -> None:

@@ -98,6 +98,7 @@ def test_import_platform_is_stdlib():
     (["--hidden-size", "65"], "--hidden-size"),  # these three were tracebacks
     (["--heads", "4", "--kv-heads", "3"], "--kv-heads"),
     (["--vocab-size", "10"], "--vocab-size"),
+    (["--hidden-size", "24", "--heads", "8"], "--hidden-size / --heads must be even"),  # neither HF nor we ran it
 ])
 def test_cli_bad_shape_flags_are_one_error_line(flags, needle, tmp_path, capsys):
     from loraplex.cli import main
@@ -128,3 +129,22 @@ def test_cli_never_writes_over_a_directory_that_is_not_a_demo_model(tmp_path, ca
     (tmp_path / "empty").mkdir()
     assert main(["demo-model", str(tmp_path / "empty"), "--adapters", "0", "--layers", "1"]) == 0
     assert main(["demo-model", str(tmp_path / "empty"), "--adapters", "0", "--layers", "1", "--seed", "3"]) == 0
+
+
+def test_rewriting_a_demo_model_leaves_no_adapter_of_the_earlier_one(tmp_path):
+    """``demo-model DIR`` again with fewer adapters and another hidden size: DIR/adapters holds only the new
+    adapters (the earlier ones no longer fit the base model, and the server imports every directory there); a
+    directory the earlier manifest does not name is kept."""
+    from safetensors import safe_open
+
+    from loraplex.cli import main
+
+    out = tmp_path / "demo"
+    assert main(["demo-model", str(out), "--adapters", "3", "--layers", "1"]) == 0
+    (out / "adapters" / "mine").mkdir()
+    assert main(["demo-model", str(out), "--adapters", "1", "--layers", "1", "--hidden-size", "32"]) == 0
+    assert sorted(p.name for p in (out / "adapters").iterdir()) == ["adapter-0", "mine"]
+    with safe_open(str(out / "adapters" / "adapter-0" / "adapter_model.safetensors"), "pt") as f:
+        a_keys = [k for k in f.keys() if "q_proj.lora_A" in k]
+        assert a_keys and all(f.get_tensor(k).shape[1] == 32 for k in a_keys)
+    assert [a["name"] for a in json.loads((out / "loraplex_demo.json").read_text())["adapters"]] == ["adapter-0"]

@@ -277,6 +277,34 @@ def test_a_signal_writes_complete_lines_in_order_and_resume_continues(tiny_model
     assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == [x["id"] for x in items[: len(done) + 3]]
 
 
+def test_stdout_closed_by_its_reader_stops_with_one_line_and_exit_141(tiny_model, tmp_path):
+    """``loraplex batch IN - | head -1``: the reader goes away; the command stops like a shell command on SIGPIPE
+    (exit 141) with one line on stderr, no traceback and no advice to --resume (there is no file to resume)."""
+    import os
+    import subprocess
+    import sys
+
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"id": i, "prompt_token_ids": [1, 20 + i], "params": {"ignore_eos": True}} for i in range(300)])
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "batch", str(src), "-", "--model",
+                             tiny_model["model_dir"], *MODEL_ARGS, "--max-tokens", "4", "--max-num-seqs", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        first = proc.stdout.readline()
+        proc.stdout.close()
+        err = proc.stderr.read().decode()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert json.loads(first)["id"] == 0
+    assert proc.returncode == 141, err[-2000:]
+    assert "Traceback" not in err and "Exception ignored" not in err and "--resume" not in err, err[-2000:]
+    assert "the reader of stdout closed it" in err
+
+
 def test_resume_refuses_other_generation_options_naming_them(tiny_model, tmp_path, capsys):
     """The kept lines and the new ones must come from the same options: a --resume that changes one is refused
     in one line naming the flag, and OUTPUT stays as it was; flags that only schedule (--max-num-seqs) may
@@ -292,6 +320,7 @@ def test_resume_refuses_other_generation_options_naming_them(tiny_model, tmp_pat
     cases = [(["--max-tokens", "5"], "--max-tokens 5"), (["--temperature", "0.7"], "--temperature 0.7"),
              (["--seed", "1"], "--seed 1"), (["--max-model-len", "64"], "--max-model-len 64"),
              (["--dtype", "bfloat16"], '--dtype "bfloat16"'), (["--enable-lora"], "--enable-lora true"),
+             (["--kv-cache-dtype", "int8"], '--kv-cache-dtype "int8"'),
              (["--model", str(another_model)], "--model")]
     for flags, named in cases:
         assert _run(tiny_model, src, dst, "--resume", "--max-tokens", "4", *flags) == 2
@@ -304,6 +333,26 @@ def test_resume_refuses_other_generation_options_naming_them(tiny_model, tmp_pat
     dst.write_bytes(dst.read_bytes().splitlines(keepends=True)[0])
     assert _run(tiny_model, src, dst, "--resume", "--max-tokens", "4") == 2
     assert "--max-tokens 4" in capsys.readouterr().err
+
+
+def test_resume_of_an_options_file_without_kv_cache_dtype_takes_it_as_auto(tiny_model, tmp_path, capsys):
+    """An OUT.options.json written before --kv-cache-dtype was recorded resumes with the default, and is
+    refused with another value (an int8 or fp8 cache gives other tokens than the kept lines')."""
+    from loraplex.engine import batch_options
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [{"id": i, "prompt_token_ids": [1, 40 + i], "params": {"ignore_eos": True}} for i in range(2)])
+    assert _run(tiny_model, src, dst, "--max-tokens", "3") == 0
+    lines = dst.read_bytes().splitlines(keepends=True)
+    options = batch_options.recorded(str(dst))
+    assert options.pop("kv_cache_dtype") == "auto"
+    Path(batch_options.path_of(str(dst))).write_text(json.dumps(options))
+    dst.write_bytes(lines[0])
+    assert _run(tiny_model, src, dst, "--max-tokens", "3", "--resume", "--kv-cache-dtype", "fp8") == 2
+    assert '--kv-cache-dtype "fp8" (earlier "auto")' in capsys.readouterr().err
+    assert dst.read_bytes() == lines[0]
+    assert _run(tiny_model, src, dst, "--max-tokens", "3", "--resume") == 0
+    assert dst.read_bytes() == b"".join(lines)
 
 
 def test_resume_counts_the_failed_lines_it_keeps_in_the_exit_code(tiny_model, tmp_path):

@@ -322,3 +322,45 @@ def test_engine_add_request_samples_a_changed_sampling_params_with_its_new_value
     with pytest.raises(SamplingParamsError, match="^temperature: "):
         engine.add_request("p5", ids, params)
     assert not engine.has_unfinished_requests()
+
+
+def test_a_text_prompt_dict_runs_as_its_string_and_other_prompts_name_the_argument(llm):
+    """vLLM's ``{"prompt": text}`` (TextPrompt) gives the tokens of the plain string; a prompt that is none of the
+    accepted forms (or prompts=None) is refused naming what is accepted, and the LLM stays usable."""
+    params = SamplingParams(max_tokens=4, temperature=0)
+    want = llm.generate("Hello there", params)[0]
+    got = llm.generate([{"prompt": "Hello there"}], params)[0]
+    assert got.prompt == "Hello there" and got.prompt_token_ids == want.prompt_token_ids
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    for bad in ([[1, 2, 3]], [{"text": "Hello"}]):
+        with pytest.raises(ValueError, match="'prompt_token_ids'.*'prompt'"):
+            llm.generate(bad, params)
+    with pytest.raises(TypeError, match="prompts: must be"):
+        llm.generate(None, params)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate("Hello there", params)[0].outputs[0].token_ids == want.outputs[0].token_ids
+
+
+def test_chat_runs_each_conversation_through_the_models_chat_template(llm, tiny_model):
+    """vLLM's ``LLM.chat`` (it did not exist): a conversation, or a list of them, gives the tokens of ``generate`` on
+    the ids of Hugging Face's ``apply_chat_template`` with the generation prompt."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model["model_dir"])
+    first = [{"role": "user", "content": "Hello"}]
+    second = [*first, {"role": "assistant", "content": "Hi"}, {"role": "user", "content": "The river"}]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    want_ids = []
+    for conversation in (first, second):
+        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        want_ids.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    want = llm.generate([{"prompt_token_ids": ids} for ids in want_ids], params)
+    got_one = llm.chat(first, params)
+    got_two = llm.chat([first, second], params)
+    assert len(got_one) == 1 and got_one[0].prompt_token_ids == want_ids[0]
+    assert "Hello" in got_one[0].prompt
+    assert [o.prompt_token_ids for o in got_two] == want_ids
+    assert [o.outputs[0].token_ids for o in got_two] == [o.outputs[0].token_ids for o in want]
+    assert got_one[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    with pytest.raises(TypeError, match="messages"):
+        llm.chat("Hello", params)
