@@ -1,4 +1,5 @@
-"""Outermost ASGI wrapper: ``x-request-id`` on every response (404s included), refusal while draining."""
+"""Outermost ASGI wrapper: ``x-request-id`` on every response (404s included), refusal while draining, and
+``HEAD`` on every ``GET`` route (RFC 9110 9.3.2: run as the ``GET``, same status, headers and auth, no body)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,36 @@ def _incoming_id(scope: Scope) -> str | None:
     return None
 
 
+def _allow_with_head(headers: list) -> list:
+    """``Allow`` lists ``HEAD`` wherever it lists ``GET`` (405s and ``OPTIONS`` answers)."""
+    out = []
+    for name, value in headers:
+        if name.lower() == b"allow":
+            methods = [m.strip() for m in value.decode("latin-1").split(",")]
+            if "GET" in methods and "HEAD" not in methods:
+                methods.insert(methods.index("GET") + 1, "HEAD")
+                value = ", ".join(methods).encode("latin-1")
+        out.append((name, value))
+    return out
+
+
+def _without_body(send: Send) -> Send:
+    """A ``HEAD`` answer: the ``GET``'s status and headers (``content-length`` included), then an empty body
+    that ends the response; the rest of a streamed body is dropped (the server then reports the client as
+    gone, which stops the stream)."""
+    done = False
+
+    async def send_head(message: Message) -> None:
+        nonlocal done
+        if message["type"] != "http.response.body":
+            await send(message)
+        elif not done:
+            done = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    return send_head
+
+
 def platform_middleware(app: ASGIApp) -> ASGIApp:
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -38,12 +69,16 @@ def platform_middleware(app: ASGIApp) -> ASGIApp:
             return
         rid = _incoming_id(scope) or f"req-{uuid.uuid4().hex}"
         scope.setdefault("state", {})["request_id"] = rid
+        if scope["method"] == "HEAD":
+            # routed, authorised and answered as the GET; a copy, so the server still sees HEAD
+            scope = {**scope, "method": "GET"}
+            send = _without_body(send)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER]
                 headers.append((REQUEST_ID_HEADER, rid.encode()))
-                message["headers"] = headers
+                message["headers"] = _allow_with_head(headers)
             await send(message)
 
         services = scope["litestar_app"].state.get("services") if "litestar_app" in scope else None

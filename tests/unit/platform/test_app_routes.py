@@ -114,6 +114,37 @@ def test_every_operation_in_the_schema_checks_key_and_scope(client):
     assert checked >= 25  # the schema really lists the platform's routes
 
 
+def test_head_answers_every_get_route_as_get_does_without_a_body(client):
+    """RFC 9110 9.3.2: a server that supports GET supports HEAD (Kubernetes probes and load balancers may send
+    ``HEAD /health``). Same status, auth and headers as the GET; no body."""
+    assert client.post("/admin/tenants", json={"name": "acme"}).status_code == 201
+    auths = ["", "Bearer lpx-notakey", client.headers["Authorization"]]
+    for scope in ("inference", "adapters:write"):
+        auths.append(f"Bearer {client.post('/admin/keys', json={'tenant': 'acme', 'scopes': [scope]}).json()['key']}")
+    spec = client.get("/schema/openapi.json").json()
+    checked = 0
+    for template, operations in spec["paths"].items():
+        if "get" not in operations:
+            continue
+        path = re.sub(r"\{[^}]+\}", "acme", template)
+        for auth in auths:
+            got = client.get(path, headers={"Authorization": auth})
+            head = client.head(path, headers={"Authorization": auth})
+            assert head.status_code == got.status_code, (template, auth[:12], head.status_code, got.status_code)
+            assert head.content == b"", template
+            assert head.headers.get("content-type") == got.headers.get("content-type"), template
+            if template != "/metrics":  # the scrape itself changes the next scrape's length
+                assert head.headers.get("content-length") == got.headers.get("content-length"), template
+            assert head.headers["x-request-id"].startswith("req-")
+        checked += 1
+    assert checked >= 10
+    for path in ("/health", "/ready"):  # probes send no key
+        assert client.head(path, headers={"Authorization": ""}).status_code == client.get(path).status_code
+    r = client.head("/v1/completions")  # a POST route still refuses HEAD, and says what it allows
+    assert r.status_code == 405 and r.content == b"" and "HEAD" not in r.headers["allow"]
+    assert "HEAD" in client.put("/health").headers["allow"]
+
+
 def _media_type_params(content_type: str) -> tuple[str, list[str]]:
     media, *params = [p.strip() for p in content_type.split(";")]
     return media, [p.split("=", 1)[0].lower() for p in params]
