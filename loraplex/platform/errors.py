@@ -58,8 +58,8 @@ def unauthorized(message: str = "Invalid API key") -> ApiError:
     return ApiError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def forbidden(message: str) -> ApiError:
-    return ApiError(403, message, type="permission_error", code="insufficient_scope")
+def forbidden(message: str, param: str | None = None) -> ApiError:
+    return ApiError(403, message, type="permission_error", param=param, code="insufficient_scope")
 
 
 def not_found(message: str, param: str | None = None, code: str | None = "not_found") -> ApiError:

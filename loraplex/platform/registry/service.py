@@ -103,7 +103,8 @@ class Registry:
         if visibility is not None and visibility not in VISIBILITIES:
             raise bad_request(f"visibility must be one of {', '.join(VISIBILITIES)}", param="visibility")
         if visibility == VISIBILITY_PUBLIC and not principal.is_admin:
-            raise forbidden("Only admins can make an adapter public (use 'shared' with shared_with).")
+            raise forbidden("Only admins can make an adapter public (use 'shared' with shared_with).",
+                            param="visibility")
         names = None
         if shared_with is not None:
             # checked for spelling only: whether a named tenant exists is never revealed (SECURITY.md 2)

@@ -84,10 +84,11 @@ async def test_only_admins_make_adapters_public(rapp, tiny_model):
     config, weights = adapter_files(tiny_model, 2)
     r = await rapp.upload(alice, "mine", config=config, weights=weights, visibility="public")
     assert r.status_code == 403 and "admin" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "visibility"  # names the field to change
     assert rapp.store_digests() == set()
     assert (await rapp.upload(alice, "mine", config=config, weights=weights)).status_code == 201
     r = await rapp.client.patch("/v1/adapters/mine", json={"visibility": "public"}, headers=rapp.headers(alice))
-    assert r.status_code == 403
+    assert r.status_code == 403 and r.json()["error"]["param"] == "visibility"
     assert (await _call(rapp, bob, "alice/mine")).status_code == 404
     # the operator publishes its own adapter; every tenant may then call it as admin/<name>
     assert (await rapp.upload(None, "house", config=config, weights=weights, visibility="public")).status_code == 201
