@@ -9,7 +9,7 @@ from litestar.params import Parameter
 
 from loraplex.platform import idempotency
 from loraplex.platform.auth import principal_of, require_scope
-from loraplex.platform.errors import error_responses, not_found
+from loraplex.platform.errors import bad_request, error_responses, not_found
 from loraplex.platform.models import SCOPE_ADAPTERS_WRITE
 from loraplex.platform.registry import queries
 from loraplex.platform.registry.names import parse_own_name
@@ -76,8 +76,10 @@ async def get_adapter(request: Request, name: str = _NAME) -> AdapterOut:
 async def update_adapter(request: Request, data: AdapterPatch, name: str = _NAME) -> AdapterOut:
     principal = await principal_of(request)
     adapter_name, version = parse_own_name(name)
-    if version is not None:
-        raise not_found(f"Edit the adapter '{adapter_name}', not one version.", param="name")
+    if version is not None:  # decided by the path alone: says nothing of whether the adapter exists
+        raise bad_request(f"Adapter versions are immutable: '{name}' names version {version}. Edit the adapter "
+                          f"instead (PATCH /v1/adapters/{adapter_name}); its description and sharing apply to "
+                          "every version.", param="name")
     registry = registry_of(request)
     meta = await registry.check_metadata(principal, data.description, data.visibility, data.shared_with)
     return adapter_out(await registry.update(principal, adapter_name, meta), principal.tenant_id)

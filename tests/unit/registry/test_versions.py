@@ -61,6 +61,24 @@ async def test_versions_names_and_content_addressing(rapp, tiny_model):
     assert (await rapp.client.get("/v1/adapters/tone", headers=rapp.headers())).status_code == 404
 
 
+async def test_editing_one_version_is_a_400_pointing_at_the_name(rapp, tiny_model):
+    """Versions are immutable: ``PATCH name@N`` names the path parameter and says what to edit instead; it
+    answers the same whether or not the adapter exists (the path alone decides)."""
+    c0, w0 = adapter_files(tiny_model, 0)
+    assert (await rapp.upload(None, "tone", config=c0, weights=w0)).status_code == 201
+    for path in ("tone@1", "tone@7", "nothing-here@1"):
+        r = await rapp.client.patch(f"/v1/adapters/{path}", json={"description": "x"}, headers=rapp.headers())
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "name" and err["code"] == "invalid_value", err
+        name = path.split("@")[0]
+        assert "immutable" in err["message"] and f"PATCH /v1/adapters/{name}" in err["message"], err
+    r = await rapp.client.get("/v1/adapters/tone", headers=rapp.headers())
+    assert r.json()["description"] is None  # nothing changed
+    r = await rapp.client.patch("/v1/adapters/tone", json={"description": "x"}, headers=rapp.headers())
+    assert r.status_code == 200 and r.json()["description"] == "x"
+
+
 async def test_concurrent_uploads_of_one_name_never_corrupt(rapp, tiny_model):
     uploads = [adapter_files(tiny_model, i % 3) for i in range(5)]
     results = await asyncio.gather(*[rapp.upload(None, "race", config=c, weights=w) for c, w in uploads])
