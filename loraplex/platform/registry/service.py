@@ -1,9 +1,11 @@
 """Write side of the registry: the upload lifecycle, edits and soft deletes.
 
-Upload: a version row is created as ``uploading`` (when the name is known), turns ``validating`` once the
-body is in, then ``ready`` (content stored, metadata applied) or ``failed`` with the reason. Validation is
-the engine's own ``validate_adapter_dir`` against the served base model; nothing reaches the store before it
-passes, and the temporary directory is removed whatever happens.
+Upload: everything the form alone decides (name, description, visibility, sharing, which files came) is
+checked before any row exists, so such a refusal leaves nothing on record. Only then, with the body in, is the
+version row created as ``validating``; it turns ``ready`` (content stored, metadata applied) or ``failed``
+with the reason. Validation is the engine's own ``validate_adapter_dir`` against the served base model;
+nothing reaches the store before it passes, and the temporary directory is removed whatever happens.
+(``uploading`` is left on rows of servers that created the row when the first file began.)
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from loraplex.platform.registry.archive import extract_adapter_archive
 from loraplex.platform.registry.models import (
     STATUS_FAILED,
     STATUS_READY,
-    STATUS_UPLOADING,
     STATUS_VALIDATING,
     VISIBILITIES,
     VISIBILITY_PRIVATE,
@@ -43,7 +44,7 @@ from loraplex.platform.registry.models import (
 )
 from loraplex.platform.registry.names import validate_adapter_name
 from loraplex.platform.registry.store import AdapterStore, adapter_digest
-from loraplex.platform.registry.upload import UploadForm, UploadSlots, receive_upload
+from loraplex.platform.registry.upload import UploadForm, UploadSlots, check_files, receive_upload
 from loraplex.platform.tenants import TENANT_NAME_RE
 
 log = logging.getLogger(__name__)
@@ -137,18 +138,19 @@ class Registry:
         pending: Pending | None = None
 
         async def on_first_file(form: UploadForm) -> None:
-            nonlocal pending
             if "name" in form.fields:  # refuse bad fields before the weights are read
                 await self._form_metadata(principal, form)
-                pending = await self._begin(principal, validate_adapter_name(form.fields["name"]))
+                validate_adapter_name(form.fields["name"])
 
         try:
             form = await receive_upload(request, work, self.max_upload_bytes, self.idle_timeout_s, on_first_file,
                                         self.deadline_s)
+            # the whole form, fields sent after the files included, before a row exists: refused here, the
+            # upload leaves nothing on record (the name stays free, no version number is used up)
             meta = await self._form_metadata(principal, form)
-            if pending is None:
-                pending = await self._begin(principal, validate_adapter_name(form.fields.get("name")))
-            await self._set_status(pending, STATUS_VALIDATING)
+            name = validate_adapter_name(form.fields.get("name"))
+            check_files(form)
+            pending = await self._begin(principal, name)
             adapter_dir = await asyncio.to_thread(self._assemble, form, work)
             await events.before_change(self.kv)  # again: Redis may have gone while the body came in
             return pending, await self._finish(principal, pending, adapter_dir, meta)
@@ -161,7 +163,8 @@ class Registry:
             await asyncio.to_thread(shutil.rmtree, work, True)
 
     async def _begin(self, principal: Principal, name: str) -> Pending:
-        """The adapter row (created, or revived after a delete) and a new ``uploading`` version.
+        """The adapter row (created, or revived after a delete) and a new ``validating`` version (its content is
+        in hand).
 
         Two uploads racing for a name both get a version: the loser of a unique-key race retries with the
         next number; after :data:`VERSION_RETRIES` lost races it answers 409."""
@@ -175,7 +178,7 @@ class Registry:
                         session.add(adapter)
                         await session.flush()
                     version = await queries.next_version(session, adapter.id)
-                    row = AdapterVersion(adapter_id=adapter.id, version=version, status=STATUS_UPLOADING,
+                    row = AdapterVersion(adapter_id=adapter.id, version=version, status=STATUS_VALIDATING,
                                          created_at=utcnow())
                     session.add(row)
                     await session.commit()
@@ -196,7 +199,6 @@ class Registry:
         """Register an adapter directory on the server's disk (the demo adapters), through the same checks."""
         pending = await self._begin(principal, validate_adapter_name(name))
         try:
-            await self._set_status(pending, STATUS_VALIDATING)
             await self._finish(principal, pending, Path(adapter_dir), meta)
         except BaseException as exc:
             await asyncio.shield(self._set_status(pending, STATUS_FAILED, error=_error_text(exc)))
@@ -234,19 +236,13 @@ class Registry:
         return listed
 
     def _assemble(self, form: UploadForm, work: Path) -> Path:
-        """The directory to validate: the archive's two files, or the two uploaded files."""
-        has_archive = "archive" in form.files
-        has_pair = {"config", "weights"} & set(form.files)
-        if has_archive and has_pair:
-            raise bad_request("send either archive, or config + weights, not both", param="archive")
-        if has_archive:
+        """The directory to validate: the archive's two files, or the two uploaded files (``check_files``
+        passed)."""
+        if "archive" in form.files:
             out = work / "adapter"
             out.mkdir()
             extract_adapter_archive(form.files["archive"], out, self.max_upload_bytes + (1 << 20))
             return out
-        for field in ("config", "weights"):
-            if field not in form.files:
-                raise bad_request(f"missing file field '{field}' (or send one 'archive')", param=field)
         return work
 
     # ---- edits and deletes ----------------------------------------------------------------------

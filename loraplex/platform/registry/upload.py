@@ -117,6 +117,17 @@ class _Receiver:
             self._file.close()
 
 
+def check_files(form: UploadForm) -> None:
+    """One ``archive``, or ``config`` + ``weights``: decided by the form alone, before any row is created."""
+    if "archive" in form.files:
+        if {"config", "weights"} & set(form.files):
+            raise bad_request("send either archive, or config + weights, not both", param="archive")
+        return
+    for name in ("config", "weights"):
+        if name not in form.files:
+            raise bad_request(f"missing file field '{name}' (or send one 'archive')", param=name)
+
+
 class UploadSlots:
     """Uploads in progress on this replica, per tenant and in all: each holds a temporary file and a
     connection, so a flood of slow uploads is refused with 429 instead of filling the disk."""

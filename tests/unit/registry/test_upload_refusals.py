@@ -177,6 +177,54 @@ async def test_each_bad_upload_is_refused_and_stores_nothing(rapp, tiny_model):
             assert needle in listed[name]["versions"][0]["error"]
 
 
+def _multipart(parts: list[tuple[str, str | None, bytes]]) -> tuple[bytes, str]:
+    """A multipart body with its parts in the order given (``httpx`` always puts text fields first)."""
+    boundary = "lpx-test-boundary"
+    out = bytearray()
+    for name, filename, data in parts:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        out += f"--{boundary}\r\nContent-Disposition: {disposition}\r\n\r\n".encode() + data + b"\r\n"
+    out += f"--{boundary}--\r\n".encode()
+    return bytes(out), f"multipart/form-data; boundary={boundary}"
+
+
+async def test_a_form_refused_on_its_fields_leaves_no_adapter_on_record(rapp, tiny_model):
+    """Refusals the form alone decides (the caller's fields, missing or extra files), wherever in the body the
+    fields come, leave nothing behind: no `failed` adapter under the name, no version number used up. (A
+    refusal of the content itself keeps its failed version on record: see the test above.)"""
+    alice = await rapp.tenant("alice")
+    config, weights = adapter_files(tiny_model, 0)
+    files = [("config", "adapter_config.json", config), ("weights", "adapter_model.safetensors", weights)]
+    cases = {
+        "public after the files": ([("name", None, b"late")] + files + [("visibility", None, b"public")], 403,
+                                   "visibility"),
+        "bad visibility after the files": ([("name", None, b"late")] + files + [("visibility", None, b"everyone")],
+                                           400, "visibility"),
+        "long description after the files": ([("name", None, b"late")] + files
+                                             + [("description", None, b"x" * 2000)], 400, "description"),
+        "unknown field after the files": ([("name", None, b"late")] + files + [("colour", None, b"red")], 400,
+                                          "colour"),
+        "a field twice": ([("name", None, b"late")] + files + [("name", None, b"late")], 400, "name"),
+        "no weights": ([("name", None, b"late"), files[0]], 400, "weights"),
+        "archive and files": ([("name", None, b"late")] + files
+                              + [("archive", "a.tar.gz", tar_gz({"adapter_config.json": config}))], 400, "archive"),
+        "name after the files": (files + [("name", None, b"Bad Name")], 400, "name"),
+    }
+    for label, (parts, status, param) in cases.items():
+        body, content_type = _multipart(parts)
+        r = await rapp.client.post("/v1/adapters", content=body,
+                                   headers={**rapp.headers(alice), "Content-Type": content_type})
+        assert r.status_code == status and r.json()["error"]["param"] == param, (label, r.status_code, r.text)
+        listed = (await rapp.client.get("/v1/adapters", headers=rapp.headers(alice))).json()["data"]
+        assert listed == [], (label, listed)
+        assert (await rapp.client.get("/v1/adapters/late", headers=rapp.headers(alice))).status_code == 404, label
+    assert rapp.store_digests() == set() and rapp.tmp_entries() == []
+    body, content_type = _multipart([("name", None, b"late")] + files)
+    r = await rapp.client.post("/v1/adapters", content=body, headers={**rapp.headers(alice), "Content-Type": content_type})
+    assert r.status_code == 201 and r.json()["version"] == 1, r.text  # no number was used up
+    assert [v["status"] for v in r.json()["versions"]] == ["ready"]
+
+
 @pytest.mark.parametrize("change, needle", [
     ({"auto_map": {"AutoModel": "evil.Model"}}, "auto_map"),
     ({"target_modules": ["q_proj", "lm_head"]}, "unknown target module"),
