@@ -96,10 +96,13 @@ class UsageSink(Protocol):
 
 class QuotaGate(Protocol):
     """Checked at admission, before the engine: ``reserve`` raises an ``ApiError`` (429) when the tenant's
-    quota cannot cover ``estimated_tokens``; ``release`` is called once per reservation, after the
-    request's usage event went to the :class:`UsageSink` (or when it never reached the engine)."""
+    quota cannot cover ``estimated_tokens`` (with ``at_least``: a request without ``max_tokens``, which may run
+    on less, is granted what is left down to ``at_least``); it returns None (no quota) or a reservation whose
+    ``tokens`` is what was granted. ``release`` is called once per reservation, after the request's usage event
+    went to the :class:`UsageSink` (or when it never reached the engine)."""
 
-    async def reserve(self, principal: Principal, estimated_tokens: int) -> object | None: ...
+    async def reserve(self, principal: Principal, estimated_tokens: int,
+                      at_least: int | None = None) -> object | None: ...
 
     def release(self, reservation: object | None) -> None: ...
 
@@ -107,7 +110,8 @@ class QuotaGate(Protocol):
 class NoQuota:
     """No quotas (used until the usage area installs its own)."""
 
-    async def reserve(self, principal: Principal, estimated_tokens: int) -> object | None:
+    async def reserve(self, principal: Principal, estimated_tokens: int,
+                      at_least: int | None = None) -> object | None:
         return None
 
     def release(self, reservation: object | None) -> None:

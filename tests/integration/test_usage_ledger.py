@@ -230,6 +230,12 @@ async def test_quota_counts_ledger_pending_and_reservations(db_url, tmp_path):
             await quota.reserve(who, 21)  # 30 + 50 + 21 > 100
         assert err.value.status_code == 429 and err.value.code == "insufficient_quota"
         assert err.value.headers["x-should-retry"] == "false"
+        # a request on the default budget (no max_tokens) is granted what is left, down to its least
+        with pytest.raises(ApiError, match="at least 21 tokens .* only 20 of the monthly quota"):
+            await quota.reserve(who, 256, at_least=21)
+        cut = await quota.reserve(who, 256, at_least=12)
+        assert cut.tokens == 20  # 30 + 50 + 20 = 100: exactly the quota
+        quota.release(cut)
         await sink.drain_once()  # pending -> ledger: the same 30 tokens, counted once
         assert await quota.used(tid) == 30
         quota.release(first)

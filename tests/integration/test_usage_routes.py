@@ -219,3 +219,45 @@ async def test_plan_surcharges_name_adapters_that_exist(tmp_path):
                           headers=admin)
         assert r.status_code == 400 and r.json()["error"]["param"] == "adapter_surcharges"  # one adapter twice
         assert (await c.get("/admin/plans/p", headers=admin)).json()["adapter_surcharges"]["a" * 32] == "0.1"
+
+
+async def test_a_request_without_max_tokens_is_cut_to_what_the_quota_has_left(tmp_path, tiny_model):
+    """Without max_tokens a chat's budget is the server's default (the rest of the context), which it never
+    asked for: near its quota a small request runs, cut to what is left, instead of a 429 for that worst case;
+    the quota still holds exactly. An explicit max_tokens is never cut."""
+    async with usage_app(tmp_path, model=tiny_model["model_dir"], max_model_len=256, num_kv_blocks=256) as ua:
+        c, admin = ua.client, ua.headers()
+        acme = await ua.tenant("acme")
+        model = (await c.get("/v1/models", headers=ua.headers(acme["key"]))).json()["data"][0]["id"]
+        await c.post("/admin/plans", json={"name": "small", "monthly_token_quota": 60}, headers=admin)
+        await c.put("/admin/tenant-plans/acme", json={"plan": "small"}, headers=admin)
+        chat = {"model": model, "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+
+        async def ask(**extra):
+            return await c.post("/v1/chat/completions", json={**chat, **extra}, headers=ua.headers(acme["key"]))
+
+        r = await ask()  # would reserve prompt + 256 - prompt before: refused with 60 tokens left
+        assert r.status_code == 200, r.text
+        usage, prompt = r.json()["usage"], r.json()["usage"]["prompt_tokens"]
+        assert usage["total_tokens"] == 60 and r.json()["choices"][0]["finish_reason"] == "length", usage
+        r = await ask()
+        assert r.status_code == 429 and "exceeded your monthly token quota" in r.json()["error"]["message"]
+
+        async def left(tokens):  # a quota override leaving exactly ``tokens``
+            r = await c.put("/admin/tenant-plans/acme", json={"monthly_token_quota": 60 + tokens}, headers=admin)
+            assert r.status_code == 200, r.text
+
+        await left(prompt)  # the prompt fits, no completion token does
+        r = await ask()
+        assert r.status_code == 429 and r.json()["error"]["code"] == "insufficient_quota"
+        message = r.json()["error"]["message"]
+        assert f"at least {prompt + 1} tokens" in message and "without max_tokens" in message, message
+        assert f"only {prompt} of the monthly quota" in message, message
+        await left(prompt + 5)
+        r = await ask(max_tokens=6)  # a budget the client set is a promise: refused, not cut
+        assert r.status_code == 429 and "prompt + max_tokens x n" in r.json()["error"]["message"]
+        r = await ask(n=2)  # two choices share what is left: 2 tokens each
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+        assert [ch["finish_reason"] for ch in r.json()["choices"]] == ["length", "length"]
+        mine = (await c.get("/v1/usage", headers=ua.headers(acme["key"]))).json()
+        assert mine["quota"]["used_tokens"] == 60 + prompt + 4 <= mine["quota"]["monthly_token_quota"]

@@ -7,7 +7,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jinja2 import TemplateError
 from litestar import Request
@@ -177,21 +177,26 @@ async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]]
     except ApiError:
         services.metrics.rejected.labels("admission").inc()
         raise
-    estimate = sum(len(ids) for ids in prompts) + budget * n * len(prompts)
+    prompt_tokens, sequences = sum(len(ids) for ids in prompts), n * len(prompts)
+    # without max_tokens the budget is the server's default, no promise: the quota may cut it to what it has left
+    at_least = prompt_tokens + max(1, req.min_tokens or 0) * sequences if max_tokens is None else None
     async with contextlib.AsyncExitStack() as held:  # given back on any exit, unless the generation takes it
         held.callback(services.admission.release)
         try:
-            grant = await services.limiter.admit(principal, estimate)
-        except ApiError as exc:
-            services.metrics.rejected.labels("rate_limit" if exc.status_code == 429 else "other").inc()
-            raise
-        held.push_async_callback(services.limiter.settle, principal, grant, 0)
-        try:
-            reservation = await services.quota.reserve(principal, estimate)
+            reservation = await services.quota.reserve(principal, prompt_tokens + budget * sequences, at_least)
         except ApiError:
             services.metrics.rejected.labels("quota").inc()
             raise
         held.callback(services.quota.release, reservation)
+        if reservation is not None and reservation.tokens < prompt_tokens + budget * sequences:
+            budget = (reservation.tokens - prompt_tokens) // sequences
+            params = replace(params, max_tokens=budget)  # at_least kept it >= 1 and >= min_tokens
+        try:
+            grant = await services.limiter.admit(principal, prompt_tokens + budget * sequences)
+        except ApiError as exc:
+            services.metrics.rejected.labels("rate_limit" if exc.status_code == 429 else "other").inc()
+            raise
+        held.push_async_callback(services.limiter.settle, principal, grant, 0)
         prefix = "chatcmpl" if endpoint == "chat.completions" else "cmpl"
         response_id = new_response_id(prefix)
         if services.settings.log_prompts:  # off by default: prompts are tenants' data

@@ -6,6 +6,11 @@ the ledger since + events still in this process's spool, and ``reserved`` = the 
 (``prompt + max_tokens * n``) of this process's requests still running. A reservation is released when
 the request's usage event is in the sink, so no token is ever invisible to the check.
 
+A request that did not set ``max_tokens`` runs on the server's default budget (the rest of the context, up to
+``max_tokens_limit``), which is no promise to the client: it is cut to what is left of the quota (down to
+``at_least``: the prompt and one completion token per choice), so a tenant near its quota is not refused a
+small request for a worst case it never asked for, and the quota still holds exactly.
+
 With several replicas, each sees the others' usage once it reaches the ledger and the cache expires
 (:data:`LEDGER_CACHE_TTL_S`): a burst spread over replicas can overshoot by what they admit in that time.
 """
@@ -30,10 +35,15 @@ LEDGER_CACHE_TTL_S = 5.0
 PLAN_CACHE_TTL_S = 5.0
 
 
-def insufficient_quota(quota: int, used: int, needed: int) -> ApiError:
+def insufficient_quota(quota: int, used: int, needed: int, *, default_budget: bool = False) -> ApiError:
+    """``default_budget``: the request set no ``max_tokens`` and ``needed`` is the least it could run on."""
     left = max(0, quota - used)
     if left == 0:
         message = f"You exceeded your monthly token quota ({quota} tokens); it resets at the start of next month (UTC)."
+    elif default_budget:
+        message = (f"This request needs at least {needed} tokens (its prompt and its first completion tokens; "
+                   f"without max_tokens the completion is cut to what the quota has left) but only {left} of the "
+                   f"monthly quota of {quota} tokens are left; shorten the prompt or wait for next month.")
     else:
         message = (f"This request may use up to {needed} tokens (prompt + max_tokens x n) but only {left} of the "
                    f"monthly quota of {quota} tokens are left; lower max_tokens or wait for next month.")
@@ -125,7 +135,10 @@ class QuotaTracker:
 
     # ---- QuotaGate --------------------------------------------------------------------------------
 
-    async def reserve(self, principal: Principal, estimated_tokens: int) -> Reservation | None:
+    async def reserve(self, principal: Principal, estimated_tokens: int,
+                      at_least: int | None = None) -> Reservation | None:
+        """Reserve ``estimated_tokens``, or with ``at_least`` (a request on the default budget) what is left, down
+        to ``at_least``: ``Reservation.tokens`` says how many were granted."""
         quota = await self.quota_of(principal.tenant_id)
         if quota is None:
             return None
@@ -135,10 +148,13 @@ class QuotaTracker:
         # no await from here on: check and reserve are one step
         key = (principal.tenant_id, start)
         taken = used + self._reserved[key]
-        if taken + estimated_tokens > quota:
-            raise insufficient_quota(quota, taken, estimated_tokens)
-        self._reserved[key] += estimated_tokens
-        return Reservation(principal.tenant_id, start, estimated_tokens)
+        grant = estimated_tokens
+        if at_least is not None:
+            grant = max(min(estimated_tokens, quota - taken), at_least)
+        if taken + grant > quota:
+            raise insufficient_quota(quota, taken, grant, default_budget=at_least is not None)
+        self._reserved[key] += grant
+        return Reservation(principal.tenant_id, start, grant)
 
     def release(self, reservation: Reservation | None) -> None:
         if reservation is None:
