@@ -44,6 +44,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from loraplex import closed_pipe
 from loraplex.engine import batch_options
 from loraplex.engine.batch_window import Line, RollingWindow
 from loraplex.engine.config import KV_CACHE_DTYPES
@@ -149,9 +150,10 @@ def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None
         try:
             finished = window.run(lines, stop=lambda: bool(received), tick=progress.tick)
         except BrokenPipeError:
-            if args.output != "-":
+            if args.output != "-" or not closed_pipe.reader_gone(dst):
                 raise
-            return _reader_gone(window.stats.num_written)
+            return closed_pipe.stop(f"loraplex batch: stopped: the reader of stdout closed it after "
+                                    f"{window.stats.num_written} lines", dst)
         except Exception:
             if args.output == "-":  # nothing to resume: the lines went to a pipe
                 log.error("batch: failed after writing %d lines to stdout", window.stats.num_written)
@@ -175,17 +177,6 @@ def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None
                     num_kept + stats.num_written, reached, stats.num_dropped)
         return 128 + signum
     return 0 if stats.num_failed + num_kept_failed == 0 else 1
-
-
-def _reader_gone(num_written: int) -> int:
-    """OUTPUT is stdout and its reader closed the pipe (``| head``): stop as a shell command does on SIGPIPE,
-    with one line on stderr instead of a traceback."""
-    # stdout's buffered rest would fail again when Python flushes it at exit ("Exception ignored ...")
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, _stdout().fileno())
-    os.close(devnull)
-    log.warning("batch: stopped: the reader of stdout closed it after %d lines", num_written)
-    return 128 + signal.SIGPIPE
 
 
 # ---- arguments ---------------------------------------------------------------------------------------------
