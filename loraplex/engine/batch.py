@@ -138,7 +138,7 @@ def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None
     loaded = time.monotonic()
     num_kept, num_kept_failed = kept
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    lines = (_parse(seq, line_no, raw, defaults) for seq, (line_no, raw) in enumerate(scanned))
+    lines = (_parse(seq, line_no, raw, defaults, args.enable_lora) for seq, (line_no, raw) in enumerate(scanned))
 
     def write(data: bytes) -> None:
         dst.write(data)
@@ -262,7 +262,7 @@ def _decode(line_no: int, raw: bytes):
     return item, item.get("id", line_no), None
 
 
-def _parse(seq: int, line_no: int, raw: bytes, defaults: dict) -> Line:
+def _parse(seq: int, line_no: int, raw: bytes, defaults: dict, enable_lora: bool) -> Line:
     item, rid, error = _decode(line_no, raw)
     if error is not None:
         return Line(seq, line_no, rid, error=error)
@@ -284,14 +284,13 @@ def _parse(seq: int, line_no: int, raw: bytes, defaults: dict) -> Line:
         unknown = sorted(params.keys() - _PARAM_FIELDS)
         if unknown:
             raise ValueError(f"params.{unknown[0]}: not a SamplingParams field")
-        lora = item.get("lora")
-        return Line(seq, line_no, rid, prompt, SamplingParams(**{**defaults, **params}),
-                    _lora_request(lora) if lora is not None else None)
+        lora = _lora_request(item["lora"], enable_lora) if item.get("lora") is not None else None
+        return Line(seq, line_no, rid, prompt, SamplingParams(**{**defaults, **params}), lora)
     except (ValueError, TypeError) as exc:
         return Line(seq, line_no, rid, error=str(exc))
 
 
-def _lora_request(lora) -> LoRARequest:
+def _lora_request(lora, enable_lora: bool) -> LoRARequest:
     if not (isinstance(lora, dict) and {"name", "id", "path"} <= lora.keys()):
         raise ValueError("'lora' must be an object with 'name', 'id' and 'path'")
     for key, ok, what in (("name", isinstance(lora["name"], str), "a string"),
@@ -299,6 +298,8 @@ def _lora_request(lora) -> LoRARequest:
                           ("path", isinstance(lora["path"], str), "a string (a PEFT adapter directory)")):
         if not ok:
             raise ValueError(f"lora.{key}: must be {what}, got {_short(lora[key])}")
+    if not enable_lora:  # the engine's own message names its field, enable_lora, not the flag the user types
+        raise ValueError(f"lora: adapter {lora['name']!r} needs --enable-lora (this run has no adapters)")
     return LoRARequest(lora["name"], lora["id"], lora["path"])
 
 

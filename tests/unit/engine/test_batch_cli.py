@@ -11,6 +11,7 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.cli import main
+from tests.conftest import adapter_dir
 
 
 def test_batch_command_writes_one_line_per_input(tiny_model, tmp_path):
@@ -401,6 +402,20 @@ def test_mistyped_prompt_token_ids_and_lora_fields_fail_their_line_naming_the_fi
                        ("param", "params.temprature")):
         assert field in out[rid].get("error", ""), out[rid]
     assert out["ok"]["outputs"][0]["token_ids"] == _greedy(tiny_model, [([1, 40], 2)])[0]
+
+
+def test_a_lora_line_without_enable_lora_fails_naming_the_flag(tiny_model, tmp_path):
+    """Its error named the engine's field ("this engine was started without enable_lora"), not the flag to pass;
+    the other lines still run."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [
+        {"id": "lora", "prompt_token_ids": [1, 40], "lora": {"name": "a", "id": 1, "path": adapter_dir(tiny_model, 0)}},
+        {"id": "base", "prompt_token_ids": [1, 40]},
+    ])
+    assert _run(tiny_model, src, dst, "--max-tokens", "2") == 1
+    out = {o["id"]: o for o in map(json.loads, dst.read_text().splitlines())}
+    assert "--enable-lora" in out["lora"]["error"] and "enable_lora" not in out["lora"]["error"], out["lora"]
+    assert out["base"]["outputs"][0]["token_ids"] == _greedy(tiny_model, [([1, 40], 2)])[0]
 
 
 @pytest.mark.parametrize("flags, needles", [
