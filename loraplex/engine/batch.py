@@ -4,7 +4,8 @@ Input: one JSON object a line, with ``prompt`` (text) or ``prompt_token_ids``, a
 (SamplingParams fields, over the command's defaults) and ``lora`` (``{"name", "id", "path"}``). Blank lines are
 skipped. ``id`` comes back exactly as given (``5`` stays the number 5); a line without one (or one that is not
 a JSON object) gets its 1-based line number in the input, an integer, counting every physical line, blank
-ones included.
+ones included. Two lines with one id are refused before anything runs (their output lines could not be told
+apart); stdin is read to its end first, into a temporary file.
 
 Output: one line per non-blank input line, in input order: ``{"id", "outputs": [{"index", "text", "token_ids",
 "finish_reason", "stop_reason", "error"}], "num_prompt_tokens", "num_cached_tokens"}`` (plus ``logprobs`` and
@@ -39,7 +40,9 @@ import logging
 import os
 import re
 import signal
+import stat
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -111,6 +114,7 @@ def _run(args) -> int:
         raise BatchError(f"--reorder-buffer must be at least --max-in-flight ({max_in_flight}), got {reorder}")
     src, total_lines = _open_input(args)
     try:
+        _check_unique_ids(src, args.input)
         scanned = _scan(src)
         dst, num_kept, num_kept_failed = _open_output(args, scanned)
         try:
@@ -219,23 +223,67 @@ def _stdout():
 
 
 def _open_input(args):
-    """The input as bytes (a line that is not UTF-8 is that line's error), and its number of lines when it is
-    a file (for progress)."""
+    """The input as bytes (a line that is not UTF-8 is that line's error) in a file that can be read twice, and
+    its number of lines (for progress). Stdin or a pipe is first copied to a temporary file: its ids are checked
+    (_check_unique_ids) before the first line runs."""
     if args.input == "-":
-        return _stdin(), None
-    try:
-        src = open(args.input, "rb")  # noqa: SIM115
-    except OSError as exc:
-        raise BatchError(f"cannot read INPUT {args.input}: {exc.strerror}") from None
-    total = None
-    if os.path.isfile(args.input):
-        total, last = 0, b"\n"
-        for chunk in iter(lambda: src.read(1 << 20), b""):
-            total += chunk.count(b"\n")
-            last = chunk[-1:]
-        total += last != b"\n"  # a last line without a newline
-        src.seek(0)
+        src = _stdin()
+    else:
+        try:
+            src = open(args.input, "rb")  # noqa: SIM115
+        except OSError as exc:
+            raise BatchError(f"cannot read INPUT {args.input}: {exc.strerror}") from None
+    if not _is_regular_file(src):
+        spooled = tempfile.TemporaryFile()  # noqa: SIM115
+        for raw in src:
+            spooled.write(raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else raw)
+        if src is not _stdin():
+            src.close()
+        src = spooled
+    total, last = 0, b"\n"
+    src.seek(0)
+    for chunk in iter(lambda: src.read(1 << 20), b""):
+        total += chunk.count(b"\n")
+        last = chunk[-1:]
+    total += last != b"\n"  # a last line without a newline
+    src.seek(0)
     return src, total
+
+
+def _is_regular_file(stream) -> bool:
+    try:
+        return stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (a test's stdin)
+        return False
+
+
+def _check_unique_ids(src, name: str) -> None:
+    """Refuse an input in which two lines have one id (as OpenAI's batch API refuses a repeated custom_id): their
+    output lines could not be told apart. A line without an id has its line number, which may be another line's."""
+    first: dict[str, int] = {}  # the id as canonical JSON -> the first line that has it
+    repeats: dict[str, list[int]] = {}
+    numbered: set[int] = set()  # lines whose id is their line number
+    for line_no, raw in _scan(src):
+        item, rid, _ = _decode(line_no, raw)
+        if item is _NOT_AN_OBJECT or "id" not in item:
+            numbered.add(line_no)
+        key = json.dumps(rid, sort_keys=True)
+        if key in first:
+            repeats.setdefault(key, [first[key]]).append(line_no)
+        else:
+            first[key] = line_no
+    src.seek(0)
+    if not repeats:
+        return
+    shown = []
+    for key, line_nos in list(repeats.items())[:5]:
+        where = ", ".join(map(str, line_nos[:-1])) + f" and {line_nos[-1]}"
+        without = [n for n in line_nos if n in numbered]
+        shown.append(f"id {_short(json.loads(key))} on lines {where}"
+                     + (f" (line {without[0]} has no id, so its id is its line number)" if without else ""))
+    more = f"; {len(repeats) - len(shown)} more repeated ids" if len(repeats) > len(shown) else ""
+    raise BatchError(f"INPUT {name} repeats ids, so its output lines could not be matched to its lines: "
+                     f"{'; '.join(shown)}{more}. Give every line its own id")
 
 
 def _scan(src) -> Iterator[tuple[int, bytes]]:

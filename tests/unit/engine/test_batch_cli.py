@@ -404,6 +404,54 @@ def test_mistyped_prompt_token_ids_and_lora_fields_fail_their_line_naming_the_fi
     assert out["ok"]["outputs"][0]["token_ids"] == _greedy(tiny_model, [([1, 40], 2)])[0]
 
 
+@pytest.mark.parametrize("stdin", [False, True])
+def test_repeated_ids_are_refused_before_anything_runs_naming_the_lines(stdin, tiny_model, tmp_path, capsys,
+                                                                        monkeypatch):
+    """Two lines with one id (an explicit one, or a line without an id whose line number is another line's id)
+    ran, and their output lines could not be told apart: the input is refused up front, as OpenAI's batch API
+    refuses a repeated custom_id, naming the id and the lines; OUTPUT is not created."""
+    import io
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [
+        {"id": 3, "prompt": "a"},
+        {"prompt": "b"},  # line 2: id 2
+        {"prompt": "c"},  # line 3: id 3, as line 1
+        {"id": "x", "prompt": "d"},
+        {"id": 2, "prompt": "e"},  # as line 2
+        {"id": "x", "prompt": "f"},
+        {"id": "3", "prompt": "g"},  # the string "3" is another id than the number 3
+        {"id": "x", "prompt": "h"},
+    ])
+    if stdin:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(src.read_bytes())))
+    rc = main(["batch", "-" if stdin else str(src), str(dst), "--model", tiny_model["model_dir"], *MODEL_ARGS])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = [x for x in err.splitlines() if "loraplex batch: error:" in x]
+    assert len(lines) == 1 and "Traceback" not in err and "engine ready" not in err, err
+    assert "id 3 on lines 1 and 3 (line 3 has no id, so its id is its line number)" in lines[0], err
+    assert "id 2 on lines 2 and 5 (line 2 has no id" in lines[0], err
+    assert 'id "x" on lines 4, 6 and 8' in lines[0] and '"3"' not in lines[0], err
+    assert not dst.exists()
+
+
+def test_stdin_input_runs_like_a_file(tiny_model, tmp_path, monkeypatch):
+    """INPUT - is copied to a temporary file first (its ids are checked before the first line runs); the lines,
+    their order and the default ids are those of the same file."""
+    import io
+
+    params = {"ignore_eos": True}
+    items = [{"id": "a", "prompt_token_ids": [1, 40], "params": params}, "", {"prompt_token_ids": [1, 41], "params": params}]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, items)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(src.read_bytes())))
+    assert _run(tiny_model, "-", dst, "--max-tokens", "2") == 0
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert [o["id"] for o in out] == ["a", 3]
+    assert [o["outputs"][0]["token_ids"] for o in out] == _greedy(tiny_model, [([1, 40], 2), ([1, 41], 2)])
+
+
 def test_a_lora_line_without_enable_lora_fails_naming_the_flag(tiny_model, tmp_path):
     """Its error named the engine's field ("this engine was started without enable_lora"), not the flag to pass;
     the other lines still run."""
