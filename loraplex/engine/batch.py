@@ -25,7 +25,8 @@ kv_cache_dtype, max_tokens, temperature, seed, ...) in ``OUTPUT.options.json`` (
 is refused, naming the flags. SIGINT/SIGTERM: no new lines are added, the lines in flight are aborted, the
 finished lines before the oldest unfinished one are written, and the command exits with 128 + the signal
 number; ``--resume`` continues from there. OUTPUT ``-`` whose reader closes the pipe (``| head``) stops the run
-with one line on stderr and exit code 141 (128 + SIGPIPE). Exit codes: 0 every line ran, 1 some line failed, 2 bad
+with one line on stderr and exit code 141 (128 + SIGPIPE). An OUTPUT that is not a regular file (``/dev/null``, a
+named pipe) is written like ``-``: no options file beside it, no --resume. Exit codes: 0 every line ran, 1 some line failed, 2 bad
 arguments or an OUTPUT that cannot be used.
 """
 
@@ -148,19 +149,21 @@ def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None
         dst.write(data)
         dst.flush()
 
+    streamed = _is_stream(args.output)
+    where = "stdout" if args.output == "-" else args.output
     window = RollingWindow(llm, write, max_in_flight, reorder)
     progress = _Progress(llm.engine, window.stats, args.progress_interval, total_lines, num_kept)
     with _stop_on_signals() as received:
         try:
             finished = window.run(lines, stop=lambda: bool(received), tick=progress.tick)
         except BrokenPipeError:
-            if args.output != "-" or not closed_pipe.reader_gone(dst):
+            if not (streamed and closed_pipe.reader_gone(dst)):
                 raise
-            return closed_pipe.stop(f"loraplex batch: stopped: the reader of stdout closed it after "
+            return closed_pipe.stop(f"loraplex batch: stopped: the reader of {where} closed it after "
                                     f"{window.stats.num_written} lines", dst)
         except Exception:
-            if args.output == "-":  # nothing to resume: the lines went to a pipe
-                log.error("batch: failed after writing %d lines to stdout", window.stats.num_written)
+            if streamed:  # nothing to resume: the lines went to a pipe or a device
+                log.error("batch: failed after writing %d lines to %s", window.stats.num_written, where)
             else:
                 log.error("batch: failed after writing %d lines (%d in all); the same command with --resume "
                           "continues after them", window.stats.num_written, num_kept + window.stats.num_written)
@@ -176,6 +179,10 @@ def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None
     if not finished:
         signum = received[0]
         reached = f" (through input line {stats.last_line_no})" if stats.last_line_no else ""
+        if streamed:
+            log.warning("batch: stopped by %s after writing %d complete lines%s to %s, which is not a file: there "
+                        "is nothing to --resume", signal.Signals(signum).name, stats.num_written, reached, where)
+            return 128 + signum
         log.warning("batch: stopped by %s: %s holds %d complete lines%s; %d unfinished lines were dropped; run "
                     "the same command with --resume to continue", signal.Signals(signum).name, args.output,
                     num_kept + stats.num_written, reached, stats.num_dropped)
@@ -363,10 +370,15 @@ def _open_output(args, scanned: Iterator[tuple[int, bytes]]):
     """The output to append to, how many of its lines an earlier run left (their input lines are taken from
     ``scanned``), and how many of those failed."""
     path = args.output
-    if path == "-":
+    if _is_stream(path):  # no options file beside it, nothing to resume, nothing to overwrite
         if args.resume:
-            raise BatchError("--resume needs OUTPUT to be a file, not -")
-        return _stdout(), 0, 0
+            raise BatchError(f"--resume needs OUTPUT to be a regular file, not {path}")
+        if path == "-":
+            return _stdout(), 0, 0
+        try:
+            return open(path, "wb"), 0, 0  # noqa: SIM115
+        except OSError as exc:
+            raise BatchError(f"cannot write OUTPUT {path}: {exc.strerror}") from None
     if args.input != "-" and os.path.exists(path) and os.path.samefile(args.input, path):
         raise BatchError(f"OUTPUT {path} is the INPUT file")
     size = os.path.getsize(path) if os.path.isfile(path) else 0
@@ -388,6 +400,12 @@ def _open_output(args, scanned: Iterator[tuple[int, bytes]]):
         dst.close()
         raise BatchError(f"cannot write {batch_options.path_of(path)}: {exc.strerror}") from None
     return dst, num_kept, num_kept_failed
+
+
+def _is_stream(path: str) -> bool:
+    """OUTPUT ``-``, or a path that exists and is not a regular file (``/dev/null``, a named pipe, ``/dev/stdout``):
+    written like stdout, with no ``OUTPUT.options.json`` beside it (``/dev/null.options.json``) and no --resume."""
+    return path == "-" or (os.path.exists(path) and not os.path.isfile(path))
 
 
 def _check_options(path: str, options: dict) -> None:

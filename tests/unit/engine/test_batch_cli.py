@@ -452,6 +452,34 @@ def test_stdin_input_runs_like_a_file(tiny_model, tmp_path, monkeypatch):
     assert [o["outputs"][0]["token_ids"] for o in out] == _greedy(tiny_model, [([1, 40], 2), ([1, 41], 2)])
 
 
+def test_an_output_that_is_not_a_regular_file_is_written_like_stdout(tiny_model, tmp_path, capsys):
+    """OUTPUT /dev/null, a named pipe or /dev/stdout failed writing OUTPUT.options.json beside it (as root it wrote
+    /dev/null.options.json): such an OUTPUT gets the lines and nothing beside it, and --resume is refused."""
+    import os
+    import threading
+
+    src, fifo = tmp_path / "in.jsonl", tmp_path / "out.fifo"
+    params = {"ignore_eos": True}
+    _write_jsonl(src, [{"id": "a", "prompt_token_ids": [1, 40], "params": params},
+                       {"id": "b", "prompt_token_ids": [1, 41], "params": params}])
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    rc = _run(tiny_model, src, fifo, "--max-tokens", "2")
+    reader.join(timeout=60)
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    out = [json.loads(x) for x in received[0].decode().splitlines()]
+    assert [o["id"] for o in out] == ["a", "b"]
+    assert [o["outputs"][0]["token_ids"] for o in out] == _greedy(tiny_model, [([1, 40], 2), ([1, 41], 2)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.fifo"]  # no out.fifo.options.json
+
+    assert _run(tiny_model, src, os.devnull, "--resume") == 2
+    err = capsys.readouterr().err
+    assert "--resume needs OUTPUT to be a regular file, not /dev/null" in err and "Traceback" not in err, err
+
+
 def test_a_lora_line_without_enable_lora_fails_naming_the_flag(tiny_model, tmp_path):
     """Its error named the engine's field ("this engine was started without enable_lora"), not the flag to pass;
     the other lines still run."""
