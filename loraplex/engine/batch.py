@@ -102,6 +102,11 @@ def run(args) -> int:
     except BatchError as exc:
         sys.stderr.write(f"loraplex batch: error: {exc}\n")
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C before the lines start (reading the input, loading the model): _stop_on_signals handles SIGINT
+        # from the first line on, so no line has run and none was written
+        sys.stderr.write("loraplex batch: interrupted before the first line ran\n")
+        return 128 + signal.SIGINT
 
 
 def _run(args) -> int:
@@ -131,6 +136,7 @@ def _run(args) -> int:
 
 def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None, max_in_flight: int,
               reorder: int, started: float) -> int:
+    log.info("batch: loading the model from %s", args.model)
     from loraplex.engine.llm import LLM
 
     try:

@@ -306,6 +306,52 @@ def test_stdout_closed_by_its_reader_stops_with_one_line_and_exit_141(tiny_model
     assert "the reader of stdout closed it" in err
 
 
+# the batch command with a model load that waits (a hook, so that the SIGINT surely comes while it loads)
+_SLOW_LOAD = """
+import sys, time
+import loraplex.engine.llm
+def slow_load(self, *args, **kwargs):
+    sys.stderr.write("hook: loading\\n")
+    sys.stderr.flush()
+    time.sleep(30)
+loraplex.engine.llm.LLM.__init__ = slow_load
+from loraplex.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_130(tmp_path):
+    """SIGINT before the lines start (here while the model loads) was a KeyboardInterrupt traceback."""
+    import os
+    import subprocess
+    import sys
+
+    src, dst, model = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "model"
+    _write_jsonl(src, [{"id": "a", "prompt": "Hi"}])
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_LOAD, "batch", str(src), str(dst), "--model", str(model)],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        before = []
+        for line in proc.stderr:
+            before.append(line)
+            if line == "hook: loading\n":
+                break
+        proc.send_signal(signal.SIGINT)
+        err = "".join(before) + proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "hook: loading\n" in before, err[-2000:]
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == "loraplex batch: interrupted before the first line ran", err[-2000:]
+
+
 def test_resume_refuses_other_generation_options_naming_them(tiny_model, tmp_path, capsys):
     """The kept lines and the new ones must come from the same options: a --resume that changes one is refused
     in one line naming the flag, and OUTPUT stays as it was; flags that only schedule (--max-num-seqs) may
