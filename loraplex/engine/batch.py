@@ -26,8 +26,9 @@ is refused, naming the flags. SIGINT/SIGTERM: no new lines are added, the lines 
 finished lines before the oldest unfinished one are written, and the command exits with 128 + the signal
 number; ``--resume`` continues from there. OUTPUT ``-`` whose reader closes the pipe (``| head``) stops the run
 with one line on stderr and exit code 141 (128 + SIGPIPE). An OUTPUT that is not a regular file (``/dev/null``, a
-named pipe) is written like ``-``: no options file beside it, no --resume. Exit codes: 0 every line ran, 1 some line failed, 2 bad
-arguments or an OUTPUT that cannot be used.
+named pipe) is written like ``-``: no options file beside it, no --resume. Ctrl-C before the first line starts
+(reading the input, loading the model) is one line on stderr and exit code 130. Exit codes: 0 every line ran,
+1 some line failed, 2 bad arguments or an OUTPUT that cannot be used.
 """
 
 from __future__ import annotations

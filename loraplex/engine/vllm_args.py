@@ -23,7 +23,7 @@ _LOCAL = "Loraplex loads a local model directory and downloads nothing"
 # name: (the values vLLM takes by default, or that change nothing; why the argument changes nothing here)
 IGNORED = {
     "trust_remote_code": ((False,), "Loraplex runs its own Llama-family model code, never code from a checkpoint"),
-    "tokenizer_mode": (("auto", "hf"), "the tokenizer is always AutoTokenizer's default (the fast one if there is one)"),
+    "tokenizer_mode": (("auto", "hf"), "the tokenizer is AutoTokenizer's default (the fast one where there is one)"),
     "swap_space": ((4,), "there is no CPU swap space: a preempted request is recomputed"),
     "max_seq_len_to_capture": ((8192,), "CUDA graphs are captured per batch size (enforce_eager turns them off)"),
     "disable_custom_all_reduce": ((False, True), "tensor parallelism all-reduces through NCCL"),

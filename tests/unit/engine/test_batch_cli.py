@@ -488,7 +488,8 @@ def test_stdin_input_runs_like_a_file(tiny_model, tmp_path, monkeypatch):
     import io
 
     params = {"ignore_eos": True}
-    items = [{"id": "a", "prompt_token_ids": [1, 40], "params": params}, "", {"prompt_token_ids": [1, 41], "params": params}]
+    items = [{"id": "a", "prompt_token_ids": [1, 40], "params": params}, "",
+             {"prompt_token_ids": [1, 41], "params": params}]
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, items)
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(src.read_bytes())))
