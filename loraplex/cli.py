@@ -12,6 +12,7 @@ import importlib
 import logging
 import sys
 
+from loraplex import closed_pipe
 from loraplex.log import setup_logging
 from loraplex.settings import ConfigError, unknown_variables
 
@@ -52,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 2
         rc = args.func(args)
+        sys.stdout.flush()  # here, not at exit: a reader that has gone away (| head -1) fails inside this try
+    except BrokenPipeError:
+        if not closed_pipe.reader_gone():
+            raise
+        return closed_pipe.stop(f"loraplex {args.command}: stopped: the reader of stdout closed it")
     except ConfigError as exc:
         # something the operator can fix (a setting, a URL, a service that is down): one line, no traceback
         print(f"error: {exc}", file=sys.stderr)

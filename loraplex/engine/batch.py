@@ -4,7 +4,8 @@ Input: one JSON object a line, with ``prompt`` (text) or ``prompt_token_ids``, a
 (SamplingParams fields, over the command's defaults) and ``lora`` (``{"name", "id", "path"}``). Blank lines are
 skipped. ``id`` comes back exactly as given (``5`` stays the number 5); a line without one (or one that is not
 a JSON object) gets its 1-based line number in the input, an integer, counting every physical line, blank
-ones included.
+ones included. Two lines with one id are refused before anything runs (their output lines could not be told
+apart); stdin is read to its end first, into a temporary file.
 
 Output: one line per non-blank input line, in input order: ``{"id", "outputs": [{"index", "text", "token_ids",
 "finish_reason", "stop_reason", "error"}], "num_prompt_tokens", "num_cached_tokens"}`` (plus ``logprobs`` and
@@ -24,8 +25,10 @@ kv_cache_dtype, max_tokens, temperature, seed, ...) in ``OUTPUT.options.json`` (
 is refused, naming the flags. SIGINT/SIGTERM: no new lines are added, the lines in flight are aborted, the
 finished lines before the oldest unfinished one are written, and the command exits with 128 + the signal
 number; ``--resume`` continues from there. OUTPUT ``-`` whose reader closes the pipe (``| head``) stops the run
-with one line on stderr and exit code 141 (128 + SIGPIPE). Exit codes: 0 every line ran, 1 some line failed, 2 bad
-arguments or an OUTPUT that cannot be used.
+with one line on stderr and exit code 141 (128 + SIGPIPE). An OUTPUT that is not a regular file (``/dev/null``, a
+named pipe) is written like ``-``: no options file beside it, no --resume. Ctrl-C before the first line starts
+(reading the input, loading the model) is one line on stderr and exit code 130. Exit codes: 0 every line ran,
+1 some line failed, 2 bad arguments or an OUTPUT that cannot be used.
 """
 
 from __future__ import annotations
@@ -39,11 +42,14 @@ import logging
 import os
 import re
 import signal
+import stat
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 
+from loraplex import closed_pipe
 from loraplex.engine import batch_options
 from loraplex.engine.batch_window import Line, RollingWindow
 from loraplex.engine.config import KV_CACHE_DTYPES
@@ -97,6 +103,11 @@ def run(args) -> int:
     except BatchError as exc:
         sys.stderr.write(f"loraplex batch: error: {exc}\n")
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C before the lines start (reading the input, loading the model): _stop_on_signals handles SIGINT
+        # from the first line on, so no line has run and none was written
+        sys.stderr.write("loraplex batch: interrupted before the first line ran\n")
+        return 128 + signal.SIGINT
 
 
 def _run(args) -> int:
@@ -110,6 +121,7 @@ def _run(args) -> int:
         raise BatchError(f"--reorder-buffer must be at least --max-in-flight ({max_in_flight}), got {reorder}")
     src, total_lines = _open_input(args)
     try:
+        _check_unique_ids(src, args.input)
         scanned = _scan(src)
         dst, num_kept, num_kept_failed = _open_output(args, scanned)
         try:
@@ -125,6 +137,7 @@ def _run(args) -> int:
 
 def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None, max_in_flight: int,
               reorder: int, started: float) -> int:
+    log.info("batch: loading the model from %s", args.model)
     from loraplex.engine.llm import LLM
 
     try:
@@ -137,24 +150,27 @@ def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None
     loaded = time.monotonic()
     num_kept, num_kept_failed = kept
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    lines = (_parse(seq, line_no, raw, defaults) for seq, (line_no, raw) in enumerate(scanned))
+    lines = (_parse(seq, line_no, raw, defaults, args.enable_lora) for seq, (line_no, raw) in enumerate(scanned))
 
     def write(data: bytes) -> None:
         dst.write(data)
         dst.flush()
 
+    streamed = _is_stream(args.output)
+    where = "stdout" if args.output == "-" else args.output
     window = RollingWindow(llm, write, max_in_flight, reorder)
     progress = _Progress(llm.engine, window.stats, args.progress_interval, total_lines, num_kept)
     with _stop_on_signals() as received:
         try:
             finished = window.run(lines, stop=lambda: bool(received), tick=progress.tick)
         except BrokenPipeError:
-            if args.output != "-":
+            if not (streamed and closed_pipe.reader_gone(dst)):
                 raise
-            return _reader_gone(window.stats.num_written)
+            return closed_pipe.stop(f"loraplex batch: stopped: the reader of {where} closed it after "
+                                    f"{window.stats.num_written} lines", dst)
         except Exception:
-            if args.output == "-":  # nothing to resume: the lines went to a pipe
-                log.error("batch: failed after writing %d lines to stdout", window.stats.num_written)
+            if streamed:  # nothing to resume: the lines went to a pipe or a device
+                log.error("batch: failed after writing %d lines to %s", window.stats.num_written, where)
             else:
                 log.error("batch: failed after writing %d lines (%d in all); the same command with --resume "
                           "continues after them", window.stats.num_written, num_kept + window.stats.num_written)
@@ -170,22 +186,15 @@ def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None
     if not finished:
         signum = received[0]
         reached = f" (through input line {stats.last_line_no})" if stats.last_line_no else ""
+        if streamed:
+            log.warning("batch: stopped by %s after writing %d complete lines%s to %s, which is not a file: there "
+                        "is nothing to --resume", signal.Signals(signum).name, stats.num_written, reached, where)
+            return 128 + signum
         log.warning("batch: stopped by %s: %s holds %d complete lines%s; %d unfinished lines were dropped; run "
                     "the same command with --resume to continue", signal.Signals(signum).name, args.output,
                     num_kept + stats.num_written, reached, stats.num_dropped)
         return 128 + signum
     return 0 if stats.num_failed + num_kept_failed == 0 else 1
-
-
-def _reader_gone(num_written: int) -> int:
-    """OUTPUT is stdout and its reader closed the pipe (``| head``): stop as a shell command does on SIGPIPE,
-    with one line on stderr instead of a traceback."""
-    # stdout's buffered rest would fail again when Python flushes it at exit ("Exception ignored ...")
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, _stdout().fileno())
-    os.close(devnull)
-    log.warning("batch: stopped: the reader of stdout closed it after %d lines", num_written)
-    return 128 + signal.SIGPIPE
 
 
 # ---- arguments ---------------------------------------------------------------------------------------------
@@ -228,23 +237,67 @@ def _stdout():
 
 
 def _open_input(args):
-    """The input as bytes (a line that is not UTF-8 is that line's error), and its number of lines when it is
-    a file (for progress)."""
+    """The input as bytes (a line that is not UTF-8 is that line's error) in a file that can be read twice, and
+    its number of lines (for progress). Stdin or a pipe is first copied to a temporary file: its ids are checked
+    (_check_unique_ids) before the first line runs."""
     if args.input == "-":
-        return _stdin(), None
-    try:
-        src = open(args.input, "rb")  # noqa: SIM115
-    except OSError as exc:
-        raise BatchError(f"cannot read INPUT {args.input}: {exc.strerror}") from None
-    total = None
-    if os.path.isfile(args.input):
-        total, last = 0, b"\n"
-        for chunk in iter(lambda: src.read(1 << 20), b""):
-            total += chunk.count(b"\n")
-            last = chunk[-1:]
-        total += last != b"\n"  # a last line without a newline
-        src.seek(0)
+        src = _stdin()
+    else:
+        try:
+            src = open(args.input, "rb")  # noqa: SIM115
+        except OSError as exc:
+            raise BatchError(f"cannot read INPUT {args.input}: {exc.strerror}") from None
+    if not _is_regular_file(src):
+        spooled = tempfile.TemporaryFile()  # noqa: SIM115
+        for raw in src:
+            spooled.write(raw.encode("utf-8", "surrogateescape") if isinstance(raw, str) else raw)
+        if src is not _stdin():
+            src.close()
+        src = spooled
+    total, last = 0, b"\n"
+    src.seek(0)
+    for chunk in iter(lambda: src.read(1 << 20), b""):
+        total += chunk.count(b"\n")
+        last = chunk[-1:]
+    total += last != b"\n"  # a last line without a newline
+    src.seek(0)
     return src, total
+
+
+def _is_regular_file(stream) -> bool:
+    try:
+        return stat.S_ISREG(os.fstat(stream.fileno()).st_mode)
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (a test's stdin)
+        return False
+
+
+def _check_unique_ids(src, name: str) -> None:
+    """Refuse an input in which two lines have one id (as OpenAI's batch API refuses a repeated custom_id): their
+    output lines could not be told apart. A line without an id has its line number, which may be another line's."""
+    first: dict[str, int] = {}  # the id as canonical JSON -> the first line that has it
+    repeats: dict[str, list[int]] = {}
+    numbered: set[int] = set()  # lines whose id is their line number
+    for line_no, raw in _scan(src):
+        item, rid, _ = _decode(line_no, raw)
+        if item is _NOT_AN_OBJECT or "id" not in item:
+            numbered.add(line_no)
+        key = json.dumps(rid, sort_keys=True)
+        if key in first:
+            repeats.setdefault(key, [first[key]]).append(line_no)
+        else:
+            first[key] = line_no
+    src.seek(0)
+    if not repeats:
+        return
+    shown = []
+    for key, line_nos in list(repeats.items())[:5]:
+        where = ", ".join(map(str, line_nos[:-1])) + f" and {line_nos[-1]}"
+        without = [n for n in line_nos if n in numbered]
+        shown.append(f"id {_short(json.loads(key))} on lines {where}"
+                     + (f" (line {without[0]} has no id, so its id is its line number)" if without else ""))
+    more = f"; {len(repeats) - len(shown)} more repeated ids" if len(repeats) > len(shown) else ""
+    raise BatchError(f"INPUT {name} repeats ids, so its output lines could not be matched to its lines: "
+                     f"{'; '.join(shown)}{more}. Give every line its own id")
 
 
 def _scan(src) -> Iterator[tuple[int, bytes]]:
@@ -271,7 +324,7 @@ def _decode(line_no: int, raw: bytes):
     return item, item.get("id", line_no), None
 
 
-def _parse(seq: int, line_no: int, raw: bytes, defaults: dict) -> Line:
+def _parse(seq: int, line_no: int, raw: bytes, defaults: dict, enable_lora: bool) -> Line:
     item, rid, error = _decode(line_no, raw)
     if error is not None:
         return Line(seq, line_no, rid, error=error)
@@ -293,14 +346,13 @@ def _parse(seq: int, line_no: int, raw: bytes, defaults: dict) -> Line:
         unknown = sorted(params.keys() - _PARAM_FIELDS)
         if unknown:
             raise ValueError(f"params.{unknown[0]}: not a SamplingParams field")
-        lora = item.get("lora")
-        return Line(seq, line_no, rid, prompt, SamplingParams(**{**defaults, **params}),
-                    _lora_request(lora) if lora is not None else None)
+        lora = _lora_request(item["lora"], enable_lora) if item.get("lora") is not None else None
+        return Line(seq, line_no, rid, prompt, SamplingParams(**{**defaults, **params}), lora)
     except (ValueError, TypeError) as exc:
         return Line(seq, line_no, rid, error=str(exc))
 
 
-def _lora_request(lora) -> LoRARequest:
+def _lora_request(lora, enable_lora: bool) -> LoRARequest:
     if not (isinstance(lora, dict) and {"name", "id", "path"} <= lora.keys()):
         raise ValueError("'lora' must be an object with 'name', 'id' and 'path'")
     for key, ok, what in (("name", isinstance(lora["name"], str), "a string"),
@@ -308,6 +360,8 @@ def _lora_request(lora) -> LoRARequest:
                           ("path", isinstance(lora["path"], str), "a string (a PEFT adapter directory)")):
         if not ok:
             raise ValueError(f"lora.{key}: must be {what}, got {_short(lora[key])}")
+    if not enable_lora:  # the engine's own message names its field, enable_lora, not the flag the user types
+        raise ValueError(f"lora: adapter {lora['name']!r} needs --enable-lora (this run has no adapters)")
     return LoRARequest(lora["name"], lora["id"], lora["path"])
 
 
@@ -323,10 +377,15 @@ def _open_output(args, scanned: Iterator[tuple[int, bytes]]):
     """The output to append to, how many of its lines an earlier run left (their input lines are taken from
     ``scanned``), and how many of those failed."""
     path = args.output
-    if path == "-":
+    if _is_stream(path):  # no options file beside it, nothing to resume, nothing to overwrite
         if args.resume:
-            raise BatchError("--resume needs OUTPUT to be a file, not -")
-        return _stdout(), 0, 0
+            raise BatchError(f"--resume needs OUTPUT to be a regular file, not {path}")
+        if path == "-":
+            return _stdout(), 0, 0
+        try:
+            return open(path, "wb"), 0, 0  # noqa: SIM115
+        except OSError as exc:
+            raise BatchError(f"cannot write OUTPUT {path}: {exc.strerror}") from None
     if args.input != "-" and os.path.exists(path) and os.path.samefile(args.input, path):
         raise BatchError(f"OUTPUT {path} is the INPUT file")
     size = os.path.getsize(path) if os.path.isfile(path) else 0
@@ -348,6 +407,12 @@ def _open_output(args, scanned: Iterator[tuple[int, bytes]]):
         dst.close()
         raise BatchError(f"cannot write {batch_options.path_of(path)}: {exc.strerror}") from None
     return dst, num_kept, num_kept_failed
+
+
+def _is_stream(path: str) -> bool:
+    """OUTPUT ``-``, or a path that exists and is not a regular file (``/dev/null``, a named pipe, ``/dev/stdout``):
+    written like stdout, with no ``OUTPUT.options.json`` beside it (``/dev/null.options.json``) and no --resume."""
+    return path == "-" or (os.path.exists(path) and not os.path.isfile(path))
 
 
 def _check_options(path: str, options: dict) -> None:

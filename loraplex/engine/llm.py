@@ -12,6 +12,7 @@ from loraplex.engine.engine_core import LLMEngine, check_type
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import CompletionOutput, RequestOutput, apply_delta
 from loraplex.engine.sampling_params import SamplingParams, snapshots
+from loraplex.engine.vllm_args import engine_options
 
 Prompt = str | dict
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class LLM:
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, seed: int = 0, tokenizer: str | None = None,
                  speculative_config: dict | None = None, **kwargs):
+        kwargs = engine_options(kwargs)  # vLLM's other keywords: dropped, or refused naming them
         if speculative_config is not None:
             kwargs.update(_speculative_options(speculative_config))
         config = EngineConfig(

@@ -11,6 +11,7 @@ import torch
 
 from loraplex import LLM, SamplingParams
 from loraplex.cli import main
+from tests.conftest import adapter_dir
 
 
 def test_batch_command_writes_one_line_per_input(tiny_model, tmp_path):
@@ -305,6 +306,52 @@ def test_stdout_closed_by_its_reader_stops_with_one_line_and_exit_141(tiny_model
     assert "the reader of stdout closed it" in err
 
 
+# the batch command with a model load that waits (a hook, so that the SIGINT surely comes while it loads)
+_SLOW_LOAD = """
+import sys, time
+import loraplex.engine.llm
+def slow_load(self, *args, **kwargs):
+    sys.stderr.write("hook: loading\\n")
+    sys.stderr.flush()
+    time.sleep(30)
+loraplex.engine.llm.LLM.__init__ = slow_load
+from loraplex.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_130(tmp_path):
+    """SIGINT before the lines start (here while the model loads) was a KeyboardInterrupt traceback."""
+    import os
+    import subprocess
+    import sys
+
+    src, dst, model = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "model"
+    _write_jsonl(src, [{"id": "a", "prompt": "Hi"}])
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_LOAD, "batch", str(src), str(dst), "--model", str(model)],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        before = []
+        for line in proc.stderr:
+            before.append(line)
+            if line == "hook: loading\n":
+                break
+        proc.send_signal(signal.SIGINT)
+        err = "".join(before) + proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "hook: loading\n" in before, err[-2000:]
+    assert proc.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == "loraplex batch: interrupted before the first line ran", err[-2000:]
+
+
 def test_resume_refuses_other_generation_options_naming_them(tiny_model, tmp_path, capsys):
     """The kept lines and the new ones must come from the same options: a --resume that changes one is refused
     in one line naming the flag, and OUTPUT stays as it was; flags that only schedule (--max-num-seqs) may
@@ -401,6 +448,97 @@ def test_mistyped_prompt_token_ids_and_lora_fields_fail_their_line_naming_the_fi
                        ("param", "params.temprature")):
         assert field in out[rid].get("error", ""), out[rid]
     assert out["ok"]["outputs"][0]["token_ids"] == _greedy(tiny_model, [([1, 40], 2)])[0]
+
+
+@pytest.mark.parametrize("stdin", [False, True])
+def test_repeated_ids_are_refused_before_anything_runs_naming_the_lines(stdin, tiny_model, tmp_path, capsys,
+                                                                        monkeypatch):
+    """Two lines with one id (an explicit one, or a line without an id whose line number is another line's id)
+    ran, and their output lines could not be told apart: the input is refused up front, as OpenAI's batch API
+    refuses a repeated custom_id, naming the id and the lines; OUTPUT is not created."""
+    import io
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [
+        {"id": 3, "prompt": "a"},
+        {"prompt": "b"},  # line 2: id 2
+        {"prompt": "c"},  # line 3: id 3, as line 1
+        {"id": "x", "prompt": "d"},
+        {"id": 2, "prompt": "e"},  # as line 2
+        {"id": "x", "prompt": "f"},
+        {"id": "3", "prompt": "g"},  # the string "3" is another id than the number 3
+        {"id": "x", "prompt": "h"},
+    ])
+    if stdin:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(src.read_bytes())))
+    rc = main(["batch", "-" if stdin else str(src), str(dst), "--model", tiny_model["model_dir"], *MODEL_ARGS])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    lines = [x for x in err.splitlines() if "loraplex batch: error:" in x]
+    assert len(lines) == 1 and "Traceback" not in err and "engine ready" not in err, err
+    assert "id 3 on lines 1 and 3 (line 3 has no id, so its id is its line number)" in lines[0], err
+    assert "id 2 on lines 2 and 5 (line 2 has no id" in lines[0], err
+    assert 'id "x" on lines 4, 6 and 8' in lines[0] and '"3"' not in lines[0], err
+    assert not dst.exists()
+
+
+def test_stdin_input_runs_like_a_file(tiny_model, tmp_path, monkeypatch):
+    """INPUT - is copied to a temporary file first (its ids are checked before the first line runs); the lines,
+    their order and the default ids are those of the same file."""
+    import io
+
+    params = {"ignore_eos": True}
+    items = [{"id": "a", "prompt_token_ids": [1, 40], "params": params}, "",
+             {"prompt_token_ids": [1, 41], "params": params}]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, items)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(src.read_bytes())))
+    assert _run(tiny_model, "-", dst, "--max-tokens", "2") == 0
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    assert [o["id"] for o in out] == ["a", 3]
+    assert [o["outputs"][0]["token_ids"] for o in out] == _greedy(tiny_model, [([1, 40], 2), ([1, 41], 2)])
+
+
+def test_an_output_that_is_not_a_regular_file_is_written_like_stdout(tiny_model, tmp_path, capsys):
+    """OUTPUT /dev/null, a named pipe or /dev/stdout failed writing OUTPUT.options.json beside it (as root it wrote
+    /dev/null.options.json): such an OUTPUT gets the lines and nothing beside it, and --resume is refused."""
+    import os
+    import threading
+
+    src, fifo = tmp_path / "in.jsonl", tmp_path / "out.fifo"
+    params = {"ignore_eos": True}
+    _write_jsonl(src, [{"id": "a", "prompt_token_ids": [1, 40], "params": params},
+                       {"id": "b", "prompt_token_ids": [1, 41], "params": params}])
+    os.mkfifo(fifo)
+    received: list[bytes] = []
+    reader = threading.Thread(target=lambda: received.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    rc = _run(tiny_model, src, fifo, "--max-tokens", "2")
+    reader.join(timeout=60)
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    out = [json.loads(x) for x in received[0].decode().splitlines()]
+    assert [o["id"] for o in out] == ["a", "b"]
+    assert [o["outputs"][0]["token_ids"] for o in out] == _greedy(tiny_model, [([1, 40], 2), ([1, 41], 2)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.fifo"]  # no out.fifo.options.json
+
+    assert _run(tiny_model, src, os.devnull, "--resume") == 2
+    err = capsys.readouterr().err
+    assert "--resume needs OUTPUT to be a regular file, not /dev/null" in err and "Traceback" not in err, err
+
+
+def test_a_lora_line_without_enable_lora_fails_naming_the_flag(tiny_model, tmp_path):
+    """Its error named the engine's field ("this engine was started without enable_lora"), not the flag to pass;
+    the other lines still run."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [
+        {"id": "lora", "prompt_token_ids": [1, 40], "lora": {"name": "a", "id": 1, "path": adapter_dir(tiny_model, 0)}},
+        {"id": "base", "prompt_token_ids": [1, 40]},
+    ])
+    assert _run(tiny_model, src, dst, "--max-tokens", "2") == 1
+    out = {o["id"]: o for o in map(json.loads, dst.read_text().splitlines())}
+    assert "--enable-lora" in out["lora"]["error"] and "enable_lora" not in out["lora"]["error"], out["lora"]
+    assert out["base"]["outputs"][0]["token_ids"] == _greedy(tiny_model, [([1, 40], 2)])[0]
 
 
 @pytest.mark.parametrize("flags, needles", [
