@@ -308,7 +308,10 @@ def test_stdout_closed_by_its_reader_stops_with_one_line_and_exit_141(tiny_model
 
 # the batch command with a model load that waits (a hook, so that the SIGINT surely comes while it loads)
 _SLOW_LOAD = """
-import sys, time
+import signal, sys, time
+# Ctrl-C as a terminal delivers it: a child of a background job (nohup ... &, some CI runners) starts with SIGINT
+# ignored, and Python then raises no KeyboardInterrupt at all
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import loraplex.engine.llm
 def slow_load(self, *args, **kwargs):
     sys.stderr.write("hook: loading\\n")
