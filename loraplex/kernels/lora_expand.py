@@ -112,33 +112,28 @@ def _zero_base_rows(out_ptr, sorted_ids_ptr, chunk_starts_ptr, chunk_lens_ptr, n
                  mask=m_mask[:, None] & (offs_n < n_hi)[None, :])
 
 
-@fast_launch
-@triton.jit(do_not_specialize=UNSPECIALIZED)
-def _lora_expand_kernel(
+@triton.jit
+def expand_program(
+    pid, sl,
     y_ptr, b_ptr, out_ptr, ranks_ptr, scaling_ptr, slice_loc_ptr,
     sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr,
-    chunk_tokens_ptr, chunk_ranks_ptr,
-    progs, shrink_progs, k_tiles, num_tokens, zero_splits,
+    chunk_tokens_ptr, chunk_ranks_ptr, done_ptr,
+    progs, shrink_progs, k_tiles, num_slices, num_pairs,
     stride_yp, stride_ys, stride_yt, stride_yr, stride_yl,
     stride_bl, stride_br, stride_bn,
     stride_ot, stride_on,
     stride_rs, stride_crs,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, COL_ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
-    PREFETCH_OUT: tl.constexpr = True, CHUNK_TABLES: tl.constexpr = False, ACCUMULATE: tl.constexpr = True,
-    PREFETCH_B: tl.constexpr = 0, PF_LINE: tl.constexpr = 64, ZERO_BASE: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, COL_ALIGN: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH_OUT: tl.constexpr, CHUNK_TABLES: tl.constexpr, ACCUMULATE: tl.constexpr,
+    PREFETCH_B: tl.constexpr, PF_LINE: tl.constexpr, WAIT: tl.constexpr, SHRINK_BLOCK_R: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    sl = tl.program_id(1)
-    if USE_PDL:
-        if (pid == 0) & (sl == 0):
-            gdc_wait()
-    if ZERO_BASE:
-        if pid >= progs:  # the programs after the chunks' zero the rows of tokens without an adapter
-            _zero_base_rows(out_ptr, sorted_ids_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr, slice_loc_ptr,
-                            pid - progs, sl, zero_splits, num_tokens, stride_ot, stride_on,
-                            BLOCK_M, BLOCK_N, COL_ALIGN, USE_PDL)
-            return
+    """Program (pid, sl) of the expand grid (module doc). ``WAIT`` (the one-launch ticketed kernel, lora_ticketed.py):
+    before reading y the program waits until every shrink program of its (chunk, slice) in the same launch has counted
+    itself in ``done_ptr[chunk * num_slices + sl]`` (acquire, GPU scope), reads y from L2, and the last of the pair's
+    expand programs past the wait sets the pair's two counters (done, and past-the-wait at ``num_pairs`` further on)
+    back to 0 for the next launch. A count found above the wait's target is added to ``done_ptr[2 * num_pairs + 1]``
+    (kept: a test reads it)."""
     num_chunks = tl.load(num_chunks_ptr)
     per_chunk = progs // tl.maximum(num_chunks, 1)
     chunk = pid // per_chunk
@@ -206,11 +201,33 @@ def _lora_expand_kernel(
             l2_prefetch(pf_rows + tl.minimum(n0 + offs_pf, n_hi - 1)[None, :].to(tl.int64) * stride_bn)
     if USE_PDL:
         gdc_wait()  # y (the shrink) and out (the base projection) are written by earlier launches
-    ys = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    for p in tl.static_range(1, SPLIT_K):
-        # (a tensor compare: the interpreter rejects a mask broadcast from a scalar one)
-        p_mask = (offs_m * 0 + p) < parts
-        ys += tl.load(y_ptrs + p * stride_yp, mask=y_mask & p_mask[:, None], other=0.0)
+    if WAIT:
+        pair = chunk * num_slices + sl
+        want = parts * tl.cdiv(rank, SHRINK_BLOCK_R)  # the K parts of each rank tile the shrink ran
+        seen = tl.atomic_add(done_ptr + pair, 0, sem="acquire", scope="gpu")
+        while seen < want:
+            seen = tl.atomic_add(done_ptr + pair, 0, sem="acquire", scope="gpu")
+        if seen != want:
+            # a count above ``want``: shrink and expand disagree on the pair's programs, so y may have been read
+            # before its last partial; counted (never reset) in the entry after the ticket, which the tests read
+            tl.atomic_add(done_ptr + 2 * num_pairs + 1, 1, sem="relaxed", scope="gpu")
+        tl.debug_barrier()  # no thread reads y before the count was seen whole
+        users = (n_end - n_begin + share - 1) // share  # the pair's expand programs with columns (all wait)
+        used = tl.atomic_add(done_ptr + num_pairs + pair, 1, sem="relaxed", scope="gpu")
+        if used == users - 1:  # every other one is past its wait: both counters back to 0 for the next launch
+            tl.store(done_ptr + pair, 0)
+            tl.store(done_ptr + num_pairs + pair, 0)
+        # partials stored by other SMs during this launch: read from L2 (.cg), never a stale L1 line
+        ys = tl.load(y_ptrs, mask=y_mask, other=0.0, cache_modifier=".cg")
+        for p in tl.static_range(1, SPLIT_K):
+            p_mask = (offs_m * 0 + p) < parts
+            ys += tl.load(y_ptrs + p * stride_yp, mask=y_mask & p_mask[:, None], other=0.0, cache_modifier=".cg")
+    else:
+        ys = tl.load(y_ptrs, mask=y_mask, other=0.0)
+        for p in tl.static_range(1, SPLIT_K):
+            # (a tensor compare: the interpreter rejects a mask broadcast from a scalar one)
+            p_mask = (offs_m * 0 + p) < parts
+            ys += tl.load(y_ptrs + p * stride_yp, mask=y_mask & p_mask[:, None], other=0.0)
     ys = ys.to(b_ptr.dtype.element_ty)
     if PREFETCH_OUT and ACCUMULATE:
         # out is read-modify-written per tile; its load is not pipelined by the compiler, so the next tile's
@@ -247,6 +264,44 @@ def _lora_expand_kernel(
             if ACCUMULATE:  # read-modify-write (accumulate=False: out is not read)
                 acc += tl.load(o_ptrs, mask=o_mask, other=0.0).to(tl.float32)
             tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+
+@fast_launch
+@triton.jit(do_not_specialize=UNSPECIALIZED)
+def _lora_expand_kernel(
+    y_ptr, b_ptr, out_ptr, ranks_ptr, scaling_ptr, slice_loc_ptr,
+    sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr,
+    chunk_tokens_ptr, chunk_ranks_ptr,
+    progs, shrink_progs, k_tiles, num_tokens, zero_splits,
+    stride_yp, stride_ys, stride_yt, stride_yr, stride_yl,
+    stride_bl, stride_br, stride_bn,
+    stride_ot, stride_on,
+    stride_rs, stride_crs,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, COL_ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False,
+    PREFETCH_OUT: tl.constexpr = True, CHUNK_TABLES: tl.constexpr = False, ACCUMULATE: tl.constexpr = True,
+    PREFETCH_B: tl.constexpr = 0, PF_LINE: tl.constexpr = 64, ZERO_BASE: tl.constexpr = False,
+):
+    pid = tl.program_id(0)
+    sl = tl.program_id(1)
+    if USE_PDL:
+        if (pid == 0) & (sl == 0):
+            gdc_wait()
+    if ZERO_BASE:
+        if pid >= progs:  # the programs after the chunks' zero the rows of tokens without an adapter
+            _zero_base_rows(out_ptr, sorted_ids_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr, slice_loc_ptr,
+                            pid - progs, sl, zero_splits, num_tokens, stride_ot, stride_on,
+                            BLOCK_M, BLOCK_N, COL_ALIGN, USE_PDL)
+            return
+    expand_program(pid, sl, y_ptr, b_ptr, out_ptr, ranks_ptr, scaling_ptr, slice_loc_ptr,
+                   sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr,
+                   chunk_tokens_ptr, chunk_ranks_ptr, y_ptr,
+                   progs, shrink_progs, k_tiles, 0, 0,
+                   stride_yp, stride_ys, stride_yt, stride_yr, stride_yl,
+                   stride_bl, stride_br, stride_bn, stride_ot, stride_on, stride_rs, stride_crs,
+                   SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION, COL_ALIGN, USE_PDL, PREFETCH_OUT, CHUNK_TABLES,
+                   ACCUMULATE, PREFETCH_B, PF_LINE, False, 16)
 
 
 def slice_col_align(slice_loc: list[int]) -> int:

@@ -26,6 +26,7 @@ from loraplex.kernels.lora_fused import lora_fused
 from loraplex.kernels.lora_meta import LoRAKernelMeta, max_chunks_for
 from loraplex.kernels.lora_shrink import lora_shrink
 from loraplex.kernels.lora_silu_mul import lora_silu_mul
+from loraplex.kernels.lora_ticketed import lora_ticketed
 
 # Small programs (a few KB to tens of KB each) need many in flight to keep HBM busy: on an H200 (132 SMs)
 # the swept optimum of the decode shapes is around 8 programs per SM.
@@ -69,6 +70,11 @@ class LoRAKernelConfig:
     fused_block_n: int = 128
     fused_warps: int = 4
     fused_stages: int = 3
+    # decode: shrink and expand of these tiles in one launch (lora_ticketed: the expand programs wait on per-(chunk,
+    # slice) counts), one num_warps for both halves
+    ticketed: bool = False
+    ticket_warps: int = 4
+    ticket_stages: int = 3
 
     @property
     def parts_max(self) -> int:
@@ -143,6 +149,8 @@ def choose_config(num_tokens: int, num_active_slots: int, num_slots: int, max_ra
     fused = {}
     if FUSED_DECODE and decode and max_slice_width is not None:
         fused = fused_decode_policy(active_chunks, num_slices, max_rank, k_dim, max_slice_width)
+    elif TICKETED_DECODE and decode and max_slice_width is not None:
+        fused = dict(ticketed=True)
     # the out tile one trip ahead: decode only. H200 run E (NOTES-lora.md), prefill 8,192 tokens on 8 adapters, per
     # layer: q|k|v 99.0 -> 94.2 us and o 73.9 -> 72.6 without it, gate|up 307.9 -> 311.2, down 118.1 -> 117.1;
     # decode gate|up (64 distinct adapters) needs it: 35.9 -> 31.9 us (run D)
@@ -174,6 +182,10 @@ WEIGHT_PREFETCH = os.environ.get("LORAPLEX_LORA_WEIGHT_PREFETCH", "off")
 # graph; again on an H100 in run 25 with the vectorized expand: 27-71% slower at rank 16, q|k|v 2% faster at rank 64).
 # The kernel stays, tested, for other shapes and for later work.
 FUSED_DECODE = False
+# Decode steps: each projection's shrink and expand in one launch (lora_ticketed), half the launches of a step.
+# Off until measured on the GPU; LORAPLEX_LORA_TICKETED=1 turns it on (A/B: bench lora_kernels --steps-only measures
+# both whatever this says).
+TICKETED_DECODE = os.environ.get("LORAPLEX_LORA_TICKETED", "0") == "1"
 FUSED_TARGET_PROGRAMS = 256  # ~2 per SM: each fused program streams 100+ KB, enough to keep loads in flight
 
 
@@ -209,12 +221,19 @@ def lora_apply(
     meta: LoRAKernelMeta,
     cfg: LoRAKernelConfig,
     scratch: torch.Tensor | None = None,  # [>=cfg.parts_max, >=S, T, R] float32
-    counters: torch.Tensor | None = None,  # [>= max_chunks * S] int32 zeros (fused split-K only)
+    counters: torch.Tensor | None = None,  # int32 zeros: [>= max_chunks * S] (fused split-K), counters_size (ticketed)
     col_align: int = 1,  # slice_col_align(slice offsets), known on the host: vectorized expand when > 1
     chunk_ranks: torch.Tensor | None = None,  # [S, max_chunks] int32: ranks[:, chunk_slots] (LoRAStep builds it)
 ) -> torch.Tensor:
     """Semantics: ``lora_ref.lora_apply_ref`` (shrink, then expand with the split-K reduce fused in)."""
     assert meta.block_m == cfg.block_m, "metadata was built for another chunk size"
+    if cfg.ticketed:
+        return lora_ticketed(x, out, lora_a, lora_b, ranks, scaling, slice_loc, max_slice_width, meta,
+                             split_k=cfg.split_k_max or cfg.split_k, shrink_progs=cfg.split_k * meta.max_chunks,
+                             block_r=cfg.block_r, block_k=cfg.block_k, block_n=cfg.block_n, n_splits=cfg.expand_splits,
+                             y=scratch, counters=counters, num_warps=cfg.ticket_warps, num_stages=cfg.ticket_stages,
+                             col_align=col_align, pdl=cfg.pdl, prefetch_out=cfg.prefetch_out,
+                             chunk_ranks=chunk_ranks if cfg.chunk_tables else None)
     if cfg.fused:
         return lora_fused(x, out, lora_a, lora_b, ranks, scaling, slice_loc, max_slice_width, meta,
                           split_k=cfg.fused_split_k, n_splits=cfg.fused_n_splits, block_k=cfg.fused_block_k,

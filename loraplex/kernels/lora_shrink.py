@@ -90,28 +90,24 @@ def weight_prefetch_mode(mode: str, dtype: torch.dtype, tile: int) -> tuple[int,
 UNSPECIALIZED = ("progs", "stride_yp", "stride_ys", "stride_crs")
 
 
-@fast_launch
-@triton.jit(do_not_specialize=UNSPECIALIZED)
-def _lora_shrink_kernel(
+@triton.jit
+def shrink_program(
+    pid, r_tile, sl,
     x_ptr, a_ptr, y_ptr, ranks_ptr,
     sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr,
-    chunk_tokens_ptr, chunk_ranks_ptr,
-    K, progs,
+    chunk_tokens_ptr, chunk_ranks_ptr, done_ptr,
+    K, progs, num_slices,
     stride_xt, stride_xk,
     stride_al, stride_as, stride_ar, stride_ak,
     stride_yp, stride_ys, stride_yt, stride_yr,
     stride_rs, stride_crs,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False, CHUNK_TABLES: tl.constexpr = False,
-    PREFETCH_A: tl.constexpr = 0, PF_LINE: tl.constexpr = 64,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, CHUNK_TABLES: tl.constexpr,
+    PREFETCH_A: tl.constexpr, PF_LINE: tl.constexpr, SIGNAL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    r_tile = tl.program_id(1)
-    sl = tl.program_id(2)
-    if USE_PDL:
-        gdc_launch_dependents()
-        if (pid == 0) & (r_tile == 0) & (sl == 0):
-            gdc_wait()
+    """Program (pid, r_tile, sl) of the shrink grid (module doc). ``SIGNAL`` (the one-launch ticketed kernel,
+    lora_ticketed.py): after its partial is stored, the program adds 1 to ``done_ptr[chunk * num_slices + sl]``
+    (release, GPU scope), so an expand program of that (chunk, slice) can wait for all of them in the same launch."""
     num_chunks = tl.load(num_chunks_ptr)
     k_tiles = tl.cdiv(K, BLOCK_K)
     parts, tiles_per = split_parts(progs, num_chunks, SPLIT_K, k_tiles)
@@ -178,6 +174,41 @@ def _lora_shrink_kernel(
     y_ptrs = (y_ptr + part * stride_yp + sl * stride_ys + tok[:, None] * stride_yt
               + offs_r[None, :] * stride_yr)
     tl.store(y_ptrs, acc, mask=m_mask[:, None] & r_mask[None, :])
+    if SIGNAL:
+        tl.debug_barrier()  # every thread's part of the partial is stored before the count says so
+        tl.atomic_add(done_ptr + chunk * num_slices + sl, 1, sem="release", scope="gpu")
+
+
+@fast_launch
+@triton.jit(do_not_specialize=UNSPECIALIZED)
+def _lora_shrink_kernel(
+    x_ptr, a_ptr, y_ptr, ranks_ptr,
+    sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr,
+    chunk_tokens_ptr, chunk_ranks_ptr,
+    K, progs,
+    stride_xt, stride_xk,
+    stride_al, stride_as, stride_ar, stride_ak,
+    stride_yp, stride_ys, stride_yt, stride_yr,
+    stride_rs, stride_crs,
+    SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr = False, CHUNK_TABLES: tl.constexpr = False,
+    PREFETCH_A: tl.constexpr = 0, PF_LINE: tl.constexpr = 64,
+):
+    pid = tl.program_id(0)
+    r_tile = tl.program_id(1)
+    sl = tl.program_id(2)
+    if USE_PDL:
+        gdc_launch_dependents()
+        if (pid == 0) & (r_tile == 0) & (sl == 0):
+            gdc_wait()
+    shrink_program(pid, r_tile, sl, x_ptr, a_ptr, y_ptr, ranks_ptr,
+                   sorted_ids_ptr, chunk_slots_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr,
+                   chunk_tokens_ptr, chunk_ranks_ptr, y_ptr,
+                   K, progs, 0,
+                   stride_xt, stride_xk, stride_al, stride_as, stride_ar, stride_ak,
+                   stride_yp, stride_ys, stride_yt, stride_yr, stride_rs, stride_crs,
+                   SPLIT_K, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, USE_PDL, CHUNK_TABLES, PREFETCH_A, PF_LINE,
+                   False)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -14,13 +14,15 @@ from triton.runtime.interpreter import InterpretedFunction
 from loraplex.adapters.mapping import LoRAStep
 from loraplex.adapters.modules import PROJ_MODULES, BaseShapes
 from loraplex.adapters.slot_pool import SlotPool
-from loraplex.kernels import lora_expand, lora_shrink, lora_silu_mul
+from loraplex.kernels import lora_expand, lora_ops, lora_shrink, lora_silu_mul, lora_ticketed
 from loraplex.kernels.fused_ops_ref import silu_mul_ref
 
 if not isinstance(lora_shrink._lora_shrink_kernel, InterpretedFunction) or not isinstance(
-        lora_silu_mul._lora_silu_mul_kernel, InterpretedFunction):
-    for module in (lora_shrink, lora_expand, lora_silu_mul):
+        lora_silu_mul._lora_silu_mul_kernel, InterpretedFunction) or not isinstance(
+        lora_ticketed._lora_ticketed_kernel, InterpretedFunction):
+    for module in (lora_shrink, lora_expand, lora_silu_mul, lora_ticketed):
         importlib.reload(module)
+    importlib.reload(lora_ops)
 
 SHAPES = BaseShapes(num_layers=2, hidden_size=48, q_size=48, kv_size=16, intermediate_size=80)
 
@@ -36,12 +38,18 @@ def _pool_and_slots(gen: torch.Generator, num_tokens: int, num_active: int) -> t
     return pool, slots
 
 
+@pytest.mark.parametrize("ticketed", [False, True])
 @pytest.mark.parametrize("num_tokens, num_active", [(6, 3), (70, 2)])  # decode-like and prefill-like regimes
-def test_step_triton_path_equals_twin_path(num_tokens, num_active):
+def test_step_triton_path_equals_twin_path(num_tokens, num_active, ticketed, monkeypatch):
+    """``ticketed`` (LORAPLEX_LORA_TICKETED=1): decode steps run each projection's shrink and expand in one launch,
+    sharing the step's counters across every launch."""
+    monkeypatch.setattr(lora_ops, "TICKETED_DECODE", ticketed)
     gen = torch.Generator().manual_seed(num_tokens)
     pool, slots = _pool_and_slots(gen, num_tokens, num_active)
     twin = LoRAStep(pool, slots, num_active, use_triton=False)
     triton_step = LoRAStep(pool, slots, num_active, use_triton=True)
+    assert all(c.ticketed for c in triton_step._configs.values()) == ticketed  # both sizes get the decode tiles
+    assert (triton_step._counters is not None) == ticketed
     for proj in PROJ_MODULES:
         x = torch.randn(num_tokens, SHAPES.proj_in(proj), generator=gen)
         base = torch.randn(num_tokens, sum(SHAPES.slice_widths(proj)), generator=gen)
@@ -50,6 +58,7 @@ def test_step_triton_path_equals_twin_path(num_tokens, num_active):
             got = triton_step.add(layer, proj, x, base.clone())
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
             assert torch.equal(got[slots < 0], base[slots < 0])
+            assert triton_step._counters is None or not triton_step._counters.any()
 
 
 @pytest.mark.parametrize("num_tokens, num_active", [(6, 3), (70, 2)])
