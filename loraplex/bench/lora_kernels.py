@@ -272,7 +272,7 @@ def _before_step_class(before_dir: str | None):
 
 def _config_summary(cfg) -> dict:
     keys = ("split_k", "split_k_max", "block_k", "shrink_warps", "expand_splits", "block_n", "expand_warps", "pdl",
-            "prefetch_out", "weight_prefetch")
+            "prefetch_out", "weight_prefetch", "ticketed", "ticket_warps")
     return {k: getattr(cfg, k) for k in keys if hasattr(cfg, k)}
 
 
@@ -308,6 +308,7 @@ class _DecodeStepBench:
             need = max(c.parts_max for c in step._configs.values())
             if need > step._scratch.shape[0]:
                 step._scratch = torch.empty(need, *step._scratch.shape[1:], dtype=torch.float32, device=self.device)
+            _ensure_counters(step)
         return step
 
     def run(self, step, projs=None) -> None:
@@ -397,13 +398,15 @@ def _kernel_table(kernels, bench: _DecodeStepBench, adapters: int, copy_bw: floa
     summary = {"kernels": len(kernels), "busy_us": sum(d for _, _, d in kernels),
                "span_us": ends[-1] - kernels[0][1],
                "kernel_names": sorted({n for n, _, _ in kernels})}
-    lora = [i for i, (n, _, _) in enumerate(kernels) if "_lora_shrink" in n or "_lora_expand" in n]
-    summary["setup_kernels"] = lora[0] if lora else len(kernels)  # metadata etc. before the first LoRA kernel
-    summary["setup_us"] = (kernels[lora[0]][1] - kernels[0][1]) if lora else summary["span_us"]
+    kinds = {"_lora_shrink": "shrink", "_lora_expand": "expand", "_lora_ticketed": "shrink+expand"}
+    lora = [(i, kind) for i, (n, _, _) in enumerate(kernels) for key, kind in kinds.items() if key in n]
+    summary["setup_kernels"] = lora[0][0] if lora else len(kernels)  # metadata etc. before the first LoRA kernel
+    summary["setup_us"] = (kernels[lora[0][0]][1] - kernels[0][1]) if lora else summary["span_us"]
     per = {}
-    for j, i in enumerate(lora):
-        p = bench.projs[(j // 2) % len(bench.projs)]
-        kind = "shrink" if "_lora_shrink" in kernels[i][0] else "expand"
+    proj = 0  # the projection the next LoRA kernel serves: a shrink keeps it, an expand or a ticketed kernel ends it
+    for i, kind in lora:
+        p = bench.projs[proj % len(bench.projs)]
+        proj += kind != "shrink"
         gap = kernels[i][1] - ends[i - 1] if i > 0 else 0.0
         per.setdefault((p, kind), []).append((kernels[i][2], gap))
     elem = torch.finfo(bench.dtype).bits // 8
@@ -411,10 +414,11 @@ def _kernel_table(kernels, bench: _DecodeStepBench, adapters: int, copy_bw: floa
     tokens = bench.num_tokens
     for (p, kind), vals in per.items():
         k, widths = bench.shapes.proj_in(p), bench.shapes.slice_widths(p)
-        if kind == "shrink":
-            nbytes = (adapters * len(widths) * bench.rank * k + tokens * k) * elem
-        else:
-            nbytes = (adapters * bench.rank * sum(widths) + 2 * tokens * sum(widths)) * elem
+        nbytes = 0
+        if kind != "expand":
+            nbytes += (adapters * len(widths) * bench.rank * k + tokens * k) * elem
+        if kind != "shrink":
+            nbytes += (adapters * bench.rank * sum(widths) + 2 * tokens * sum(widths)) * elem
         us = statistics.mean(v[0] for v in vals)
         rows.append({"proj": p, "kernel": kind, "launches": len(vals), "us": us,
                      "gap_us": statistics.mean(v[1] for v in vals), "bytes": nbytes,
@@ -465,7 +469,8 @@ def bench_decode_steps(shapes, num_tokens: int, rank: int, device, dtype, copy_b
                    "layers": shapes.num_layers, "time_ms": seconds * 1e3, "adds_ms": adds_s * 1e3,
                    "lora_bytes": weights, "act_bytes": acts, "floor_ms": (weights + acts) / copy_bw * 1e3,
                    "pct_copy_bw": 100 * (weights + acts) / seconds / copy_bw, "target_ms": STEP_TARGET_MS,
-                   "launches_planned": shapes.num_layers * 8, "configs": configs}
+                   "launches_planned": shapes.num_layers * sum(1 if c.get("ticketed") else 2 for c in configs.values()),
+                   "configs": configs}
             if profile:
                 summary, per_kernel = _kernel_table(_profile_kernels(graph), bench, adapters, copy_bw)
                 row.update(summary)
@@ -487,7 +492,8 @@ IN_LAYER_POLICIES = (("sequential", {}), ("sequential, weights into L2", {"cfg":
                      ("overlap", {"overlap_shrink": True}),
                      ("expand-first", {"expand_first_min_tokens": 1, "has_base_tokens": False}),
                      ("expand-first (graph)", {"expand_first_min_tokens": 1, "has_base_tokens": True}),
-                     ("gemm shrink", {"gemm_shrink": True}))
+                     ("gemm shrink", {"gemm_shrink": True}),
+                     ("ticketed", {"cfg": {"ticketed": True}}))
 # --smoke (the interpreter, where each policy costs a minute of CPU): one of each kind of order; the weight-prefetch
 # forms are GPU-only (the interpreter drops the L2 form) and the overlap needs CUDA (on the CPU it is sequential)
 SMOKE_IN_LAYER_POLICIES = ("sequential", "expand-first", "gemm shrink")
@@ -501,7 +507,18 @@ def _in_layer_step(bench, options: dict):
     step = LoRAStep(bench.pool, bench.slots, bench.num_active, True, **options)
     if cfg:
         step._configs = {p: dataclasses.replace(c, **cfg) for p, c in step._configs.items()}
+        _ensure_counters(step)
     return step
+
+
+def _ensure_counters(step) -> None:
+    """A step whose configurations were overridden to one-launch kernels needs the counters LoRAStep allocates only
+    when its own policy picks them."""
+    if step._counters is None and any(c.ticketed or (c.fused and c.fused_split_k > 1) for c in step._configs.values()):
+        from loraplex.kernels.lora_ticketed import counters_size
+
+        step._counters = torch.zeros(counters_size(step._meta.max_chunks, 3), dtype=torch.int32,
+                                     device=step.token_slots.device)
 # prefill-sized in-layer runs (--in-layer-tokens above the decode step's): adapters among the step's tokens
 PREFILL_IN_LAYER_MIXES = (("32 adapters", 32), ("8 adapters", 8))
 SMOKE_IN_LAYER_MIXES = (("8 adapters", 8), ("2 adapters", 2))
@@ -595,7 +612,11 @@ STEP_POLICIES = {"before": None, "default": {}, "no-pdl": {"*": {"pdl": False}},
                  "weight-prefetch-l2": {"*": {"weight_prefetch": "l2"}},
                  "weight-prefetch-first": {"*": {"weight_prefetch": "first"}},
                  "no-chunk-tables": {"*": {"chunk_tables": False}},
-                 "run-A": {"*": {"chunk_tables": False}, "gate_up": {"block_n": 128}, "down": {"split_k_max": 16}}}
+                 "run-A": {"*": {"chunk_tables": False}, "gate_up": {"block_n": 128}, "down": {"split_k_max": 16}},
+                 # one launch per projection (lora_ticketed), with the expand's warps (4) or the shrink's (2), and
+                 # without programmatic dependent launch
+                 "ticketed": {"*": {"ticketed": True}}, "ticketed-w2": {"*": {"ticketed": True, "ticket_warps": 2}},
+                 "ticketed-no-pdl": {"*": {"ticketed": True, "pdl": False}}}
 
 
 # configuration changes tried per projection by --step-variants (relative to the default configuration);
