@@ -616,7 +616,9 @@ STEP_POLICIES = {"before": None, "default": {}, "no-pdl": {"*": {"pdl": False}},
                  # one launch per projection (lora_ticketed), with the expand's warps (4) or the shrink's (2), and
                  # without programmatic dependent launch
                  "ticketed": {"*": {"ticketed": True}}, "ticketed-w2": {"*": {"ticketed": True, "ticket_warps": 2}},
-                 "ticketed-no-pdl": {"*": {"ticketed": True, "pdl": False}}}
+                 "ticketed-no-pdl": {"*": {"ticketed": True, "pdl": False}},
+                 # diagnosis: the same kernel without the ticket (items by program id; not safe to ship)
+                 "ticketed-by-pid": {"*": {"ticketed": True, "ticket_by_program_id": True}}}
 
 
 # configuration changes tried per projection by --step-variants (relative to the default configuration);
@@ -1034,6 +1036,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated names of IN_LAYER_POLICIES for the in-layer runs at decode sizes (the "
                              "decode step's: default all, --smoke one of each order; --in-layer-decode's: default "
                              "sequential and gemm shrink)")
+    parser.add_argument("--step-policies", default="",
+                        help=f"comma-separated names of the decode-step policies to run (default all: "
+                             f"{', '.join(STEP_POLICIES)})")
     parser.add_argument("--steps-only", action="store_true",
                         help="the decode-step policies and the in-layer run at the decode step's size, then stop")
     parser.add_argument("--in-layer-only", action="store_true",
@@ -1055,6 +1060,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--in-layer-policies: unknown {', '.join(sorted(unknown))}; "
                      f"known: {', '.join(name for name, _ in IN_LAYER_POLICIES)}")
+    step_names = [p.strip() for p in args.step_policies.split(",") if p.strip()]
+    unknown = set(step_names) - set(STEP_POLICIES)
+    if unknown:
+        parser.error(f"--step-policies: unknown {', '.join(sorted(unknown))}; known: {', '.join(STEP_POLICIES)}")
+    step_policies = {n: STEP_POLICIES[n] for n in step_names} if step_names else STEP_POLICIES
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from loraplex.adapters.modules import BaseShapes
 
@@ -1110,10 +1120,10 @@ def main(argv: list[str] | None = None) -> int:
     payload = {"command": command, "environment": env, "smoke": args.smoke, "shapes": dataclasses.asdict(shapes),
                "copy_bandwidth_gb_s": copy_bw / 1e9, "kernels": []}
     if not args.in_layer_only:
-        steps = bench_decode_steps(shapes, step_tokens, 16, device, dtype, copy_bw, reps, STEP_POLICIES,
+        steps = bench_decode_steps(shapes, step_tokens, 16, device, dtype, copy_bw, reps, step_policies,
                                    args.before_dir, profile=not args.no_profile and device.type == "cuda",
                                    mixes=STEP_MIXES if not args.smoke else (("distinct", 8), ("identical", 1)))
-        default_distinct = next(r for r in steps["steps"] if r["policy"] == "default")
+        default_distinct = next((r for r in steps["steps"] if r["policy"] == "default"), steps["steps"][0])
         payload["decode_steps"] = steps
         # the distinct-adapter step of the default policy (the issue-9 target row)
         payload["decode_step"] = {**default_distinct, "cuda_graph": device.type == "cuda"}

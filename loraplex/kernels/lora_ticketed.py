@@ -65,17 +65,23 @@ def _lora_ticketed_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, EXPAND_BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
     COL_ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREFETCH_OUT: tl.constexpr = True,
-    CHUNK_TABLES: tl.constexpr = False,
+    CHUNK_TABLES: tl.constexpr = False, BY_PROGRAM_ID: tl.constexpr = False,
 ):
     if USE_PDL:
         # x, out and the counters' last reset belong to earlier launches: wait for them before anything
         gdc_wait()
     n_shrink = shrink_progs * r_tiles * num_slices
     total = n_shrink + expand_progs * num_slices
-    ticket_ptr = cnt_ptr + 2 * num_pairs
-    item = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
-    if item == total - 1:  # every other ticket is taken: ready for the next launch
-        tl.store(ticket_ptr, 0)
+    if BY_PROGRAM_ID:
+        # diagnosis only (bench): the item is the program id, no ticket. Safe only while the hardware dispatches
+        # blocks in id order, which CUDA does not promise: an expand block resident before a shrink block it waits
+        # for, with every slot so taken, would wait for ever
+        item = tl.program_id(0)
+    else:
+        ticket_ptr = cnt_ptr + 2 * num_pairs
+        item = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+        if item == total - 1:  # every other ticket is taken: ready for the next launch
+            tl.store(ticket_ptr, 0)
     if item < n_shrink:
         pid = item % shrink_progs
         rest = item // shrink_progs
@@ -135,6 +141,7 @@ def lora_ticketed(
     pdl: bool = False,
     prefetch_out: bool = True,
     chunk_ranks: torch.Tensor | None = None,  # [S, max_chunks] int32 (with meta.chunk_tokens: per-chunk tables)
+    by_program_id: bool = False,  # diagnosis only (bench): items by program id, no ticket (kernel comment)
 ) -> torch.Tensor:
     """Semantics: ``lora_ref.lora_apply_ref``, in one launch (module doc)."""
     num_tokens, k_dim = x.shape
@@ -184,7 +191,7 @@ def lora_ticketed(
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
         EXPAND_BLOCK_R=max(16, next_power_of_2(max_rank)), DOT_PRECISION=dot_precision(x.dtype),
         COL_ALIGN=col_align, USE_PDL=pdl, PREFETCH_OUT=prefetch_out, CHUNK_TABLES=tables[0] is not meta.chunk_slots,
-        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
+        BY_PROGRAM_ID=by_program_id, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
