@@ -183,9 +183,10 @@ WEIGHT_PREFETCH = os.environ.get("LORAPLEX_LORA_WEIGHT_PREFETCH", "off")
 # graph; again on an H100 in run 25 with the vectorized expand: 27-71% slower at rank 16, q|k|v 2% faster at rank 64).
 # The kernel stays, tested, for other shapes and for later work.
 FUSED_DECODE = False
-# Decode steps: each projection's shrink and expand in one launch (lora_ticketed), half the launches of a step.
-# Off until measured on the GPU; LORAPLEX_LORA_TICKETED=1 turns it on (A/B: bench lora_kernels --steps-only measures
-# both whatever this says).
+# Decode steps: each projection's shrink and expand in one launch (lora_ticketed), half the launches of a step. Off: on
+# the H200 (run 27, docs/benchmarks/H200-2026-12-06-run27.md) the 64-distinct-adapter step's LoRA work took 3.09 ms
+# against 2.39 with the two launches (PDL already overlaps the expand's launch with the shrink; each ticketed program
+# pays a contended atomic first). LORAPLEX_LORA_TICKETED=1 turns it on; bench lora_kernels --steps-only measures both.
 TICKETED_DECODE = os.environ.get("LORAPLEX_LORA_TICKETED", "0") == "1"
 FUSED_TARGET_PROGRAMS = 256  # ~2 per SM: each fused program streams 100+ KB, enough to keep loads in flight
 
