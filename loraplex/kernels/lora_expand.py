@@ -127,13 +127,14 @@ def expand_program(
     DOT_PRECISION: tl.constexpr, COL_ALIGN: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH_OUT: tl.constexpr, CHUNK_TABLES: tl.constexpr, ACCUMULATE: tl.constexpr,
     PREFETCH_B: tl.constexpr, PF_LINE: tl.constexpr, WAIT: tl.constexpr, SHRINK_BLOCK_R: tl.constexpr,
+    Y_CACHE: tl.constexpr,
 ):
     """Program (pid, sl) of the expand grid (module doc). ``WAIT`` (the one-launch ticketed kernel, lora_ticketed.py):
     before reading y the program waits until every shrink program of its (chunk, slice) in the same launch has counted
-    itself in ``done_ptr[chunk * num_slices + sl]`` (acquire, GPU scope), reads y from L2, and the last of the pair's
-    expand programs past the wait sets the pair's two counters (done, and past-the-wait at ``num_pairs`` further on)
-    back to 0 for the next launch. A count found above the wait's target is added to ``done_ptr[2 * num_pairs + 1]``
-    (kept: a test reads it)."""
+    itself in ``done_ptr[chunk * num_slices + sl]`` (acquire, GPU scope), then reads y from L2 (``Y_CACHE`` ".cg"); the
+    last of the pair's expand programs past the wait sets the pair's two counters (done, and past-the-wait at
+    ``num_pairs`` further on) back to 0 for the next launch. A count found above the wait's target is added to
+    ``done_ptr[2 * num_pairs + 1]`` (kept: a test reads it)."""
     num_chunks = tl.load(num_chunks_ptr)
     per_chunk = progs // tl.maximum(num_chunks, 1)
     chunk = pid // per_chunk
@@ -217,17 +218,12 @@ def expand_program(
         if used == users - 1:  # every other one is past its wait: both counters back to 0 for the next launch
             tl.store(done_ptr + pair, 0)
             tl.store(done_ptr + num_pairs + pair, 0)
-        # partials stored by other SMs during this launch: read from L2 (.cg), never a stale L1 line
-        ys = tl.load(y_ptrs, mask=y_mask, other=0.0, cache_modifier=".cg")
-        for p in tl.static_range(1, SPLIT_K):
-            p_mask = (offs_m * 0 + p) < parts
-            ys += tl.load(y_ptrs + p * stride_yp, mask=y_mask & p_mask[:, None], other=0.0, cache_modifier=".cg")
-    else:
-        ys = tl.load(y_ptrs, mask=y_mask, other=0.0)
-        for p in tl.static_range(1, SPLIT_K):
-            # (a tensor compare: the interpreter rejects a mask broadcast from a scalar one)
-            p_mask = (offs_m * 0 + p) < parts
-            ys += tl.load(y_ptrs + p * stride_yp, mask=y_mask & p_mask[:, None], other=0.0)
+    # (WAIT: partials stored by other SMs during this launch are read from L2, never a stale L1 line)
+    ys = tl.load(y_ptrs, mask=y_mask, other=0.0, cache_modifier=Y_CACHE)
+    for p in tl.static_range(1, SPLIT_K):
+        # (a tensor compare: the interpreter rejects a mask broadcast from a scalar one)
+        p_mask = (offs_m * 0 + p) < parts
+        ys += tl.load(y_ptrs + p * stride_yp, mask=y_mask & p_mask[:, None], other=0.0, cache_modifier=Y_CACHE)
     ys = ys.to(b_ptr.dtype.element_ty)
     if PREFETCH_OUT and ACCUMULATE:
         # out is read-modify-written per tile; its load is not pipelined by the compiler, so the next tile's
@@ -301,7 +297,7 @@ def _lora_expand_kernel(
                    stride_yp, stride_ys, stride_yt, stride_yr, stride_yl,
                    stride_bl, stride_br, stride_bn, stride_ot, stride_on, stride_rs, stride_crs,
                    SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION, COL_ALIGN, USE_PDL, PREFETCH_OUT, CHUNK_TABLES,
-                   ACCUMULATE, PREFETCH_B, PF_LINE, False, 16)
+                   ACCUMULATE, PREFETCH_B, PF_LINE, False, 16, "")
 
 
 def slice_col_align(slice_loc: list[int]) -> int:

@@ -45,7 +45,7 @@ import triton.language as tl
 
 from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.launch import fast_launch
-from loraplex.kernels.lora_meta import LoRAKernelMeta
+from loraplex.kernels.lora_meta import LoRAKernelMeta, check_apply_args
 from loraplex.kernels.lora_shrink import dot_precision
 
 
@@ -177,18 +177,7 @@ def lora_fused(
     col_align: int = 1,  # lora_expand.slice_col_align of the slice offsets
 ) -> torch.Tensor:
     """Semantics: ``lora_ref.lora_apply_ref``, in one launch."""
-    num_tokens, k_dim = x.shape
-    num_slots, num_slices, max_rank, a_k = lora_a.shape
-    assert a_k == k_dim, f"x has K={k_dim}, lora_a has K={a_k}"
-    assert lora_b.shape[:2] == (num_slots, max_rank), f"lora_b is {tuple(lora_b.shape)}"
-    n_total = lora_b.shape[2]
-    assert out.shape == (num_tokens, n_total), f"out is {tuple(out.shape)}, want ({num_tokens}, {n_total})"
-    assert x.dtype == lora_a.dtype == lora_b.dtype == out.dtype, "x, weights and out share one dtype"
-    assert x.stride(1) == 1 and lora_a.stride(3) == 1 and lora_b.stride(2) == 1
-    assert ranks.shape == (num_slices, num_slots) and ranks.dtype == torch.int32 and ranks.stride(1) == 1
-    assert slice_loc.shape == (num_slices + 1,) and slice_loc.dtype == torch.int32
-    assert scaling.dtype == torch.float32
-    assert meta.num_tokens == num_tokens and meta.num_slots == num_slots
+    num_tokens, k_dim, num_slices, max_rank = check_apply_args(x, out, lora_a, lora_b, ranks, scaling, slice_loc, meta)
     assert meta.block_m >= 16 and block_k >= 16 and block_n >= 16, "tl.dot needs tiles of at least 16"
     assert split_k == 1 or n_splits == 1, "either split K (last arriver expands) or split N, not both"
     assert col_align in (1, 2, 4, 8, 16) and col_align <= block_n

@@ -236,3 +236,23 @@ def _build_lora_meta_kernel(token_slots: torch.Tensor, num_slots: int, block_m: 
     return LoRAKernelMeta(token_slots=slots, sorted_token_ids=sorted_ids, chunk_slots=chunk_slots,
                           chunk_starts=chunk_starts, chunk_lens=chunk_lens, num_slots=num_slots, block_m=block_m,
                           num_chunks=num_chunks, chunk_tokens=chunk_tokens)
+
+
+def check_apply_args(x, out, lora_a, lora_b, ranks, scaling, slice_loc, meta: LoRAKernelMeta) -> tuple[int, int, int, int]:
+    """The shapes, dtypes and layouts a one-launch LoRA apply (``lora_fused``, ``lora_ticketed``) needs:
+    x [T, K], out [T, N_total], lora_a [num_slots, S, R, K], lora_b [num_slots, R, N_total], ranks [S, num_slots] int32,
+    scaling [num_slots] float32, slice_loc [S + 1] int32, metadata of T tokens and num_slots slots. Returns
+    (T, K, S, R)."""
+    num_tokens, k_dim = x.shape
+    num_slots, num_slices, max_rank, a_k = lora_a.shape
+    assert a_k == k_dim, f"x has K={k_dim}, lora_a has K={a_k}"
+    assert lora_b.shape[:2] == (num_slots, max_rank), f"lora_b is {tuple(lora_b.shape)}"
+    n_total = lora_b.shape[2]
+    assert out.shape == (num_tokens, n_total), f"out is {tuple(out.shape)}, want ({num_tokens}, {n_total})"
+    assert x.dtype == lora_a.dtype == lora_b.dtype == out.dtype, "x, weights and out share one dtype"
+    assert x.stride(1) == 1 and lora_a.stride(3) == 1 and lora_b.stride(2) == 1
+    assert ranks.shape == (num_slices, num_slots) and ranks.dtype == torch.int32 and ranks.stride(1) == 1
+    assert slice_loc.shape == (num_slices + 1,) and slice_loc.dtype == torch.int32
+    assert scaling.dtype == torch.float32
+    assert meta.num_tokens == num_tokens and meta.num_slots == num_slots
+    return num_tokens, k_dim, num_slices, max_rank
