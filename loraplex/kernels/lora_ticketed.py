@@ -30,6 +30,8 @@ before the first launch. Grid: (shrink_progs * r_tiles * S + expand_progs * S,).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -65,7 +67,7 @@ def _lora_ticketed_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, EXPAND_BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
     COL_ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREFETCH_OUT: tl.constexpr = True,
-    CHUNK_TABLES: tl.constexpr = False, BY_PROGRAM_ID: tl.constexpr = False,
+    CHUNK_TABLES: tl.constexpr = False, BY_PROGRAM_ID: tl.constexpr = False, SPIN_NS: tl.constexpr = 0,
 ):
     if USE_PDL:
         # x, out and the counters' last reset belong to earlier launches: wait for them before anything
@@ -101,7 +103,12 @@ def _lora_ticketed_kernel(
                        stride_yp, stride_ys, stride_yt, stride_yr, 0,
                        stride_bl, stride_br, stride_bn, stride_ot, stride_on, stride_rs, stride_crs,
                        SPLIT_K, BLOCK_M, BLOCK_N, EXPAND_BLOCK_R, DOT_PRECISION, COL_ALIGN, False, PREFETCH_OUT,
-                       CHUNK_TABLES, True, 0, 64, True, BLOCK_R, ".cg")
+                       CHUNK_TABLES, True, 0, 64, True, BLOCK_R, ".cg", SPIN_NS)
+
+
+def interpreted() -> bool:
+    """TRITON_INTERPRET=1: no inline assembly (the back-off sleep is left out; programs run one by one anyway)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def counters_size(max_chunks: int, max_slices: int = 3) -> int:
@@ -142,6 +149,7 @@ def lora_ticketed(
     prefetch_out: bool = True,
     chunk_ranks: torch.Tensor | None = None,  # [S, max_chunks] int32 (with meta.chunk_tokens: per-chunk tables)
     by_program_id: bool = False,  # diagnosis only (bench): items by program id, no ticket (kernel comment)
+    spin_ns: int = 0,  # > 0: a waiting expand program sleeps this long between polls (compiled kernels only)
 ) -> torch.Tensor:
     """Semantics: ``lora_ref.lora_apply_ref``, in one launch (module doc)."""
     num_tokens, k_dim, num_slices, max_rank = check_apply_args(x, out, lora_a, lora_b, ranks, scaling, slice_loc, meta)
@@ -180,7 +188,7 @@ def lora_ticketed(
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
         EXPAND_BLOCK_R=max(16, next_power_of_2(max_rank)), DOT_PRECISION=dot_precision(x.dtype),
         COL_ALIGN=col_align, USE_PDL=pdl, PREFETCH_OUT=prefetch_out, CHUNK_TABLES=tables[0] is not meta.chunk_slots,
-        BY_PROGRAM_ID=by_program_id, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
+        BY_PROGRAM_ID=by_program_id, SPIN_NS=0 if interpreted() else spin_ns, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
