@@ -306,8 +306,10 @@ def _lora_expand_kernel(
                    progs, shrink_progs, k_tiles, 0, 0,
                    stride_yp, stride_ys, stride_yt, stride_yr, stride_yl,
                    stride_bl, stride_br, stride_bn, stride_ot, stride_on, stride_rs, stride_crs,
-                   SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_R, DOT_PRECISION, COL_ALIGN, USE_PDL, PREFETCH_OUT, CHUNK_TABLES,
-                   ACCUMULATE, PREFETCH_B, PF_LINE, False, 16, "")
+                   SPLIT_K=SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, DOT_PRECISION=DOT_PRECISION,
+                   COL_ALIGN=COL_ALIGN, USE_PDL=USE_PDL, PREFETCH_OUT=PREFETCH_OUT, CHUNK_TABLES=CHUNK_TABLES,
+                   ACCUMULATE=ACCUMULATE, PREFETCH_B=PREFETCH_B, PF_LINE=PF_LINE, WAIT=False, SHRINK_BLOCK_R=16,
+                   Y_CACHE="")
 
 
 def slice_col_align(slice_loc: list[int]) -> int:

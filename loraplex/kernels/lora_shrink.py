@@ -207,8 +207,8 @@ def _lora_shrink_kernel(
                    K, progs, 0,
                    stride_xt, stride_xk, stride_al, stride_as, stride_ar, stride_ak,
                    stride_yp, stride_ys, stride_yt, stride_yr, stride_rs, stride_crs,
-                   SPLIT_K, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, USE_PDL, CHUNK_TABLES, PREFETCH_A, PF_LINE,
-                   False)
+                   SPLIT_K=SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION,
+                   USE_PDL=USE_PDL, CHUNK_TABLES=CHUNK_TABLES, PREFETCH_A=PREFETCH_A, PF_LINE=PF_LINE, SIGNAL=False)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -93,7 +93,8 @@ def _lora_ticketed_kernel(
                        K, shrink_progs, num_slices,
                        stride_xt, stride_xk, stride_al, stride_as, stride_ar, stride_ak,
                        stride_yp, stride_ys, stride_yt, stride_yr, stride_rs, stride_crs,
-                       SPLIT_K, BLOCK_M, BLOCK_R, BLOCK_K, DOT_PRECISION, False, CHUNK_TABLES, 0, 64, True)
+                       SPLIT_K=SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION,
+                       USE_PDL=False, CHUNK_TABLES=CHUNK_TABLES, PREFETCH_A=0, PF_LINE=64, SIGNAL=True)
     else:
         e = item - n_shrink
         expand_program(e % expand_progs, e // expand_progs, y_ptr, b_ptr, out_ptr, ranks_ptr, scaling_ptr,
@@ -102,8 +103,10 @@ def _lora_ticketed_kernel(
                        expand_progs, shrink_progs, k_tiles, num_slices, num_pairs,
                        stride_yp, stride_ys, stride_yt, stride_yr, 0,
                        stride_bl, stride_br, stride_bn, stride_ot, stride_on, stride_rs, stride_crs,
-                       SPLIT_K, BLOCK_M, BLOCK_N, EXPAND_BLOCK_R, DOT_PRECISION, COL_ALIGN, False, PREFETCH_OUT,
-                       CHUNK_TABLES, True, 0, 64, True, BLOCK_R, ".cg", SPIN_NS)
+                       SPLIT_K=SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=EXPAND_BLOCK_R,
+                       DOT_PRECISION=DOT_PRECISION, COL_ALIGN=COL_ALIGN, USE_PDL=False, PREFETCH_OUT=PREFETCH_OUT,
+                       CHUNK_TABLES=CHUNK_TABLES, ACCUMULATE=True, PREFETCH_B=0, PF_LINE=64, WAIT=True,
+                       SHRINK_BLOCK_R=BLOCK_R, Y_CACHE=".cg", SPIN_NS=SPIN_NS)
 
 
 def interpreted() -> bool:
