@@ -119,9 +119,9 @@ def _run(args) -> int:
     reorder = args.reorder_buffer if args.reorder_buffer is not None else 4 * max_in_flight
     if reorder < max_in_flight:
         raise BatchError(f"--reorder-buffer must be at least --max-in-flight ({max_in_flight}), got {reorder}")
-    src, total_lines = _open_input(args)
+    src = _open_input(args)
     try:
-        _check_unique_ids(src, args.input)
+        total_lines = _check_unique_ids(src, args.input)
         scanned = _scan(src)
         dst, num_kept, num_kept_failed = _open_output(args, scanned)
         try:
@@ -237,9 +237,8 @@ def _stdout():
 
 
 def _open_input(args):
-    """The input as bytes (a line that is not UTF-8 is that line's error) in a file that can be read twice, and
-    its number of lines (for progress). Stdin or a pipe is first copied to a temporary file: its ids are checked
-    (_check_unique_ids) before the first line runs."""
+    """The input as bytes (a line that is not UTF-8 is that line's error) in a file that can be read twice. Stdin or
+    a pipe is first copied to a temporary file: its ids are checked (_check_unique_ids) before the first line runs."""
     if args.input == "-":
         src = _stdin()
     else:
@@ -254,14 +253,8 @@ def _open_input(args):
         if src is not _stdin():
             src.close()
         src = spooled
-    total, last = 0, b"\n"
-    src.seek(0)
-    for chunk in iter(lambda: src.read(1 << 20), b""):
-        total += chunk.count(b"\n")
-        last = chunk[-1:]
-    total += last != b"\n"  # a last line without a newline
-    src.seek(0)
-    return src, total
+        src.seek(0)
+    return src
 
 
 def _is_regular_file(stream) -> bool:
@@ -271,13 +264,22 @@ def _is_regular_file(stream) -> bool:
         return False
 
 
-def _check_unique_ids(src, name: str) -> None:
+def _check_unique_ids(src, name: str) -> int:
     """Refuse an input in which two lines have one id (as OpenAI's batch API refuses a repeated custom_id): their
-    output lines could not be told apart. A line without an id has its line number, which may be another line's."""
+    output lines could not be told apart. A line without an id has its line number, which may be another line's.
+    Returns the input's number of lines, blank ones included (for progress), and leaves ``src`` at its start."""
     first: dict[str, int] = {}  # the id as canonical JSON -> the first line that has it
     repeats: dict[str, list[int]] = {}
     numbered: set[int] = set()  # lines whose id is their line number
-    for line_no, raw in _scan(src):
+    total = 0
+
+    def counted():
+        nonlocal total
+        for raw in src:
+            total += 1
+            yield raw
+
+    for line_no, raw in _scan(counted()):
         item, rid, _ = _decode(line_no, raw)
         if item is _NOT_AN_OBJECT or "id" not in item:
             numbered.add(line_no)
@@ -288,7 +290,7 @@ def _check_unique_ids(src, name: str) -> None:
             first[key] = line_no
     src.seek(0)
     if not repeats:
-        return
+        return total
     shown = []
     for key, line_nos in list(repeats.items())[:5]:
         where = ", ".join(map(str, line_nos[:-1])) + f" and {line_nos[-1]}"

@@ -219,6 +219,22 @@ def test_an_output_that_is_not_empty_is_kept_unless_resume_or_overwrite(tiny_mod
     assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == ["a"]
 
 
+def test_progress_counts_blank_lines_and_a_last_line_without_newline(tiny_model, tmp_path, caplog):
+    """The progress total is the input's number of lines, counted in the pass that checks the ids: blank lines
+    included (progress names input line numbers), and a last line without a newline."""
+    import logging
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    line = '{"id": %d, "prompt_token_ids": [1, 40], "params": {"ignore_eos": true}}'
+    src.write_text(f"{line % 0}\n\n{line % 1}\n   \n{line % 2}")  # 5 lines, the last without a newline
+    caplog.set_level(logging.INFO, logger="loraplex.engine.batch")
+    assert _run(tiny_model, src, dst, "--max-tokens", "2", "--progress-interval", "0") == 0
+    progress = [r.getMessage() for r in caplog.records if r.name == "loraplex.engine.batch"
+                and r.getMessage().startswith("batch: ") and "lines written" in r.getMessage()]
+    assert progress and all(" of 5 (" in m for m in progress)
+    assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == [0, 1, 2]
+
+
 def test_progress_lines_and_a_final_summary_on_stderr(tiny_model, tmp_path, caplog):
     import logging
 
