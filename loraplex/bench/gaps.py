@@ -149,6 +149,15 @@ def gaps_section(attn: dict | None, lora: dict | None, offline: dict | None) -> 
                          "chain overlaps the previous kernel's transfers); the other "
                          f"{step['time_ms'] - step['floor_ms'] - chain:.2f} ms are the kernels moving their bytes "
                          "below the copy bandwidth.")
+            one = next((s for s in (lora.get("decode_steps") or {}).get("steps", [])
+                        if s.get("policy") == "ticketed" and s.get("mix") == step.get("mix")), None)
+            if one is not None:
+                # one launch per projection (lora_ticketed), same run and workload: what halving the launches gave
+                launches = one.get("launches_planned")
+                text += (f" One launch per projection (the ticketed policy, same run and workload) took "
+                         f"{one['time_ms']:.2f} ms" + (f" over {launches} launches" if launches else "") + ": "
+                         + ("slower than" if one["time_ms"] > step["time_ms"] else "faster than or equal to")
+                         + " the two launches.")
             out.append(text)
         elif name.startswith("speedup over HF + PEFT") or name.startswith("paged decode attention"):
             out.append(f"**{name}**: {t['measured']:.3g} against {t['goal']} ({t['note']}).")

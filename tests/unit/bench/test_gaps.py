@@ -103,3 +103,25 @@ def test_the_lora_step_gap_is_split_by_the_launch_floor_of_the_same_run():
     line = next(p for p in gaps_section(d["attention"], lora, d["offline"])[1].splitlines()
                 if p.startswith("- **64-adapter LoRA step**"))
     assert "launch floor" not in line and line.endswith("µs each.")
+
+
+RUN27 = Path(__file__).resolve().parents[3] / "docs/benchmarks/issue9-20261206-204408.json"  # run 27's full report
+
+
+@pytest.mark.skipif(not RUN27.exists(), reason="run 27's report is not in this checkout")
+def test_the_lora_step_gap_names_the_one_launch_policy_of_the_same_run():
+    """Run 27 (H200) measured the ticketed policy beside the default: the gap line says what halving the launches
+    gave, from the same run and workload; a report without that policy keeps the line as it was."""
+    d = json.loads(RUN27.read_text())
+    lora = d["lora_kernels"]
+    one = next(s for s in lora["decode_steps"]["steps"]
+               if s["policy"] == "ticketed" and s["mix"] == lora["decode_step"]["mix"])
+
+    def line():
+        return next(p for p in gaps_section(d["attention"], lora, d["offline"])[1].splitlines()
+                    if p.startswith("- **64-adapter LoRA step**"))
+
+    assert (f"One launch per projection (the ticketed policy, same run and workload) took {one['time_ms']:.2f} ms "
+            f"over 128 launches: slower than the two launches.") in line()
+    lora["decode_steps"]["steps"] = [s for s in lora["decode_steps"]["steps"] if not s["policy"].startswith("ticketed")]
+    assert "ticketed" not in line() and line().endswith("below the copy bandwidth.")
