@@ -312,6 +312,13 @@ def _lora_expand_kernel(
                    Y_CACHE="")
 
 
+def expand_progs(width: int, block_n: int, n_splits: int | None, max_chunks: int) -> int:
+    """Programs per slice of an expand grid: ``n_splits`` per chunk (default one per BLOCK_N tile of the widest
+    slice, ``width``; at least 1, at most that many), for every chunk the step may use."""
+    tiles = cdiv(width, block_n)
+    return (tiles if n_splits is None else max(1, min(n_splits, tiles))) * max_chunks
+
+
 def slice_col_align(slice_loc: list[int]) -> int:
     """Largest power of two (<= 16) dividing every slice offset: the COL_ALIGN hint that is true for them."""
     align = 16
@@ -365,8 +372,7 @@ def lora_expand(
         shrink_progs, k_tiles = split_k * meta.max_chunks, split_k
     block_r = max(16, next_power_of_2(max_rank))
     max_tiles = cdiv(max_slice_width, block_n)
-    n_splits = max_tiles if n_splits is None else max(1, min(n_splits, max_tiles))
-    progs = n_splits * meta.max_chunks
+    progs = expand_progs(max_slice_width, block_n, n_splits, meta.max_chunks)
     # zero_base: programs for every block of BLOCK_M rows that may hold base tokens, each zeroing a share of a
     # slice's columns (a few tiles each; at most ~1,024 per slice, most exiting at once when few tokens lack one)
     row_blocks = cdiv(num_tokens, meta.block_m)

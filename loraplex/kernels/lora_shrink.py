@@ -67,6 +67,13 @@ def l2_prefetch(ptrs):
                               is_pure=False, pack=1)
 
 
+def interpreted() -> bool:
+    """TRITON_INTERPRET=1: the kernels run as Python (no inline assembly, no PDL, programs one after another)."""
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 # weight prefetch before the PDL wait (``weight_prefetch`` of the launch policy): not at all, the first tile into
 # registers (then each next one a trip ahead, the loop no longer pipelined by the compiler), or the program's whole
 # share into L2 (the loop stays pipelined and reads it from L2)
@@ -76,11 +83,9 @@ WEIGHT_PREFETCH_CODES = {"off": 0, "first": 1, "l2": 2}
 def weight_prefetch_mode(mode: str, dtype: torch.dtype, tile: int) -> tuple[int, int]:
     """(PREFETCH constexpr, elements per 128-byte line) for a launch; ``l2`` needs compiled kernels and a tile of
     whole lines, else it is dropped (the interpreter has no inline assembly)."""
-    import os
-
     code = WEIGHT_PREFETCH_CODES[mode]
     line = max(1, 128 // (torch.finfo(dtype).bits // 8))
-    if code == 2 and (os.environ.get("TRITON_INTERPRET") == "1" or tile < line):
+    if code == 2 and (interpreted() or tile < line):
         code = 0
     return code, line
 
@@ -218,9 +223,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch: Hopper or newer, compiled kernels (never the interpreter)."""
-    import os
-
-    if not PDL_AVAILABLE or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if not PDL_AVAILABLE or device.type != "cuda" or interpreted():
         return False
     return torch.cuda.get_device_capability(device)[0] >= 9
 

@@ -30,6 +30,7 @@ import triton.language as tl
 
 from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.launch import fast_launch
+from loraplex.kernels.lora_expand import expand_progs
 from loraplex.kernels.lora_meta import LoRAKernelMeta
 from loraplex.kernels.lora_shrink import dot_precision, num_chunks_of, split_parts
 
@@ -169,8 +170,7 @@ def lora_silu_mul(
     if shrink_progs is None:
         shrink_progs, k_tiles = split_k * meta.max_chunks, split_k
     tiles = cdiv(width, block_n)
-    n_splits = tiles if n_splits is None else max(1, min(n_splits, tiles))
-    progs = n_splits * meta.max_chunks
+    progs = expand_progs(width, block_n, n_splits, meta.max_chunks)
     base_splits = max(1, min(tiles, 128 // max(1, cdiv(num_tokens, base_block_m))))
     grid = (progs + cdiv(num_tokens, base_block_m) * base_splits,)
     _lora_silu_mul_kernel[grid](

@@ -30,20 +30,19 @@ before the first launch. Grid: (shrink_progs * r_tiles * S + expand_progs * S,).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.launch import fast_launch
-from loraplex.kernels.lora_expand import expand_program
+from loraplex.kernels.lora_expand import expand_program, expand_progs
 from loraplex.kernels.lora_meta import LoRAKernelMeta, check_apply_args
 from loraplex.kernels.lora_shrink import (
     chunk_tables,
     dot_precision,
     gdc_wait,
+    interpreted,
     num_chunks_of,
     shrink_program,
 )
@@ -109,11 +108,6 @@ def _lora_ticketed_kernel(
                        SHRINK_BLOCK_R=BLOCK_R, Y_CACHE=".cg", SPIN_NS=SPIN_NS)
 
 
-def interpreted() -> bool:
-    """TRITON_INTERPRET=1: no inline assembly (the back-off sleep is left out; programs run one by one anyway)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def counters_size(max_chunks: int, max_slices: int = 3) -> int:
     """int32 entries of the counters buffer for launches of up to ``max_slices`` slices and ``max_chunks`` chunks:
     done and past-the-wait per (chunk, slice), the ticket, and the miscount tally (``miscounts``)."""
@@ -167,21 +161,20 @@ def lora_ticketed(
     num_pairs = meta.max_chunks * num_slices
     if counters is None:
         counters = torch.zeros(counters_size(meta.max_chunks, num_slices), dtype=torch.int32, device=x.device)
-    assert counters.dtype == torch.int32 and counters.numel() >= 2 * num_pairs + 2, "counters too small"
+    assert counters.dtype == torch.int32 and counters.numel() >= counters_size(meta.max_chunks, num_slices), \
+        "counters too small"
     shrink_progs = split_k * meta.max_chunks if shrink_progs is None else shrink_progs
     # every chunk needs a shrink program, or its expand programs would wait for ever
     assert shrink_progs >= meta.max_chunks, f"shrink_progs={shrink_progs} < max_chunks={meta.max_chunks}"
     r_tiles = cdiv(max_rank, block_r)
-    max_tiles = cdiv(max_slice_width, block_n)
-    n_splits = max_tiles if n_splits is None else max(1, min(n_splits, max_tiles))
-    expand_progs = n_splits * meta.max_chunks
-    grid = ((shrink_progs * r_tiles + expand_progs) * num_slices,)
+    e_progs = expand_progs(max_slice_width, block_n, n_splits, meta.max_chunks)
+    grid = ((shrink_progs * r_tiles + e_progs) * num_slices,)
     tables = chunk_tables(meta, chunk_ranks, num_slices)
     _lora_ticketed_kernel[grid](
         x, lora_a, y, lora_b, out, ranks, scaling, slice_loc,
         meta.sorted_token_ids, meta.chunk_slots, meta.chunk_starts, meta.chunk_lens, num_chunks_of(meta),
         *tables, counters,
-        k_dim, shrink_progs, r_tiles, expand_progs, num_slices, num_pairs, cdiv(k_dim, block_k),
+        k_dim, shrink_progs, r_tiles, e_progs, num_slices, num_pairs, cdiv(k_dim, block_k),
         x.stride(0), x.stride(1),
         lora_a.stride(0), lora_a.stride(1), lora_a.stride(2), lora_a.stride(3),
         y.stride(0), y.stride(1), y.stride(2), y.stride(3),
@@ -191,7 +184,8 @@ def lora_ticketed(
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
         EXPAND_BLOCK_R=max(16, next_power_of_2(max_rank)), DOT_PRECISION=dot_precision(x.dtype),
         COL_ALIGN=col_align, USE_PDL=pdl, PREFETCH_OUT=prefetch_out, CHUNK_TABLES=tables[0] is not meta.chunk_slots,
-        BY_PROGRAM_ID=by_program_id, SPIN_NS=0 if interpreted() else spin_ns, num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
+        BY_PROGRAM_ID=by_program_id, SPIN_NS=0 if interpreted() else spin_ns,  # (no inline assembly there)
+        num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return out
 
