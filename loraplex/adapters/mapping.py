@@ -111,13 +111,18 @@ class LoRAStep:
                 slots = torch.nn.functional.pad(self._meta.chunk_slots.clamp(min=0), (0, -chunks % 4))
                 self._chunk_ranks = pool.ranks.index_select(2, slots)[:, :, :chunks]
             self._counters = None
-            if any(c.ticketed or (c.fused and c.fused_split_k > 1) for c in self._configs.values()):
-                # counts of the one-launch kernels (the ticketed shrink + expand, the fused decode kernel's
-                # last-arriver expand), shared by every launch of the step; each launch leaves them at 0
-                from loraplex.kernels.lora_ticketed import counters_size
+            self.ensure_counters()
 
-                self._counters = torch.zeros(counters_size(self._meta.max_chunks, 3), dtype=torch.int32,
-                                             device=token_slots.device)
+    def ensure_counters(self) -> None:
+        """The counts of the one-launch kernels (the ticketed shrink + expand, the fused decode kernel's last-arriver
+        expand), when a configuration of this step uses one: shared by every launch of the step, each launch leaving
+        them at 0. Called again after a caller (the bench) overrides the configurations."""
+        if self._counters is None and any(c.ticketed or (c.fused and c.fused_split_k > 1)
+                                          for c in self._configs.values()):
+            from loraplex.kernels.lora_ticketed import counters_size
+
+            self._counters = torch.zeros(counters_size(self._meta.max_chunks, 3), dtype=torch.int32,
+                                         device=self.token_slots.device)
 
     @property
     def has_adapters(self) -> bool:

@@ -308,7 +308,7 @@ class _DecodeStepBench:
             need = max(c.parts_max for c in step._configs.values())
             if need > step._scratch.shape[0]:
                 step._scratch = torch.empty(need, *step._scratch.shape[1:], dtype=torch.float32, device=self.device)
-            _ensure_counters(step)
+            step.ensure_counters()
         return step
 
     def run(self, step, projs=None) -> None:
@@ -507,18 +507,9 @@ def _in_layer_step(bench, options: dict):
     step = LoRAStep(bench.pool, bench.slots, bench.num_active, True, **options)
     if cfg:
         step._configs = {p: dataclasses.replace(c, **cfg) for p, c in step._configs.items()}
-        _ensure_counters(step)
+        step.ensure_counters()
     return step
 
-
-def _ensure_counters(step) -> None:
-    """A step whose configurations were overridden to one-launch kernels needs the counters LoRAStep allocates only
-    when its own policy picks them."""
-    if step._counters is None and any(c.ticketed or (c.fused and c.fused_split_k > 1) for c in step._configs.values()):
-        from loraplex.kernels.lora_ticketed import counters_size
-
-        step._counters = torch.zeros(counters_size(step._meta.max_chunks, 3), dtype=torch.int32,
-                                     device=step.token_slots.device)
 # prefill-sized in-layer runs (--in-layer-tokens above the decode step's): adapters among the step's tokens
 PREFILL_IN_LAYER_MIXES = (("32 adapters", 32), ("8 adapters", 8))
 SMOKE_IN_LAYER_MIXES = (("8 adapters", 8), ("2 adapters", 2))
@@ -1040,8 +1031,8 @@ def main(argv: list[str] | None = None) -> int:
                              "decode step's: default all, --smoke one of each order; --in-layer-decode's: default "
                              "sequential and gemm shrink)")
     parser.add_argument("--step-policies", default="",
-                        help=f"comma-separated names of the decode-step policies to run (default all: "
-                             f"{', '.join(STEP_POLICIES)})")
+                        help="comma-separated names of the decode-step policies to run, default among them "
+                             f"(default all: {', '.join(STEP_POLICIES)})")
     parser.add_argument("--steps-only", action="store_true",
                         help="the decode-step policies and the in-layer run at the decode step's size, then stop")
     parser.add_argument("--in-layer-only", action="store_true",
@@ -1067,6 +1058,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(step_names) - set(STEP_POLICIES)
     if unknown:
         parser.error(f"--step-policies: unknown {', '.join(sorted(unknown))}; known: {', '.join(STEP_POLICIES)}")
+    if step_names and "default" not in step_names:
+        parser.error("--step-policies must include default: its distinct-adapter step is the report's target row")
     step_policies = {n: STEP_POLICIES[n] for n in step_names} if step_names else STEP_POLICIES
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from loraplex.adapters.modules import BaseShapes
@@ -1126,7 +1119,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = bench_decode_steps(shapes, step_tokens, 16, device, dtype, copy_bw, reps, step_policies,
                                    args.before_dir, profile=not args.no_profile and device.type == "cuda",
                                    mixes=STEP_MIXES if not args.smoke else (("distinct", 8), ("identical", 1)))
-        default_distinct = next((r for r in steps["steps"] if r["policy"] == "default"), steps["steps"][0])
+        default_distinct = next(r for r in steps["steps"] if r["policy"] == "default")
         payload["decode_steps"] = steps
         # the distinct-adapter step of the default policy (the issue-9 target row)
         payload["decode_step"] = {**default_distinct, "cuda_graph": device.type == "cuda"}

@@ -41,3 +41,15 @@ def test_in_layer_policies_names_the_unknown_one(tmp_path, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "--in-layer-policies: unknown no such order" in err and "gemm shrink" in err
+
+
+@pytest.mark.parametrize("policies, message", [
+    ("default,no such policy", "--step-policies: unknown no such policy"),
+    ("ticketed,ticketed-w2", "--step-policies must include default"),  # the report's target row is default's
+])
+def test_step_policies_are_checked_before_anything_runs(tmp_path, capsys, policies, message):
+    with pytest.raises(SystemExit) as exc:
+        lora_kernels.main(["--smoke", "--steps-only", "--step-policies", policies, "--out", str(tmp_path / "lk.json")])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "lk.json").exists()
