@@ -10,7 +10,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.auth import KEY_ID_RE, NewKey, generate_key, publish_invalidation
-from loraplex.platform.db import utcnow
+from loraplex.platform.db import as_utc, utcnow
 from loraplex.platform.errors import ApiError, bad_request, not_found
 from loraplex.platform.kv import KV
 from loraplex.platform.models import (
@@ -129,8 +129,7 @@ def _key_expiry(expires_at: datetime | None) -> datetime | None:
     offset: a time stored as ``+14:00`` would be read back as that wall-clock time in UTC, 14 hours late."""
     if expires_at is None:
         return None
-    if expires_at.tzinfo is None:
-        expires_at = expires_at.replace(tzinfo=timezone.utc)
+    expires_at = as_utc(expires_at)  # naive: UTC
     ahead = expires_at - utcnow()  # before converting: a time near year 9999 may not fit in UTC
     if ahead <= timedelta(0):
         raise bad_request("expires_at must be in the future.", param="expires_at")

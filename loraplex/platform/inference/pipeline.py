@@ -182,17 +182,19 @@ async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]]
     at_least = prompt_tokens + max(1, req.min_tokens or 0) * sequences if max_tokens is None else None
     async with contextlib.AsyncExitStack() as held:  # given back on any exit, unless the generation takes it
         held.callback(services.admission.release)
+        estimate = prompt_tokens + budget * sequences
         try:
-            reservation = await services.quota.reserve(principal, prompt_tokens + budget * sequences, at_least)
+            reservation = await services.quota.reserve(principal, estimate, at_least)
         except ApiError:
             services.metrics.rejected.labels("quota").inc()
             raise
         held.callback(services.quota.release, reservation)
-        if reservation is not None and reservation.tokens < prompt_tokens + budget * sequences:
+        if reservation is not None and reservation.tokens < estimate:
             budget = (reservation.tokens - prompt_tokens) // sequences
             params = replace(params, max_tokens=budget)  # at_least kept it >= 1 and >= min_tokens
+            estimate = prompt_tokens + budget * sequences
         try:
-            grant = await services.limiter.admit(principal, prompt_tokens + budget * sequences)
+            grant = await services.limiter.admit(principal, estimate)
         except ApiError as exc:
             services.metrics.rejected.labels("rate_limit" if exc.status_code == 429 else "other").inc()
             raise
