@@ -52,10 +52,14 @@ class LoRAStep:
 
     def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool,
                  fuse_silu_mul: bool = False, overlap_shrink: bool = False, expand_first_min_tokens: int = 0,
-                 has_base_tokens: bool = True, gemm_shrink: bool = False, long_tokens: int | None = None) -> None:
+                 has_base_tokens: bool = True, gemm_shrink: bool = False, long_tokens: int | None = None,
+                 max_adapters: int | None = None) -> None:
         self.pool = pool
         self.token_slots = token_slots  # [T] int32
         self.num_active = num_active  # distinct adapters in the step (host-known)
+        # a host-known bound on the step's distinct adapters that sizes the chunk tables and so every grid (a decode
+        # graph planned for few adapters); None: the pool's slot count. A step must never carry more.
+        self.max_adapters = max_adapters
         self.use_triton = use_triton
         self.fuse_silu_mul = fuse_silu_mul  # gate|up's delta added inside SiLU-and-multiply (silu_mul)
         self._meta = None
@@ -91,14 +95,15 @@ class LoRAStep:
             pdl = pdl_supported(token_slots.device)
             # long_tokens (host-known): tokens in requests of more than 32 in the step; most of them there gives
             # prefill tiles whatever the mean per adapter (choose_config)
-            self._configs = {p: choose_config(num_tokens, num_active, pool.max_loras, pool.max_rank,
+            budget = pool.max_loras if max_adapters is None else max(1, min(pool.max_loras, max_adapters))
+            self._configs = {p: choose_config(num_tokens, num_active, budget, pool.max_rank,
                                               shapes.proj_in(p), len(mods), max(shapes.slice_widths(p)), pdl=pdl,
                                               long_tokens=long_tokens)
                              for p, mods in PROJ_MODULES.items()}
             self._widths = {p: max(shapes.slice_widths(p)) for p in PROJ_MODULES}
             block_m = self._configs["qkv"].block_m  # same regime for every proj (depends on T and adapters)
             # one launch on CUDA for decode-sized steps (inside the decode CUDA graph: every launch counts)
-            self._meta = build_lora_meta(token_slots, pool.max_loras, block_m)
+            self._meta = build_lora_meta(token_slots, pool.max_loras, block_m, max_adapters=max_adapters)
             parts = max(c.parts_max for c in self._configs.values())
             self._scratch = torch.empty(parts, 3, num_tokens, pool.max_rank, dtype=torch.float32,
                                         device=token_slots.device)

@@ -37,8 +37,12 @@ from loraplex.kernels.host_math import next_power_of_2
 from loraplex.kernels.launch import fast_launch
 
 
-def max_chunks_for(num_tokens: int, num_slots: int, block_m: int) -> int:
-    return -(-num_tokens // block_m) + min(num_tokens, num_slots)
+def max_chunks_for(num_tokens: int, num_slots: int, block_m: int, max_adapters: int | None = None) -> int:
+    """Chunks a step of ``num_tokens`` may need: every slot's run adds at most one partial chunk, and at most
+    ``min(num_tokens, num_slots, max_adapters)`` slots have a run (``max_adapters``: a host-known bound on the step's
+    distinct adapters, None: none)."""
+    runs = min(num_tokens, num_slots) if max_adapters is None else min(num_tokens, num_slots, max(1, max_adapters))
+    return -(-num_tokens // block_m) + runs
 
 
 @dataclass(frozen=True)
@@ -69,10 +73,14 @@ META_KERNEL_MAX_SLOTS = 1024
 
 
 def build_lora_meta(token_slots: torch.Tensor, num_slots: int, block_m: int,
-                    use_kernel: bool | None = None) -> LoRAKernelMeta:
+                    use_kernel: bool | None = None, max_adapters: int | None = None) -> LoRAKernelMeta:
     """Group tokens by slot and cut each slot's run into chunks of ``block_m``. Device ops only.
 
-    ``use_kernel``: the single-launch Triton builder (default: on CUDA when the sizes allow it)."""
+    ``use_kernel``: the single-launch Triton builder (default: on CUDA when the sizes allow it).
+    ``max_adapters``: the caller's promise that the step has at most this many distinct slots (a decode graph planned
+    for few adapters): the tables then hold ``max_chunks_for(..., max_adapters)`` chunks, so every grid sized from
+    them is smaller. A step that breaks the promise loses its last chunks (``num_chunks`` is clamped to the tables,
+    so no kernel reads past them): callers check the count on the host first."""
     assert token_slots.dim() == 1, "token_slots must be [T]"
     assert block_m >= 1 and num_slots >= 1
     num_tokens = token_slots.shape[0]
@@ -81,11 +89,12 @@ def build_lora_meta(token_slots: torch.Tensor, num_slots: int, block_m: int,
     if use_kernel is None:
         use_kernel = token_slots.is_cuda and fits
     if use_kernel and fits:
-        return _build_lora_meta_kernel(token_slots, num_slots, block_m)
-    return build_lora_meta_torch(token_slots, num_slots, block_m)
+        return _build_lora_meta_kernel(token_slots, num_slots, block_m, max_adapters)
+    return build_lora_meta_torch(token_slots, num_slots, block_m, max_adapters)
 
 
-def build_lora_meta_torch(token_slots: torch.Tensor, num_slots: int, block_m: int) -> LoRAKernelMeta:
+def build_lora_meta_torch(token_slots: torch.Tensor, num_slots: int, block_m: int,
+                          max_adapters: int | None = None) -> LoRAKernelMeta:
     """Reference builder in torch ops (also the path for large batches and the CPU twins)."""
     device = token_slots.device
     num_tokens = token_slots.shape[0]
@@ -100,7 +109,7 @@ def build_lora_meta_torch(token_slots: torch.Tensor, num_slots: int, block_m: in
     num_chunks = (counts + block_m - 1) // block_m
     chunk_end = torch.cumsum(num_chunks, 0)  # inclusive: chunks of slots 0..s
     chunk_begin = chunk_end - num_chunks
-    max_chunks = max_chunks_for(num_tokens, num_slots, block_m)
+    max_chunks = max_chunks_for(num_tokens, num_slots, block_m, max_adapters)
     chunk_ids = torch.arange(max_chunks, dtype=torch.int64, device=device)
     chunk_slot = torch.searchsorted(chunk_end, chunk_ids, right=True)
     valid = chunk_slot < num_slots
@@ -123,7 +132,7 @@ def build_lora_meta_torch(token_slots: torch.Tensor, num_slots: int, block_m: in
         chunk_lens=lens.to(torch.int32),
         num_slots=num_slots,
         block_m=block_m,
-        num_chunks=chunk_end[-1:].to(torch.int32),
+        num_chunks=chunk_end[-1:].clamp(max=max_chunks).to(torch.int32),
         chunk_tokens=tokens.to(torch.int32),
     )
 
@@ -172,7 +181,7 @@ def _lora_meta_kernel(
     n_chunks = (counts + BLOCK_M - 1) // BLOCK_M
     chunk_end = tl.cumsum(n_chunks, axis=0)
     chunk_begin = chunk_end - n_chunks
-    tl.store(num_chunks_ptr, tl.sum(n_chunks, axis=0))
+    tl.store(num_chunks_ptr, tl.minimum(tl.sum(n_chunks, axis=0), MAX_CHUNKS))  # MAX_CHUNKS: a broken max_adapters
     # the chunk loop below needs these per slot in every lane: through memory (no register gather)
     tl.store(seg_ptr + offs_s, chunk_begin)
     tl.store(seg_ptr + SB + offs_s, chunk_end)
@@ -206,12 +215,13 @@ def _lora_meta_kernel(
         tl.store(chunk_tokens_ptr + c[:, None] * BLOCK_M + offs_j[None, :], toks, mask=c_mask[:, None])
 
 
-def _build_lora_meta_kernel(token_slots: torch.Tensor, num_slots: int, block_m: int) -> LoRAKernelMeta:
+def _build_lora_meta_kernel(token_slots: torch.Tensor, num_slots: int, block_m: int,
+                            max_adapters: int | None = None) -> LoRAKernelMeta:
     device = token_slots.device
     num_tokens = token_slots.shape[0]
     slots = token_slots if token_slots.dtype == torch.int32 and token_slots.is_contiguous() else \
         token_slots.to(torch.int32).contiguous()
-    max_chunks = max_chunks_for(num_tokens, num_slots, block_m)
+    max_chunks = max_chunks_for(num_tokens, num_slots, block_m, max_adapters)
     sb = max(16, next_power_of_2(num_slots))
     # one allocation for every output (a single caching-allocator call; the kernel writes every entry); each
     # table starts 16-byte aligned whatever the sizes, so the kernels reading them are never compiled again

@@ -84,3 +84,22 @@ def test_random_slot_pool_fills_every_slot_within_its_ranks():
     assert int(pool.ranks.min()) >= 1 and int(pool.ranks.max()) <= 8
     assert float(pool.scaling.min()) >= 0.5 and float(pool.scaling.max()) < 1.5
     assert isinstance(gen, torch.Generator)
+
+
+@pytest.mark.parametrize("use_kernel", [False, True])
+def test_max_adapters_bounds_the_chunk_tables(use_kernel):
+    """A plan for at most N adapters: tables of ``cdiv(T, block_m) + N`` chunks, the same chunks in use as the
+    pool-sized tables when the step keeps the bound, and a step that breaks it is clamped to the tables (kernels
+    never read past them)."""
+    slots = torch.tensor([3, 3, -1, 7, 3, 7, 7, 3, 3, -1, 7, 3], dtype=torch.int32)  # 2 adapters
+    full = build_lora_meta(slots, num_slots=16, block_m=4, use_kernel=use_kernel)
+    small = build_lora_meta(slots, num_slots=16, block_m=4, use_kernel=use_kernel, max_adapters=2)
+    assert full.max_chunks == 3 + 12 and small.max_chunks == max_chunks_for(12, 16, 4, max_adapters=2) == 3 + 2
+    used = int(full.num_chunks)
+    assert int(small.num_chunks) == used == 3  # slot 3: 6 tokens (2 chunks of 4), slot 7: 4 (1 chunk)
+    for field in ("chunk_slots", "chunk_starts", "chunk_lens", "chunk_tokens"):
+        assert torch.equal(getattr(small, field)[:used], getattr(full, field)[:used]), field
+    assert torch.equal(small.sorted_token_ids, full.sorted_token_ids)
+    broken = torch.tensor([0, 1, 2, 3, 4, 5], dtype=torch.int32)  # 6 adapters in a plan for 2
+    meta = build_lora_meta(broken, num_slots=8, block_m=4, use_kernel=use_kernel, max_adapters=2)
+    assert meta.max_chunks == 2 + 2 and int(meta.num_chunks) == meta.max_chunks

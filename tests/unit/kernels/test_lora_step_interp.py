@@ -179,3 +179,21 @@ def test_mixed_step_takes_prefill_tiles_where_most_tokens_are_long_segments(monk
         want = twin.add(1, proj, x, base.clone())
         for step in (by_mean, by_segments):
             torch.testing.assert_close(step.add(1, proj, x, base.clone()), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens, num_active, bound", [(6, 3, 3), (12, 2, 3), (70, 2, 2)])
+def test_step_planned_for_few_adapters_equals_the_full_plan(num_tokens, num_active, bound):
+    """``max_adapters`` (a decode graph planned for at most N adapters): smaller chunk tables and grids, the same
+    bits as the plan for the whole pool, for any mix within the bound."""
+    gen = torch.Generator().manual_seed(100 + num_tokens)
+    pool, slots = _pool_and_slots(gen, num_tokens, num_active)
+    full = LoRAStep(pool, slots, pool.max_loras, use_triton=True)
+    small = LoRAStep(pool, slots, bound, use_triton=True, max_adapters=bound)
+    assert small._meta.max_chunks < full._meta.max_chunks
+    for proj in PROJ_MODULES:
+        x = torch.randn(num_tokens, SHAPES.proj_in(proj), generator=gen)
+        base = torch.randn(num_tokens, sum(SHAPES.slice_widths(proj)), generator=gen)
+        for layer in range(SHAPES.num_layers):
+            want = full.add(layer, proj, x, base.clone())
+            got = small.add(layer, proj, x, base.clone())
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
