@@ -1,0 +1,178 @@
+"""The LoRA work of one large decode step under the decode graph's plan and under plans for fewer adapters.
+
+The engine's decode CUDA graph of a bucket plans its LoRA launches for ``min(bucket, max_loras)`` distinct adapters
+(every row its own adapter): the chunk tables, and so every grid, hold ``cdiv(bucket, 16) + min(bucket, max_loras)``
+chunks, and a step of 31 adapters (the offline bench's uniform workload) or ~46 (zipf 1.5 over 1,000) replays grids
+sized for 256. A plan for at most N adapters (``LoRAStep(max_adapters=N)``) sizes them for N. This measures what that
+is worth before a graph variant per plan is captured at start-up:
+
+    python -m loraplex.bench.lora_plan --tokens 256 --plans 128,64,32 --out docs/benchmarks/lora_plan_h200.json
+
+Per mix (uniform 31, zipf 1.5 of 1,000, 8 adapters, 1) and plan (``graph``: the engine's; ``<= N``: at most N), the
+median CUDA-graph replay of all 32 layers' LoRA work (shrink + expand of q|k|v, o, gate|up, down), metadata built
+inside the graph from the static slot buffer as the engine does. A plan runs only the mixes it covers. ``--smoke``:
+tiny shapes on the CPU under the interpreter (checks the harness, times nothing of note).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ZIPF_EXPONENT = 1.5
+ZIPF_POPULATION = 1000
+
+
+def zipf_slots(num_tokens: int, seed: int = 0, exponent: float = ZIPF_EXPONENT,
+               population: int = ZIPF_POPULATION) -> torch.Tensor:
+    """Slots of ``num_tokens`` rows whose adapters are drawn from a zipf law over ``population`` adapters (seeded),
+    each distinct adapter numbered 0, 1, ... in order of first appearance (its GPU slot)."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.arange(1, population + 1, dtype=torch.float64).pow(-exponent)
+    draws = torch.multinomial(weights, num_tokens, replacement=True, generator=gen)
+    _, slots = torch.unique(draws, sorted=False, return_inverse=True)
+    # renumber by first appearance (unique's order is not specified)
+    order: dict[int, int] = {}
+    return torch.tensor([order.setdefault(int(s), len(order)) for s in slots], dtype=torch.int32)
+
+
+def mixes_for(num_tokens: int, real: int) -> list[tuple[str, torch.Tensor]]:
+    """(name, slots [num_tokens]) of the measured mixes: the first ``real`` rows carry adapters, the rest are
+    padding (slot -1), as a bucket replayed for fewer sequences."""
+    from loraplex.bench.lora_kernels import _mix_slots
+
+    uniform = max(1, round(ZIPF_POPULATION ** 0.5))
+    out = []
+    for name, slots in ((f"uniform {uniform}", _mix_slots(real, min(uniform, real), "cpu")),
+                        ("zipf 1.5", zipf_slots(real)),
+                        ("8 adapters", _mix_slots(real, min(8, real), "cpu")),
+                        ("1 adapter", _mix_slots(real, 1, "cpu"))):
+        full = torch.full((num_tokens,), -1, dtype=torch.int32)
+        full[:real] = slots
+        out.append((name, full))
+    return out
+
+
+def run(shapes, num_tokens: int, real: int, plans: list[int], rank: int, device, dtype, copy_bw: float,
+        reps: int, profile: bool = True) -> dict:
+    from loraplex.adapters.mapping import LoRAStep
+    from loraplex.bench.lora_kernels import (
+        _capture,
+        _DecodeStepBench,
+        _kernel_table,
+        _profile_kernels,
+        _replay_seconds,
+        _sync,
+    )
+
+    bench = _DecodeStepBench(shapes, num_tokens, rank, device, dtype)
+    graph_plan = min(num_tokens, bench.pool.max_loras)
+    mixes = mixes_for(num_tokens, real)
+    rows, kernel_rows = [], []
+    for plan in [None, *sorted({p for p in plans if p < graph_plan}, reverse=True)]:
+        covered = [(m, s) for m, s in mixes if plan is None or len(torch.unique(s[s >= 0])) <= plan]
+        if not covered:
+            continue
+        bound = plan or graph_plan
+        bench.slots.copy_(covered[0][1].to(device))
+        _sync(device)
+        graph = _capture(lambda bound=bound, plan=plan: bench.run(
+            LoRAStep(bench.pool, bench.slots, bound, use_triton=True, max_adapters=plan)), device)
+        probe = LoRAStep(bench.pool, bench.slots, bound, use_triton=True, max_adapters=plan)
+        chunks = probe._meta.max_chunks
+        for mix, slots in covered:
+            bench.slots.copy_(slots.to(device))
+            _sync(device)
+            seconds = _replay_seconds(graph, reps)
+            adapters = len(torch.unique(slots[slots >= 0]))
+            weights, acts = bench.bytes_needed(adapters)
+            row = {"plan": "graph" if plan is None else f"<= {plan}", "max_adapters": bound, "max_chunks": chunks,
+                   "mix": mix, "adapters": adapters, "tokens": num_tokens, "real_tokens": real, "rank": rank,
+                   "time_ms": seconds * 1e3, "floor_ms": (weights + acts) / copy_bw * 1e3}
+            if profile and device.type == "cuda":
+                summary, per_kernel = _kernel_table(_profile_kernels(graph), bench, adapters, copy_bw)
+                row.update({k: v for k, v in summary.items() if k != "kernel_names"})
+                kernel_rows += [{"plan": row["plan"], "mix": mix, **r} for r in per_kernel]
+            rows.append(row)
+            log.info("PLAN %s", row)
+        del graph
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"tokens": num_tokens, "real_tokens": real, "slots": bench.pool.max_loras, "rank": rank, "rows": rows,
+            "kernels": kernel_rows}
+
+
+def markdown(payload: dict) -> str:
+    res = payload["plan"]
+    lines = [f"# LoRA work of a {res['tokens']}-row decode step ({res['real_tokens']} sequences) by plan", "",
+             f"Command: `{payload['command']}`", "",
+             f"Device: {payload['environment']['device_name']}, torch {payload['environment']['torch']}, triton "
+             f"{payload['environment']['triton']}; copy bandwidth {payload['copy_bandwidth_gb_s']:.0f} GB/s; "
+             f"{res['slots']} slots, rank {res['rank']}.", "",
+             "Time: median CUDA-graph replay of the 32 layers' LoRA work (metadata built in the graph). `graph`: the "
+             "engine's decode-graph plan (every row its own adapter); `<= N`: chunk tables and grids for at most N "
+             "adapters.", "",
+             "| mix | adapters | plan | chunks | time (ms) | floor (ms) | vs graph |", "|---|---|---|---|---|---|---|"]
+    base = {r["mix"]: r["time_ms"] for r in res["rows"] if r["plan"] == "graph"}
+    for r in res["rows"]:
+        ref = base.get(r["mix"])
+        delta = f"{r['time_ms'] - ref:+.3f} ms" if ref is not None and r["plan"] != "graph" else ""
+        lines.append(f"| {r['mix']} | {r['adapters']} | {r['plan']} | {r['max_chunks']} | {r['time_ms']:.3f} | "
+                     f"{r['floor_ms']:.3f} | {delta} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from loraplex.bench.lora_kernels import LLAMA3_8B, SMOKE, _use_interpreter, measure_copy_bandwidth
+
+    parser = argparse.ArgumentParser(prog="python -m loraplex.bench.lora_plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="docs/benchmarks/lora_plan_h200.json", help="JSON path (.md beside it)")
+    parser.add_argument("--tokens", type=int, default=256, help="rows of the step (a decode-graph bucket)")
+    parser.add_argument("--real", type=int, default=None, help="rows carrying adapters (default: tokens - 8)")
+    parser.add_argument("--plans", default="128,64,32", help="comma-separated adapter bounds to plan for")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    from loraplex.adapters.modules import BaseShapes
+
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if device.type != "cuda" and not args.smoke:
+        parser.error("needs CUDA; use --smoke on the CPU")
+    if device.type != "cuda":
+        _use_interpreter()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = BaseShapes.from_config(SMOKE if args.smoke else LLAMA3_8B)
+    real = args.real if args.real is not None else max(1, args.tokens - 8)
+    if not 0 < real <= args.tokens:
+        parser.error(f"--real must be in 1..{args.tokens}, got {real}")
+    plans = [int(p) for p in args.plans.split(",") if p.strip()]
+    copy_bw = measure_copy_bandwidth(device, 1 << (22 if args.smoke else 30), iters=100)
+    import triton
+
+    payload = {"command": "python -m loraplex.bench.lora_plan " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+        "environment": {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                        "torch": torch.__version__, "triton": triton.__version__},
+        "copy_bandwidth_gb_s": copy_bw / 1e9}
+    payload["plan"] = run(shapes, args.tokens, real, plans, 16, device, dtype, copy_bw,
+                          min(args.reps, 3) if args.smoke else args.reps, profile=not args.no_profile)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(payload))
+    log.info("wrote %s", out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""bench lora_plan: the mixes it replays and its smoke run (interpreter) writing a row per plan and covered mix."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from loraplex.bench import lora_plan
+
+
+def test_zipf_slots_are_seeded_skewed_and_numbered_by_first_appearance():
+    slots = lora_plan.zipf_slots(248, seed=0)
+    assert torch.equal(slots, lora_plan.zipf_slots(248, seed=0))
+    distinct = slots.unique()
+    assert distinct.tolist() == list(range(len(distinct)))  # slots 0..n-1
+    first = [int(s) for s in slots]
+    assert [s for i, s in enumerate(first) if s not in first[:i]] == sorted(set(first))  # in order of appearance
+    counts = torch.bincount(slots.long())
+    assert 20 < len(distinct) < 100 and int(counts.max()) > 248 // 5  # a head adapter and a long tail
+
+
+def test_mixes_pad_the_bucket_with_base_rows():
+    for name, slots in lora_plan.mixes_for(16, 12):
+        assert slots.shape == (16,) and (slots[12:] == -1).all() and (slots[:12] >= 0).all(), name
+
+
+def test_smoke_run_writes_a_row_per_plan_and_covered_mix(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "plan.json"
+    assert lora_plan.main(["--smoke", "--tokens", "8", "--real", "6", "--plans", "2,99", "--reps", "1",
+                           "--no-profile", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["plan"]["rows"]
+    assert [r["plan"] for r in rows] == ["graph"] * 4 + ["<= 2"]  # 99 is above the graph's plan: no variant
+    assert rows[-1]["mix"] == "1 adapter" and rows[-1]["max_chunks"] < rows[0]["max_chunks"]
+    assert "| 1 adapter | 1 | <= 2 |" in out.with_suffix(".md").read_text()
