@@ -607,12 +607,7 @@ STEP_POLICIES = {"before": None, "default": {}, "no-pdl": {"*": {"pdl": False}},
                  # one launch per projection (lora_ticketed), with the expand's warps (4) or the shrink's (2), and
                  # without programmatic dependent launch
                  "ticketed": {"*": {"ticketed": True}}, "ticketed-w2": {"*": {"ticketed": True, "ticket_warps": 2}},
-                 "ticketed-no-pdl": {"*": {"ticketed": True, "pdl": False}},
-                 # diagnosis: the same kernel without the ticket (items by program id; not safe to ship)
-                 "ticketed-by-pid": {"*": {"ticketed": True, "ticket_by_program_id": True}},
-                 # waiting expand programs back off between polls (200 ns, 1 us)
-                 "ticketed-spin200": {"*": {"ticketed": True, "ticket_spin_ns": 200}},
-                 "ticketed-spin1000": {"*": {"ticketed": True, "ticket_spin_ns": 1000}}}
+                 "ticketed-no-pdl": {"*": {"ticketed": True, "pdl": False}}}
 
 
 # configuration changes tried per projection by --step-variants (relative to the default configuration);

@@ -113,14 +113,6 @@ def _zero_base_rows(out_ptr, sorted_ids_ptr, chunk_starts_ptr, chunk_lens_ptr, n
 
 
 @triton.jit
-def _nanosleep(value, NS: tl.constexpr):
-    """``nanosleep.u32 NS`` (sm_70+, compiled kernels only); returns ``value`` so that the call is ordered in the loop
-    that polls it."""
-    return tl.inline_asm_elementwise(f"nanosleep.u32 {NS};\n\tmov.u32 $0, $1;", "=r,r", [value], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
 def expand_program(
     pid, sl,
     y_ptr, b_ptr, out_ptr, ranks_ptr, scaling_ptr, slice_loc_ptr,
@@ -135,7 +127,7 @@ def expand_program(
     DOT_PRECISION: tl.constexpr, COL_ALIGN: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH_OUT: tl.constexpr, CHUNK_TABLES: tl.constexpr, ACCUMULATE: tl.constexpr,
     PREFETCH_B: tl.constexpr, PF_LINE: tl.constexpr, WAIT: tl.constexpr, SHRINK_BLOCK_R: tl.constexpr,
-    Y_CACHE: tl.constexpr, SPIN_NS: tl.constexpr = 0,
+    Y_CACHE: tl.constexpr,
 ):
     """Program (pid, sl) of the expand grid (module doc). ``WAIT`` (the one-launch ticketed kernel, lora_ticketed.py):
     before reading y the program waits until every shrink program of its (chunk, slice) in the same launch has counted
@@ -215,8 +207,6 @@ def expand_program(
         want = parts * tl.cdiv(rank, SHRINK_BLOCK_R)  # the K parts of each rank tile the shrink ran
         seen = tl.atomic_add(done_ptr + pair, 0, sem="acquire", scope="gpu")
         while seen < want:
-            if SPIN_NS > 0:  # back off between polls: hundreds of waiting programs would otherwise load L2 hard
-                seen = _nanosleep(seen, SPIN_NS)
             seen = tl.atomic_add(done_ptr + pair, 0, sem="acquire", scope="gpu")
         if seen != want:
             # a count above ``want``: shrink and expand disagree on the pair's programs, so y may have been read

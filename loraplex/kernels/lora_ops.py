@@ -75,8 +75,6 @@ class LoRAKernelConfig:
     ticketed: bool = False
     ticket_warps: int = 4
     ticket_stages: int = 3
-    ticket_by_program_id: bool = False  # diagnosis only (bench): no ticket, items by program id (lora_ticketed)
-    ticket_spin_ns: int = 0  # > 0: waiting expand programs sleep this long between polls of their count
 
     @property
     def parts_max(self) -> int:
@@ -236,8 +234,7 @@ def lora_apply(
                              block_r=cfg.block_r, block_k=cfg.block_k, block_n=cfg.block_n, n_splits=cfg.expand_splits,
                              y=scratch, counters=counters, num_warps=cfg.ticket_warps, num_stages=cfg.ticket_stages,
                              col_align=col_align, pdl=cfg.pdl, prefetch_out=cfg.prefetch_out,
-                             chunk_ranks=chunk_ranks if cfg.chunk_tables else None,
-                             by_program_id=cfg.ticket_by_program_id, spin_ns=cfg.ticket_spin_ns)
+                             chunk_ranks=chunk_ranks if cfg.chunk_tables else None)
     if cfg.fused:
         return lora_fused(x, out, lora_a, lora_b, ranks, scaling, slice_loc, max_slice_width, meta,
                           split_k=cfg.fused_split_k, n_splits=cfg.fused_n_splits, block_k=cfg.fused_block_k,

@@ -42,7 +42,6 @@ from loraplex.kernels.lora_shrink import (
     chunk_tables,
     dot_precision,
     gdc_wait,
-    interpreted,
     num_chunks_of,
     shrink_program,
 )
@@ -66,23 +65,17 @@ def _lora_ticketed_kernel(
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_N: tl.constexpr, EXPAND_BLOCK_R: tl.constexpr, DOT_PRECISION: tl.constexpr,
     COL_ALIGN: tl.constexpr = 1, USE_PDL: tl.constexpr = False, PREFETCH_OUT: tl.constexpr = True,
-    CHUNK_TABLES: tl.constexpr = False, BY_PROGRAM_ID: tl.constexpr = False, SPIN_NS: tl.constexpr = 0,
+    CHUNK_TABLES: tl.constexpr = False,
 ):
     if USE_PDL:
         # x, out and the counters' last reset belong to earlier launches: wait for them before anything
         gdc_wait()
     n_shrink = shrink_progs * r_tiles * num_slices
     total = n_shrink + expand_progs * num_slices
-    if BY_PROGRAM_ID:
-        # diagnosis only (bench): the item is the program id, no ticket. Safe only while the hardware dispatches
-        # blocks in id order, which CUDA does not promise: an expand block resident before a shrink block it waits
-        # for, with every slot so taken, would wait for ever
-        item = tl.program_id(0)
-    else:
-        ticket_ptr = cnt_ptr + 2 * num_pairs
-        item = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
-        if item == total - 1:  # every other ticket is taken: ready for the next launch
-            tl.store(ticket_ptr, 0)
+    ticket_ptr = cnt_ptr + 2 * num_pairs
+    item = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+    if item == total - 1:  # every other ticket is taken: ready for the next launch
+        tl.store(ticket_ptr, 0)
     if item < n_shrink:
         pid = item % shrink_progs
         rest = item // shrink_progs
@@ -105,7 +98,7 @@ def _lora_ticketed_kernel(
                        SPLIT_K=SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=EXPAND_BLOCK_R,
                        DOT_PRECISION=DOT_PRECISION, COL_ALIGN=COL_ALIGN, USE_PDL=False, PREFETCH_OUT=PREFETCH_OUT,
                        CHUNK_TABLES=CHUNK_TABLES, ACCUMULATE=True, PREFETCH_B=0, PF_LINE=64, WAIT=True,
-                       SHRINK_BLOCK_R=BLOCK_R, Y_CACHE=".cg", SPIN_NS=SPIN_NS)
+                       SHRINK_BLOCK_R=BLOCK_R, Y_CACHE=".cg")
 
 
 def counters_size(max_chunks: int, max_slices: int = 3) -> int:
@@ -145,8 +138,6 @@ def lora_ticketed(
     pdl: bool = False,
     prefetch_out: bool = True,
     chunk_ranks: torch.Tensor | None = None,  # [S, max_chunks] int32 (with meta.chunk_tokens: per-chunk tables)
-    by_program_id: bool = False,  # diagnosis only (bench): items by program id, no ticket (kernel comment)
-    spin_ns: int = 0,  # > 0: a waiting expand program sleeps this long between polls (compiled kernels only)
 ) -> torch.Tensor:
     """Semantics: ``lora_ref.lora_apply_ref``, in one launch (module doc)."""
     num_tokens, k_dim, num_slices, max_rank = check_apply_args(x, out, lora_a, lora_b, ranks, scaling, slice_loc, meta)
@@ -184,7 +175,6 @@ def lora_ticketed(
         SPLIT_K=split_k, BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_N=block_n,
         EXPAND_BLOCK_R=max(16, next_power_of_2(max_rank)), DOT_PRECISION=dot_precision(x.dtype),
         COL_ALIGN=col_align, USE_PDL=pdl, PREFETCH_OUT=prefetch_out, CHUNK_TABLES=tables[0] is not meta.chunk_slots,
-        BY_PROGRAM_ID=by_program_id, SPIN_NS=0 if interpreted() else spin_ns,  # (no inline assembly there)
         num_warps=num_warps, num_stages=num_stages, **({"launch_pdl": True} if pdl else {}),
     )
     return out
