@@ -8,15 +8,17 @@ is worth before a graph variant per plan is captured at start-up:
 
     python -m loraplex.bench.lora_plan --tokens 256 --plans 128,64,32 --out docs/benchmarks/lora_plan_h200.json
 
-Per mix (uniform 31, zipf 1.5 of 1,000, 8 adapters, 1) and plan (``graph``: the engine's; ``<= N``: at most N), the
+Per mix (distinct, uniform 32, zipf 1.5 of 1,000, 8 adapters, 1) and plan (``graph``: the engine's; ``<= N``: at most N), the
 median CUDA-graph replay of all 32 layers' LoRA work (shrink + expand of q|k|v, o, gate|up, down), metadata built
-inside the graph from the static slot buffer as the engine does. A plan runs only the mixes it covers. ``--smoke``:
+inside the graph from the static slot buffer as the engine does. A plan runs only the mixes it covers. ``--variants``:
+the graph plan with more programs per launch (expand splits, shrink K parts ×2 or ×4). ``--smoke``:
 tiny shapes on the CPU under the interpreter (checks the harness, times nothing of note).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import shlex
@@ -29,6 +31,25 @@ log = logging.getLogger(__name__)
 
 ZIPF_EXPONENT = 1.5
 ZIPF_POPULATION = 1000
+
+# launch-size variants of the graph plan (``--variants``): each projection's configuration changed by a function of it
+VARIANTS = {
+    "en-x2": lambda c: {"expand_splits": c.expand_splits and 2 * c.expand_splits},  # None: one program per tile
+    "en-x4": lambda c: {"expand_splits": c.expand_splits and 4 * c.expand_splits},
+    "sk-x2": lambda c: {"split_k": 2 * c.split_k},
+    "sk-x2-en-x2": lambda c: {"split_k": 2 * c.split_k, "expand_splits": c.expand_splits and 2 * c.expand_splits},
+}
+
+
+def _with_variant(step, name: str | None):
+    """``step`` with the launch sizes of variant ``name`` (None: as planned); the fp32 scratch grown if needed."""
+    if name is None:
+        return step
+    step._configs = {p: dataclasses.replace(c, **VARIANTS[name](c)) for p, c in step._configs.items()}
+    need = max(c.parts_max for c in step._configs.values())
+    if need > step._scratch.shape[0]:
+        step._scratch = torch.empty(need, *step._scratch.shape[1:], dtype=torch.float32, device=step._scratch.device)
+    return step
 
 
 def zipf_slots(num_tokens: int, seed: int = 0, exponent: float = ZIPF_EXPONENT,
@@ -51,7 +72,8 @@ def mixes_for(num_tokens: int, real: int) -> list[tuple[str, torch.Tensor]]:
 
     uniform = max(1, round(ZIPF_POPULATION ** 0.5))
     out = []
-    for name, slots in ((f"uniform {uniform}", _mix_slots(real, min(uniform, real), "cpu")),
+    for name, slots in (("distinct", _mix_slots(real, real, "cpu")),
+                        (f"uniform {uniform}", _mix_slots(real, min(uniform, real), "cpu")),
                         ("zipf 1.5", zipf_slots(real)),
                         ("8 adapters", _mix_slots(real, min(8, real), "cpu")),
                         ("1 adapter", _mix_slots(real, 1, "cpu"))):
@@ -62,7 +84,7 @@ def mixes_for(num_tokens: int, real: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def run(shapes, num_tokens: int, real: int, plans: list[int], rank: int, device, dtype, copy_bw: float,
-        reps: int, profile: bool = True) -> dict:
+        reps: int, profile: bool = True, variants: tuple[str, ...] = ()) -> dict:
     from loraplex.adapters.mapping import LoRAStep
     from loraplex.bench.lora_kernels import (
         _capture,
@@ -77,24 +99,29 @@ def run(shapes, num_tokens: int, real: int, plans: list[int], rank: int, device,
     graph_plan = min(num_tokens, bench.pool.max_loras)
     mixes = mixes_for(num_tokens, real)
     rows, kernel_rows = [], []
-    for plan in [None, *sorted({p for p in plans if p < graph_plan}, reverse=True)]:
+    cases = [(None, None), *((None, v) for v in variants),
+             *((p, None) for p in sorted({p for p in plans if p < graph_plan}, reverse=True))]
+    for plan, variant in cases:
         covered = [(m, s) for m, s in mixes if plan is None or len(torch.unique(s[s >= 0])) <= plan]
         if not covered:
             continue
         bound = plan or graph_plan
         bench.slots.copy_(covered[0][1].to(device))
         _sync(device)
-        graph = _capture(lambda bound=bound, plan=plan: bench.run(
-            LoRAStep(bench.pool, bench.slots, bound, use_triton=True, max_adapters=plan)), device)
-        probe = LoRAStep(bench.pool, bench.slots, bound, use_triton=True, max_adapters=plan)
-        chunks = probe._meta.max_chunks
+
+        def make(bound=bound, plan=plan, variant=variant):
+            return _with_variant(LoRAStep(bench.pool, bench.slots, bound, use_triton=True, max_adapters=plan), variant)
+
+        graph = _capture(lambda make=make: bench.run(make()), device)
+        chunks = make()._meta.max_chunks
+        label = ("graph" if plan is None else f"<= {plan}") + (f", {variant}" if variant else "")
         for mix, slots in covered:
             bench.slots.copy_(slots.to(device))
             _sync(device)
             seconds = _replay_seconds(graph, reps)
             adapters = len(torch.unique(slots[slots >= 0]))
             weights, acts = bench.bytes_needed(adapters)
-            row = {"plan": "graph" if plan is None else f"<= {plan}", "max_adapters": bound, "max_chunks": chunks,
+            row = {"plan": label, "max_adapters": bound, "max_chunks": chunks,
                    "mix": mix, "adapters": adapters, "tokens": num_tokens, "real_tokens": real, "rank": rank,
                    "time_ms": seconds * 1e3, "floor_ms": (weights + acts) / copy_bw * 1e3}
             if profile and device.type == "cuda":
@@ -138,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=256, help="rows of the step (a decode-graph bucket)")
     parser.add_argument("--real", type=int, default=None, help="rows carrying adapters (default: tokens - 8)")
     parser.add_argument("--plans", default="128,64,32", help="comma-separated adapter bounds to plan for")
+    parser.add_argument("--variants", default="", help=f"comma-separated launch-size variants of the graph plan "
+                                                        f"({', '.join(VARIANTS)})")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
@@ -156,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < real <= args.tokens:
         parser.error(f"--real must be in 1..{args.tokens}, got {real}")
     plans = [int(p) for p in args.plans.split(",") if p.strip()]
+    variants = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    if set(variants) - set(VARIANTS):
+        parser.error(f"--variants: unknown {', '.join(sorted(set(variants) - set(VARIANTS)))}; known: "
+                     f"{', '.join(VARIANTS)}")
     copy_bw = measure_copy_bandwidth(device, 1 << (22 if args.smoke else 30), iters=100)
     import triton
 
@@ -165,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                         "torch": torch.__version__, "triton": triton.__version__},
         "copy_bandwidth_gb_s": copy_bw / 1e9}
     payload["plan"] = run(shapes, args.tokens, real, plans, 16, device, dtype, copy_bw,
-                          min(args.reps, 3) if args.smoke else args.reps, profile=not args.no_profile)
+                          min(args.reps, 3) if args.smoke else args.reps, profile=not args.no_profile,
+                          variants=variants)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2) + "\n")

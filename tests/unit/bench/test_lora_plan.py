@@ -31,6 +31,6 @@ def test_smoke_run_writes_a_row_per_plan_and_covered_mix(tmp_path, monkeypatch):
     assert lora_plan.main(["--smoke", "--tokens", "8", "--real", "6", "--plans", "2,99", "--reps", "1",
                            "--no-profile", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["plan"]["rows"]
-    assert [r["plan"] for r in rows] == ["graph"] * 4 + ["<= 2"]  # 99 is above the graph's plan: no variant
+    assert [r["plan"] for r in rows] == ["graph"] * 5 + ["<= 2"]  # 99 is above the graph's plan: no variant
     assert rows[-1]["mix"] == "1 adapter" and rows[-1]["max_chunks"] < rows[0]["max_chunks"]
     assert "| 1 adapter | 1 | <= 2 |" in out.with_suffix(".md").read_text()
