@@ -84,8 +84,6 @@ class LoRAManager:
         # slots run each folded projection's shrink inside its base GEMM (engine option lora_gemm_shrink; the model
         # runner folds the weights, SlotPool.fold_base_weights, and sets this)
         self.gemm_shrink_max_tokens = 0
-        # decode graphs planned for at most N adapters, ascending (engine option lora_graph_plans)
-        self.graph_plans: tuple[int, ...] = ()
         self.host_cache: HostLRUCache[HostAdapter] = HostLRUCache(max(max_cpu_loras or max_loras, max_loras))
         self._validated: ValidatedFiles[HostAdapter] = ValidatedFiles()
         self.loader = BackgroundLoader(self._load_files, num_load_workers or min(4, os.cpu_count() or 1))
@@ -365,26 +363,13 @@ class LoRAManager:
                               gemm_shrink=gemm, long_tokens=long_tokens if self.segment_tiles else None)
 
     def make_step(self, token_slots: torch.Tensor, num_active: int, has_base_tokens: bool = True,
-                  gemm_shrink: bool = False, long_tokens: int | None = None,
-                  max_adapters: int | None = None) -> LoRAStep:
+                  gemm_shrink: bool = False, long_tokens: int | None = None) -> LoRAStep:
         """A step's mapping over this manager's pool and kernel options (slots already assigned);
         ``has_base_tokens`` (host-known; True when unknown) whether some token of the step has no adapter;
-        ``gemm_shrink``: the folded projections' shrinks inside their base GEMMs (``use_gemm_shrink`` decides);
-        ``max_adapters``: the step never has more distinct adapters (a decode graph's plan, ``graph_plan``)."""
+        ``gemm_shrink``: the folded projections' shrinks inside their base GEMMs (``use_gemm_shrink`` decides)."""
         return LoRAStep(self.pool, token_slots, num_active, self.use_triton, self.fuse_silu_mul, self.overlap_shrink,
                         self.expand_first_min_tokens, has_base_tokens,
-                        gemm_shrink=gemm_shrink and bool(self.pool.folded), long_tokens=long_tokens,
-                        max_adapters=max_adapters)
-
-    def graph_plans_for(self, num_tokens: int) -> tuple[int, ...]:
-        """The adapter bounds a decode graph of ``num_tokens`` rows has a variant for: those below the plan of its
-        default graph, ``min(num_tokens, max_loras)``."""
-        return tuple(n for n in self.graph_plans if n < min(num_tokens, self.max_loras))
-
-    def graph_plan(self, num_tokens: int, num_adapters: int) -> int | None:
-        """The smallest bound of ``graph_plans_for(num_tokens)`` that holds a step of ``num_adapters`` distinct
-        adapters, or None (the default graph)."""
-        return next((n for n in self.graph_plans_for(num_tokens) if num_adapters <= n), None)
+                        gemm_shrink=gemm_shrink and bool(self.pool.folded), long_tokens=long_tokens)
 
     def fills_half_the_slots(self, num_adapters: int) -> bool:
         """The in-GEMM shrink's rule: it reads every slot's A, so it pays only for steps whose distinct adapters fill

@@ -35,10 +35,6 @@ FLAGS: dict[str, dict] = {
         **_ON_OFF,
         help="engine option lora_gemm_shrink: pure-decode steps of <= 64 tokens whose adapters fill half the slots "
              "run each LoRA shrink inside the base GEMM (default: the engine's default, off)"),
-    "lora_graph_plans": dict(
-        type=lambda v: tuple(int(n) for n in v.split(",") if n.strip()), default=None, metavar="N,N,...",
-        help="engine option lora_graph_plans: decode CUDA graphs per bucket planned for at most N distinct adapters "
-             "(comma-separated; empty: none; default: the engine's default)"),
     "attention_decode_split": dict(
         **_ON_OFF,
         help="engine option attention_decode_split: in steps mixing decodes and prompts, the decodes through the "
@@ -66,7 +62,7 @@ FLAGS: dict[str, dict] = {
 
 # the options of each benchmark, in the order of its --help
 OFFLINE = ("fuse_lora_silu_mul", "merge_single_lora", "lora_overlap_shrink", "lora_expand_first_min_tokens",
-           "lora_segment_tiles", "lora_gemm_shrink", "lora_graph_plans", "attention_decode_split", "piecewise_cuda_graphs", "kv_cache_dtype", "quantization",
+           "lora_segment_tiles", "lora_gemm_shrink", "attention_decode_split", "piecewise_cuda_graphs", "kv_cache_dtype", "quantization",
            "num_speculative_tokens", "lora_grouping")
 STEP_PROFILE = ("fuse_lora_silu_mul", "lora_overlap_shrink", "lora_gemm_shrink", "merge_single_lora",
                 "attention_decode_split", "piecewise_cuda_graphs")

@@ -3,13 +3,15 @@
 The engine's decode CUDA graph of a bucket plans its LoRA launches for ``min(bucket, max_loras)`` distinct adapters
 (every row its own adapter): the chunk tables, and so every grid, hold ``cdiv(bucket, 16) + min(bucket, max_loras)``
 chunks, and a step of 31 adapters (the offline bench's uniform workload) or ~46 (zipf 1.5 over 1,000) replays grids
-sized for 256. A plan for at most N adapters (``LoRAStep(max_adapters=N)``) sizes them for N. This measures what that
-is worth before a graph variant per plan is captured at start-up:
+sized for 256. A plan for at most N adapters (``LoRAStep(max_adapters=N)``) sizes them for N. This measured what that
+is worth before a decode-graph variant per plan was kept: on an H100 every plan of 64 or fewer was 0.03-0.22 ms slower
+than the graph's own (its extra programs give the chunks in use more K parts and column splits), so the engine has no
+such variant (docs/benchmarks/NOTES-lora.md):
 
     python -m loraplex.bench.lora_plan --tokens 256 --plans 128,64,32 --out docs/benchmarks/lora_plan_h200.json
 
-Per mix (distinct, uniform 32, zipf 1.5 of 1,000, 8 adapters, 1) and plan (``graph``: the engine's; ``<= N``: at most N), the
-median CUDA-graph replay of all 32 layers' LoRA work (shrink + expand of q|k|v, o, gate|up, down), metadata built
+Per mix (distinct, uniform 32, zipf 1.5 of 1,000, 8 adapters, 1) and plan (``graph``: the engine's; ``<= N``: at most
+N), the median CUDA-graph replay of all 32 layers' LoRA work (shrink + expand of q|k|v, o, gate|up, down), metadata built
 inside the graph from the static slot buffer as the engine does. A plan runs only the mixes it covers. ``--variants``:
 the graph plan with more programs per launch (expand splits, shrink K parts ×2 or ×4). ``--smoke``:
 tiny shapes on the CPU under the interpreter (checks the harness, times nothing of note).

@@ -94,11 +94,6 @@ class EngineConfig:
     # projection biases (otherwise ignored). Off by default
     lora_gemm_shrink: bool = False
     lora_gemm_shrink_max_tokens: int = 64
-    # extra decode CUDA graphs per bucket whose LoRA launches are planned for at most N distinct adapters (each N
-    # below min(bucket, max_loras)): a step of n adapters replays the smallest plan >= n. The default graph plans for
-    # one adapter per row, so a step of few adapters replays grids sized for the whole pool and most of its programs
-    # exit at once. More graphs to capture at start-up (one per plan and bucket above it). Empty: off
-    lora_graph_plans: tuple[int, ...] = ()
     # after the engine loads, freeze the heap alive then out of the cyclic GC's reach (engine/gc_heap.py): shorter
     # full collections. For processes that exist to run the engine (the server and the benchmarks set it); off for
     # a library caller, whose heap it would freeze too
@@ -157,9 +152,6 @@ class EngineConfig:
             raise ValueError(f"lora_expand_first_min_tokens must be >= 0, got {self.lora_expand_first_min_tokens}")
         if self.lora_gemm_shrink_max_tokens < 1:
             raise ValueError(f"lora_gemm_shrink_max_tokens must be >= 1, got {self.lora_gemm_shrink_max_tokens}")
-        self.lora_graph_plans = tuple(sorted({int(n) for n in self.lora_graph_plans}))
-        if any(n < 1 for n in self.lora_graph_plans):
-            raise ValueError(f"lora_graph_plans must be adapter counts >= 1, got {list(self.lora_graph_plans)}")
         if self.piecewise_graph_max_tokens < 1:
             raise ValueError(f"piecewise_graph_max_tokens must be >= 1, got {self.piecewise_graph_max_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

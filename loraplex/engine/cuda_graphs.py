@@ -13,9 +13,7 @@ from those slots inside the graph, and every grid is sized from buffer shapes (b
 never from a count seen at capture (KERNELS.md pitfalls 2, 3, 7): the attention split count ignores
 host context lengths while capturing, and the LoRA chunk count depends only on the bucket and the slot
 pool. The LoRA launch tiles are chosen for ``min(bucket, max_loras)`` distinct adapters (every row its
-own adapter, the decode regime); they are correct for any mix, which only changes how well they fit. With the
-engine option ``lora_graph_plans`` a bucket also has a graph per bound N below that count, its chunk tables and grids
-sized for at most N adapters; a step replays the smallest plan that holds its distinct adapters (host-known).
+own adapter, the decode regime); they are correct for any mix, which only changes how well they fit.
 
 ``capture=False`` (the CPU, and tests) runs the same padded static-buffer forward without a graph, so
 the padding logic is exercised everywhere.
@@ -68,18 +66,6 @@ def gc_paused():
 # the mode of a decode graph whose adapters' shrinks run inside the base GEMMs (engine option lora_gemm_shrink): a
 # third value of a key's "with adapters" (truthy, so every "with adapters" test still holds)
 GEMM_SHRINK = "gemm-shrink"
-PLAN_PREFIX = "max-adapters-"
-
-
-def plan_mode(bound: int) -> str:
-    """The mode of a decode graph whose LoRA launches are planned for at most ``bound`` distinct adapters (engine
-    option lora_graph_plans; truthy like ``GEMM_SHRINK``)."""
-    return f"{PLAN_PREFIX}{bound}"
-
-
-def plan_bound(mode) -> int | None:
-    """The adapter bound of a ``plan_mode`` mode, else None."""
-    return int(mode[len(PLAN_PREFIX):]) if isinstance(mode, str) and mode.startswith(PLAN_PREFIX) else None
 
 
 class BucketedGraphs:
@@ -165,11 +151,8 @@ class DecodeGraphRunner(BucketedGraphs):
         assert batch.is_decode and batch.num_rows in self.buckets, "only padded pure-decode batches replay"
         bucket, num_seqs = batch.num_rows, batch.num_seqs
         key = (bucket, bool(slot_of))
-        if slot_of and lora_manager is not None:
-            if lora_manager.use_gemm_shrink(bucket, len(slot_of)):
-                key = (bucket, GEMM_SHRINK)
-            elif (bound := lora_manager.graph_plan(bucket, len(slot_of))) is not None:
-                key = (bucket, plan_mode(bound))
+        if slot_of and lora_manager is not None and lora_manager.use_gemm_shrink(bucket, len(slot_of)):
+            key = (bucket, GEMM_SHRINK)
         if key not in self._graphs:
             self.capture(key, lora_manager)
         self._load_inputs(batch, slot_of if key[1] else None)
@@ -209,18 +192,13 @@ class DecodeGraphRunner(BucketedGraphs):
             max_query_len=1, max_seq_len=None)  # None: split count from shapes, right for any context
         lora = None
         if with_lora:
-            # built here so that, under capture, the kernel metadata is derived from the static slots; a plan for at
-            # most N adapters sizes the chunk tables and grids for N (``run`` replays it only for steps of <= N)
-            bound = plan_bound(with_lora)
-            lora = lora_manager.make_step(self.token_slots[:bucket], bound or min(bucket, lora_manager.max_loras),
-                                          gemm_shrink=with_lora == GEMM_SHRINK, max_adapters=bound)
+            # built here so that, under capture, the kernel metadata is derived from the static slots
+            lora = lora_manager.make_step(self.token_slots[:bucket], min(bucket, lora_manager.max_loras),
+                                          gemm_shrink=with_lora == GEMM_SHRINK)
         return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, attn, lora)
 
     def _extra_modes(self, bucket: int, lora_manager) -> tuple:
-        if lora_manager is None:
-            return ()
-        gemm = (GEMM_SHRINK,) if lora_manager.gemm_shrink_possible(bucket) else ()
-        return gemm + tuple(plan_mode(n) for n in lora_manager.graph_plans_for(bucket))
+        return (GEMM_SHRINK,) if lora_manager is not None and lora_manager.gemm_shrink_possible(bucket) else ()
 
     # ---- capture -------------------------------------------------------------------------------------
     def _capture(self, key: tuple[int, bool | str], lora_manager) -> None:
@@ -246,7 +224,5 @@ class DecodeGraphRunner(BucketedGraphs):
             hidden = self._forward(key, lora_manager)
         self._graphs[key] = (graph, hidden)
         log.debug("captured decode CUDA graph: batch %d%s", bucket,
-                  " with adapters, in-GEMM shrink" if key[1] == GEMM_SHRINK else
-                  f" with at most {plan_bound(key[1])} adapters" if plan_bound(key[1]) else
-                  " with adapters" if key[1] else "")
+                  " with adapters, in-GEMM shrink" if key[1] == GEMM_SHRINK else " with adapters" if key[1] else "")
 

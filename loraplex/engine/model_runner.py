@@ -289,7 +289,6 @@ class ModelRunner:
             self.lora_manager.overlap_shrink = self.config.lora_overlap_shrink
             self.lora_manager.expand_first_min_tokens = self.config.lora_expand_first_min_tokens
             self.lora_manager.segment_tiles = self.config.lora_segment_tiles
-            self.lora_manager.graph_plans = self.config.lora_graph_plans
             if self.config.lora_gemm_shrink:
                 self._fold_lora_rows()
             if self.config.merge_single_lora:

@@ -23,10 +23,9 @@ def test_a_command_line_reaches_the_engine_kwargs():
     p = argparse.ArgumentParser()
     add_offline_args(p)
     args = p.parse_args(["--lora-gemm-shrink", "--lora-expand-first-min-tokens", "7", "--kv-cache-dtype", "int8",
-                         "--lora-grouping", "--no-piecewise-cuda-graphs", "--lora-graph-plans", "64,32"])
+                         "--lora-grouping", "--no-piecewise-cuda-graphs"])
     kw = engine_flags.engine_kwargs(args, engine_flags.OFFLINE)
     assert kw["lora_gemm_shrink"] is True and kw["lora_expand_first_min_tokens"] == 7
-    assert kw["lora_graph_plans"] == (64, 32) and EngineConfig(lora_graph_plans=(64, 32)).lora_graph_plans == (32, 64)
     assert kw["kv_cache_dtype"] == "int8" and kw["lora_grouping"] is True and kw["piecewise_cuda_graphs"] is False
     assert kw["lora_overlap_shrink"] is None and kw["quantization"] is None and kw["fuse_lora_silu_mul"] is False
     assert args.tensor_parallel_size == 1  # not an engine flag of this module: the bench handles it itself

@@ -47,36 +47,6 @@ def test_padded_decode_path_matches_eager_with_adapters(tiny_model, kv_cache_dty
     assert [o.outputs[0].token_ids for o in again[::-1]] == [o.outputs[0].token_ids for o in eager]
 
 
-def test_decode_steps_of_few_adapters_replay_the_graph_planned_for_them(tiny_model):
-    """lora_graph_plans: a bucket has a graph per adapter bound below min(bucket, max_loras); a step replays the
-    smallest that holds its distinct adapters (3 of them: the default graph; 2; 1), with the eager path's tokens."""
-    from loraplex.engine.cuda_graphs import plan_bound, plan_mode
-
-    loras = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(3)]
-    # 7 sequences in bucket 8; the adapters finish one by one: 3, then 2, then 1 adapter (and base rows) per step
-    mix = [loras[0], loras[1], None, loras[2], loras[0], loras[1], None]
-    lens = [12, 9, 12, 3, 12, 6, 12]
-    prompts = [{"prompt_token_ids": [1] + [5 + 11 * i + j for j in range(4 + 2 * i)]} for i in range(len(mix))]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=0) for n in lens]
-    eager = _llm(tiny_model, False).generate(prompts, params, lora_request=mix)
-    llm = LLM(tiny_model["model_dir"], dtype="float32", enable_lora=True, max_loras=4, max_num_seqs=32,
-              lora_graph_plans=(2, 1, 8))
-    runner = llm.engine.runner
-    runner.graphs = runner.make_graph_runner(capture=False)
-    manager = runner.get_lora_manager()
-    assert manager.graph_plans == (1, 2, 8)
-    assert manager.graph_plans_for(8) == (1, 2) and manager.graph_plans_for(2) == (1,)  # below min(bucket, 4)
-    assert runner.graphs._extra_modes(8, manager) == (plan_mode(1), plan_mode(2))
-    got = llm.generate(prompts, params, lora_request=mix)
-    for e, g in zip(eager, got):
-        assert g.outputs[0].token_ids == e.outputs[0].token_ids
-        for le, lg in zip(e.outputs[0].logprobs, g.outputs[0].logprobs):
-            (t, v), = le.items()
-            assert lg[t].logprob == pytest.approx(v.logprob, abs=1e-4)
-    keys = runner.graphs.used_keys
-    assert {(8, True), (8, plan_mode(2))} <= keys and any(mode == plan_mode(1) for _, mode in keys), keys
-    assert all(bound < min(bucket, 4) for bucket, mode in keys if (bound := plan_bound(mode)) is not None)
-
 
 def test_padded_decode_path_on_merged_weights(tiny_model):
     """Decode steps whose sequences all use one adapter run the base graph on merged weights (merge_single_lora)
