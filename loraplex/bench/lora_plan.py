@@ -5,7 +5,7 @@ The engine's decode CUDA graph of a bucket plans its LoRA launches for ``min(buc
 chunks, and a step of 31 adapters (the offline bench's uniform workload) or ~46 (zipf 1.5 over 1,000) replays grids
 sized for 256. A plan for at most N adapters (``LoRAStep(max_adapters=N)``) sizes them for N. This measured what that
 is worth before a decode-graph variant per plan was kept: on an H100 every plan of 64 or fewer was 0.03-0.22 ms slower
-than the graph's own (its extra programs give the chunks in use more K parts and column splits), so the engine has no
+than the graph's own (its extra programs give the chunks in use more K parts in the shrink), so the engine has no
 such variant (docs/benchmarks/NOTES-lora.md):
 
     python -m loraplex.bench.lora_plan --tokens 256 --plans 128,64,32 --out docs/benchmarks/lora_plan_h200.json
