@@ -57,8 +57,9 @@ class LoRAStep:
         self.pool = pool
         self.token_slots = token_slots  # [T] int32
         self.num_active = num_active  # distinct adapters in the step (host-known)
-        # a host-known bound on the step's distinct adapters that sizes the chunk tables and so every grid (a decode
-        # graph planned for few adapters); None: the pool's slot count. A step must never carry more.
+        # a host-known bound on the step's distinct adapters that sizes the chunk tables and so every grid (bench
+        # lora_plan; the engine passes none: smaller grids measured slower, run 28); None: the pool's slot count. A
+        # step must never carry more.
         self.max_adapters = max_adapters
         self.use_triton = use_triton
         self.fuse_silu_mul = fuse_silu_mul  # gate|up's delta added inside SiLU-and-multiply (silu_mul)

@@ -77,8 +77,8 @@ def build_lora_meta(token_slots: torch.Tensor, num_slots: int, block_m: int,
     """Group tokens by slot and cut each slot's run into chunks of ``block_m``. Device ops only.
 
     ``use_kernel``: the single-launch Triton builder (default: on CUDA when the sizes allow it).
-    ``max_adapters``: the caller's promise that the step has at most this many distinct slots (a decode graph planned
-    for few adapters): the tables then hold ``max_chunks_for(..., max_adapters)`` chunks, so every grid sized from
+    ``max_adapters``: the caller's promise that the step has at most this many distinct slots (``bench lora_plan``'s
+    plans for few adapters; the engine passes none, run 28 measured such plans slower): the tables then hold ``max_chunks_for(..., max_adapters)`` chunks, so every grid sized from
     them is smaller. A step that breaks the promise loses its last chunks (``num_chunks`` is clamped to the tables,
     so no kernel reads past them): callers check the count on the host first."""
     assert token_slots.dim() == 1, "token_slots must be [T]"
@@ -132,7 +132,7 @@ def build_lora_meta_torch(token_slots: torch.Tensor, num_slots: int, block_m: in
         chunk_lens=lens.to(torch.int32),
         num_slots=num_slots,
         block_m=block_m,
-        num_chunks=chunk_end[-1:].clamp(max=max_chunks).to(torch.int32),
+        num_chunks=(chunk_end[-1:] if max_adapters is None else chunk_end[-1:].clamp(max=max_chunks)).to(torch.int32),
         chunk_tokens=tokens.to(torch.int32),
     )
 
