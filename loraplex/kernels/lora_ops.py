@@ -287,4 +287,10 @@ def lora_silu_mul_apply(
     (semantics: ``lora_silu_mul.lora_silu_mul_ref``)."""
     assert meta.block_m == cfg.block_m and not cfg.fused
     y, valid = lora_shrink_apply(x, lora_a, ranks, meta, cfg, scratch, chunk_ranks)
-    return lora_silu_mul(gate_up, y, lora_b, ranks, scaling, meta, **valid)
+    # the expand's launch: its tile and warps, PDL after the shrink, per-chunk tables, tiles ahead, and as many
+    # programs (each of them does gate and up: twice the expand's column splits, one grid row instead of two)
+    return lora_silu_mul(gate_up, y, lora_b, ranks, scaling, meta, **valid, block_n=cfg.block_n,
+                         n_splits=cfg.expand_splits and 2 * cfg.expand_splits, num_warps=cfg.expand_warps,
+                         num_stages=cfg.expand_stages,
+                         pdl=cfg.pdl, chunk_ranks=chunk_ranks if cfg.chunk_tables else None,
+                         prefetch=cfg.prefetch_out)

@@ -154,6 +154,24 @@ def test_programmatic_dependent_launch_only_where_asked():
 
 @pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, tests/gpu compiles and runs the kernels for real")
+@pytest.mark.parametrize("pdl", [False, True])
+def test_silu_mul_kernel_compiles_with_the_expands_launch_options(pdl):
+    """gate|up's delta inside SiLU-and-multiply at the engine's decode options: per-chunk tables, gate and up one tile
+    ahead, 16-byte accesses to gate|up and act, B cp.async-pipelined; with PDL a wait before what earlier launches
+    wrote and no launch_dependents (the next launch, the down projection's GEMM, is not a dependent launch)."""
+    ptx = _compile("lora_silu_mul._lora_silu_mul_kernel",
+                   {"gu_ptr": "*bf16", "y_ptr": "*fp32", "b_ptr": "*bf16", "act_ptr": "*bf16", "scaling_ptr": "*fp32",
+                    "token_slots_ptr": "*i32"},
+                   dict(SPLIT_K=16, BLOCK_M=16, BLOCK_N=256, BLOCK_R=16, BASE_BLOCK_M=16, DOT_PRECISION="tf32",
+                        COL_ALIGN=16, USE_PDL=pdl, CHUNK_TABLES=True, PREFETCH=True),
+                   runtime_hints=True, num_warps=4, num_stages=3)["ptx"]
+    assert ("griddepcontrol.wait" in ptx) == pdl and "griddepcontrol.launch_dependents" not in ptx
+    assert "ld.global.b16" not in ptx and "st.global.b16" not in ptx and "st.global.v4" in ptx
+    assert len(re.findall(r"mma", ptx)) >= 2
+
+
+@pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, tests/gpu compiles and runs the kernels for real")
 @pytest.mark.parametrize("tb, sb, cb", [(1024, 1024, 16)])  # the largest tiles the builder uses
 def test_metadata_kernel_compiles_for_sm90(tb, sb, cb):
     compiled = _compile("lora_meta._lora_meta_kernel", {}, dict(BLOCK_M=16, TB=tb, SB=sb, CB=cb, UB=16),

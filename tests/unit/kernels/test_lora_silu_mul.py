@@ -27,9 +27,12 @@ WIDTH = 40  # I: not a multiple of the column tile
 K_DIM = 40
 
 
+@pytest.mark.parametrize("launch", ["plain", "engine"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("num_tokens, mix", [(1, "identical"), (7, "distinct"), (45, "zipf"), (45, "uniform")])
-def test_fused_equals_twin_and_the_unfused_path(num_tokens, mix, dtype):
+def test_fused_equals_twin_and_the_unfused_path(num_tokens, mix, dtype, launch):
+    """``launch="engine"``: the options the engine passes (``lora_ops.lora_silu_mul_apply``): per-chunk tables, gate
+    and up one tile ahead, two column splits per chunk (a program past I exits)."""
     batch = make_lora_batch(num_tokens, K_DIM, (WIDTH, WIDTH), num_slots=5, max_rank=16, mix=mix, dtype=dtype,
                             seed=num_tokens)
     slots = batch.token_slots.clone()
@@ -40,8 +43,12 @@ def test_fused_equals_twin_and_the_unfused_path(num_tokens, mix, dtype):
     y = lora_shrink.lora_shrink(batch.x, batch.lora_a, batch.ranks, meta, split_k=2, block_r=16, block_k=16)
     gate_up = batch.out.clone()
     split = lora_shrink.shrink_split(K_DIM, meta, 2, 16)
+    options = {}
+    if launch == "engine":
+        chunk_ranks = batch.ranks.index_select(1, meta.chunk_slots.clamp(min=0).long())
+        options = dict(chunk_ranks=chunk_ranks, prefetch=True, n_splits=2)
     act = lora_silu_mul.lora_silu_mul(gate_up, y, batch.lora_b, batch.ranks, batch.scaling, meta, block_n=32,
-                                      base_block_m=8, **split)
+                                      base_block_m=8, **split, **options)
     assert torch.equal(gate_up, batch.out), "gate_up is read, never written"
     y_ref = lora_shrink_ref(batch.x, batch.lora_a, slots, batch.ranks)
     want = lora_silu_mul.lora_silu_mul_ref(batch.out, y_ref, batch.lora_b, slots, batch.ranks, batch.scaling)
