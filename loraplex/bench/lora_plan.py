@@ -139,6 +139,52 @@ def run(shapes, num_tokens: int, real: int, plans: list[int], rank: int, device,
             "kernels": kernel_rows}
 
 
+def silu_ab(shapes, num_tokens: int, real: int, rank: int, device, dtype, reps: int) -> list[dict]:
+    """gate|up with SiLU-and-multiply, 32 layers, one CUDA graph each: the base GEMM, then either the LoRA expand into
+    gate|up and ``silu_mul`` (the default) or the delta inside SiLU-and-multiply (``LoRAStep.silu_mul``, engine option
+    fuse_lora_silu_mul), per mix; plus the base GEMM and ``silu_mul`` alone. Median replay, ms."""
+    from loraplex.adapters.mapping import LoRAStep
+    from loraplex.bench.lora_kernels import _capture, _DecodeStepBench, _replay_seconds, _sync
+
+    if device.type == "cuda":
+        from loraplex.kernels.fused_ops import silu_mul
+    else:
+        from loraplex.kernels.fused_ops_ref import silu_mul_ref as silu_mul
+    bench = _DecodeStepBench(shapes, num_tokens, rank, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(2)
+    width = sum(shapes.slice_widths("gate_up"))
+    weights = [torch.empty(width, shapes.proj_in("gate_up"), dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+               for _ in range(shapes.num_layers)]
+    x = bench.xs["gate_up"]
+    rows = []
+
+    def run(fused: bool | None) -> None:
+        step = None if fused is None else LoRAStep(bench.pool, bench.slots, bench.num_active, use_triton=True,
+                                                    fuse_silu_mul=fused)
+        for layer in range(shapes.num_layers):
+            gate_up = torch.nn.functional.linear(x, weights[layer])
+            if step is not None and fused:
+                step.silu_mul(layer, x, gate_up)
+            else:
+                if step is not None:
+                    step.add(layer, "gate_up", x, gate_up)
+                silu_mul(gate_up)
+
+    for name, fused in (("base GEMM + silu_mul", None), ("expand, then silu_mul", False),
+                        ("delta inside silu_mul", True)):
+        graph = None
+        for mix, slots in mixes_for(num_tokens, real) if fused is not None else [("—", None)]:
+            if slots is not None:
+                bench.slots.copy_(slots.to(device))
+                _sync(device)
+            if graph is None:
+                graph = _capture(lambda fused=fused: run(fused), device)
+            rows.append({"path": name, "mix": mix, "time_ms": _replay_seconds(graph, reps) * 1e3})
+            log.info("SILU %s", rows[-1])
+        del graph
+    return rows
+
+
 def markdown(payload: dict) -> str:
     res = payload["plan"]
     lines = [f"# LoRA work of a {res['tokens']}-row decode step ({res['real_tokens']} sequences) by plan", "",
@@ -156,6 +202,10 @@ def markdown(payload: dict) -> str:
         delta = f"{r['time_ms'] - ref:+.3f} ms" if ref is not None and r["plan"] != "graph" else ""
         lines.append(f"| {r['mix']} | {r['adapters']} | {r['plan']} | {r['max_chunks']} | {r['time_ms']:.3f} | "
                      f"{r['floor_ms']:.3f} | {delta} |")
+    if payload.get("silu"):
+        lines += ["", "gate|up + SiLU-and-multiply, 32 layers (`--silu`; ms, median replay):", "",
+                  "| path | mix | time (ms) |", "|---|---|---|"]
+        lines += [f"| {r['path']} | {r['mix']} | {r['time_ms']:.3f} |" for r in payload["silu"]]
     return "\n".join(lines) + "\n"
 
 
@@ -169,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plans", default="128,64,32", help="comma-separated adapter bounds to plan for")
     parser.add_argument("--variants", default="", help=f"comma-separated launch-size variants of the graph plan "
                                                         f"({', '.join(VARIANTS)})")
+    parser.add_argument("--silu", action="store_true",
+                        help="also gate|up + SiLU-and-multiply with the delta inside it (fuse_lora_silu_mul) or not")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
@@ -202,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     payload["plan"] = run(shapes, args.tokens, real, plans, 16, device, dtype, copy_bw,
                           min(args.reps, 3) if args.smoke else args.reps, profile=not args.no_profile,
                           variants=variants)
+    if args.silu:
+        payload["silu"] = silu_ab(shapes, args.tokens, real, 16, device, dtype, min(args.reps, 3) if args.smoke
+                                  else args.reps)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(payload, indent=2) + "\n")

@@ -25,12 +25,15 @@ def test_mixes_pad_the_bucket_with_base_rows():
         assert slots.shape == (16,) and (slots[12:] == -1).all() and (slots[:12] >= 0).all(), name
 
 
-def test_smoke_run_writes_a_row_per_plan_and_covered_mix(tmp_path, monkeypatch):
+def test_smoke_run_writes_a_row_per_plan_and_covered_mix_and_silu_path(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     out = tmp_path / "plan.json"
     assert lora_plan.main(["--smoke", "--tokens", "8", "--real", "6", "--plans", "2,99", "--reps", "1",
-                           "--no-profile", "--out", str(out)]) == 0
-    rows = json.loads(out.read_text())["plan"]["rows"]
+                           "--no-profile", "--silu", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    rows = payload["plan"]["rows"]
+    assert [r["path"] for r in payload["silu"]] == (["base GEMM + silu_mul"] + ["expand, then silu_mul"] * 5
+                                                    + ["delta inside silu_mul"] * 5)
     assert [r["plan"] for r in rows] == ["graph"] * 5 + ["<= 2"]  # 99 is above the graph's plan: no variant
     assert rows[-1]["mix"] == "1 adapter" and rows[-1]["max_chunks"] < rows[0]["max_chunks"]
     assert "| 1 adapter | 1 | <= 2 |" in out.with_suffix(".md").read_text()
