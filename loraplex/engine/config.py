@@ -65,9 +65,8 @@ class EngineConfig:
     merge_single_lora: bool = False
     # experimental: gate|up's LoRA delta added inside SiLU-and-multiply (kernels/lora_silu_mul.py) instead of an
     # expand that reads and writes gate|up's whole output; measured slower on the H200 (run 9) and in decode steps on
-    # an H100 (run 28: +0.7-0.9 ms a step), so off. Both runs launched it with one program per column tile of every
-    # chunk (30,464 programs at 256 rows), no PDL and no per-chunk tables; it now takes the expand's launch
-    # options (lora_ops.lora_silu_mul_apply), not yet measured
+    # an H100 (run 28: +0.7-0.9 ms a step), so off. With the expand's launch options (run 28, bench lora_plan
+    # --silu) gate|up + SiLU is still 0.04-1.2 ms slower per decode step wherever more than one adapter is in it
     fuse_lora_silu_mul: bool = False
     # the LoRA shrink of each projection on a forked CUDA stream while the base GEMM runs (LoRAStep.linear), the
     # expand after both; CUDA only (elsewhere ignored)

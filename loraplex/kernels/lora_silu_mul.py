@@ -19,8 +19,9 @@ Launch options (``lora_ops.lora_silu_mul_apply`` passes the expand's): ``n_split
 warps and stages; programmatic dependent launch after the shrink (metadata read first, then a wait before y and
 gate_up; program 0 always waits); per-chunk tables (slot, both ranks and tokens in one round trip); gate and up tiles
 loaded one trip ahead. Before run 28 the engine launched it with none of these: one program per column tile of every
-chunk (30,464 programs for a 256-row step). That may be what its decode steps paid in runs 9 and 28; not yet measured
-with these options.
+chunk (30,464 programs for a 256-row step). With these options it is still slower than the expand + ``silu_mul`` in
+decode steps of more than one adapter (H100, run 28: gate|up + SiLU over 32 layers +0.13-1.2 ms at 256 rows), so the
+engine option stays off.
 
 Grid: ``progs`` adapter programs, then base programs. Adapter programs follow the expand: the fixed grid is
 spread over the chunks in use (``meta.num_chunks``), each chunk's programs taking whole BLOCK_N tiles of the I
