@@ -12,6 +12,8 @@ then hides under the GEMM instead of adding to the step.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from loraplex.adapters.modules import PROJ_MODULES
@@ -118,6 +120,17 @@ class LoRAStep:
                 self._chunk_ranks = pool.ranks.index_select(2, slots)[:, :, :chunks]
             self._counters = None
             self.ensure_counters()
+
+    def replace_configs(self, change) -> None:
+        """Every projection's kernel configuration replaced by ``change(proj, config)`` (a dict of fields to change;
+        the benchmarks' launch policies), the fp32 scratch grown if the new ones write more K parts, and the
+        counters of one-launch kernels made if a new one needs them."""
+        self._configs = {p: dataclasses.replace(c, **change(p, c)) for p, c in self._configs.items()}
+        need = max(c.parts_max for c in self._configs.values())
+        if need > self._scratch.shape[0]:
+            self._scratch = torch.empty(need, *self._scratch.shape[1:], dtype=torch.float32,
+                                        device=self._scratch.device)
+        self.ensure_counters()
 
     def ensure_counters(self) -> None:
         """The counts of the one-launch kernels (the ticketed shrink + expand, the fused decode kernel's last-arriver

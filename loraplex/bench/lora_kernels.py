@@ -303,12 +303,7 @@ class _DecodeStepBench:
     def make_step(self, step_cls, overrides: dict | None = None, num_active: int | None = None):
         step = step_cls(self.pool, self.slots, num_active or self.num_active, use_triton=True)
         if overrides:
-            step._configs = {p: dataclasses.replace(c, **{**overrides.get("*", {}), **overrides.get(p, {})})
-                             for p, c in step._configs.items()}
-            need = max(c.parts_max for c in step._configs.values())
-            if need > step._scratch.shape[0]:
-                step._scratch = torch.empty(need, *step._scratch.shape[1:], dtype=torch.float32, device=self.device)
-            step.ensure_counters()
+            step.replace_configs(lambda p, c: {**overrides.get("*", {}), **overrides.get(p, {})})
         return step
 
     def run(self, step, projs=None) -> None:
@@ -506,8 +501,7 @@ def _in_layer_step(bench, options: dict):
     cfg = options.pop("cfg", None)
     step = LoRAStep(bench.pool, bench.slots, bench.num_active, True, **options)
     if cfg:
-        step._configs = {p: dataclasses.replace(c, **cfg) for p, c in step._configs.items()}
-        step.ensure_counters()
+        step.replace_configs(lambda p, c: cfg)
     return step
 
 # prefill-sized in-layer runs (--in-layer-tokens above the decode step's): adapters among the step's tokens

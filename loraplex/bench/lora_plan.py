@@ -20,7 +20,6 @@ tiny shapes on the CPU under the interpreter (checks the harness, times nothing 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import shlex
@@ -45,12 +44,8 @@ VARIANTS = {
 
 def _with_variant(step, name: str | None):
     """``step`` with the launch sizes of variant ``name`` (None: as planned); the fp32 scratch grown if needed."""
-    if name is None:
-        return step
-    step._configs = {p: dataclasses.replace(c, **VARIANTS[name](c)) for p, c in step._configs.items()}
-    need = max(c.parts_max for c in step._configs.values())
-    if need > step._scratch.shape[0]:
-        step._scratch = torch.empty(need, *step._scratch.shape[1:], dtype=torch.float32, device=step._scratch.device)
+    if name is not None:
+        step.replace_configs(lambda proj, cfg: VARIANTS[name](cfg))
     return step
 
 
