@@ -54,6 +54,7 @@ from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.launch import fast_launch
 from loraplex.kernels.lora_meta import LoRAKernelMeta
 from loraplex.kernels.lora_shrink import (
+    chunk_rows,
     chunk_tables,
     dot_precision,
     gdc_wait,
@@ -171,14 +172,7 @@ def expand_program(
     if n_lo >= n_end:
         return
     n_hi = tl.minimum(n_lo + share, n_end)
-    if CHUNK_TABLES:
-        m_mask = tok >= 0
-        tok = tl.maximum(tok, 0).to(tl.int64)
-    else:
-        start = tl.load(chunk_starts_ptr + chunk)
-        length = tl.load(chunk_lens_ptr + chunk)
-        m_mask = offs_m < length
-        tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    tok, m_mask = chunk_rows(tok, chunk, offs_m, sorted_ids_ptr, chunk_starts_ptr, chunk_lens_ptr, CHUNK_TABLES)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     scale = tl.load(scaling_ptr + slot)

@@ -67,6 +67,22 @@ def l2_prefetch(ptrs):
                               is_pure=False, pack=1)
 
 
+@triton.jit
+def chunk_rows(tok, chunk, offs_m, sorted_ids_ptr, chunk_starts_ptr, chunk_lens_ptr, CHUNK_TABLES: tl.constexpr):
+    """(token indices as int64, row mask) of a chunk's BLOCK_M rows: from its row of the token table, ``tok`` (loaded
+    with its slot; -1 past its length), or without the tables by its start and length into the sorted ids (``tok``
+    then unused)."""
+    if CHUNK_TABLES:
+        m_mask = tok >= 0
+        rows = tl.maximum(tok, 0).to(tl.int64)
+    else:
+        start = tl.load(chunk_starts_ptr + chunk)
+        length = tl.load(chunk_lens_ptr + chunk)
+        m_mask = offs_m < length
+        rows = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    return rows, m_mask
+
+
 def interpreted() -> bool:
     """TRITON_INTERPRET=1: the kernels run as Python (no inline assembly, no PDL, programs one after another)."""
     import os
@@ -131,8 +147,6 @@ def shrink_program(
             return
         if r0 >= rank:
             return
-        m_mask = tok >= 0
-        tok = tl.maximum(tok, 0).to(tl.int64)
     else:
         slot = tl.load(chunk_slots_ptr + chunk)
         if slot < 0:
@@ -140,10 +154,8 @@ def shrink_program(
         rank = tl.load(ranks_ptr + sl * stride_rs + slot)
         if r0 >= rank:
             return
-        start = tl.load(chunk_starts_ptr + chunk)
-        length = tl.load(chunk_lens_ptr + chunk)
-        m_mask = offs_m < length
-        tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+        tok = tl.zeros((BLOCK_M,), dtype=tl.int32)
+    tok, m_mask = chunk_rows(tok, chunk, offs_m, sorted_ids_ptr, chunk_starts_ptr, chunk_lens_ptr, CHUNK_TABLES)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     r_mask = offs_r < rank
     offs_k = tl.arange(0, BLOCK_K)
