@@ -20,13 +20,12 @@ tiny shapes on the CPU under the interpreter (checks the harness, times nothing 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import shlex
 import sys
-from pathlib import Path
 
 import torch
+
+from loraplex.bench.report import kernel_environment, markdown_head, module_command, write_json_and_markdown
 
 log = logging.getLogger(__name__)
 
@@ -182,15 +181,15 @@ def silu_ab(shapes, num_tokens: int, real: int, rank: int, device, dtype, reps: 
 
 def markdown(payload: dict) -> str:
     res = payload["plan"]
-    lines = [f"# LoRA work of a {res['tokens']}-row decode step ({res['real_tokens']} sequences) by plan", "",
-             f"Command: `{payload['command']}`", "",
-             f"Device: {payload['environment']['device_name']}, torch {payload['environment']['torch']}, triton "
-             f"{payload['environment']['triton']}; copy bandwidth {payload['copy_bandwidth_gb_s']:.0f} GB/s; "
-             f"{res['slots']} slots, rank {res['rank']}.", "",
-             "Time: median CUDA-graph replay of the 32 layers' LoRA work (metadata built in the graph). `graph`: the "
-             "engine's decode-graph plan (every row its own adapter); `<= N`: chunk tables and grids for at most N "
-             "adapters.", "",
-             "| mix | adapters | plan | chunks | time (ms) | floor (ms) | vs graph |", "|---|---|---|---|---|---|---|"]
+    lines = markdown_head(f"LoRA work of a {res['tokens']}-row decode step ({res['real_tokens']} sequences) by plan",
+                          payload["command"])
+    lines += [f"Device: {payload['environment']['device_name']}, torch {payload['environment']['torch']}, triton "
+              f"{payload['environment']['triton']}; copy bandwidth {payload['copy_bandwidth_gb_s']:.0f} GB/s; "
+              f"{res['slots']} slots, rank {res['rank']}.", "",
+              "Time: median CUDA-graph replay of the 32 layers' LoRA work (metadata built in the graph). `graph`: the "
+              "engine's decode-graph plan (every row its own adapter); `<= N`: chunk tables and grids for at most N "
+              "adapters.", "",
+              "| mix | adapters | plan | chunks | time (ms) | floor (ms) | vs graph |", "|---|---|---|---|---|---|---|"]
     base = {r["mix"]: r["time_ms"] for r in res["rows"] if r["plan"] == "graph"}
     for r in res["rows"]:
         ref = base.get(r["mix"])
@@ -239,24 +238,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--variants: unknown {', '.join(sorted(set(variants) - set(VARIANTS)))}; known: "
                      f"{', '.join(VARIANTS)}")
     copy_bw = measure_copy_bandwidth(device, 1 << (22 if args.smoke else 30), iters=100)
-    import triton
-
-    payload = {"command": "python -m loraplex.bench.lora_plan " + " ".join(
-        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
-        "environment": {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                        "torch": torch.__version__, "triton": triton.__version__},
-        "copy_bandwidth_gb_s": copy_bw / 1e9}
+    payload = {"command": module_command("loraplex.bench.lora_plan", argv),
+               "environment": kernel_environment(device, dtype), "copy_bandwidth_gb_s": copy_bw / 1e9}
     payload["plan"] = run(shapes, args.tokens, real, plans, 16, device, dtype, copy_bw,
                           min(args.reps, 3) if args.smoke else args.reps, profile=not args.no_profile,
                           variants=variants)
     if args.silu:
         payload["silu"] = silu_ab(shapes, args.tokens, real, 16, device, dtype, min(args.reps, 3) if args.smoke
                                   else args.reps)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(payload))
-    log.info("wrote %s", out)
+    write_json_and_markdown(args.out, payload, markdown(payload))
     return 0
 
 
