@@ -38,6 +38,15 @@ def _pool_and_slots(gen: torch.Generator, num_tokens: int, num_active: int) -> t
     return pool, slots
 
 
+def _each_add(gen: torch.Generator, num_tokens: int, want_step: LoRAStep, got_step: LoRAStep):
+    """(base, want, got) for every projection and layer: both steps' ``add`` on the same random x and base output."""
+    for proj in PROJ_MODULES:
+        x = torch.randn(num_tokens, SHAPES.proj_in(proj), generator=gen)
+        base = torch.randn(num_tokens, sum(SHAPES.slice_widths(proj)), generator=gen)
+        for layer in range(SHAPES.num_layers):
+            yield base, want_step.add(layer, proj, x, base.clone()), got_step.add(layer, proj, x, base.clone())
+
+
 @pytest.mark.parametrize("ticketed", [False, True])
 @pytest.mark.parametrize("num_tokens, num_active", [(6, 3), (70, 2)])  # decode-like and prefill-like regimes
 def test_step_triton_path_equals_twin_path(num_tokens, num_active, ticketed, monkeypatch):
@@ -50,15 +59,10 @@ def test_step_triton_path_equals_twin_path(num_tokens, num_active, ticketed, mon
     triton_step = LoRAStep(pool, slots, num_active, use_triton=True)
     assert all(c.ticketed for c in triton_step._configs.values()) == ticketed  # both sizes get the decode tiles
     assert (triton_step._counters is not None) == ticketed
-    for proj in PROJ_MODULES:
-        x = torch.randn(num_tokens, SHAPES.proj_in(proj), generator=gen)
-        base = torch.randn(num_tokens, sum(SHAPES.slice_widths(proj)), generator=gen)
-        for layer in range(SHAPES.num_layers):
-            want = twin.add(layer, proj, x, base.clone())
-            got = triton_step.add(layer, proj, x, base.clone())
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-            assert torch.equal(got[slots < 0], base[slots < 0])
-            assert triton_step._counters is None or not triton_step._counters.any()
+    for base, want, got in _each_add(gen, num_tokens, twin, triton_step):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[slots < 0], base[slots < 0])
+        assert triton_step._counters is None or not triton_step._counters.any()
 
 
 @pytest.mark.parametrize("num_tokens, num_active", [(6, 3), (70, 2)])
@@ -183,17 +187,12 @@ def test_mixed_step_takes_prefill_tiles_where_most_tokens_are_long_segments(monk
 
 @pytest.mark.parametrize("num_tokens, num_active, bound", [(6, 3, 3), (12, 2, 3), (70, 2, 2)])
 def test_step_planned_for_few_adapters_equals_the_full_plan(num_tokens, num_active, bound):
-    """``max_adapters`` (a decode graph planned for at most N adapters): smaller chunk tables and grids, the same
-    bits as the plan for the whole pool, for any mix within the bound."""
+    """``max_adapters`` (bench lora_plan's plans for at most N adapters): smaller chunk tables and grids, the plan
+    for the whole pool's result (up to the fp32 order of other K parts), for any mix within the bound."""
     gen = torch.Generator().manual_seed(100 + num_tokens)
     pool, slots = _pool_and_slots(gen, num_tokens, num_active)
     full = LoRAStep(pool, slots, pool.max_loras, use_triton=True)
     small = LoRAStep(pool, slots, bound, use_triton=True, max_adapters=bound)
     assert small._meta.max_chunks < full._meta.max_chunks
-    for proj in PROJ_MODULES:
-        x = torch.randn(num_tokens, SHAPES.proj_in(proj), generator=gen)
-        base = torch.randn(num_tokens, sum(SHAPES.slice_widths(proj)), generator=gen)
-        for layer in range(SHAPES.num_layers):
-            want = full.add(layer, proj, x, base.clone())
-            got = small.add(layer, proj, x, base.clone())
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for _, want, got in _each_add(gen, num_tokens, full, small):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
