@@ -53,6 +53,19 @@ def token_slots_for(mix: str, num_tokens: int, num_slots: int, gen: torch.Genera
     return torch.where(base, -1, slots).to(torch.int32)
 
 
+# (K, slice widths) of each Llama-3-8B projection group the LoRA kernels serve
+LLAMA3_GROUPS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
+                 "down": (14336, (4096,))}
+
+
+def decode_mix_slots(mix: str, gen: torch.Generator, num_tokens: int = 64) -> torch.Tensor:
+    """Slots of a decode step of ``num_tokens`` rows on a pool of as many slots: ``"eight"`` = eight adapters with
+    equal shares and no base row, otherwise ``token_slots_for(mix, ...)``."""
+    if mix == "eight":
+        return (torch.randperm(num_tokens, generator=gen) % 8).to(torch.int32)
+    return token_slots_for(mix, num_tokens, num_tokens, gen)
+
+
 def make_lora_batch(
     num_tokens: int,
     k_dim: int,

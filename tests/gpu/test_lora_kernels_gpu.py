@@ -14,8 +14,10 @@ from loraplex.kernels.lora_meta import build_lora_meta
 from loraplex.kernels.lora_ops import choose_config, lora_apply
 from loraplex.kernels.lora_ref import lora_apply_ref
 from loraplex.kernels.lora_testing import (
+    LLAMA3_GROUPS,
     MIXES,
     capture_cuda_graph,
+    decode_mix_slots,
     make_lora_batch,
     random_slot_pool,
     token_slots_for,
@@ -149,8 +151,6 @@ def test_manager_triton_path_matches_cpu_twin_path(tiny_model, dtype):
             assert torch.equal(out[rows.cuda()].cpu(), base.to(dtype)[rows])
 
 
-LLAMA3_GROUPS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
-                 "down": (14336, (4096,))}
 
 
 @pytest.mark.parametrize("proj", list(LLAMA3_GROUPS))
@@ -316,10 +316,7 @@ def test_decode_grid_for_distinct_serves_few_adapters_llama3_bf16(proj, mix, wei
     parts, the expand finer column shares; the result is the fp32 twin's."""
     k_dim, widths = LLAMA3_GROUPS[proj]
     gen = torch.Generator().manual_seed(len(proj) + len(mix))
-    if mix == "eight":
-        slots = (torch.randperm(64, generator=gen) % 8).to(torch.int32)
-    else:
-        slots = token_slots_for(mix, 64, 64, gen)
+    slots = decode_mix_slots(mix, gen)
     batch = make_lora_batch(64, k_dim, widths, num_slots=64, max_rank=16, dtype=torch.bfloat16, device="cuda",
                             token_slots=slots, seed=3)
     out = _apply(batch, num_active=64, weight_prefetch=weight_prefetch)

@@ -15,15 +15,15 @@ from loraplex.kernels.lora_meta import build_lora_meta
 from loraplex.kernels.lora_ops import choose_config, lora_apply
 from loraplex.kernels.lora_ref import lora_apply_ref
 from loraplex.kernels.lora_testing import (
+    LLAMA3_GROUPS,
     capture_cuda_graph,
+    decode_mix_slots,
     make_lora_batch,
     random_slot_pool,
     token_slots_for,
 )
 
 BF16_TOL = dict(rtol=3e-2, atol=2e-2)
-LLAMA3_GROUPS = {"qkv": (4096, (4096, 1024, 1024)), "o": (4096, (4096,)), "gate_up": (4096, (14336, 14336)),
-                 "down": (14336, (4096,))}
 MODULES = (lora_meta, lora_shrink, lora_expand, lora_ticketed, lora_ops)
 
 
@@ -78,10 +78,7 @@ def test_ticketed_llama3_decode_bf16_equals_two_launches(proj, mix):
     partial would move them), every counter back at 0 and no miscount."""
     k_dim, widths = LLAMA3_GROUPS[proj]
     gen = torch.Generator().manual_seed(len(proj) + len(mix))
-    if mix == "eight":
-        slots = (torch.randperm(64, generator=gen) % 8).to(torch.int32)
-    else:
-        slots = token_slots_for(mix, 64, 64, gen)
+    slots = decode_mix_slots(mix, gen)
     ranks = torch.tensor([16, 8, 32, 24])[torch.randint(0, 4, (len(widths), 64), generator=gen)].tolist()
     batch = make_lora_batch(64, k_dim, widths, num_slots=64, max_rank=32, slot_ranks=ranks, dtype=torch.bfloat16,
                             device="cuda", token_slots=slots)
