@@ -59,10 +59,6 @@ class LoRAStep:
         self.pool = pool
         self.token_slots = token_slots  # [T] int32
         self.num_active = num_active  # distinct adapters in the step (host-known)
-        # a host-known bound on the step's distinct adapters that sizes the chunk tables and so every grid (bench
-        # lora_plan; the engine passes none: smaller grids measured slower, run 28); None: the pool's slot count. A
-        # step must never carry more.
-        self.max_adapters = max_adapters
         self.use_triton = use_triton
         self.fuse_silu_mul = fuse_silu_mul  # gate|up's delta added inside SiLU-and-multiply (silu_mul)
         self._meta = None
@@ -98,6 +94,9 @@ class LoRAStep:
             pdl = pdl_supported(token_slots.device)
             # long_tokens (host-known): tokens in requests of more than 32 in the step; most of them there gives
             # prefill tiles whatever the mean per adapter (choose_config)
+            # max_adapters: a host-known bound on the step's distinct adapters that sizes the chunk tables and so
+            # every grid (bench lora_plan; the engine passes none: smaller grids measured slower, run 28); None: the
+            # pool's slot count. A step must never carry more.
             budget = pool.max_loras if max_adapters is None else max(1, min(pool.max_loras, max_adapters))
             self._configs = {p: choose_config(num_tokens, num_active, budget, pool.max_rank,
                                               shapes.proj_in(p), len(mods), max(shapes.slice_widths(p)), pdl=pdl,

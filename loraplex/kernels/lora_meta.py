@@ -78,9 +78,10 @@ def build_lora_meta(token_slots: torch.Tensor, num_slots: int, block_m: int,
 
     ``use_kernel``: the single-launch Triton builder (default: on CUDA when the sizes allow it).
     ``max_adapters``: the caller's promise that the step has at most this many distinct slots (``bench lora_plan``'s
-    plans for few adapters; the engine passes none, run 28 measured such plans slower): the tables then hold ``max_chunks_for(..., max_adapters)`` chunks, so every grid sized from
-    them is smaller. A step that breaks the promise loses its last chunks (``num_chunks`` is clamped to the tables,
-    so no kernel reads past them): callers check the count on the host first."""
+    plans for few adapters; the engine passes none, run 28 measured such plans slower): the tables then hold
+    ``max_chunks_for(..., max_adapters)`` chunks, so every grid sized from them is smaller. A step that breaks the
+    promise loses its last chunks (``num_chunks`` is clamped to the tables, so no kernel reads past them): callers
+    check the count on the host first."""
     assert token_slots.dim() == 1, "token_slots must be [T]"
     assert block_m >= 1 and num_slots >= 1
     num_tokens = token_slots.shape[0]
