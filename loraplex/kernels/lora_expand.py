@@ -78,6 +78,13 @@ def _b_tile(b_rows, offs_n, r_mask, n_hi, stride_bn):
 
 
 @triton.jit
+def column_share(width, splits, BLOCK_N: tl.constexpr):
+    """Columns per program when ``splits`` programs share ``width``: whole BLOCK_N tiles."""
+    share = (width + splits - 1) // splits
+    return (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+
+
+@triton.jit
 def _zero_base_rows(out_ptr, sorted_ids_ptr, chunk_starts_ptr, chunk_lens_ptr, num_chunks_ptr, slice_loc_ptr,
                     z, sl, zero_splits, num_tokens, stride_ot, stride_on,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COL_ALIGN: tl.constexpr, USE_PDL: tl.constexpr):
@@ -97,8 +104,7 @@ def _zero_base_rows(out_ptr, sorted_ids_ptr, chunk_starts_ptr, chunk_lens_ptr, n
     if COL_ALIGN > 1:
         n_begin = tl.multiple_of(n_begin, COL_ALIGN)
         n_end = tl.multiple_of(n_end, COL_ALIGN)
-    share = (n_end - n_begin + zero_splits - 1) // zero_splits
-    share = (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    share = column_share(n_end - n_begin, zero_splits, BLOCK_N)
     n_lo = n_begin + (z % zero_splits) * share
     n_hi = tl.minimum(n_lo + share, n_end)
     n_hi = tl.where(row0 < num_tokens, n_hi, n_lo)  # no base row here: no trip
@@ -166,8 +172,7 @@ def expand_program(
         n_begin = tl.multiple_of(n_begin, COL_ALIGN)
         n_end = tl.multiple_of(n_end, COL_ALIGN)
     # this program's columns: a 1/per_chunk share of the slice, whole BLOCK_N tiles
-    share = (n_end - n_begin + per_chunk - 1) // per_chunk
-    share = (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    share = column_share(n_end - n_begin, per_chunk, BLOCK_N)
     n_lo = n_begin + n_split * share
     if n_lo >= n_end:
         return

@@ -38,7 +38,7 @@ import triton.language as tl
 
 from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.launch import fast_launch
-from loraplex.kernels.lora_expand import expand_progs, slice_col_align
+from loraplex.kernels.lora_expand import column_share, expand_progs, slice_col_align
 from loraplex.kernels.lora_meta import LoRAKernelMeta
 from loraplex.kernels.lora_shrink import (
     chunk_rows,
@@ -58,13 +58,6 @@ def _silu_times(g, u, out_dtype: tl.constexpr):
     gf = g.to(tl.float32)
     act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # as silu_mul: float32 inside, rounded once
     return (act.to(tl.float32) * u.to(tl.float32)).to(out_dtype)
-
-
-@triton.jit
-def _column_share(width, splits, BLOCK_N: tl.constexpr):
-    """Columns per program when ``splits`` programs share ``width``: whole BLOCK_N tiles."""
-    share = (width + splits - 1) // splits
-    return (share + BLOCK_N - 1) // BLOCK_N * BLOCK_N
 
 
 @fast_launch
@@ -99,7 +92,7 @@ def _lora_silu_mul_kernel(
         rows_mask = t_in & (slots < 0)
         if tl.max(rows_mask.to(tl.int32), axis=0) == 0:
             return  # no base row in this block (the usual case in a step full of adapters)
-        share = _column_share(width, base_splits, BLOCK_N)
+        share = column_share(width, base_splits, BLOCK_N)
         n_lo = n_split * share
         n_hi = tl.minimum(n_lo + share, width)
         rows = offs_t.to(tl.int64)
@@ -133,7 +126,7 @@ def _lora_silu_mul_kernel(
         tok = tl.zeros((BLOCK_M,), dtype=tl.int32)
     if slot < 0:
         return
-    share = _column_share(width, per_chunk, BLOCK_N)
+    share = column_share(width, per_chunk, BLOCK_N)
     n_lo = n_split * share
     if n_lo >= width:
         return
