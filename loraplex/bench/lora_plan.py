@@ -179,6 +179,81 @@ def silu_ab(shapes, num_tokens: int, real: int, rank: int, device, dtype, reps: 
     return rows
 
 
+def prompt_mixes(num_tokens: int, prompt_len: int) -> list[tuple[str, torch.Tensor]]:
+    """(name, slots [num_tokens]) of a prompt step: rows in requests of ``prompt_len`` tokens (the last one shorter),
+    every request one adapter, drawn per mix (distinct: each request its own; uniform over 32; zipf 1.5 of 1,000;
+    8 adapters; one)."""
+    requests = -(-num_tokens // prompt_len)
+    gen = torch.Generator().manual_seed(3)
+    uniform = max(1, round(ZIPF_POPULATION ** 0.5))
+    per_request = (("distinct", torch.arange(requests)),
+                   (f"uniform {uniform}", torch.randint(0, uniform, (requests,), generator=gen)),
+                   ("zipf 1.5", zipf_slots(requests)),
+                   ("8 adapters", torch.randint(0, 8, (requests,), generator=gen)),
+                   ("1 adapter", torch.zeros(requests, dtype=torch.int64)))
+    out = []
+    for name, adapters in per_request:
+        _, dense = torch.unique(adapters, return_inverse=True)  # slots 0..n-1
+        out.append((name, dense.to(torch.int32).repeat_interleave(prompt_len)[:num_tokens]))
+    return out
+
+
+def silu_prompt_ab(shapes, num_tokens: int, prompt_len: int, rank: int, device, dtype, reps: int) -> list[dict]:
+    """gate|up with SiLU-and-multiply in a prompt step (rows in requests of ``prompt_len`` tokens, one adapter each),
+    32 layers, one CUDA graph per path and mix, the step built outside it with the mix's real adapter count as the
+    engine builds a prompt step: the base GEMM + ``silu_mul`` alone; the engine's default order at this size
+    (``lora_expand_first_min_tokens``: the shrink, a write-only expand, the GEMM accumulating into it, then
+    ``silu_mul``); the delta inside SiLU-and-multiply (fuse_lora_silu_mul: the GEMM, the shrink, ``lora_silu_mul``).
+    Median replay, ms."""
+    from loraplex.adapters.mapping import LoRAStep
+    from loraplex.bench.lora_kernels import _capture, _DecodeStepBench, _replay_seconds, _sync
+    from loraplex.engine.config import EngineConfig
+
+    if device.type == "cuda":
+        from loraplex.kernels.fused_ops import silu_mul
+    else:
+        from loraplex.kernels.fused_ops_ref import silu_mul_ref as silu_mul
+    mixes = prompt_mixes(num_tokens, prompt_len)
+    slots_needed = max(int(s.max()) + 1 for _, s in mixes)
+    bench = _DecodeStepBench(shapes, num_tokens, rank, device, dtype, num_slots=slots_needed)
+    gen = torch.Generator(device=device).manual_seed(2)
+    width = sum(shapes.slice_widths("gate_up"))
+    weights = [torch.empty(width, shapes.proj_in("gate_up"), dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+               for _ in range(shapes.num_layers)]
+    x = bench.xs["gate_up"]
+    expand_first = EngineConfig.__dataclass_fields__["lora_expand_first_min_tokens"].default
+    rows = []
+
+    def run(step, fused: bool) -> None:
+        for layer in range(shapes.num_layers):
+            if step is None:
+                silu_mul(torch.nn.functional.linear(x, weights[layer]))
+            elif fused:
+                step.silu_mul(layer, x, torch.nn.functional.linear(x, weights[layer]))
+            else:
+                silu_mul(step.linear(layer, "gate_up", x, weights[layer]))
+
+    graph = _capture(lambda: run(None, False), device)
+    rows.append({"path": "base GEMM + silu_mul", "mix": "—", "adapters": 0, "tokens": num_tokens,
+                 "time_ms": _replay_seconds(graph, reps) * 1e3})
+    del graph
+    for mix, slots in mixes:
+        bench.slots.copy_(slots.to(device))
+        _sync(device)
+        adapters = len(torch.unique(slots))
+        for name, fused in (("default order, then silu_mul", False), ("delta inside silu_mul", True)):
+            step = LoRAStep(bench.pool, bench.slots, adapters, use_triton=True, fuse_silu_mul=fused,
+                            expand_first_min_tokens=expand_first, has_base_tokens=False)
+            graph = _capture(lambda step=step, fused=fused: run(step, fused), device)
+            rows.append({"path": name, "mix": mix, "adapters": adapters, "tokens": num_tokens,
+                         "time_ms": _replay_seconds(graph, reps) * 1e3})
+            log.info("SILU-PROMPT %s", rows[-1])
+            del graph, step
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
 def markdown(payload: dict) -> str:
     res = payload["plan"]
     lines = markdown_head(f"LoRA work of a {res['tokens']}-row decode step ({res['real_tokens']} sequences) by plan",
@@ -200,6 +275,12 @@ def markdown(payload: dict) -> str:
         lines += ["", "gate|up + SiLU-and-multiply, 32 layers (`--silu`; ms, median replay):", "",
                   "| path | mix | time (ms) |", "|---|---|---|"]
         lines += [f"| {r['path']} | {r['mix']} | {r['time_ms']:.3f} |" for r in payload["silu"]]
+    if payload.get("silu_prompt"):
+        rows = payload["silu_prompt"]
+        lines += ["", f"gate|up + SiLU-and-multiply in a prompt step of {rows[0]['tokens']} tokens, requests of "
+                  f"{payload['prompt_len']} (`--silu-prompt`; ms, median replay of 32 layers):", "",
+                  "| path | mix | adapters | time (ms) |", "|---|---|---|---|"]
+        lines += [f"| {r['path']} | {r['mix']} | {r['adapters']} | {r['time_ms']:.3f} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -215,6 +296,10 @@ def main(argv: list[str] | None = None) -> int:
                                                         f"({', '.join(VARIANTS)})")
     parser.add_argument("--silu", action="store_true",
                         help="also gate|up + SiLU-and-multiply with the delta inside it (fuse_lora_silu_mul) or not")
+    parser.add_argument("--silu-prompt", type=int, default=0, metavar="TOKENS",
+                        help="also gate|up + SiLU-and-multiply in a prompt step of TOKENS rows (requests of "
+                             "--prompt-len), default order against the delta inside SiLU (0: not run)")
+    parser.add_argument("--prompt-len", type=int, default=256, help="tokens per request of --silu-prompt")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--no-profile", action="store_true", help="skip the per-kernel profile")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1)")
@@ -246,6 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.silu:
         payload["silu"] = silu_ab(shapes, args.tokens, real, 16, device, dtype, min(args.reps, 3) if args.smoke
                                   else args.reps)
+    if args.silu_prompt:
+        payload["prompt_len"] = args.prompt_len
+        payload["silu_prompt"] = silu_prompt_ab(shapes, args.silu_prompt, args.prompt_len, 16, device, dtype,
+                                                min(args.reps, 3) if args.smoke else min(args.reps, 20))
     write_json_and_markdown(args.out, payload, markdown(payload))
     return 0
 

@@ -37,3 +37,26 @@ def test_smoke_run_writes_a_row_per_plan_and_covered_mix_and_silu_path(tmp_path,
     assert [r["plan"] for r in rows] == ["graph"] * 5 + ["<= 2"]  # 99 is above the graph's plan: no variant
     assert rows[-1]["mix"] == "1 adapter" and rows[-1]["max_chunks"] < rows[0]["max_chunks"]
     assert "| 1 adapter | 1 | <= 2 |" in out.with_suffix(".md").read_text()
+
+
+def test_prompt_mixes_give_each_request_one_adapter():
+    for name, slots in lora_plan.prompt_mixes(100, 16):
+        assert slots.shape == (100,) and slots.dtype == torch.int32, name
+        requests = [slots[i:i + 16] for i in range(0, 100, 16)]
+        assert all((r == r[0]).all() for r in requests), name  # one adapter per request
+        used = torch.unique(slots)
+        assert used.tolist() == list(range(len(used))), name  # dense slots 0..n-1
+    counts = {name: len(torch.unique(s)) for name, s in lora_plan.prompt_mixes(100, 16)}
+    assert counts["distinct"] == 7 and counts["1 adapter"] == 1 and counts["8 adapters"] <= 7
+
+
+def test_smoke_silu_prompt_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "plan.json"
+    assert lora_plan.main(["--smoke", "--tokens", "8", "--plans", "", "--reps", "1", "--no-profile",
+                           "--silu-prompt", "40", "--prompt-len", "16", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    paths = [r["path"] for r in payload["silu_prompt"]]
+    assert paths == ["base GEMM + silu_mul"] + ["default order, then silu_mul", "delta inside silu_mul"] * 5
+    assert all(r["time_ms"] > 0 and r["tokens"] == 40 for r in payload["silu_prompt"])
+    assert "in a prompt step of 40 tokens, requests of 16" in out.with_suffix(".md").read_text()
