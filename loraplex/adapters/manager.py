@@ -74,6 +74,7 @@ class LoRAManager:
         self.pool = SlotPool(self.shapes, max_loras, max_lora_rank, self.device, dtype)
         self.merged = None  # MergedLoRA (engine option merge_single_lora): single-adapter stretches on merged weights
         self.fuse_silu_mul = False  # gate|up's delta inside SiLU-and-multiply (engine option fuse_lora_silu_mul)
+        self.silu_mul_min_tokens = 0  # ... in steps of at least this many tokens (lora_silu_mul_min_tokens; 0: never)
         self.overlap_shrink = False  # shrink on a forked stream alongside the base GEMM (engine option lora_overlap_shrink)
         # steps of at least this many tokens run the LoRA work before the base GEMM (engine option
         # lora_expand_first_min_tokens; 0: never)
@@ -367,7 +368,8 @@ class LoRAManager:
         """A step's mapping over this manager's pool and kernel options (slots already assigned);
         ``has_base_tokens`` (host-known; True when unknown) whether some token of the step has no adapter;
         ``gemm_shrink``: the folded projections' shrinks inside their base GEMMs (``use_gemm_shrink`` decides)."""
-        return LoRAStep(self.pool, token_slots, num_active, self.use_triton, self.fuse_silu_mul, self.overlap_shrink,
+        fuse = self.fuse_silu_mul or 0 < self.silu_mul_min_tokens <= token_slots.shape[0]
+        return LoRAStep(self.pool, token_slots, num_active, self.use_triton, fuse, self.overlap_shrink,
                         self.expand_first_min_tokens, has_base_tokens,
                         gemm_shrink=gemm_shrink and bool(self.pool.folded), long_tokens=long_tokens)
 

@@ -15,6 +15,10 @@ FLAGS: dict[str, dict] = {
     "fuse_lora_silu_mul": dict(
         action="store_true",
         help="engine option fuse_lora_silu_mul: gate|up's LoRA delta added inside SiLU-and-multiply"),
+    "lora_silu_mul_min_tokens": dict(
+        type=int, default=None,
+        help="engine option lora_silu_mul_min_tokens: steps of at least this many tokens add gate|up's LoRA delta "
+             "inside SiLU-and-multiply (0: never; default: the engine's default)"),
     "merge_single_lora": dict(
         action="store_true",
         help="engine option merge_single_lora: while every step has one adapter and no base token (identical "
@@ -61,7 +65,7 @@ FLAGS: dict[str, dict] = {
 }
 
 # the options of each benchmark, in the order of its --help
-OFFLINE = ("fuse_lora_silu_mul", "merge_single_lora", "lora_overlap_shrink", "lora_expand_first_min_tokens",
+OFFLINE = ("fuse_lora_silu_mul", "lora_silu_mul_min_tokens", "merge_single_lora", "lora_overlap_shrink", "lora_expand_first_min_tokens",
            "lora_segment_tiles", "lora_gemm_shrink", "attention_decode_split", "piecewise_cuda_graphs", "kv_cache_dtype", "quantization",
            "num_speculative_tokens", "lora_grouping")
 STEP_PROFILE = ("fuse_lora_silu_mul", "lora_overlap_shrink", "lora_gemm_shrink", "merge_single_lora",

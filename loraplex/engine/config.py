@@ -68,6 +68,10 @@ class EngineConfig:
     # an H100 (run 28: +0.7-0.9 ms a step), so off. With the expand's launch options (run 28, bench lora_plan
     # --silu) gate|up + SiLU is still 0.04-1.2 ms slower per decode step wherever more than one adapter is in it
     fuse_lora_silu_mul: bool = False
+    # steps of at least this many tokens (0: never) add gate|up's delta inside SiLU-and-multiply as
+    # fuse_lora_silu_mul does for every step: in a prompt step the expand's write of gate|up's output (2 x 14,336
+    # columns a token) is the largest part of the LoRA work's traffic
+    lora_silu_mul_min_tokens: int = 0
     # the LoRA shrink of each projection on a forked CUDA stream while the base GEMM runs (LoRAStep.linear), the
     # expand after both; CUDA only (elsewhere ignored)
     lora_overlap_shrink: bool = False
@@ -152,6 +156,8 @@ class EngineConfig:
             raise ValueError(f"lora_group_max_skips must be >= 0, got {self.lora_group_max_skips}")
         if self.lora_expand_first_min_tokens < 0:
             raise ValueError(f"lora_expand_first_min_tokens must be >= 0, got {self.lora_expand_first_min_tokens}")
+        if self.lora_silu_mul_min_tokens < 0:
+            raise ValueError(f"lora_silu_mul_min_tokens must be >= 0, got {self.lora_silu_mul_min_tokens}")
         if self.lora_gemm_shrink_max_tokens < 1:
             raise ValueError(f"lora_gemm_shrink_max_tokens must be >= 1, got {self.lora_gemm_shrink_max_tokens}")
         if self.piecewise_graph_max_tokens < 1:

@@ -286,6 +286,7 @@ class ModelRunner:
                 num_load_workers=self.config.lora_load_workers,
                 tp=(self.tp, self.whole_hf_config) if self.tp is not None else None)
             self.lora_manager.fuse_silu_mul = self.config.fuse_lora_silu_mul
+            self.lora_manager.silu_mul_min_tokens = self.config.lora_silu_mul_min_tokens
             self.lora_manager.overlap_shrink = self.config.lora_overlap_shrink
             self.lora_manager.expand_first_min_tokens = self.config.lora_expand_first_min_tokens
             self.lora_manager.segment_tiles = self.config.lora_segment_tiles

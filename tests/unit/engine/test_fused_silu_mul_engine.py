@@ -37,3 +37,35 @@ def test_fused_silu_mul_gives_the_unfused_tokens(tiny_model, padded, monkeypatch
         for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
             (t, v), = lw.items()
             assert lg[t].logprob == pytest.approx(v.logprob, abs=1e-4)
+
+
+def test_silu_mul_min_tokens_fuses_only_the_large_steps(tiny_model, monkeypatch):
+    """lora_silu_mul_min_tokens: prompt steps (at least the threshold) go through the fused call, the decode steps
+    (one token per sequence, below it) do not; tokens and logprobs as the unfused path."""
+    loras = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(2)]
+    mix = [loras[0], loras[1], None, loras[0]]
+    prompts = [{"prompt_token_ids": [1] + [7 + 13 * i + j for j in range(10 + 3 * i)]} for i in range(len(mix))]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=1)
+    steps = []
+    fused = LoRAStep.silu_mul
+    monkeypatch.setattr(LoRAStep, "silu_mul",
+                        lambda self, layer, x, *a: steps.append((layer, x.shape[0])) or fused(self, layer, x, *a))
+
+    def run(**options):
+        llm = LLM(tiny_model["model_dir"], dtype="float32", enable_lora=True, max_loras=4, max_num_seqs=16,
+                  **options)
+        return llm.generate(prompts, params, lora_request=mix)
+
+    want = run()
+    assert not steps
+    got = run(lora_silu_mul_min_tokens=16)
+    layers = {layer for layer, _ in steps}
+    assert steps and min(t for _, t in steps) >= 16  # prompt steps only: the 4-token decode steps are not fused
+    assert len(steps) == len(layers) * len({t for _, t in steps}) and len(layers) >= 2  # every layer of those
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lw, lg in zip(w.outputs[0].logprobs, g.outputs[0].logprobs):
+            (t, v), = lw.items()
+            assert lg[t].logprob == pytest.approx(v.logprob, abs=1e-4)
+    with pytest.raises(ValueError, match="lora_silu_mul_min_tokens must be >= 0"):
+        run(lora_silu_mul_min_tokens=-1)
