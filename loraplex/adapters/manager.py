@@ -14,6 +14,7 @@ synchronous read (same checks, same errors).
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import time
@@ -35,6 +36,18 @@ from loraplex.adapters.prefetch import BackgroundLoader
 from loraplex.adapters.slot_pool import SlotPool
 
 log = logging.getLogger(__name__)
+
+# the in-GEMM shrink's bound on rows x GEMM width in slots: at 256 rows on 256 slots (run 18, H200) the extra rows made
+# the GEMM compute-bound and it lost; 128 x 128 (every slot in use), 64 x 64 and 248 x 32 (run 29, H100) won
+GEMM_SHRINK_MAX_WORK = 128 * 128
+
+
+def gemm_shrink_widths(max_loras: int, num_tokens: int) -> tuple[int, ...]:
+    """The GEMM widths (in slots, ascending) of the in-GEMM shrink for a pure-decode step of ``num_tokens`` rows over
+    ``max_loras`` slots: 4, 8, 16, ... and ``max_loras``, each at most twice the rows (the step's adapters must fill
+    half of it) and with rows x width <= ``GEMM_SHRINK_MAX_WORK``."""
+    ladder = sorted({w for w in (4 << i for i in range(max_loras.bit_length())) if w < max_loras} | {max_loras})
+    return tuple(w for w in ladder if w <= 2 * num_tokens and num_tokens * w <= GEMM_SHRINK_MAX_WORK)
 
 
 def _triton_usable(device: torch.device) -> bool:
@@ -102,7 +115,9 @@ class LoRAManager:
         self._lookahead_set: set[int] = set()
         self._slot_of: dict[int, int] = {}
         self._slot_lru: OrderedDict[int, None] = OrderedDict()  # resident adapter ids, least recent first
-        self._free_slots = list(range(max_loras - 1, -1, -1))  # popped from the end: lowest slot first
+        # a heap: the lowest free slot first, so the adapters in use sit in the low slots (the in-GEMM shrink
+        # computes y for the first slots only, ``gemm_shrink_width``)
+        self._free_slots = list(range(max_loras))
         self._pins: dict[int, int] = {}
         self._pending_removal: set[int] = set()
         # ids whose weights were forgotten (removed, or replaced by a new version): KV computed with the old
@@ -324,7 +339,7 @@ class LoRAManager:
         if slot is not None:
             self._slot_lru.pop(adapter_id, None)
             self.pool.clear(slot)
-            self._free_slots.append(slot)
+            heapq.heappush(self._free_slots, slot)
 
     # ---- GPU slots -----------------------------------------------------------------------------------
     def resident_adapter_ids(self) -> list[int]:
@@ -352,40 +367,51 @@ class LoRAManager:
         ``adapter_ids`` (optional) lists the step's distinct adapter ids as known on the host; without it
         they are read from the tensor (one device->host sync). ``slot_of``: the slots ``assign_slots`` already
         gave them this step (skips assigning again). ``pure_decode``: one token per sequence (the in-GEMM shrink
-        may apply, ``use_gemm_shrink``). ``long_tokens``: the step's tokens in requests of more than 32 of them (the
+        may apply, ``gemm_shrink_width``). ``long_tokens``: the step's tokens in requests of more than 32 of them (the
         kernel tiles follow where most tokens are, with ``segment_tiles``; None: unknown).
         """
         if slot_of is None:
             if adapter_ids is None:
                 adapter_ids = torch.unique(token_adapter_ids).tolist()
             slot_of = self.assign_slots(adapter_ids)
-        gemm = pure_decode and self.use_gemm_shrink(token_adapter_ids.shape[0], len(slot_of))
+        width = self.gemm_shrink_width(token_adapter_ids.shape[0], slot_of.values()) if pure_decode else None
         return self.make_step(token_slots_from_ids(token_adapter_ids, slot_of), len(slot_of), has_base_tokens,
-                              gemm_shrink=gemm, long_tokens=long_tokens if self.segment_tiles else None)
+                              gemm_slots=width, long_tokens=long_tokens if self.segment_tiles else None)
 
     def make_step(self, token_slots: torch.Tensor, num_active: int, has_base_tokens: bool = True,
-                  gemm_shrink: bool = False, long_tokens: int | None = None) -> LoRAStep:
+                  gemm_slots: int | None = None, long_tokens: int | None = None) -> LoRAStep:
         """A step's mapping over this manager's pool and kernel options (slots already assigned);
         ``has_base_tokens`` (host-known; True when unknown) whether some token of the step has no adapter;
-        ``gemm_shrink``: the folded projections' shrinks inside their base GEMMs (``use_gemm_shrink`` decides)."""
+        ``gemm_slots``: the folded projections' shrinks inside their base GEMMs, over that many first slots
+        (``gemm_shrink_width`` decides; None: the usual shrink kernels)."""
         fuse = self.fuse_silu_mul or 0 < self.silu_mul_min_tokens <= token_slots.shape[0]
         return LoRAStep(self.pool, token_slots, num_active, self.use_triton, fuse, self.overlap_shrink,
                         self.expand_first_min_tokens, has_base_tokens,
-                        gemm_shrink=gemm_shrink and bool(self.pool.folded), long_tokens=long_tokens)
+                        gemm_shrink=bool(gemm_slots) and bool(self.pool.folded), gemm_slots=gemm_slots,
+                        long_tokens=long_tokens)
 
-    def fills_half_the_slots(self, num_adapters: int) -> bool:
-        """The in-GEMM shrink's rule: it reads every slot's A, so it pays only for steps whose distinct adapters fill
-        at least half of the slots (run 18: the crossover at 64 slots is near 27 adapters)."""
-        return 2 * min(num_adapters, self.max_loras) >= self.max_loras
+    def gemm_shrink_widths(self, num_tokens: int) -> tuple[int, ...]:
+        """The GEMM widths the in-GEMM shrink may use for a pure-decode step of ``num_tokens`` rows
+        (``gemm_shrink_widths``); none without folded weights or above ``gemm_shrink_max_tokens``. The decode graphs
+        keep a variant per width."""
+        if not self.pool.folded or not 0 < num_tokens <= self.gemm_shrink_max_tokens:
+            return ()
+        return gemm_shrink_widths(self.max_loras, num_tokens)
 
-    def gemm_shrink_possible(self, num_tokens: int) -> bool:
-        """Whether a pure-decode step of ``num_tokens`` rows may take the in-GEMM shrink (then it has a graph)."""
-        return bool(self.pool.folded) and 0 < num_tokens <= self.gemm_shrink_max_tokens \
-            and self.fills_half_the_slots(num_tokens)
-
-    def use_gemm_shrink(self, num_tokens: int, num_active: int) -> bool:
-        """The in-GEMM shrink for a pure-decode step of ``num_tokens`` rows and ``num_active`` distinct adapters."""
-        return self.gemm_shrink_possible(num_tokens) and self.fills_half_the_slots(num_active)
+    def gemm_shrink_width(self, num_tokens: int, slots: Iterable[int]) -> int | None:
+        """The in-GEMM shrink's width for a pure-decode step of ``num_tokens`` rows whose adapters sit in ``slots``:
+        the narrowest of ``gemm_shrink_widths`` above the highest slot, when the step's adapters fill at least half
+        of it; None (the usual shrink kernels) otherwise. The GEMM computes y for every slot below the width, used
+        or not, at cuBLAS's rate and without the shrink's launch (run 18: at 64 tokens on 64 slots the crossover
+        is near 27 adapters)."""
+        slots = list(slots)
+        if not slots:
+            return None
+        top = max(slots)
+        for width in self.gemm_shrink_widths(num_tokens):
+            if width > top:
+                return width if 2 * len(slots) >= width else None
+        return None
 
     def assign_slots(self, adapter_ids) -> dict[int, int]:
         """Give every adapter of a step (ids, 0 = base, ignored) a GPU slot; returns adapter id -> slot.
@@ -450,7 +476,7 @@ class LoRAManager:
         """A free slot, else the slot of the least recently used unpinned adapter not in ``avoid`` (with
         ``strict=False``, one in ``avoid`` but not in ``step_ids`` when there is no other)."""
         if self._free_slots:
-            return self._free_slots.pop()
+            return heapq.heappop(self._free_slots)
         unpinned = [a for a in self._slot_lru if not self._pins.get(a)]  # least recently used first
         victim = next((a for a in unpinned if a not in avoid), None)
         if victim is None and not strict:

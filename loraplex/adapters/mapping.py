@@ -55,7 +55,7 @@ class LoRAStep:
     def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool,
                  fuse_silu_mul: bool = False, overlap_shrink: bool = False, expand_first_min_tokens: int = 0,
                  has_base_tokens: bool = True, gemm_shrink: bool = False, long_tokens: int | None = None,
-                 max_adapters: int | None = None) -> None:
+                 max_adapters: int | None = None, gemm_slots: int | None = None) -> None:
         self.pool = pool
         self.token_slots = token_slots  # [T] int32
         self.num_active = num_active  # distinct adapters in the step (host-known)
@@ -77,6 +77,8 @@ class LoRAStep:
         # the shrink inside the base GEMM for projections whose pool A rows are folded under the base weight
         # (``SlotPool.fold_base_weights``): one cuBLAS GEMM gives the base output and every slot's y, then the expand
         self.gemm_shrink = bool(gemm_shrink and num_active)
+        # ... over the first gemm_slots slots (None: all): every token's slot must lie below it
+        self.gemm_slots = pool.max_loras if gemm_slots is None else min(int(gemm_slots), pool.max_loras)
         if use_triton and num_active:
             from loraplex.kernels import lora_ops
             from loraplex.kernels.lora_expand import slice_col_align
@@ -194,15 +196,16 @@ class LoRAStep:
 
     def _gemm_shrink_linear(self, layer_idx: int, proj: str, x: torch.Tensor, folded: torch.Tensor,
                             n: int) -> torch.Tensor:
-        """One GEMM over the folded weight ([W; A of every slot], ``SlotPool.fold_base_weights``): its first n
-        columns are the base output, the rest every slot's y for every token; then the expand reads each token's
-        own slot's group of y and adds the delta into the base columns. Returns the base columns, a view with the
-        folded row stride. The GEMM reads every slot's A, used or not: it pays when most slots are in the step,
-        and it moves those bytes at cuBLAS's rate instead of the shrink kernel's, without the shrink's launch."""
-        full = torch.nn.functional.linear(x, folded)  # [T, n + max_loras * S * R]
+        """One GEMM over the folded weight ([W; A of every slot], ``SlotPool.fold_base_weights``) cut after the A
+        rows of the first ``gemm_slots`` slots (a view: the rows are contiguous): its first n columns are the base
+        output, the rest those slots' y for every token; then the expand reads each token's own slot's group of y
+        and adds the delta into the base columns. Returns the base columns, a view with the GEMM's row stride. The
+        GEMM reads the A of every slot below the cut, used or not: it pays when most of them are in the step, and
+        it moves those bytes at cuBLAS's rate instead of the shrink kernel's, without the shrink's launch."""
+        num_slices, max_rank = len(PROJ_MODULES[proj]), self.pool.max_rank
+        full = torch.nn.functional.linear(x, folded[:n + self.gemm_slots * num_slices * max_rank])
         out = full[:, :n]
         _, bt, ranks = self.pool.layer_view(proj, layer_idx)
-        num_slices, max_rank = len(PROJ_MODULES[proj]), self.pool.max_rank
         if not self.use_triton:
             from loraplex.kernels.lora_ref import gemm_shrink_y, lora_expand_ref
 

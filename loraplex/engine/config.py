@@ -90,14 +90,16 @@ class EngineConfig:
     # timed the 7,535-token offline step's LoRA work at 20.04 ms (decode tiles) against 19.81 (prefill); on an H100 a
     # 4,096-token step of 200 decodes and one 3,896-token prompt on distinct adapters: 15.39 against 17.20 ms
     lora_segment_tiles: bool = False
-    # pure-decode steps of at most lora_gemm_shrink_max_tokens tokens whose distinct adapters fill at least half of the
-    # GPU slots run each projection's LoRA shrink inside its base GEMM: every slot's A rows sit under the base weight
-    # (SlotPool.fold_base_weights, at start-up) and one cuBLAS GEMM gives the base output and every slot's y, then the
-    # expand. The GEMM reads every slot's A whether used or not, so it pays only when most slots are in the step. On
-    # the H200 (run 18) it cut the LoRA work between the GEMMs of a 64-token step on 64 distinct adapters (64 slots)
-    # from 2.57 to 2.14 ms; with 8 or 1 adapters (slots unused) it cost more, and at 256 tokens on 256 slots the GEMM
-    # is compute-bound and lost (8.5 vs 7.4 ms). CUDA only, bf16/fp16 weights that are not quantized, one GPU, no
-    # projection biases (otherwise ignored). Off by default
+    # pure-decode steps of at most lora_gemm_shrink_max_tokens tokens run each projection's LoRA shrink inside its base
+    # GEMM: every slot's A rows sit under the base weight (SlotPool.fold_base_weights, at start-up) and one cuBLAS GEMM,
+    # over the base rows and the A rows of the first W slots, gives the base output and those slots' y, then the
+    # expand. W (LoRAManager.gemm_shrink_width): the narrowest of 4, 8, 16, ... max_loras above the step's highest slot
+    # (adapters take the lowest free slot), which its distinct adapters must fill at least half of, with rows x W <=
+    # 128 x 128 (beyond, the GEMM is compute-bound: 256 tokens on 256 slots lost on the H200, run 18). On the H200 it
+    # cut the LoRA work between the GEMMs of a 64-token step on 64 distinct adapters (64 slots) from 2.57 to 2.14 ms;
+    # on an H100, 31 adapters on 32 slots at 248 sequences: decode steps -0.39 ms (run 29). CUDA graphs keep a
+    # variant per width. CUDA only, bf16/fp16 weights that are not quantized, one GPU, no projection biases
+    # (otherwise ignored). Off by default
     lora_gemm_shrink: bool = False
     lora_gemm_shrink_max_tokens: int = 64
     # after the engine loads, freeze the heap alive then out of the cyclic GC's reach (engine/gc_heap.py): shorter

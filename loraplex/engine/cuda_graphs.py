@@ -22,6 +22,7 @@ the padding logic is exercised everywhere.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 
@@ -63,9 +64,13 @@ def gc_paused():
             gc.enable()
 
 
-# the mode of a decode graph whose adapters' shrinks run inside the base GEMMs (engine option lora_gemm_shrink): a
-# third value of a key's "with adapters" (truthy, so every "with adapters" test still holds)
-GEMM_SHRINK = "gemm-shrink"
+@dataclasses.dataclass(frozen=True)
+class GemmShrink:
+    """The mode of a decode graph whose adapters' shrinks run inside the base GEMMs over the first ``slots`` slots
+    (engine option lora_gemm_shrink, ``LoRAManager.gemm_shrink_width``): a third kind of value of a key's "with
+    adapters" (truthy, so every "with adapters" test still holds)."""
+
+    slots: int
 
 
 class BucketedGraphs:
@@ -97,7 +102,7 @@ class BucketedGraphs:
                         self._capture((bucket, with_lora), lora_manager)
 
     def _extra_modes(self, bucket: int, lora_manager) -> tuple:
-        """More graph variants of a bucket than without / with adapters (the decode graphs: ``GEMM_SHRINK``)."""
+        """More graph variants of a bucket than without / with adapters (the decode graphs: ``GemmShrink``)."""
         return ()
 
     def capture(self, key: tuple[int, bool | str], lora_manager) -> None:
@@ -151,8 +156,9 @@ class DecodeGraphRunner(BucketedGraphs):
         assert batch.is_decode and batch.num_rows in self.buckets, "only padded pure-decode batches replay"
         bucket, num_seqs = batch.num_rows, batch.num_seqs
         key = (bucket, bool(slot_of))
-        if slot_of and lora_manager is not None and lora_manager.use_gemm_shrink(bucket, len(slot_of)):
-            key = (bucket, GEMM_SHRINK)
+        width = lora_manager.gemm_shrink_width(bucket, slot_of.values()) if slot_of and lora_manager else None
+        if width:
+            key = (bucket, GemmShrink(width))
         if key not in self._graphs:
             self.capture(key, lora_manager)
         self._load_inputs(batch, slot_of if key[1] else None)
@@ -193,12 +199,16 @@ class DecodeGraphRunner(BucketedGraphs):
         lora = None
         if with_lora:
             # built here so that, under capture, the kernel metadata is derived from the static slots
-            lora = lora_manager.make_step(self.token_slots[:bucket], min(bucket, lora_manager.max_loras),
-                                          gemm_shrink=with_lora == GEMM_SHRINK)
+            # kernels planned for at most as many adapters as there are slots below the in-GEMM shrink's width
+            gemm = with_lora.slots if isinstance(with_lora, GemmShrink) else None
+            lora = lora_manager.make_step(self.token_slots[:bucket], min(bucket, gemm or lora_manager.max_loras),
+                                          gemm_slots=gemm)
         return self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, attn, lora)
 
     def _extra_modes(self, bucket: int, lora_manager) -> tuple:
-        return (GEMM_SHRINK,) if lora_manager is not None and lora_manager.gemm_shrink_possible(bucket) else ()
+        if lora_manager is None:
+            return ()
+        return tuple(GemmShrink(w) for w in lora_manager.gemm_shrink_widths(bucket))
 
     # ---- capture -------------------------------------------------------------------------------------
     def _capture(self, key: tuple[int, bool | str], lora_manager) -> None:
@@ -224,5 +234,6 @@ class DecodeGraphRunner(BucketedGraphs):
             hidden = self._forward(key, lora_manager)
         self._graphs[key] = (graph, hidden)
         log.debug("captured decode CUDA graph: batch %d%s", bucket,
-                  " with adapters, in-GEMM shrink" if key[1] == GEMM_SHRINK else " with adapters" if key[1] else "")
+                  f" with adapters, in-GEMM shrink over {key[1].slots} slots" if isinstance(key[1], GemmShrink)
+                  else " with adapters" if key[1] else "")
 

@@ -302,13 +302,16 @@ class ModelRunner:
         """Engine option ``lora_gemm_shrink``: every projection's base weight and the slot pool's A rows into one
         tensor per projection (``SlotPool.fold_base_weights``), the model's weights then views of it. Skipped (with
         a log line) where the in-GEMM shrink cannot run: tensor parallelism (the row-parallel outputs are
-        all-reduced in place), 8-bit weights, a projection with a bias, more slots than twice the largest decode
-        step it may take (such a step never uses half of them). On the CPU the twins run the same order."""
+        all-reduced in place), 8-bit weights, a projection with a bias, no GEMM width a decode step could use
+        (``LoRAManager.gemm_shrink_widths``). On the CPU the twins run the same order."""
+        from loraplex.adapters.manager import gemm_shrink_widths
+
         manager, model = self.lora_manager, self.model
         most = min(self.config.lora_gemm_shrink_max_tokens, self.config.max_num_seqs)
+        widths = any(gemm_shrink_widths(manager.max_loras, t) for t in range(1, most + 1))
         why = ("tensor parallelism" if self.tp is not None else "8-bit weights" if self.config.quantization
-               else f"max_loras {manager.max_loras} > twice the largest eligible decode step ({most} tokens): no "
-                    "step could fill half of the slots" if not manager.fills_half_the_slots(most) else None)
+               else f"no GEMM width a decode step of at most {most} tokens could fill half of (max_loras "
+                    f"{manager.max_loras})" if not widths else None)
         if why is not None:
             log.info("lora_gemm_shrink: ignored (%s)", why)
             return

@@ -48,7 +48,7 @@ def test_gemm_shrink_bf16_is_as_accurate_as_the_usual_order():
 def test_engine_with_gemm_shrink_matches_the_usual_order(tiny_model, dtype):
     """The engine option end to end on CUDA graphs: three adapters on four slots, so decode steps take the in-GEMM
     shrink (their own graph variant); tokens and logprobs as without it (bf16: up to real near-ties)."""
-    from loraplex.engine.cuda_graphs import GEMM_SHRINK
+    from loraplex.engine.cuda_graphs import GemmShrink
     from tests.gpu.test_cuda_graphs import _compare, generate_with, mixed_requests
 
     requests = mixed_requests(tiny_model, seed=12)
@@ -56,5 +56,5 @@ def test_engine_with_gemm_shrink_matches_the_usual_order(tiny_model, dtype):
     llm, got = generate_with(tiny_model, dtype, requests, lora_gemm_shrink=True)
     runner = llm.engine.runner
     assert set(runner.lora_manager.pool.folded) == {"qkv", "o", "gate_up", "down"}
-    assert any(key[1] == GEMM_SHRINK for key in runner.graphs.used_keys)
+    assert any(isinstance(key[1], GemmShrink) for key in runner.graphs.used_keys)
     assert _compare(usual, got, dtype) >= (40 * 12 if dtype == "float32" else 0.5 * 40 * 12)

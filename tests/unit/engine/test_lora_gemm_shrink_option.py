@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from loraplex import LLM, LoRARequest, SamplingParams
+from loraplex.adapters.manager import GEMM_SHRINK_MAX_WORK, gemm_shrink_widths
 from loraplex.engine.config import EngineConfig
 from tests.conftest import adapter_dir
 
@@ -31,7 +32,8 @@ def test_gemm_shrink_folds_the_weights_and_decodes_the_same_tokens(tiny_model, l
     for layer_idx, layer in enumerate(runner.model.layers):  # the model's weights are views of the folded tensors
         assert layer.qkv_weight.data_ptr() == manager.pool.folded["qkv"][0][layer_idx].data_ptr()
         assert layer.down_weight.data_ptr() == manager.pool.folded["down"][0][layer_idx].data_ptr()
-    assert manager.use_gemm_shrink(6, 2) and not manager.use_gemm_shrink(6, 1) and not manager.use_gemm_shrink(65, 4)
+    assert manager.gemm_shrink_width(6, [0, 1]) == 4 and manager.gemm_shrink_width(6, [2]) is None
+    assert manager.gemm_shrink_width(65, [0, 1, 2, 3]) is None  # above lora_gemm_shrink_max_tokens
     steps.clear()
     got = llm.generate(prompts, params, lora_request=mix)
     used = [s for s in steps if s.gemm_shrink]
@@ -44,11 +46,12 @@ def test_gemm_shrink_folds_the_weights_and_decodes_the_same_tokens(tiny_model, l
 
 
 def test_gemm_shrink_is_left_off_where_no_step_could_use_it(tiny_model):
-    """More slots than twice the largest decode step the option may take: no weights folded, no step takes it."""
+    """No GEMM width (4 slots at the least) that the largest decode step the option may take could fill half of: no
+    weights folded, no step takes it."""
     llm = LLM(tiny_model["model_dir"], dtype="float32", enable_lora=True, max_loras=8, max_num_seqs=8,
-              lora_gemm_shrink=True, lora_gemm_shrink_max_tokens=3)
+              lora_gemm_shrink=True, lora_gemm_shrink_max_tokens=1)
     manager = llm.engine.runner.lora_manager
-    assert not manager.pool.folded and not manager.gemm_shrink_possible(3) and not manager.use_gemm_shrink(3, 3)
+    assert not manager.pool.folded and not manager.gemm_shrink_widths(1) and manager.gemm_shrink_width(1, [0]) is None
 
 
 def test_gemm_shrink_folds_through_host_memory_when_the_device_is_short(tiny_model, monkeypatch):
@@ -71,3 +74,40 @@ def test_gemm_shrink_folds_through_host_memory_when_the_device_is_short(tiny_mod
         assert layer.gate_up_weight.data_ptr() == runner.lora_manager.pool.folded["gate_up"][0][layer_idx].data_ptr()
     got = llm.generate(prompts, params, lora_request=mix)
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]
+
+
+def test_gemm_shrink_widths_follow_the_rows_and_the_work_bound():
+    assert gemm_shrink_widths(256, 248) == (4, 8, 16, 32, 64)  # 248 x 128 > 128 x 128: compute-bound, not taken
+    assert gemm_shrink_widths(256, 64) == (4, 8, 16, 32, 64, 128)  # at most twice the rows
+    assert gemm_shrink_widths(256, 128) == (4, 8, 16, 32, 64, 128)
+    assert gemm_shrink_widths(48, 64) == (4, 8, 16, 32, 48)  # the pool's own size closes the ladder
+    assert gemm_shrink_widths(3, 8) == (3,) and gemm_shrink_widths(8, 1) == ()
+    assert GEMM_SHRINK_MAX_WORK == 128 * 128
+
+
+def test_gemm_shrink_over_the_first_slots_decodes_the_same_tokens(tiny_model, lora_steps):
+    """16 slots, three adapters: they take the lowest slots (0-2), so the decode steps' GEMM computes y for the first
+    4 slots only (the narrowest width above the highest slot that three adapters fill half of); the tokens and
+    logprobs are the usual path's. A freed slot is the next one given (the lowest free slot first)."""
+    loras = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(3)]
+    mix = [loras[0], loras[1], loras[2], loras[0], None, loras[1]]
+    prompts = [{"prompt_token_ids": [1] + [9 + 11 * i + j for j in range(4 + 2 * i)]} for i in range(len(mix))]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
+    kw = dict(dtype="float32", enable_lora=True, max_loras=16, max_num_seqs=8)
+    want = LLM(tiny_model["model_dir"], **kw).generate(prompts, params, lora_request=mix)
+    llm = LLM(tiny_model["model_dir"], lora_gemm_shrink=True, **kw)
+    manager = llm.engine.runner.lora_manager
+    assert manager.pool.folded and manager.gemm_shrink_widths(6) == (4, 8)  # at most twice the rows
+    lora_steps.clear()
+    got = llm.generate(prompts, params, lora_request=mix)
+    assert sorted(manager._slot_of.values()) == [0, 1, 2]
+    used = [s for s in lora_steps if s.gemm_shrink]
+    assert used and {s.gemm_slots for s in used} == {4}
+    assert any(s.num_active and not s.gemm_shrink for s in lora_steps)  # the prompt steps: the usual shrink
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+            tok = next(iter(lw))
+            assert abs(lg[tok].logprob - lw[tok].logprob) < 1e-4
+    # a step whose adapters do not fill half of the narrowest width above their highest slot: the usual path
+    assert manager.gemm_shrink_width(6, [0, 9]) is None and manager.gemm_shrink_width(6, [0, 1, 2, 5, 6]) == 8

@@ -117,8 +117,8 @@ def test_expand_first_linear_equals_gemm_then_expand(with_base_tokens):
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
-@pytest.mark.parametrize("num_tokens, num_active", [(6, 3), (70, 4)])
-def test_gemm_shrink_linear_equals_gemm_then_lora(use_triton, num_tokens, num_active):
+@pytest.mark.parametrize("num_tokens, num_active, gemm_slots", [(6, 3, None), (70, 4, None), (9, 2, 2)])
+def test_gemm_shrink_linear_equals_gemm_then_lora(use_triton, num_tokens, num_active, gemm_slots):
     """``gemm_shrink``: with the pool's A rows folded under the base weights (``SlotPool.fold_base_weights``), one
     GEMM gives the base output and every slot's y, then the expand; same result as the base GEMM then the usual
     shrink + expand, every projection, mixed ranks (rank 0 included), base tokens among the adapters'. Rows of the
@@ -138,15 +138,18 @@ def test_gemm_shrink_linear_equals_gemm_then_lora(use_triton, num_tokens, num_ac
         for w, view in zip(weights[p], folded[p]):
             assert torch.equal(view, w)
     plain = LoRAStep(pool, slots, num_active, use_triton=use_triton)
-    step = LoRAStep(pool, slots, num_active, use_triton=use_triton, gemm_shrink=True)
-    assert step.gemm_shrink and not LoRAStep(pool, slots, 0, use_triton=use_triton, gemm_shrink=True).gemm_shrink
+    # gemm_slots: the GEMM cut after the A rows of the first slots (every token's slot below it)
+    step = LoRAStep(pool, slots, num_active, use_triton=use_triton, gemm_shrink=True, gemm_slots=gemm_slots)
+    width = pool.max_loras if gemm_slots is None else gemm_slots
+    assert step.gemm_shrink and step.gemm_slots == width and not LoRAStep(pool, slots, 0, use_triton=use_triton, gemm_shrink=True).gemm_shrink
     for proj in PROJ_MODULES:
         x = torch.randn(num_tokens, SHAPES.proj_in(proj), generator=gen)
         for layer in range(SHAPES.num_layers):
             w = folded[proj][layer]
             want = plain.linear(layer, proj, x, w)
             got = step.linear(layer, proj, x, w)
-            assert got.stride(0) == pool.folded[proj][0].shape[1]  # a view of the folded GEMM's output
+            n = pool.folded[proj][1]  # a view of the (cut) folded GEMM's output
+            assert got.stride(0) == n + width * len(PROJ_MODULES[proj]) * pool.max_rank
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
             torch.testing.assert_close(got[slots < 0], x[slots < 0] @ w.t(), rtol=1e-5, atol=1e-5)
             # a weight that is not the folded one (or a bias) takes the usual path
