@@ -156,7 +156,8 @@ class DecodeGraphRunner(BucketedGraphs):
         assert batch.is_decode and batch.num_rows in self.buckets, "only padded pure-decode batches replay"
         bucket, num_seqs = batch.num_rows, batch.num_seqs
         key = (bucket, bool(slot_of))
-        width = lora_manager.gemm_shrink_width(bucket, slot_of.values()) if slot_of and lora_manager else None
+        width = (lora_manager.gemm_shrink_width(bucket, slot_of.values())
+                 if slot_of and lora_manager is not None else None)
         if width:
             key = (bucket, GemmShrink(width))
         if key not in self._graphs:
