@@ -37,8 +37,9 @@ FLAGS: dict[str, dict] = {
              "more than 32 get the LoRA kernels' prefill tiles (default: the engine's default)"),
     "lora_gemm_shrink": dict(
         **_ON_OFF,
-        help="engine option lora_gemm_shrink: pure-decode steps of <= 64 tokens whose adapters fill half the slots "
-             "run each LoRA shrink inside the base GEMM (default: the engine's default, off)"),
+        help="engine option lora_gemm_shrink: pure-decode steps of at most --lora-gemm-shrink-max-tokens tokens run "
+             "each LoRA shrink inside the base GEMM, over the first slots (4, 8, ... max_loras) that their adapters "
+             "fill half of (default: the engine's default, off)"),
     "lora_gemm_shrink_max_tokens": dict(
         type=int, default=None,
         help="engine option lora_gemm_shrink_max_tokens: the largest decode step --lora-gemm-shrink takes (default: "
@@ -69,8 +70,9 @@ FLAGS: dict[str, dict] = {
 }
 
 # the options of each benchmark, in the order of its --help
-OFFLINE = ("fuse_lora_silu_mul", "lora_silu_mul_min_tokens", "merge_single_lora", "lora_overlap_shrink", "lora_expand_first_min_tokens",
-           "lora_segment_tiles", "lora_gemm_shrink", "lora_gemm_shrink_max_tokens", "attention_decode_split", "piecewise_cuda_graphs", "kv_cache_dtype", "quantization",
+OFFLINE = ("fuse_lora_silu_mul", "lora_silu_mul_min_tokens", "merge_single_lora", "lora_overlap_shrink",
+           "lora_expand_first_min_tokens", "lora_segment_tiles", "lora_gemm_shrink", "lora_gemm_shrink_max_tokens",
+           "attention_decode_split", "piecewise_cuda_graphs", "kv_cache_dtype", "quantization",
            "num_speculative_tokens", "lora_grouping")
 STEP_PROFILE = ("fuse_lora_silu_mul", "lora_overlap_shrink", "lora_gemm_shrink", "merge_single_lora",
                 "attention_decode_split", "piecewise_cuda_graphs")

@@ -58,9 +58,9 @@ def register(subparsers) -> None:
                         "model (env LORAPLEX_MERGE_SINGLE_LORA, default off; keeps a copy of the projection "
                         "weights on the GPU)")
     p.add_argument("--lora-gemm-shrink", action=argparse.BooleanOptionalAction, default=None,
-                   help="decode steps of up to --lora-gemm-shrink-max-tokens tokens whose adapters fill half of the "
-                        "GPU slots compute the LoRA shrink inside the base GEMM (env LORAPLEX_LORA_GEMM_SHRINK, "
-                        "default off; for servers whose slots are mostly in use; docs/engine.md)")
+                   help="decode steps of up to --lora-gemm-shrink-max-tokens tokens compute the LoRA shrink inside "
+                        "the base GEMM, over the first GPU slots (4, 8, ... max_loras) that their adapters fill half "
+                        "of (env LORAPLEX_LORA_GEMM_SHRINK, default off; docs/engine.md)")
     p.add_argument("--lora-gemm-shrink-max-tokens", type=int,
                    help="largest decode step for --lora-gemm-shrink (env LORAPLEX_LORA_GEMM_SHRINK_MAX_TOKENS, "
                         f"default {DEFAULTS.lora_gemm_shrink_max_tokens:g})")
