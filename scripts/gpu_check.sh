@@ -30,6 +30,11 @@
 #   inlayer    the LoRA work between the base GEMMs of the model's projections (32 layers, one CUDA graph each): a
 #              decode step (64 tokens) and steps of ${INLAYER_TOKENS:-2048,8192} tokens, orders sequential / overlap /
 #              expand-first (engine option lora_expand_first_min_tokens): which order costs least, per step size
+#   gemmshrink the in-GEMM shrink over the first W slots (run 29): its GPU test, then bench offline (1,000 requests,
+#              base, uniform, zipf, distinct) without and with --lora-gemm-shrink --lora-gemm-shrink-max-tokens 256,
+#              interleaved over ${GEMM_SHRINK_ROUNDS:-2} rounds
+#   siluprompt gate|up + SiLU in a 7,314-token prompt step: the default order against the delta inside SiLU
+#              (bench lora_plan --silu-prompt; engine option lora_silu_mul_min_tokens)
 #   ab         A/B of the experimental fuse_lora_silu_mul: its GPU test, then bench offline (1,000 requests, every
 #              popularity) without and with --fuse-lora-silu-mul, and step-profile at 64 adapters with it
 #
@@ -127,6 +132,26 @@ if [[ "$what" == *ab* ]]; then
     python3 -m loraplex.cli bench step-profile --out-dir "$out" --adapters 64 --fuse-lora-silu-mul \
         ${smoke[@]+"${smoke[@]}"} > "$out/ab-profile.log" 2>&1
     grep -E "step-profile" "$out/ab-profile.log" | grep -v "^loraplex bench"
+fi
+if [[ "$what" == *gemmshrink* ]]; then
+    python3 -m pytest tests/gpu/test_lora_gemm_shrink_gpu.py -q -p no:cacheprovider -o addopts="" 2>&1 | tail -2
+    for round in $(seq "${GEMM_SHRINK_ROUNDS:-2}"); do
+        for variant in plain gemm; do
+            flag=(); [[ "$variant" == gemm ]] && flag=(--lora-gemm-shrink --lora-gemm-shrink-max-tokens 256)
+            python3 -m loraplex.cli bench offline --out-dir "$out/gemmshrink-$variant-$round" --num-requests 1000 \
+                --input-len 256 --output-len 128 --step-batch 0 --popularity base,uniform,zipf,distinct \
+                ${flag[@]+"${flag[@]}"} ${smoke[@]+"${smoke[@]}"} > "$out/gemmshrink-$variant-$round.log" 2>&1
+            echo "gemmshrink $variant round $round: exit $?"
+            grep -E "offline [a-z]+: .*HBM floor|decode steps in|gemm_shrink:" "$out/gemmshrink-$variant-$round.log" \
+                | cut -c1-240
+        done
+    done
+fi
+if [[ "$what" == *siluprompt* ]]; then
+    prompt=(--silu-prompt 7314); [[ -n "${SMOKE:-}" ]] && prompt=(--silu-prompt 40 --prompt-len 16)
+    python3 -m loraplex.bench.lora_plan --tokens 64 --plans "" --no-profile --reps 30 "${prompt[@]}" \
+        --out "$out/lora_plan_silu_prompt.json" ${smoke[@]+"${smoke[@]}"} > "$out/siluprompt.log" 2>&1
+    echo "siluprompt: exit $?"; grep -A 14 "in a prompt step" "$out/lora_plan_silu_prompt.md"
 fi
 if [[ "$what" == *fastlaunch* ]]; then
     LORAPLEX_FAST_LAUNCH=1 python3 -m pytest tests/gpu -q -n "${GPU_TEST_WORKERS:-4}" -p no:cacheprovider -o addopts="" \
