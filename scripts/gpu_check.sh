@@ -31,7 +31,7 @@
 #              decode step (64 tokens) and steps of ${INLAYER_TOKENS:-2048,8192} tokens, orders sequential / overlap /
 #              expand-first (engine option lora_expand_first_min_tokens): which order costs least, per step size
 #   gemmshrink the in-GEMM shrink over the first W slots (run 29): its GPU test, then bench offline (1,000 requests,
-#              base, uniform, zipf, distinct) without and with --lora-gemm-shrink --lora-gemm-shrink-max-tokens 256,
+#              ${GEMM_SHRINK_POPULARITY:-base,uniform,zipf}) without and with --lora-gemm-shrink --lora-gemm-shrink-max-tokens 256,
 #              interleaved over ${GEMM_SHRINK_ROUNDS:-2} rounds
 #   siluprompt gate|up + SiLU in a 7,314-token prompt step: the default order against the delta inside SiLU
 #              (bench lora_plan --silu-prompt; engine option lora_silu_mul_min_tokens)
@@ -139,7 +139,7 @@ if [[ "$what" == *gemmshrink* ]]; then
         for variant in plain gemm; do
             flag=(); [[ "$variant" == gemm ]] && flag=(--lora-gemm-shrink --lora-gemm-shrink-max-tokens 256)
             python3 -m loraplex.cli bench offline --out-dir "$out/gemmshrink-$variant-$round" --num-requests 1000 \
-                --input-len 256 --output-len 128 --step-batch 0 --popularity base,uniform,zipf,distinct \
+                --input-len 256 --output-len 128 --step-batch 0 --popularity "${GEMM_SHRINK_POPULARITY:-base,uniform,zipf}" \
                 ${flag[@]+"${flag[@]}"} ${smoke[@]+"${smoke[@]}"} > "$out/gemmshrink-$variant-$round.log" 2>&1
             echo "gemmshrink $variant round $round: exit $?"
             grep -E "offline [a-z]+: .*HBM floor|decode steps in|gemm_shrink:" "$out/gemmshrink-$variant-$round.log" \
