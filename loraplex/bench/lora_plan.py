@@ -133,6 +133,25 @@ def run(shapes, num_tokens: int, real: int, plans: list[int], rank: int, device,
             "kernels": kernel_rows}
 
 
+def _gate_up_weights(shapes, device, dtype) -> list[torch.Tensor]:
+    """Random base gate|up weights of every layer (seeded), for the SiLU benches."""
+    gen = torch.Generator(device=device).manual_seed(2)
+    width = sum(shapes.slice_widths("gate_up"))
+    return [torch.empty(width, shapes.proj_in("gate_up"), dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+            for _ in range(shapes.num_layers)]
+
+
+def _silu_mul(device):
+    """SiLU-and-multiply as the engine runs it: the Triton kernel on CUDA, its twin elsewhere."""
+    if device.type == "cuda":
+        from loraplex.kernels.fused_ops import silu_mul
+
+        return silu_mul
+    from loraplex.kernels.fused_ops_ref import silu_mul_ref
+
+    return silu_mul_ref
+
+
 def silu_ab(shapes, num_tokens: int, real: int, rank: int, device, dtype, reps: int) -> list[dict]:
     """gate|up with SiLU-and-multiply, 32 layers, one CUDA graph each: the base GEMM, then either the LoRA expand into
     gate|up and ``silu_mul`` (the default) or the delta inside SiLU-and-multiply (``LoRAStep.silu_mul``, engine option
@@ -140,15 +159,9 @@ def silu_ab(shapes, num_tokens: int, real: int, rank: int, device, dtype, reps: 
     from loraplex.adapters.mapping import LoRAStep
     from loraplex.bench.lora_kernels import _capture, _DecodeStepBench, _replay_seconds, _sync
 
-    if device.type == "cuda":
-        from loraplex.kernels.fused_ops import silu_mul
-    else:
-        from loraplex.kernels.fused_ops_ref import silu_mul_ref as silu_mul
+    silu_mul = _silu_mul(device)
     bench = _DecodeStepBench(shapes, num_tokens, rank, device, dtype)
-    gen = torch.Generator(device=device).manual_seed(2)
-    width = sum(shapes.slice_widths("gate_up"))
-    weights = [torch.empty(width, shapes.proj_in("gate_up"), dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
-               for _ in range(shapes.num_layers)]
+    weights = _gate_up_weights(shapes, device, dtype)
     x = bench.xs["gate_up"]
     rows = []
 
@@ -209,17 +222,11 @@ def silu_prompt_ab(shapes, num_tokens: int, prompt_len: int, rank: int, device, 
     from loraplex.bench.lora_kernels import _capture, _DecodeStepBench, _replay_seconds, _sync
     from loraplex.engine.config import EngineConfig
 
-    if device.type == "cuda":
-        from loraplex.kernels.fused_ops import silu_mul
-    else:
-        from loraplex.kernels.fused_ops_ref import silu_mul_ref as silu_mul
+    silu_mul = _silu_mul(device)
     mixes = prompt_mixes(num_tokens, prompt_len)
     slots_needed = max(int(s.max()) + 1 for _, s in mixes)
     bench = _DecodeStepBench(shapes, num_tokens, rank, device, dtype, num_slots=slots_needed)
-    gen = torch.Generator(device=device).manual_seed(2)
-    width = sum(shapes.slice_widths("gate_up"))
-    weights = [torch.empty(width, shapes.proj_in("gate_up"), dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
-               for _ in range(shapes.num_layers)]
+    weights = _gate_up_weights(shapes, device, dtype)
     x = bench.xs["gate_up"]
     expand_first = EngineConfig.__dataclass_fields__["lora_expand_first_min_tokens"].default
     rows = []
