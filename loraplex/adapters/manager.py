@@ -383,12 +383,13 @@ class LoRAManager:
         """A step's mapping over this manager's pool and kernel options (slots already assigned);
         ``has_base_tokens`` (host-known; True when unknown) whether some token of the step has no adapter;
         ``gemm_slots``: the folded projections' shrinks inside their base GEMMs, over that many first slots
-        (``gemm_shrink_width`` decides; None: the usual shrink kernels)."""
+        (``gemm_shrink_width`` decides; None: the usual shrink kernels); the step's kernels are then planned for at
+        most that many adapters, as in the configuration measured (run 29: ``max_loras`` = 32)."""
         fuse = self.fuse_silu_mul or 0 < self.silu_mul_min_tokens <= token_slots.shape[0]
         return LoRAStep(self.pool, token_slots, num_active, self.use_triton, fuse, self.overlap_shrink,
                         self.expand_first_min_tokens, has_base_tokens,
                         gemm_shrink=bool(gemm_slots) and bool(self.pool.folded), gemm_slots=gemm_slots,
-                        long_tokens=long_tokens)
+                        long_tokens=long_tokens, max_adapters=gemm_slots)
 
     def gemm_shrink_widths(self, num_tokens: int) -> tuple[int, ...]:
         """The GEMM widths the in-GEMM shrink may use for a pure-decode step of ``num_tokens`` rows

@@ -97,8 +97,9 @@ class LoRAStep:
             # long_tokens (host-known): tokens in requests of more than 32 in the step; most of them there gives
             # prefill tiles whatever the mean per adapter (choose_config)
             # max_adapters: a host-known bound on the step's distinct adapters that sizes the chunk tables and so
-            # every grid (bench lora_plan; the engine passes none: smaller grids measured slower, run 28); None: the
-            # pool's slot count. A step must never carry more.
+            # every grid (bench lora_plan; the engine passes none, smaller grids measured slower in run 28, except
+            # for the in-GEMM shrink over the first W slots, whose steps carry at most W); None: the pool's slot
+            # count. A step must never carry more.
             budget = pool.max_loras if max_adapters is None else max(1, min(pool.max_loras, max_adapters))
             self._configs = {p: choose_config(num_tokens, num_active, budget, pool.max_rank,
                                               shapes.proj_in(p), len(mods), max(shapes.slice_widths(p)), pdl=pdl,

@@ -138,8 +138,10 @@ def test_gemm_shrink_linear_equals_gemm_then_lora(use_triton, num_tokens, num_ac
         for w, view in zip(weights[p], folded[p]):
             assert torch.equal(view, w)
     plain = LoRAStep(pool, slots, num_active, use_triton=use_triton)
-    # gemm_slots: the GEMM cut after the A rows of the first slots (every token's slot below it)
-    step = LoRAStep(pool, slots, num_active, use_triton=use_triton, gemm_shrink=True, gemm_slots=gemm_slots)
+    # gemm_slots: the GEMM cut after the A rows of the first slots (every token's slot below it), the kernels planned
+    # for at most that many adapters, as LoRAManager.make_step builds such a step
+    step = LoRAStep(pool, slots, num_active, use_triton=use_triton, gemm_shrink=True, gemm_slots=gemm_slots,
+                    max_adapters=gemm_slots)
     width = pool.max_loras if gemm_slots is None else gemm_slots
     assert step.gemm_shrink and step.gemm_slots == width and not LoRAStep(pool, slots, 0, use_triton=use_triton, gemm_shrink=True).gemm_shrink
     for proj in PROJ_MODULES:
