@@ -88,7 +88,7 @@ def test_gemm_shrink_widths_follow_the_rows_and_the_work_bound():
 def test_gemm_shrink_over_the_first_slots_decodes_the_same_tokens(tiny_model, lora_steps):
     """16 slots, three adapters: they take the lowest slots (0-2), so the decode steps' GEMM computes y for the first
     4 slots only (the narrowest width above the highest slot that three adapters fill half of); the tokens and
-    logprobs are the usual path's. A freed slot is the next one given (the lowest free slot first)."""
+    logprobs are the usual path's. Freed slots are given lowest first."""
     loras = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(3)]
     mix = [loras[0], loras[1], loras[2], loras[0], None, loras[1]]
     prompts = [{"prompt_token_ids": [1] + [9 + 11 * i + j for j in range(4 + 2 * i)]} for i in range(len(mix))]
@@ -111,3 +111,10 @@ def test_gemm_shrink_over_the_first_slots_decodes_the_same_tokens(tiny_model, lo
             assert abs(lg[tok].logprob - lw[tok].logprob) < 1e-4
     # a step whose adapters do not fill half of the narrowest width above their highest slot: the usual path
     assert manager.gemm_shrink_width(6, [0, 9]) is None and manager.gemm_shrink_width(6, [0, 1, 2, 5, 6]) == 8
+    # freed slots: the lowest is given first (slots 0 and 2 freed, in that order; a stack would give 2)
+    by_slot = {slot: adapter for adapter, slot in manager._slot_of.items()}
+    manager.remove_adapter(by_slot[0])
+    manager.remove_adapter(by_slot[2])
+    again = LoRARequest("a0-again", 9, adapter_dir(tiny_model, 0))
+    llm.generate(prompts[:1], params, lora_request=[again])
+    assert manager._slot_of[9] == 0
