@@ -308,10 +308,10 @@ class ModelRunner:
 
         manager, model = self.lora_manager, self.model
         most = min(self.config.lora_gemm_shrink_max_tokens, self.config.max_num_seqs)
-        widths = any(gemm_shrink_widths(manager.max_loras, t) for t in range(1, most + 1))
+        usable = any(gemm_shrink_widths(manager.max_loras, t) for t in range(1, most + 1))
         why = ("tensor parallelism" if self.tp is not None else "8-bit weights" if self.config.quantization
                else f"no GEMM width a decode step of at most {most} tokens could fill half of (max_loras "
-                    f"{manager.max_loras})" if not widths else None)
+                    f"{manager.max_loras})" if not usable else None)
         if why is not None:
             log.info("lora_gemm_shrink: ignored (%s)", why)
             return
