@@ -98,6 +98,9 @@ class LoRAManager:
         # slots run each folded projection's shrink inside its base GEMM (engine option lora_gemm_shrink; the model
         # runner folds the weights, SlotPool.fold_base_weights, and sets this)
         self.gemm_shrink_max_tokens = 0
+        # moves per decode step (0: none) that bring the step's adapters into the first W slots for the in-GEMM shrink
+        # (``assign_slots`` with ``decode_tokens``; engine option lora_gemm_shrink_max_moves)
+        self.gemm_shrink_max_moves = 0
         self.host_cache: HostLRUCache[HostAdapter] = HostLRUCache(max(max_cpu_loras or max_loras, max_loras))
         self._validated: ValidatedFiles[HostAdapter] = ValidatedFiles()
         self.loader = BackgroundLoader(self._load_files, num_load_workers or min(4, os.cpu_count() or 1))
@@ -129,6 +132,8 @@ class LoRAManager:
         self.num_prefetched_loads = 0  # of which made ahead of the step that needed them
         self.num_prefetch_deferrals = 0  # prefetch passes cut short because the fills' staging buffers were full
         self.num_evictions = 0  # resident adapters displaced from a slot
+        self.num_slot_moves = 0  # adapters moved between slots (for the in-GEMM shrink, ``assign_slots``)
+        self.num_gemm_shrink_steps = 0  # steps given an in-GEMM shrink width (``gemm_shrink_width``)
         self.num_host_loads = 0  # disk -> host cache reads (validation included)
         self.num_host_reuses = 0  # host cache fills served by files already validated for another id
         self.num_load_failures = 0  # reads that failed (each fails the requests waiting for it)
@@ -411,23 +416,63 @@ class LoRAManager:
         top = max(slots)
         for width in self.gemm_shrink_widths(num_tokens):
             if width > top:
-                return width if 2 * len(slots) >= width else None
+                if 2 * len(slots) < width:
+                    return None
+                self.num_gemm_shrink_steps += 1
+                return width
         return None
 
-    def assign_slots(self, adapter_ids) -> dict[int, int]:
+    def assign_slots(self, adapter_ids, decode_tokens: int | None = None) -> dict[int, int]:
         """Give every adapter of a step (ids, 0 = base, ignored) a GPU slot; returns adapter id -> slot.
 
         Host bookkeeping plus asynchronous slot fills; the current stream then waits for the fills of these
         slots only. ``prepare_step`` uses it; the engine's CUDA-graph decode path calls it alone, writes the
-        per-token slots into a static buffer and derives the kernel metadata inside the graph."""
+        per-token slots into a static buffer and derives the kernel metadata inside the graph.
+
+        ``decode_tokens``: the rows of a pure-decode step (its graph bucket), which may take the in-GEMM shrink.
+        Adapters get the lowest free slot, but once the slots have filled, the first W hold adapters that no longer
+        run while some of the step's sit above: ``_gather_low`` moves up to ``gemm_shrink_max_moves`` of them down."""
         step_ids = sorted({int(a) for a in adapter_ids if a})
         if len(step_ids) > self.max_loras:
             raise RuntimeError(f"{len(step_ids)} adapters in one step, over max_loras={self.max_loras}")
         for adapter_id in step_ids:
             self._ensure_slot(adapter_id, step_ids)
+        if decode_tokens and self.gemm_shrink_max_moves and step_ids:
+            self._gather_low(step_ids, decode_tokens)
         slot_of = {a: self._slot_of[a] for a in step_ids}
         self.pool.wait_for_fills(slot_of.values())
         return slot_of
+
+    def _gather_low(self, step_ids: list[int], num_tokens: int) -> None:
+        """Move adapters of a decode step that sit at or above the GEMM width W its adapters could fill (the narrowest
+        of ``gemm_shrink_widths`` that holds them all, if they fill half of it) into the slots below W: a free slot,
+        else swapped with the adapter there that ran least recently (it stays resident). At most
+        ``gemm_shrink_max_moves`` a step; the rest move in later steps (a step with any left takes the usual shrink
+        kernels). Each move is one or two copies of a slot on the device (``SlotPool.move``)."""
+        count = len(step_ids)
+        width = next((w for w in self.gemm_shrink_widths(num_tokens) if w >= count), None)
+        if width is None or 2 * count < width:
+            return
+        high = [a for a in step_ids if self._slot_of[a] >= width][:self.gemm_shrink_max_moves]
+        if not high:
+            return
+        in_step = set(step_ids)
+        idle_low = (a for a in list(self._slot_lru) if a not in in_step and self._slot_of[a] < width)
+        for adapter_id in high:
+            src = self._slot_of[adapter_id]
+            if self._free_slots and self._free_slots[0] < width:
+                dst = heapq.heappop(self._free_slots)
+                self.pool.move(src, dst, swap=False)
+                self.pool.clear(src)
+                heapq.heappush(self._free_slots, src)
+            else:
+                other = next(idle_low)  # count <= width: a slot below W holds no adapter of the step
+                dst = self._slot_of[other]
+                self.pool.move(src, dst, swap=True)
+                self._slot_of[other] = src
+            self._slot_of[adapter_id] = dst
+            self.num_slot_moves += 1
+        log.debug("%d adapters of a %d-token decode step moved below slot %d", len(high), num_tokens, width)
 
     def prefetch_slots(self) -> int:
         """Fill slots ahead of need, once per step after the running adapters are pinned: adapters of the

@@ -60,7 +60,7 @@ def adapter_rank_of(adapter_dirs: list[Path]) -> Callable[[int], int]:
 DIAGNOSTIC_COUNTERS = ("num_steps", "num_overlapped_steps", "num_decode_graph_steps", "num_piecewise_graph_steps",
                        "num_preemptions", "num_adapter_wait_steps",
                        "adapter_wait_seconds", "lora_slot_loads", "lora_prefetched_slot_loads", "lora_prefetch_deferrals", "lora_slot_evictions",
-                       "lora_host_loads", "lora_host_reuses", "lora_host_load_seconds", "prefix_cache_hit_tokens",
+                       "lora_slot_moves", "lora_gemm_shrink_steps", "lora_host_loads", "lora_host_reuses", "lora_host_load_seconds", "prefix_cache_hit_tokens",
                        "lora_merges", "lora_merged_steps")
 
 

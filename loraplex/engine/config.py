@@ -102,6 +102,10 @@ class EngineConfig:
     # (otherwise ignored). Off by default
     lora_gemm_shrink: bool = False
     lora_gemm_shrink_max_tokens: int = 64
+    # with lora_gemm_shrink, a decode step whose adapters could fill half of a width W but some of which sit at or above
+    # slot W (the first slots hold adapters that stopped running) moves up to this many of them below W, one or two
+    # device copies of a slot each (LoRAManager._gather_low); 0: never
+    lora_gemm_shrink_max_moves: int = 8
     # after the engine loads, freeze the heap alive then out of the cyclic GC's reach (engine/gc_heap.py): shorter
     # full collections. For processes that exist to run the engine (the server and the benchmarks set it); off for
     # a library caller, whose heap it would freeze too
@@ -160,6 +164,8 @@ class EngineConfig:
             raise ValueError(f"lora_expand_first_min_tokens must be >= 0, got {self.lora_expand_first_min_tokens}")
         if self.lora_silu_mul_min_tokens < 0:
             raise ValueError(f"lora_silu_mul_min_tokens must be >= 0, got {self.lora_silu_mul_min_tokens}")
+        if self.lora_gemm_shrink_max_moves < 0:
+            raise ValueError(f"lora_gemm_shrink_max_moves must be >= 0, got {self.lora_gemm_shrink_max_moves}")
         if self.lora_gemm_shrink_max_tokens < 1:
             raise ValueError(f"lora_gemm_shrink_max_tokens must be >= 1, got {self.lora_gemm_shrink_max_tokens}")
         if self.piecewise_graph_max_tokens < 1:

@@ -467,6 +467,7 @@ class LLMEngine:
                 "lora_slot_loads": manager.num_loads, "lora_prefetched_slot_loads": manager.num_prefetched_loads,
                 "lora_prefetch_deferrals": manager.num_prefetch_deferrals,
                 "lora_slot_evictions": manager.num_evictions, "lora_host_loads": manager.num_host_loads,
+                "lora_slot_moves": manager.num_slot_moves, "lora_gemm_shrink_steps": manager.num_gemm_shrink_steps,
                 "lora_host_reuses": manager.num_host_reuses, "lora_load_failures": manager.num_load_failures,
                 "lora_host_load_seconds": manager.host_load_seconds,
                 "lora_load_queue_depth": manager.num_pending_loads,

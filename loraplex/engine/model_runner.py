@@ -332,6 +332,7 @@ class ModelRunner:
                 setattr(layer, f"{proj}_weight", torch.nn.Parameter(view, requires_grad=False))
             folded.append(proj)
         manager.gemm_shrink_max_tokens = self.config.lora_gemm_shrink_max_tokens if folded else 0
+        manager.gemm_shrink_max_moves = self.config.lora_gemm_shrink_max_moves if folded else 0
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the KV cache is sized from free memory next
         log.info("lora_gemm_shrink: %s folded with the A rows of %d slots (decode steps up to %d tokens)",
@@ -377,7 +378,8 @@ class ModelRunner:
         batch = self.inputs.prepare(out, graphs.bucket_for if graphs is not None else None)
         fixup, inflight = self._placeholder_fixup(out, batch, prev)
         if batch.graph_bucket is not None:
-            slot_of = self.get_lora_manager().assign_slots(out.lora_ids) if out.lora_ids else None
+            slot_of = (self.get_lora_manager().assign_slots(out.lora_ids, decode_tokens=batch.graph_bucket)
+                       if out.lora_ids else None)
             if self._merged_step(slot_of, batch):
                 slot_of = None  # one adapter folded into the weights: the base graph
             # the next step's prepare() waits for these input copies only, not for this step's replay: an
@@ -460,7 +462,8 @@ class ModelRunner:
         if out.lora_ids:
             # the step's adapter set is known on the host: no device sync to find it
             manager = self.get_lora_manager()
-            slot_of = manager.assign_slots(sorted(out.lora_ids))
+            slot_of = manager.assign_slots(sorted(out.lora_ids),
+                                           decode_tokens=batch.num_tokens if batch.is_decode else None)
             if not self._merged_step(slot_of, batch):
                 # some sequence without an adapter (its rows must start at zero in the write-first order)
                 has_base = 0 in batch.lora_ids

@@ -118,3 +118,38 @@ def test_gemm_shrink_over_the_first_slots_decodes_the_same_tokens(tiny_model, lo
     again = LoRARequest("a0-again", 9, adapter_dir(tiny_model, 0))
     llm.generate(prompts[:1], params, lora_request=[again])
     assert manager._slot_of[9] == 0
+
+
+def test_decode_steps_move_their_adapters_below_the_width_and_decode_the_same_tokens(tiny_model, lora_steps):
+    """Six adapters fill slots 0-5 and stop running; three new ones then take slots 6-8, above any width three fill
+    half of. The first decode step swaps them into slots 0-2 (``lora_gemm_shrink_max_moves``), its steps take the
+    in-GEMM shrink over 4 slots, and tokens and logprobs are the usual path's, before and after (the swapped-out
+    adapters run again from their new slots)."""
+    first = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(6)]
+    later = [LoRARequest(f"b{i}", 7 + i, adapter_dir(tiny_model, 3 + i)) for i in range(3)]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
+
+    def prompts(n: int, seed: int):
+        return [{"prompt_token_ids": [1] + [9 + seed + 7 * i + j for j in range(3 + i)]} for i in range(n)]
+
+    rounds = [(prompts(6, 0), first), (prompts(4, 5), [later[0], later[1], None, later[2]]),
+              (prompts(3, 9), first[:3])]
+    kw = dict(dtype="float32", enable_lora=True, max_loras=16, max_num_seqs=8)
+    plain = LLM(tiny_model["model_dir"], **kw)
+    want = [plain.generate(p, params, lora_request=m) for p, m in rounds]
+    llm = LLM(tiny_model["model_dir"], lora_gemm_shrink=True, **kw)
+    manager = llm.engine.runner.lora_manager
+    assert manager.gemm_shrink_max_moves == 8
+    got = [llm.generate(*rounds[0][:1], params, lora_request=rounds[0][1])]
+    assert sorted(manager._slot_of.values()) == list(range(6)) and manager.num_slot_moves == 0
+    lora_steps.clear()
+    got.append(llm.generate(rounds[1][0], params, lora_request=rounds[1][1]))
+    assert manager.num_slot_moves == 3 and {manager._slot_of[a] for a in (7, 8, 9)} == {0, 1, 2}
+    assert {s.gemm_slots for s in lora_steps if s.gemm_shrink} == {4}
+    got.append(llm.generate(rounds[2][0], params, lora_request=rounds[2][1]))
+    for g_round, w_round in zip(got, want):
+        for g, w in zip(g_round, w_round):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids
+            for lg, lw in zip(g.outputs[0].logprobs, w.outputs[0].logprobs):
+                tok = next(iter(lw))
+                assert abs(lg[tok].logprob - lw[tok].logprob) < 1e-4
