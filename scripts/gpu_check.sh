@@ -144,6 +144,13 @@ if [[ "$what" == *gemmshrink* ]]; then
             echo "gemmshrink $variant round $round: exit $?"
             grep -E "offline [a-z]+: .*HBM floor|decode steps in|gemm_shrink:" "$out/gemmshrink-$variant-$round.log" \
                 | cut -c1-240
+            python3 -c 'import glob, json, sys
+for f in glob.glob(sys.argv[1] + "/offline-*.json"):
+    for r in json.load(open(f))["throughput"]:
+        d = r["diagnostics"]["engine"]
+        print(r["popularity"], "steps with the in-GEMM shrink:", d.get("lora_gemm_shrink_steps"), "slot moves:",
+              d.get("lora_slot_moves"), "of", d.get("num_decode_graph_steps"), "decode graph steps")' \
+                "$out/gemmshrink-$variant-$round"
         done
     done
 fi
