@@ -109,11 +109,11 @@ def _record_steps(manager, engine) -> list[tuple[int, bool]]:
         return prepare(token_adapter_ids, adapter_ids=adapter_ids, slot_of=slot_of, has_base_tokens=has_base_tokens,
                        **kw)
 
-    def assigning(adapter_ids):
+    def assigning(adapter_ids, **kw):
         running = {r.lora_id for r in engine.scheduler.running if r.lora_id}
         assert running <= set(manager.pinned_adapter_ids()), "running requests' adapters must be pinned"
         kept = running & set(manager.resident_adapter_ids())
-        slot_of = assign(adapter_ids)
+        slot_of = assign(adapter_ids, **kw)
         assert kept <= set(manager.resident_adapter_ids()), "a running request's adapter was evicted"
         return slot_of
 
