@@ -61,6 +61,16 @@ smoke=()
 [[ -n "${SMOKE:-}" ]] && smoke=(--smoke)
 status=0
 
+# the in-GEMM shrink's engine counters of each offline run in a bench output folder
+shrink_counters() {
+    python3 -c 'import glob, json, sys
+for f in glob.glob(sys.argv[1] + "/offline-*.json"):
+    for r in json.load(open(f))["throughput"]:
+        d = r["diagnostics"]["engine"]
+        print(r["popularity"], "steps with the in-GEMM shrink:", d.get("lora_gemm_shrink_steps"), "slot moves:",
+              d.get("lora_slot_moves"), "of", d.get("num_decode_graph_steps"), "decode graph steps")' "$1"
+}
+
 if [[ "$what" == *tests* ]]; then
     # ${GPU_TEST_WORKERS:-4} pytest-xdist workers on the one GPU: 78 s instead of ~8 minutes (the image has xdist)
     python3 -m pytest tests/gpu -q -n "${GPU_TEST_WORKERS:-4}" -p no:cacheprovider -o addopts="" --timeout 300 \
@@ -144,13 +154,7 @@ if [[ "$what" == *gemmshrink* ]]; then
             echo "gemmshrink $variant round $round: exit $?"
             grep -E "offline [a-z]+: .*HBM floor|decode steps in|gemm_shrink:" "$out/gemmshrink-$variant-$round.log" \
                 | cut -c1-240
-            python3 -c 'import glob, json, sys
-for f in glob.glob(sys.argv[1] + "/offline-*.json"):
-    for r in json.load(open(f))["throughput"]:
-        d = r["diagnostics"]["engine"]
-        print(r["popularity"], "steps with the in-GEMM shrink:", d.get("lora_gemm_shrink_steps"), "slot moves:",
-              d.get("lora_slot_moves"), "of", d.get("num_decode_graph_steps"), "decode graph steps")' \
-                "$out/gemmshrink-$variant-$round"
+            shrink_counters "$out/gemmshrink-$variant-$round"
         done
     done
 fi
@@ -211,6 +215,7 @@ if [[ "$what" == *variants* ]]; then
             --repeats "${OFFLINE_REPEATS:-2}" ${offline_variants[$i]} ${smoke[@]+"${smoke[@]}"} > "$out/variant-$i.log" 2>&1
         echo "variant $i '${offline_variants[$i]}': exit $?"
         grep -E "offline [a-z]+: |decode steps in|rounds" "$out/variant-$i.log" | cut -c1-300
+        shrink_counters "$out/variant-$i"
     done
 fi
 if [[ "$what" == *overlap* ]]; then
