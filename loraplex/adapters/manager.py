@@ -38,16 +38,23 @@ from loraplex.adapters.slot_pool import SlotPool
 log = logging.getLogger(__name__)
 
 # the in-GEMM shrink's bound on rows x GEMM width in slots: at 256 rows on 256 slots (run 18, H200) the extra rows made
-# the GEMM compute-bound and it lost; 128 x 128 (every slot in use), 64 x 64 and 248 x 32 (run 29, H100) won
+# the GEMM compute-bound and it lost; 128 x 128 (every slot in use), 64 x 64 and 248 x 32 (run 29, H100; run 30, H200)
+# won
 GEMM_SHRINK_MAX_WORK = 128 * 128
+# above this many rows the base GEMM itself is near compute-bound and every extra row costs its multiplies: at 248 rows
+# on an H200 (run 30) 32 slots won (-0.11 ms a decode step) and 64 lost (zipf, 46 adapters: +0.36 ms)
+GEMM_SHRINK_WIDE_ROWS = 128
+GEMM_SHRINK_MAX_WIDTH_WIDE = 32
 
 
 def gemm_shrink_widths(max_loras: int, num_tokens: int) -> tuple[int, ...]:
     """The GEMM widths (in slots, ascending) of the in-GEMM shrink for a pure-decode step of ``num_tokens`` rows over
     ``max_loras`` slots: 4, 8, 16, ... and ``max_loras``, each at most twice the rows (the step's adapters must fill
-    half of it) and with rows x width <= ``GEMM_SHRINK_MAX_WORK``."""
+    half of it), with rows x width <= ``GEMM_SHRINK_MAX_WORK`` and, above ``GEMM_SHRINK_WIDE_ROWS`` rows, at most
+    ``GEMM_SHRINK_MAX_WIDTH_WIDE`` slots."""
     ladder = sorted({w for w in (4 << i for i in range(max_loras.bit_length())) if w < max_loras} | {max_loras})
-    return tuple(w for w in ladder if w <= 2 * num_tokens and num_tokens * w <= GEMM_SHRINK_MAX_WORK)
+    most = GEMM_SHRINK_MAX_WIDTH_WIDE if num_tokens > GEMM_SHRINK_WIDE_ROWS else max_loras
+    return tuple(w for w in ladder if w <= 2 * num_tokens and num_tokens * w <= GEMM_SHRINK_MAX_WORK and w <= most)
 
 
 def _triton_usable(device: torch.device) -> bool:

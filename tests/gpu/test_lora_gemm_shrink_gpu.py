@@ -61,10 +61,10 @@ def test_engine_with_gemm_shrink_matches_the_usual_order(tiny_model, dtype):
 
 
 def test_engine_moves_adapters_below_the_width_under_graph_replay(tiny_model):
-    """fp32, CUDA graphs, 16 slots: six adapters fill slots 0-5 and stop; three others (on other files) then start on
-    slots 6-8, and the first decode step's copies on the device swap them into slots 0-2 before its graph replays
-    over 4 slots; a third round runs the swapped-out adapters from their new slots. Tokens and logprobs as without
-    the in-GEMM shrink."""
+    """fp32, CUDA graphs, 16 slots: six adapters fill slots 0-5 and three others (on other files) slots 6-8, by
+    one-token requests (prompt steps only, which move nothing). Decoding on the three, the first decode step's copies
+    on the device swap them into slots 0-2 before its graph replays over 4 slots; a last round runs the swapped-out
+    adapters from their new slots. Tokens and logprobs as without the in-GEMM shrink."""
     from loraplex import LLM, LoRARequest, SamplingParams
     from tests.conftest import adapter_dir
     from tests.gpu.test_cuda_graphs import _compare
@@ -72,23 +72,24 @@ def test_engine_moves_adapters_below_the_width_under_graph_replay(tiny_model):
     first = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(6)]
     later = [LoRARequest(f"b{i}", 7 + i, adapter_dir(tiny_model, 3 + i)) for i in range(3)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    one_token = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     gen = torch.Generator().manual_seed(5)
 
     def prompts(n: int):
         return [{"prompt_token_ids": [1] + torch.randint(8, 500, (int(torch.randint(2, 60, (1,), generator=gen)),),
                                                          generator=gen).tolist()} for _ in range(n)]
 
-    rounds = [(prompts(12), first * 2), (prompts(8), [later[i % 3] for i in range(7)] + [None]),
-              (prompts(6), first[:3] * 2)]
+    rounds = [(prompts(8), [later[i % 3] for i in range(7)] + [None]), (prompts(6), first[:3] * 2)]
     kw = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=16, max_lora_rank=64, max_num_seqs=64)
     plain = LLM(tiny_model["model_dir"], **kw)
     want = [o for p, m in rounds for o in plain.generate(p, params, lora_request=m)]
     llm = LLM(tiny_model["model_dir"], lora_gemm_shrink=True, **kw)
     manager = llm.engine.runner.lora_manager
-    got = []
-    for i, (p, m) in enumerate(rounds):
-        got += llm.generate(p, params, lora_request=m)
-        if i == 1:
-            assert manager.num_slot_moves >= 3 and {manager._slot_of[a] for a in (7, 8, 9)} == {0, 1, 2}
+    llm.generate(prompts(6), one_token, lora_request=first)
+    llm.generate(prompts(3), one_token, lora_request=later)
+    assert sorted(manager._slot_of[a] for a in (7, 8, 9)) == [6, 7, 8] and manager.num_slot_moves == 0
+    got = llm.generate(rounds[0][0], params, lora_request=rounds[0][1])
+    assert manager.num_slot_moves == 3 and sorted(manager._slot_of[a] for a in (7, 8, 9)) == [0, 1, 2]
+    got += llm.generate(rounds[1][0], params, lora_request=rounds[1][1])
     assert manager.num_gemm_shrink_steps > 0 and llm.engine.runner.graphs.num_replays > 0
     assert _compare(want, got, "float32") == 12 * len(want)

@@ -77,7 +77,8 @@ def test_gemm_shrink_folds_through_host_memory_when_the_device_is_short(tiny_mod
 
 
 def test_gemm_shrink_widths_follow_the_rows_and_the_work_bound():
-    assert gemm_shrink_widths(256, 248) == (4, 8, 16, 32, 64)  # 248 x 128 > 128 x 128: compute-bound, not taken
+    # 248 x 128 > 128 x 128: compute-bound, not taken; above 128 rows at most 32 slots (248 x 64 lost on the H200)
+    assert gemm_shrink_widths(256, 248) == (4, 8, 16, 32) and gemm_shrink_widths(256, 129) == (4, 8, 16, 32)
     assert gemm_shrink_widths(256, 64) == (4, 8, 16, 32, 64, 128)  # at most twice the rows
     assert gemm_shrink_widths(256, 128) == (4, 8, 16, 32, 64, 128)
     assert gemm_shrink_widths(48, 64) == (4, 8, 16, 32, 48)  # the pool's own size closes the ladder
@@ -121,32 +122,34 @@ def test_gemm_shrink_over_the_first_slots_decodes_the_same_tokens(tiny_model, lo
 
 
 def test_decode_steps_move_their_adapters_below_the_width_and_decode_the_same_tokens(tiny_model, lora_steps):
-    """Six adapters fill slots 0-5 and stop running; three new ones then take slots 6-8, above any width three fill
-    half of. The first decode step swaps them into slots 0-2 (``lora_gemm_shrink_max_moves``), its steps take the
-    in-GEMM shrink over 4 slots, and tokens and logprobs are the usual path's, before and after (the swapped-out
-    adapters run again from their new slots)."""
+    """Six adapters fill slots 0-5 and three others slots 6-8 (one-token requests: prompt steps only, which move
+    nothing). Decoding on the three, the first decode step swaps them into slots 0-2 (``lora_gemm_shrink_max_moves``)
+    and the steps take the in-GEMM shrink over 4 slots; tokens and logprobs are the usual path's, there and when the
+    swapped-out adapters run again from their new slots."""
     first = [LoRARequest(f"a{i}", i + 1, adapter_dir(tiny_model, i)) for i in range(6)]
     later = [LoRARequest(f"b{i}", 7 + i, adapter_dir(tiny_model, 3 + i)) for i in range(3)]
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
+    one_token = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
     def prompts(n: int, seed: int):
         return [{"prompt_token_ids": [1] + [9 + seed + 7 * i + j for j in range(3 + i)]} for i in range(n)]
 
-    rounds = [(prompts(6, 0), first), (prompts(4, 5), [later[0], later[1], None, later[2]]),
-              (prompts(3, 9), first[:3])]
+    rounds = [(prompts(4, 5), [later[0], later[1], None, later[2]]), (prompts(3, 9), first[:3])]
     kw = dict(dtype="float32", enable_lora=True, max_loras=16, max_num_seqs=8)
     plain = LLM(tiny_model["model_dir"], **kw)
     want = [plain.generate(p, params, lora_request=m) for p, m in rounds]
     llm = LLM(tiny_model["model_dir"], lora_gemm_shrink=True, **kw)
     manager = llm.engine.runner.lora_manager
     assert manager.gemm_shrink_max_moves == 8
-    got = [llm.generate(*rounds[0][:1], params, lora_request=rounds[0][1])]
-    assert sorted(manager._slot_of.values()) == list(range(6)) and manager.num_slot_moves == 0
+    llm.generate(prompts(6, 0), one_token, lora_request=first)
+    llm.generate(prompts(3, 2), one_token, lora_request=later)
+    assert sorted(manager._slot_of[a] for a in range(1, 7)) == list(range(6))
+    assert sorted(manager._slot_of[a] for a in (7, 8, 9)) == [6, 7, 8] and manager.num_slot_moves == 0
     lora_steps.clear()
-    got.append(llm.generate(rounds[1][0], params, lora_request=rounds[1][1]))
-    assert manager.num_slot_moves == 3 and {manager._slot_of[a] for a in (7, 8, 9)} == {0, 1, 2}
+    got = [llm.generate(rounds[0][0], params, lora_request=rounds[0][1])]
+    assert manager.num_slot_moves == 3 and sorted(manager._slot_of[a] for a in (7, 8, 9)) == [0, 1, 2]
     assert {s.gemm_slots for s in lora_steps if s.gemm_shrink} == {4}
-    got.append(llm.generate(rounds[2][0], params, lora_request=rounds[2][1]))
+    got.append(llm.generate(rounds[1][0], params, lora_request=rounds[1][1]))
     for g_round, w_round in zip(got, want):
         for g, w in zip(g_round, w_round):
             assert g.outputs[0].token_ids == w.outputs[0].token_ids
