@@ -95,9 +95,10 @@ class EngineConfig:
     # over the base rows and the A rows of the first W slots, gives the base output and those slots' y, then the
     # expand. W (LoRAManager.gemm_shrink_width): the narrowest of 4, 8, 16, ... max_loras above the step's highest slot
     # (adapters take the lowest free slot), which its distinct adapters must fill at least half of, with rows x W <=
-    # 128 x 128 (beyond, the GEMM is compute-bound: 256 tokens on 256 slots lost on the H200, run 18). On the H200 it
-    # cut the LoRA work between the GEMMs of a 64-token step on 64 distinct adapters (64 slots) from 2.57 to 2.14 ms;
-    # on an H100, 31 adapters on 32 slots at 248 sequences: decode steps -0.39 ms (run 29). CUDA graphs keep a
+    # 128 x 128 and, above 128 rows, W <= 32 (beyond, the GEMM is compute-bound: 256 tokens on 256 slots lost on the
+    # H200, run 18, and 248 on 64, run 30). On the H200 it cut the LoRA work between the GEMMs of a 64-token step on 64
+    # distinct adapters (64 slots) from 2.57 to 2.14 ms; 31 adapters on 32 slots at 248 sequences: decode steps
+    # -0.11 ms on the H200 (run 30), -0.39 ms on an H100 (run 29). CUDA graphs keep a
     # variant per width. CUDA only, bf16/fp16 weights that are not quantized, one GPU, no projection biases
     # (otherwise ignored). Off by default
     lora_gemm_shrink: bool = False
