@@ -14,6 +14,7 @@ synchronous read (same checks, same errors).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import os
@@ -47,6 +48,7 @@ GEMM_SHRINK_WIDE_ROWS = 128
 GEMM_SHRINK_MAX_WIDTH_WIDE = 32
 
 
+@functools.cache  # asked twice per decode step (assign_slots, then gemm_shrink_width) for a handful of buckets
 def gemm_shrink_widths(max_loras: int, num_tokens: int) -> tuple[int, ...]:
     """The GEMM widths (in slots, ascending) of the in-GEMM shrink for a pure-decode step of ``num_tokens`` rows over
     ``max_loras`` slots: 4, 8, 16, ... and ``max_loras``, each at most twice the rows (the step's adapters must fill
@@ -350,8 +352,12 @@ class LoRAManager:
         slot = self._slot_of.pop(adapter_id, None)
         if slot is not None:
             self._slot_lru.pop(adapter_id, None)
-            self.pool.clear(slot)
-            heapq.heappush(self._free_slots, slot)
+            self._free_slot(slot)
+
+    def _free_slot(self, slot: int) -> None:
+        """Clear a slot's ranks and give it back (lowest free slot first)."""
+        self.pool.clear(slot)
+        heapq.heappush(self._free_slots, slot)
 
     # ---- GPU slots -----------------------------------------------------------------------------------
     def resident_adapter_ids(self) -> list[int]:
@@ -470,8 +476,7 @@ class LoRAManager:
             if self._free_slots and self._free_slots[0] < width:
                 dst = heapq.heappop(self._free_slots)
                 self.pool.move(src, dst, swap=False)
-                self.pool.clear(src)
-                heapq.heappush(self._free_slots, src)
+                self._free_slot(src)
             else:
                 other = next(idle_low)  # count <= width: a slot below W holds no adapter of the step
                 dst = self._slot_of[other]
