@@ -74,6 +74,7 @@ class Settings:
     lora_segment_tiles: bool = False  # engine option (EngineConfig.lora_segment_tiles); measured no gain on an H200
     lora_gemm_shrink: bool = False  # engine option (EngineConfig.lora_gemm_shrink): small decode steps, slots mostly used
     lora_gemm_shrink_max_tokens: int = 64  # engine option (EngineConfig.lora_gemm_shrink_max_tokens)
+    lora_gemm_shrink_max_moves: int = 8  # engine option (EngineConfig.lora_gemm_shrink_max_moves)
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp8 | int8 (EngineConfig.kv_cache_dtype)

@@ -64,6 +64,9 @@ def register(subparsers) -> None:
     p.add_argument("--lora-gemm-shrink-max-tokens", type=int,
                    help="largest decode step for --lora-gemm-shrink (env LORAPLEX_LORA_GEMM_SHRINK_MAX_TOKENS, "
                         f"default {DEFAULTS.lora_gemm_shrink_max_tokens:g})")
+    p.add_argument("--lora-gemm-shrink-max-moves", type=int,
+                   help="adapters a decode step may move into the first GPU slots for --lora-gemm-shrink, 0: never "
+                        f"(env LORAPLEX_LORA_GEMM_SHRINK_MAX_MOVES, default {DEFAULTS.lora_gemm_shrink_max_moves:g})")
     p.add_argument("--device", help="auto | cpu | cuda (env LORAPLEX_DEVICE, default auto)")
     p.add_argument("--dtype", help="auto | float32 | bfloat16 | float16 (env LORAPLEX_DTYPE, default auto)")
     p.add_argument("--max-model-len", type=int, help="context length (env LORAPLEX_MAX_MODEL_LEN, default: the "
@@ -98,7 +101,8 @@ def serve(args: argparse.Namespace) -> int:
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
         merge_single_lora=args.merge_single_lora, engine_process=args.engine_process,
         lora_gemm_shrink=args.lora_gemm_shrink,
-        lora_gemm_shrink_max_tokens=args.lora_gemm_shrink_max_tokens, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        lora_gemm_shrink_max_tokens=args.lora_gemm_shrink_max_tokens,
+        lora_gemm_shrink_max_moves=args.lora_gemm_shrink_max_moves, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=args.num_kv_blocks, drain_timeout_s=args.drain_timeout_s,
         num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -200,7 +204,7 @@ def check_serve_settings(settings: Settings) -> None:
     except ValueError as exc:
         message = str(exc)
         fields = ("device", "kv_cache_dtype", "lora_expand_first_min_tokens", "lora_gemm_shrink_max_tokens",
-                  "prompt_lookup_min",
+                  "lora_gemm_shrink_max_moves", "prompt_lookup_min",
                   "num_speculative_tokens", "quantization", "merge_single_lora", *_COUNTS)
         field = next((f for f in fields if message.startswith(f)), "device")
         raise FlagError(f"{_flag(field)}: {message}") from None

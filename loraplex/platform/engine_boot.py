@@ -68,6 +68,7 @@ def engine_config(settings: Settings, model_dir: Path, model_id: str):
         lora_segment_tiles=settings.lora_segment_tiles,
         lora_gemm_shrink=settings.lora_gemm_shrink,
         lora_gemm_shrink_max_tokens=settings.lora_gemm_shrink_max_tokens,
+        lora_gemm_shrink_max_moves=settings.lora_gemm_shrink_max_moves,
     )
 
 
