@@ -106,19 +106,19 @@ def step_time_split(steps: list[StepRecord], end: float, end_wait: float | None 
     return split
 
 
-def triton_compiled_kernels(prefix: str = "loraplex.kernels.") -> int:
-    """Compiled variants held by the Triton kernels of the modules named ``prefix``* (default: ours, every device);
-    -1 when this Triton keeps them where we do not look. A rise across a timed window means kernels were compiled
-    inside it."""
+def triton_compiled_variants(prefix: str = "loraplex.kernels.") -> dict[str, set[str]] | None:
+    """Compiled variants held by the Triton kernels of the modules named ``prefix``* (default: ours, every device):
+    ``module.kernel`` -> the cache keys (each one specialization: constexprs, argument types, divisibility). None
+    when this Triton keeps them where we do not look."""
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:
-        return -1
-    total, seen = 0, False
+        return None
+    variants: dict[str, set[str]] = {}
     for name, module in list(sys.modules.items()):
         if not name.startswith(prefix) or module is None:
             continue
-        for obj in vars(module).values():
+        for obj in list(vars(module).values()):
             # a JITFunction itself (whose .fn is the plain Python function), or an autotuner / heuristics wrapper
             # holding one in .fn
             fn = obj if isinstance(obj, JITFunction) else getattr(obj, "fn", None)
@@ -126,11 +126,29 @@ def triton_compiled_kernels(prefix: str = "loraplex.kernels.") -> int:
                 continue
             caches = getattr(fn, "device_caches", None)
             if caches is None:
-                return -1
-            seen = True
-            for entry in caches.values():
-                total += len(entry[0] if isinstance(entry, tuple) else entry)
-    return total if seen else 0
+                return None
+            # named where it is defined: a kernel imported into several modules is one kernel
+            keys = variants.setdefault(f"{fn.fn.__module__}.{fn.fn.__name__}", set())
+            for device, entry in caches.items():
+                keys.update(f"{device}:{key}" for key in (entry[0] if isinstance(entry, tuple) else entry))
+    return variants
+
+
+def triton_compiled_kernels(prefix: str = "loraplex.kernels.") -> int:
+    """How many variants ``triton_compiled_variants`` finds; -1 when it cannot look. A rise across a timed window
+    means kernels were compiled inside it."""
+    variants = triton_compiled_variants(prefix)
+    return -1 if variants is None else sum(len(keys) for keys in variants.values())
+
+
+def new_compiled_variants(before: dict[str, set[str]] | None, after: dict[str, set[str]] | None,
+                          key_chars: int = 400) -> list[str] | None:
+    """The variants in ``after`` and not in ``before`` as "module.kernel: key" (the key cut to ``key_chars``), so a
+    report can name what compiled inside its timed window; None where either could not be read."""
+    if before is None or after is None:
+        return None
+    return sorted(f"{kernel}: {key[:key_chars]}" for kernel, keys in after.items()
+                  for key in keys - before.get(kernel, set()))
 
 
 class _CallTimer:

@@ -20,7 +20,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from loraplex.bench.gpu_clocks import GpuClockSampler
-from loraplex.bench.instrument import ScheduleRecorder, StepRecord, step_time_split, triton_compiled_kernels
+from loraplex.bench.instrument import (
+    ScheduleRecorder,
+    StepRecord,
+    new_compiled_variants,
+    step_time_split,
+    triton_compiled_variants,
+)
 from loraplex.bench.report import host_state
 from loraplex.bench.workload import BenchRequest, make_requests, num_distinct_adapters
 
@@ -73,7 +79,7 @@ def run_generate(llm, requests: list[BenchRequest], adapter_dirs: list[Path],
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0) for r in requests]
     loras = lora_requests(requests, adapter_dirs)
     recorder = ScheduleRecorder(llm.engine) if steps is not None else contextlib.nullcontext()
-    compiled_before = triton_compiled_kernels()
+    compiled_before = triton_compiled_variants()
     counters_before = llm.engine.counters
     # the GPU's clocks and power while the run lasts (nothing off CUDA): a slow round on a slower GPU shows there
     clocks = (GpuClockSampler(llm.engine.runner.device) if steps is not None else None)
@@ -87,9 +93,9 @@ def run_generate(llm, requests: list[BenchRequest], adapter_dirs: list[Path],
         steps.extend(recorder.steps)
         # where the time went, and whether Triton compiled anything inside the timed window
         diagnostics = step_time_split(recorder.steps, end, llm.engine.device_wait_seconds)
-        compiled_after = triton_compiled_kernels()
-        diagnostics["triton_compiles"] = (compiled_after - compiled_before
-                                          if min(compiled_before, compiled_after) >= 0 else None)
+        compiled = new_compiled_variants(compiled_before, triton_compiled_variants(), key_chars=2000)
+        diagnostics["triton_compiles"] = None if compiled is None else len(compiled)
+        diagnostics["triton_compiled"] = compiled  # which kernels, and their specialization keys
         counters_after = llm.engine.counters
         diagnostics["engine"] = {k: counters_after[k] - counters_before[k] for k in DIAGNOSTIC_COUNTERS
                                  if k in counters_after}
@@ -135,8 +141,10 @@ def run_popularities(
         if "diagnostics" in row:
             d = row["diagnostics"]
             log.info("offline %s: %d decode steps in %.2f s, %d steps with prompt tokens in %.2f s, "
-                     "Triton compiles in the timed window: %s", pop, d["decode_steps"], d["decode_s"],
-                     d["prefill_steps"], d["prefill_s"], d["triton_compiles"])
+                     "Triton compiles in the timed window: %s%s", pop, d["decode_steps"], d["decode_s"],
+                     d["prefill_steps"], d["prefill_s"], d["triton_compiles"],
+                     f" ({', '.join(sorted({v.split(': ', 1)[0] for v in d['triton_compiled']}))})"
+                     if d.get("triton_compiled") else "")
         rows.append(row)
     add_over_base(rows)
     return rows

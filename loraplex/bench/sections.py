@@ -187,7 +187,16 @@ def time_split_table(rows: list[dict]) -> str:
                 ("upload_gb", "upload GB"), ("adapter_upload_s", "at H2D s"), ("engine_lora_merges", "merges"),
                 ("engine_lora_merged_steps", "merged steps"), ("sm_clock_mhz_mean", "SM MHz mean"),
                 ("sm_clock_mhz_min", "SM MHz min"), ("power_w_mean", "power W"), ("host_probe_ms", "host probe ms"),
-                ("load_1m", "load 1m")]))
+                ("load_1m", "load 1m")]) + compiled_note(out))
+
+
+def compiled_note(rows: list[dict]) -> str:
+    """The kernels that Triton compiled inside each timed run (their keys are in the JSON), or nothing."""
+    named = [f"{r['popularity']}: " + ", ".join(sorted({v.split(": ", 1)[0].rsplit(".", 1)[-1]
+                                                        for v in r["triton_compiled"]}))
+             for r in rows if r.get("triton_compiled")]
+    return ("\n\nKernels compiled inside the timed window (specialization keys in the JSON, "
+            "diagnostics.triton_compiled): " + "; ".join(named) + ".") if named else ""
 
 
 def roofline_note(rows: list[dict]) -> str:

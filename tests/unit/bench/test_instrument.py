@@ -160,3 +160,40 @@ def test_time_split_attributes_each_interval_and_its_waiting_to_the_step_schedul
     assert (d["prefill_steps"], d["decode_steps"]) == (1, 2)
     assert d["prefill_s"] == pytest.approx(0.5) and d["prefill_wait_s"] == pytest.approx(0.1)
     assert d["decode_s"] == pytest.approx(0.5) and d["decode_wait_s"] == pytest.approx(0.2)
+
+
+def test_new_compiled_variants_names_the_kernel_and_key_compiled_between_two_looks(monkeypatch):
+    """The timed window's compiles are named (kernel where it is defined, and its cache key), so a report shows
+    which kernel its warm-up missed; a kernel imported into a second module is one kernel, not two."""
+    import sys
+    import types
+
+    from triton.runtime.jit import JITFunction
+
+    from loraplex.bench.instrument import (
+        new_compiled_variants,
+        triton_compiled_kernels,
+        triton_compiled_variants,
+    )
+    from loraplex.bench.sections import compiled_note
+
+    kernel = JITFunction(_plain_kernel_body)
+    home = types.ModuleType("loraplex_probe_kernels.home")
+    home.kernel = kernel
+    other = types.ModuleType("loraplex_probe_kernels.other")
+    other.imported = kernel
+    monkeypatch.setitem(sys.modules, home.__name__, home)
+    monkeypatch.setitem(sys.modules, other.__name__, other)
+    kernel.device_caches[0] = ({"key-a": object()}, None, None, None)
+    before = triton_compiled_variants("loraplex_probe_kernels.")
+    assert triton_compiled_kernels("loraplex_probe_kernels.") == 1
+    kernel.device_caches[0][0]["key-b" + "x" * 50] = object()
+    after = triton_compiled_variants("loraplex_probe_kernels.")
+    name = f"{_plain_kernel_body.__module__}._plain_kernel_body"
+    assert new_compiled_variants(before, after, key_chars=8) == [f"{name}: 0:key-bx"]  # the key with its device, cut to 8
+    assert new_compiled_variants(after, after) == []
+    assert new_compiled_variants(None, after) is None
+    note = compiled_note([{"popularity": "base", "triton_compiled": new_compiled_variants(before, after)},
+                          {"popularity": "zipf", "triton_compiled": []}])
+    assert "base: _plain_kernel_body." in note and "zipf" not in note
+    assert compiled_note([{"popularity": "zipf", "triton_compiled": []}]) == ""
