@@ -187,16 +187,31 @@ def time_split_table(rows: list[dict]) -> str:
                 ("upload_gb", "upload GB"), ("adapter_upload_s", "at H2D s"), ("engine_lora_merges", "merges"),
                 ("engine_lora_merged_steps", "merged steps"), ("sm_clock_mhz_mean", "SM MHz mean"),
                 ("sm_clock_mhz_min", "SM MHz min"), ("power_w_mean", "power W"), ("host_probe_ms", "host probe ms"),
-                ("load_1m", "load 1m")]) + compiled_note(out))
+                ("load_1m", "load 1m")]) + compiled_note(rows))
 
 
 def compiled_note(rows: list[dict]) -> str:
-    """The kernels that Triton compiled inside each timed run (their keys are in the JSON), or nothing."""
-    named = [f"{r['popularity']}: " + ", ".join(sorted({v.split(": ", 1)[0].rsplit(".", 1)[-1]
-                                                        for v in r["triton_compiled"]}))
-             for r in rows if r.get("triton_compiled")]
-    return ("\n\nKernels compiled inside the timed window (specialization keys in the JSON, "
-            "diagnostics.triton_compiled): " + "; ".join(named) + ".") if named else ""
+    """The kernels that Triton compiled inside each timed run (their keys are in the JSON), and the runs done again
+    because of it (``run_popularities``), or nothing."""
+    def names(variants):
+        return ", ".join(sorted({v.split(": ", 1)[0].rsplit(".", 1)[-1] for v in variants}))
+
+    def label(r):
+        return r["popularity"] + (f" ({r['round']})" if r.get("round", 1) > 1 else "")
+
+    named = [f"{label(r)}: {names(r['diagnostics']['triton_compiled'])}" for r in rows
+             if (r.get("diagnostics") or {}).get("triton_compiled")]
+    again = [f"{label(r)} ({r['discarded_run']['elapsed_s']:.2f} s, compiled {names(r['discarded_run']['triton_compiled'])})"
+             for r in rows if r.get("discarded_run")]
+    text = ""
+    if named:
+        text += ("\n\nKernels compiled inside the timed window (specialization keys in the JSON, "
+                 "diagnostics.triton_compiled): " + "; ".join(named) + ".")
+    if again:
+        text += ("\n\nRuns timed again because Triton compiled a kernel inside their first timed window (the "
+                 "warm-up missed a variant; the first run is in the JSON as discarded_run, not in any figure): "
+                 + "; ".join(again) + ".")
+    return text
 
 
 def roofline_note(rows: list[dict]) -> str:

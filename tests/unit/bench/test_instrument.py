@@ -193,7 +193,42 @@ def test_new_compiled_variants_names_the_kernel_and_key_compiled_between_two_loo
     assert new_compiled_variants(before, after, key_chars=8) == [f"{name}: 0:key-bx"]  # the key with its device, cut to 8
     assert new_compiled_variants(after, after) == []
     assert new_compiled_variants(None, after) is None
-    note = compiled_note([{"popularity": "base", "triton_compiled": new_compiled_variants(before, after)},
-                          {"popularity": "zipf", "triton_compiled": []}])
-    assert "base: _plain_kernel_body." in note and "zipf" not in note
-    assert compiled_note([{"popularity": "zipf", "triton_compiled": []}]) == ""
+    note = compiled_note([{"popularity": "base", "diagnostics": {"triton_compiled": new_compiled_variants(before, after)}},
+                          {"popularity": "zipf", "diagnostics": {"triton_compiled": []}}])
+    assert "base: _plain_kernel_body." in note and "zipf" not in note and "timed again" not in note
+    assert compiled_note([{"popularity": "zipf", "diagnostics": {"triton_compiled": []}}]) == ""
+    again = compiled_note([{"popularity": "zipf", "round": 2, "diagnostics": {"triton_compiled": []},
+                            "discarded_run": {"elapsed_s": 14.5, "triton_compiled": [f"{name}: 0:k"]}}])
+    assert "timed again" in again and "zipf (2) (14.50 s, compiled _plain_kernel_body)" in again
+
+
+def test_a_timed_run_with_a_compile_inside_is_run_again_and_the_first_kept_aside(setup, monkeypatch):
+    """A Triton compile inside a timed window (a variant the warm-up missed: seconds on the GPU) makes that run no
+    measure of the engine: ``run_popularities`` runs the same requests again and keeps the first as discarded_run.
+    The CPU runs no Triton kernel, so the first window's compile is stood in for by the variants read after it."""
+    import loraplex.bench.offline as offline
+    from loraplex.bench.offline import run_popularities
+
+    llm, adapters, shape = setup
+    looks = []
+
+    def variants(prefix="loraplex.kernels."):
+        looks.append(prefix)
+        # looks 1-2 frame the first timed window, 3-4 the second: one new variant inside the first only
+        return {"k.kernel": {"0:a"} | ({"0:b"} if len(looks) >= 2 else set())}
+
+    monkeypatch.setattr(offline, "triton_compiled_variants", variants)
+
+    def floor(steps):
+        return workload_floor(steps, shape, adapter_rank_of(adapters), 4, bandwidth=1e9)
+
+    rows = run_popularities(llm, ["base"], 4, 8, 3, "fixed", shape.vocab_size, adapters, seed=3, floor=floor)
+    assert len(looks) == 4 and len(rows) == 1
+    row = rows[0]
+    assert row["diagnostics"]["triton_compiles"] == 0 and row["output_tokens"] == 12
+    assert row["discarded_run"]["triton_compiled"] == ["k.kernel: 0:b"] and row["discarded_run"]["elapsed_s"] > 0
+    # without a compile, one run
+    looks.clear()
+    monkeypatch.setattr(offline, "triton_compiled_variants", lambda prefix="": {"k.kernel": {"0:a"}})
+    rows = run_popularities(llm, ["base"], 4, 8, 3, "fixed", shape.vocab_size, adapters, seed=3, floor=floor)
+    assert "discarded_run" not in rows[0]
