@@ -33,6 +33,10 @@ class AttentionMetadata:
     # query_start_loc[num_decodes:] - num_decodes (the varlen part's offsets), made once per step; None: each call
     # makes it
     rest_query_start_loc: torch.Tensor | None = None
+    # seq_lens[num_decodes:] and block_tables[num_decodes:] copied into tensors of their own once per step (16-byte
+    # aligned, so the varlen kernel is always the variant that the warm-up compiled); None: slices
+    rest_seq_lens: torch.Tensor | None = None
+    rest_block_tables: torch.Tensor | None = None
 
 
 class AttentionBackend:
@@ -81,7 +85,9 @@ class TritonAttentionBackend(AttentionBackend):
         return self._paged_attention(query, kv.key, kv.value, meta.block_tables, meta.query_start_loc,
                                      meta.seq_lens, scale, out=out, max_query_len=meta.max_query_len,
                                      max_seq_len=meta.max_seq_len, num_decodes=meta.num_decodes,
-                                     rest_query_start_loc=meta.rest_query_start_loc, **kv.scales)
+                                     rest_query_start_loc=meta.rest_query_start_loc,
+                                     rest_seq_lens=meta.rest_seq_lens, rest_block_tables=meta.rest_block_tables,
+                                     **kv.scales)
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[], AttentionBackend]] = {

@@ -251,11 +251,37 @@ class ModelRunner:
                 hidden = self.model(ids, positions, self.kv_caches, attn, lora)
                 self.model.compute_logits(hidden[-1:])
                 runs += 1
+        self._warmup_decode_splits()
         if cfg.enable_lora and self.get_lora_manager().use_triton:
             self._warmup_lora_meta(total)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return runs
+
+    def _warmup_decode_splits(self) -> int:
+        """The split-KV decode kernel is compiled per split count (a constexpr). The decode graphs compile their
+        buckets' counts, sized for long contexts; an eager step (a mixed step's decode rows, a decode step off the
+        graphs) sizes them for its longest sequence, e.g. 2 splits for 32 decodes of 300 keys. Run layer 0's
+        attention once for every count an eager step can pick (``num_splits_cases``), on zero queries that read
+        block 0 and write nothing. Returns the number of calls."""
+        from loraplex.kernels.attn_decode import num_splits_cases
+
+        if not self.kv_caches:
+            return 0
+        cfg, dev = self.config, self.device
+        layer = self.model.layers[0]
+        kv = self.kv_caches[0]
+        cases = num_splits_cases(cfg.max_num_seqs, kv.key.shape[2], cfg.max_model_len, dev)
+        width = self.inputs.max_blocks_per_seq
+        for batch, max_seq_len in cases.values():
+            attn = AttentionMetadata(
+                backend=self.backend, slot_mapping=torch.full((batch,), -1, dtype=torch.int64, device=dev),
+                block_tables=torch.zeros(batch, width, dtype=torch.int32, device=dev),
+                query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+                seq_lens=torch.ones(batch, dtype=torch.int32, device=dev), max_query_len=1, max_seq_len=max_seq_len)
+            query = torch.zeros(batch, layer.num_heads, layer.head_dim, dtype=self.dtype, device=dev)
+            self.backend.attention(query, kv, attn, layer.scale)
+        return len(cases)
 
     def _warmup_lora_meta(self, total: int) -> None:
         """The single-launch LoRA metadata builder is compiled per power of two of the step's token count (its
@@ -430,15 +456,20 @@ class ModelRunner:
         nb = dev.type == "cuda"
         d = batch.num_decodes if self.config.attention_decode_split else 0
         query_start_loc = batch.query_start_loc.to(dev, non_blocking=nb)
-        rest = None
+        block_tables = batch.block_tables.to(dev, non_blocking=nb)
+        seq_lens = batch.seq_lens.to(dev, non_blocking=nb)
+        rest = rest_seq_lens = rest_block_tables = None
         if 0 < d < batch.seq_lens.shape[0]:
-            rest = query_start_loc[d:] - d  # the varlen part's offsets: once per step, not once per layer
+            # the varlen part's inputs, once per step rather than once per layer; its lengths and block rows as
+            # tensors of their own, not slices that start d rows in (d % 4 != 0: another kernel variant, compiled
+            # inside a serving step)
+            rest = query_start_loc[d:] - d
+            rest_seq_lens, rest_block_tables = seq_lens[d:].clone(), block_tables[d:].clone()
         return AttentionMetadata(
             backend=self.backend, slot_mapping=batch.slot_mapping.to(dev, non_blocking=nb),
-            block_tables=batch.block_tables.to(dev, non_blocking=nb), query_start_loc=query_start_loc,
-            seq_lens=batch.seq_lens.to(dev, non_blocking=nb),
+            block_tables=block_tables, query_start_loc=query_start_loc, seq_lens=seq_lens,
             max_query_len=batch.max_query_len, max_seq_len=batch.max_seq_len, num_decodes=d,
-            rest_query_start_loc=rest)
+            rest_query_start_loc=rest, rest_seq_lens=rest_seq_lens, rest_block_tables=rest_block_tables)
 
     def _run_piecewise(self, out: SchedulerOutput, batch: StepBatch, fixup=None) -> torch.Tensor:
         attn = self._attention_metadata(batch)

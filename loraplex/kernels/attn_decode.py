@@ -327,3 +327,17 @@ def choose_num_splits(
     if max_seq_len is not None:
         splits = max(1, min(splits, cdiv(max_seq_len, MIN_KEYS_PER_SPLIT)))
     return next_power_of_2(splits) if splits > 1 else 1
+
+
+def num_splits_cases(max_batch: int, num_kv_heads: int, max_seq_len: int,
+                     device: torch.device | None = None) -> dict[int, tuple[int, int]]:
+    """Every split count ``choose_num_splits`` returns for batches of 1..``max_batch`` sequences whose longest has
+    up to ``max_seq_len`` keys, each with the first (batch, longest length) that gets it: each count is a kernel
+    variant (``NUM_SPLITS`` is a constexpr), which a start-up warm-up compiles once rather than inside a request."""
+    lengths = sorted({min(k * MIN_KEYS_PER_SPLIT, max_seq_len)
+                      for k in range(1, cdiv(max(1, max_seq_len), MIN_KEYS_PER_SPLIT) + 1)})
+    cases: dict[int, tuple[int, int]] = {}
+    for batch in range(1, max_batch + 1):
+        for length in lengths:
+            cases.setdefault(choose_num_splits(batch, num_kv_heads, length, device), (batch, length))
+    return cases

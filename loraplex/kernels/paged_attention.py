@@ -41,6 +41,8 @@ def paged_attention(
     max_seq_len: int | None = None,
     num_decodes: int = 0,
     rest_query_start_loc: torch.Tensor | None = None,
+    rest_seq_lens: torch.Tensor | None = None,
+    rest_block_tables: torch.Tensor | None = None,
     key_scale: torch.Tensor | None = None,  # an INT8 cache's row scales [num_blocks, block_size, Hkv] fp32
     value_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -53,7 +55,9 @@ def paged_attention(
     (``None`` = unknown) the varlen kernel runs everything, which is correct for every case.
     ``max_seq_len`` (optional, host int) only tunes the decode split count. ``rest_query_start_loc``
     (optional) is ``query_start_loc[num_decodes:] - num_decodes``, made once per step by a caller that runs
-    every layer with the same metadata. No host-device sync.
+    every layer with the same metadata; ``rest_seq_lens`` / ``rest_block_tables`` (optional) are
+    ``seq_lens[num_decodes:]`` / ``block_tables[num_decodes:]`` as tensors of their own: a slice starts 4 bytes
+    per row in, and Triton compiles a variant per 16-byte alignment of a pointer argument. No host-device sync.
     """
     num_tokens = query.shape[0]
     batch = seq_lens.shape[0]
@@ -75,6 +79,8 @@ def paged_attention(
         # the remaining sequences' tokens start right after the d decode rows
         if rest_query_start_loc is None:
             rest_query_start_loc = query_start_loc[d:] - d
-        paged_attention_varlen(query[d:], key_cache, value_cache, block_tables[d:], rest_query_start_loc,
-                               seq_lens[d:], scale, out=out[d:], key_scale=key_scale, value_scale=value_scale)
+        paged_attention_varlen(query[d:], key_cache, value_cache,
+                               block_tables[d:] if rest_block_tables is None else rest_block_tables,
+                               rest_query_start_loc, seq_lens[d:] if rest_seq_lens is None else rest_seq_lens, scale,
+                               out=out[d:], key_scale=key_scale, value_scale=value_scale)
     return out

@@ -39,3 +39,36 @@ def test_compile_counter_rises_once_per_new_variant():
     _run(x, 3.0)  # a new constexpr: one more variant
     assert triton_compiled_kernels(__name__) == 2
     assert torch.equal(x, torch.full_like(x, 12.0))
+
+
+def test_engine_start_up_leaves_no_attention_variant_to_compile_in_mixed_steps(tiny_model):
+    """After start-up (decode graphs and the eager warm-up), steps that mix decodes with prompt chunks compile no
+    attention kernel: the decode rows' split counts (sized for the step's longest sequence, here up to 700 keys)
+    were warmed up, and the varlen part's lengths and block rows come as tensors of their own, not slices 1-3 rows
+    in (another 16-byte alignment: another variant). The schedule (64-token budget): 1, 2, 4, 5 decode rows."""
+    from loraplex import SamplingParams
+    from loraplex.bench.instrument import new_compiled_variants, triton_compiled_variants
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.engine_core import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=tiny_model["model_dir"], device="cuda", dtype="bfloat16",
+                                    max_num_batched_tokens=64, max_num_seqs=16))
+    before = triton_compiled_variants("loraplex.kernels.attn")
+    gen = torch.Generator().manual_seed(3)
+    for i, n in enumerate([300, 20, 700, 5, 450, 9]):  # decodes join chunked prompts: 1, 2, 3, ... decode rows
+        engine.add_request(f"r{i}", [1] + torch.randint(8, 500, (n,), generator=gen).tolist(),
+                           SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    runner, decode_rows = engine.runner, []
+    metadata = runner._attention_metadata
+
+    def recorded(batch):  # what each step held: its decode rows, in a step with prompt tokens
+        if batch.max_query_len > 1:
+            decode_rows.append((batch.num_decodes, batch.max_seq_len))
+        return metadata(batch)
+
+    runner._attention_metadata = recorded
+    while engine.has_unfinished_requests():
+        engine.step()
+    # decode rows at offsets that are not 16-byte aligned, beside sequences longer than two splits' worth of keys
+    assert any(d % 4 for d, _ in decode_rows) and max(n for d, n in decode_rows if d) > 512
+    assert new_compiled_variants(before, triton_compiled_variants("loraplex.kernels.attn")) == []

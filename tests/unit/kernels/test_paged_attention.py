@@ -11,7 +11,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # also set by conftest; kept here so this 
 import pytest
 import torch
 
-from loraplex.kernels import attn_prefill, paged_attention
+from loraplex.kernels import attn_decode, attn_prefill, paged_attention
 from loraplex.kernels.attention_ref import paged_attention_ref
 from loraplex.kernels.attn_testing import PagedBatch, make_paged_batch
 
@@ -134,6 +134,38 @@ def test_mixed_batch_with_decodes_first_splits_across_both_kernels(group):
     torch.testing.assert_close(out, _ref(pb), **TOL[torch.float32])
     all_decodes = make_paged_batch([5, 77], [1, 1], 2 * group, 2, 32, 16, seed=50)
     torch.testing.assert_close(_varlen(all_decodes, num_decodes=2), _ref(all_decodes), **TOL[torch.float32])
+
+
+def test_mixed_batch_takes_the_varlen_part_as_tensors_of_their_own():
+    """The engine passes the varlen part's lengths and block rows copied out (aligned) rather than as slices three
+    rows in; the kernel must read those and not the full tensors (poisoned here past the decode rows)."""
+    seq_lens = [40, 1, 97, 23, 61, 30]
+    query_lens = [1, 1, 1, 23, 0, 9]
+    pb = make_paged_batch(seq_lens, query_lens, 8, 2, 32, 16, seed=44)
+    want = _ref(pb)
+    rest = dict(rest_query_start_loc=pb.query_start_loc[3:] - 3, rest_seq_lens=pb.seq_lens[3:].clone(),
+                rest_block_tables=pb.block_tables[3:].clone())
+    poisoned_lens, poisoned_tables = pb.seq_lens.clone(), pb.block_tables.clone()
+    poisoned_lens[3:], poisoned_tables[3:] = 10_000, -1
+    out = paged_attention.paged_attention(pb.query, pb.key_cache, pb.value_cache, poisoned_tables,
+                                          pb.query_start_loc, poisoned_lens, pb.scale, num_decodes=3, max_seq_len=97,
+                                          **rest)
+    torch.testing.assert_close(out, want, **TOL[torch.float32])
+
+
+def test_num_splits_cases_lists_every_count_an_eager_step_can_pick():
+    """Each split count is a kernel variant; the warm-up runs one call per case, so the cases must hold every
+    count ``choose_num_splits`` returns over the batches and lengths the engine allows, each with a (batch,
+    length) that gets it."""
+    choose, cases_of = paged_attention.choose_num_splits, attn_decode.num_splits_cases
+    for max_batch, hkv, max_len in ((64, 8, 2048), (16, 2, 700), (4, 1, 256)):
+        cases = cases_of(max_batch, hkv, max_len)
+        assert all(choose(b, hkv, n) == splits and b <= max_batch and n <= max_len
+                   for splits, (b, n) in cases.items())
+        seen = {choose(b, hkv, n) for b in range(1, max_batch + 1) for n in range(1, max_len + 1)}
+        assert seen == set(cases)
+    assert set(cases_of(64, 8, 2048)) == {1, 2, 4, 8}  # 2,048 keys: at most 8 splits of 256
+    assert set(cases_of(4, 1, 256)) == {1}
 
 
 def test_dispatch_rejects_decode_flag_with_multi_token_rows():
