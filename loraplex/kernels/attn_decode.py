@@ -49,7 +49,7 @@ FP8_NUM_STAGES = 2
 
 
 @fast_launch
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the step's block-table width: 16-divisible or not, one variant
 def _decode_split_kernel(
     q_ptr,
     key_cache_ptr,

@@ -49,7 +49,7 @@ def _find_seq(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 
 @fast_launch
-@triton.jit(do_not_specialize=["num_seqs"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])  # stride_bt: the step's block-table width
 def _prefill_kernel(
     q_ptr,
     key_cache_ptr,
