@@ -67,5 +67,14 @@ def make_requests(
     ]
 
 
+def fresh_prompts(requests: list[BenchRequest], vocab_size: int, seed: int,
+                  token_floor: int = 10) -> list[BenchRequest]:
+    """The same requests (prompt and output lengths, adapters) with new random prompt tokens: a second run of one
+    workload that the first run's prefix cache cannot serve."""
+    rng = random.Random(f"fresh-{seed}")
+    return [BenchRequest([rng.randrange(token_floor, vocab_size) for _ in r.prompt_token_ids], r.output_len, r.adapter)
+            for r in requests]
+
+
 def num_distinct_adapters(requests: list[BenchRequest]) -> int:
     return len({r.adapter for r in requests if r.adapter is not None})

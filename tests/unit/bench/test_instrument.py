@@ -204,8 +204,8 @@ def test_new_compiled_variants_names_the_kernel_and_key_compiled_between_two_loo
 
 def test_a_timed_run_with_a_compile_inside_is_run_again_and_the_first_kept_aside(setup, monkeypatch):
     """A Triton compile inside a timed window (a variant the warm-up missed: seconds on the GPU) makes that run no
-    measure of the engine: ``run_popularities`` runs the same requests again and keeps the first as discarded_run.
-    The CPU runs no Triton kernel, so the first window's compile is stood in for by the variants read after it."""
+    measure of the engine: ``run_popularities`` runs the same workload again (new prompt tokens) and keeps the first
+    as discarded_run. The CPU runs no Triton kernel, so the first window's compile is stood in for by the variants read after it."""
     import loraplex.bench.offline as offline
     from loraplex.bench.offline import run_popularities
 
@@ -222,11 +222,14 @@ def test_a_timed_run_with_a_compile_inside_is_run_again_and_the_first_kept_aside
     def floor(steps):
         return workload_floor(steps, shape, adapter_rank_of(adapters), 4, bandwidth=1e9)
 
-    rows = run_popularities(llm, ["base"], 4, 8, 3, "fixed", shape.vocab_size, adapters, seed=3, floor=floor)
+    # 40-token prompts: two full KV blocks each, which the prefix cache would serve to a second run of the same ones
+    rows = run_popularities(llm, ["base"], 4, 40, 3, "fixed", shape.vocab_size, adapters, seed=3, floor=floor)
     assert len(looks) == 4 and len(rows) == 1
     row = rows[0]
     assert row["diagnostics"]["triton_compiles"] == 0 and row["output_tokens"] == 12
     assert row["discarded_run"]["triton_compiled"] == ["k.kernel: 0:b"] and row["discarded_run"]["elapsed_s"] > 0
+    # the second run is the same workload on new prompt tokens: nothing of it comes from the first run's prefix cache
+    assert row["diagnostics"]["engine"]["prefix_cache_hit_tokens"] == 0 and row["prompt_tokens"] == 160
     # without a compile, one run
     looks.clear()
     monkeypatch.setattr(offline, "triton_compiled_variants", lambda prefix="": {"k.kernel": {"0:a"}})
