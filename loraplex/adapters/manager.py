@@ -30,7 +30,7 @@ from loraplex.adapters.errors import AdapterError
 from loraplex.adapters.file_cache import ValidatedFiles, file_key
 from loraplex.adapters.host_cache import HostLRUCache
 from loraplex.adapters.loader import HostAdapter
-from loraplex.adapters.mapping import LoRAStep, token_slots_from_ids
+from loraplex.adapters.mapping import LoRAStep, StepKernelOptions, token_slots_from_ids, warmup_steps
 from loraplex.adapters.modules import BaseShapes
 from loraplex.adapters.packed import load_packed_adapter
 from loraplex.adapters.prefetch import BackgroundLoader
@@ -408,6 +408,20 @@ class LoRAManager:
                         self.expand_first_min_tokens, has_base_tokens,
                         gemm_shrink=bool(gemm_slots) and bool(self.pool.folded), gemm_slots=gemm_slots,
                         long_tokens=long_tokens, max_adapters=gemm_slots)
+
+    def warmup_steps(self, max_tokens: int) -> list[tuple[int, int, bool, int | None]]:
+        """The eager steps a start-up warm-up runs so that no serving step compiles a LoRA kernel variant
+        (``mapping.warmup_steps`` under this manager's options); empty where the kernels are not Triton's."""
+        if not self.use_triton:
+            return []
+        return warmup_steps(self.shapes, self.kernel_options(), max_tokens)
+
+    def kernel_options(self) -> StepKernelOptions:
+        from loraplex.kernels.lora_shrink import pdl_supported
+
+        return StepKernelOptions(self.max_loras, self.pool.max_rank, pdl_supported(self.device),
+                                 self.expand_first_min_tokens, self.silu_mul_min_tokens, self.fuse_silu_mul,
+                                 self.segment_tiles)
 
     def gemm_shrink_widths(self, num_tokens: int) -> tuple[int, ...]:
         """The GEMM widths the in-GEMM shrink may use for a pure-decode step of ``num_tokens`` rows

@@ -37,6 +37,75 @@ def token_slots_from_ids(token_adapter_ids: torch.Tensor, slot_of: dict[int, int
     return torch.where(hit, slots_t[pos], torch.full_like(slots_t[pos], -1))
 
 
+def step_configs(shapes, max_loras: int, max_rank: int, num_tokens: int, num_active: int, pdl: bool,
+                 long_tokens: int | None = None, max_adapters: int | None = None) -> dict:
+    """Each projection's kernel configuration (``lora_ops.choose_config``) for a step of ``num_tokens`` tokens on
+    ``num_active`` distinct adapters over a pool of ``max_loras`` slots of rank ``max_rank`` for a model of
+    ``shapes`` (``BaseShapes``), from host-known sizes only. ``max_adapters``: a host-known bound on the step's
+    distinct adapters that sizes the chunk tables and so every grid (None: the pool's slot count)."""
+    from loraplex.kernels.lora_ops import choose_config
+
+    budget = max_loras if max_adapters is None else max(1, min(max_loras, max_adapters))
+    return {p: choose_config(num_tokens, num_active, budget, max_rank, shapes.proj_in(p), len(mods),
+                             max(shapes.slice_widths(p)), pdl=pdl, long_tokens=long_tokens)
+            for p, mods in PROJ_MODULES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKernelOptions:
+    """The engine's LoRA options that choose a step's kernel variants (``LoRAManager`` holds them)."""
+    max_loras: int
+    max_rank: int
+    pdl: bool = False
+    expand_first_min_tokens: int = 0
+    silu_mul_min_tokens: int = 0
+    fuse_silu_mul: bool = False
+    segment_tiles: bool = False
+
+
+def step_compile_key(shapes, opts: StepKernelOptions, num_tokens: int, num_active: int, has_base_tokens: bool,
+                     long_tokens: int | None) -> tuple:
+    """What makes Triton compile a variant for an eager LoRA step: each projection's compile-time constants
+    (``lora_ops.compile_key``), whether it runs expand-first (and then whether base rows need zeros), and whether
+    gate|up's delta goes inside SiLU-and-multiply. Steps with the same key run the same compiled kernels."""
+    from loraplex.kernels.lora_ops import compile_key
+
+    configs = step_configs(shapes, opts.max_loras, opts.max_rank, num_tokens, num_active, opts.pdl,
+                           long_tokens if opts.segment_tiles else None)
+    expand_first = 0 < opts.expand_first_min_tokens <= num_tokens
+    fused = opts.fuse_silu_mul or 0 < opts.silu_mul_min_tokens <= num_tokens
+    return (tuple(compile_key(c) for c in configs.values()), expand_first, fused,
+            has_base_tokens or not expand_first)
+
+
+def warmup_steps(shapes, opts: StepKernelOptions, max_tokens: int) -> list[tuple[int, int, bool, int | None]]:
+    """One eager step (tokens, distinct adapters, has_base_tokens, long_tokens) per ``step_compile_key`` that a step
+    of at most ``max_tokens`` tokens can have, for the start-up warm-up (``ModelRunner.warmup_eager``).
+
+    The key changes with the token count and the adapter count (tile regime; K parts, which follow the chunks in
+    use and so grow with both), at the token thresholds of the expand-first order and the fused SiLU, and with
+    base rows in the expand-first order. A grid of token counts (powers of two, each threshold and one below it,
+    ``max_tokens`` and one below) by every adapter count up to ``max_loras`` meets every key; each key's largest
+    step of the grid stands for it. With ``segment_tiles`` each step is tried with no token and with every token
+    in long requests. The in-GEMM shrink's eager steps are not covered. Host arithmetic only."""
+    from loraplex.kernels.lora_ops import PREFILL_TILES_MIN_TOKENS
+
+    if max_tokens < 1:
+        return []
+    thresholds = (PREFILL_TILES_MIN_TOKENS, opts.expand_first_min_tokens, opts.silu_mul_min_tokens)
+    token_counts = {max_tokens, max(1, max_tokens - 1)} | {1 << i for i in range(max_tokens.bit_length())}
+    token_counts |= {t - d for t in thresholds for d in (0, 1) if 1 <= t - d <= max_tokens}
+    chosen: dict[tuple, tuple[int, int, bool, int | None]] = {}
+    for num_tokens in sorted(token_counts):
+        for num_active in range(1, min(num_tokens, opts.max_loras) + 1):
+            for long_tokens in ((None, num_tokens) if opts.segment_tiles else (None,)):
+                key = step_compile_key(shapes, opts, num_tokens, num_active, True, long_tokens)
+                chosen[key] = (num_tokens, num_active, True, long_tokens)
+                if key[1]:  # expand-first: without base rows, the expand zeroes none (another variant)
+                    chosen[key[:3] + (False,)] = (num_tokens, num_active, False, long_tokens)
+    return sorted(set(chosen.values()), key=lambda c: (c[0], c[1], c[2], c[3] or 0))
+
+
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
@@ -83,7 +152,7 @@ class LoRAStep:
             from loraplex.kernels import lora_ops
             from loraplex.kernels.lora_expand import slice_col_align
             from loraplex.kernels.lora_meta import build_lora_meta
-            from loraplex.kernels.lora_ops import choose_config, lora_apply
+            from loraplex.kernels.lora_ops import lora_apply
             from loraplex.kernels.lora_shrink import pdl_supported
 
             self._lora_apply = lora_apply
@@ -100,11 +169,8 @@ class LoRAStep:
             # every grid (bench lora_plan; the engine passes none, smaller grids measured slower in run 28, except
             # for the in-GEMM shrink over the first W slots, whose steps carry at most W); None: the pool's slot
             # count. A step must never carry more.
-            budget = pool.max_loras if max_adapters is None else max(1, min(pool.max_loras, max_adapters))
-            self._configs = {p: choose_config(num_tokens, num_active, budget, pool.max_rank,
-                                              shapes.proj_in(p), len(mods), max(shapes.slice_widths(p)), pdl=pdl,
-                                              long_tokens=long_tokens)
-                             for p, mods in PROJ_MODULES.items()}
+            self._configs = step_configs(shapes, pool.max_loras, pool.max_rank, num_tokens, num_active, pdl,
+                                         long_tokens, max_adapters)
             self._widths = {p: max(shapes.slice_widths(p)) for p in PROJ_MODULES}
             block_m = self._configs["qkv"].block_m  # same regime for every proj (depends on T and adapters)
             # one launch on CUDA for decode-sized steps (inside the decode CUDA graph: every launch counts)

@@ -220,43 +220,52 @@ class ModelRunner:
     @torch.inference_mode()
     def warmup_eager(self, force: bool = False) -> int:
         """Run the eager (prefill and mixed-step) forward at start-up on dummy inputs, so that Triton compiles
-        its kernels now and not inside the first requests: a full token budget and one token less (Triton
-        specializes integer arguments divisible by 16), base only and with one and with ``max_loras``
-        adapters (the LoRA launch plan depends on the adapter count). Every row has slot -1 (no KV write,
-        no adapter), so the cache and the slot pool are untouched. CUDA only unless ``force``; returns the
-        number of forward passes run."""
+        its kernels now and not inside the first requests: base only at a full token budget and one token less
+        (Triton specializes integer arguments divisible by 16), then one pass per set of LoRA kernel variants an
+        eager step can run (``LoRAManager.warmup_steps``: tile regime and K parts by token and adapter count,
+        expand-first with and without base tokens, the fused SiLU). Every row has slot -1 (no KV write, no
+        adapter), so the cache and the slot pool are untouched. CUDA only unless ``force``; returns the number of
+        forward passes run."""
         if self.device.type != "cuda" and not force:
             return 0
-        cfg, dev = self.config, self.device
+        cfg = self.config
         total = max(2, min(cfg.max_num_batched_tokens, cfg.max_model_len))
-        adapter_counts = [0]
+        passes: list[tuple[int, tuple | None]] = [(total, None), (total - 1, None)]
         if cfg.enable_lora:
-            adapter_counts += sorted({1, cfg.max_loras})
-        width = self.inputs.max_blocks_per_seq
-        runs = 0
-        for num_tokens in (total, total - 1):
-            attn = AttentionMetadata(
-                backend=self.backend, slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
-                block_tables=torch.zeros(1, width, dtype=torch.int32, device=dev),
-                query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
-                max_query_len=num_tokens, max_seq_len=num_tokens)
-            ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-            positions = torch.arange(num_tokens, device=dev)
-            for num_adapters in adapter_counts:
-                lora = None
-                if num_adapters:
-                    slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=dev)
-                    lora = self.get_lora_manager().make_step(slots, num_adapters)
-                hidden = self.model(ids, positions, self.kv_caches, attn, lora)
-                self.model.compute_logits(hidden[-1:])
-                runs += 1
+            manager = self.get_lora_manager()
+            cases = manager.warmup_steps(total)
+            if not cases:  # the CPU twins (forced): one adapter and max_loras adapters, as a step would plan them
+                cases = [(n, a, True, None) for n in (total, total - 1) for a in sorted({1, cfg.max_loras})]
+            passes += [(num_tokens, tuple(case)) for num_tokens, *case in cases]
+        for num_tokens, case in passes:
+            self._warmup_forward(num_tokens, case)
         self._warmup_decode_splits()
         if cfg.enable_lora and self.get_lora_manager().use_triton:
             self._warmup_lora_meta(total)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        return runs
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return len(passes)
+
+    def _warmup_forward(self, num_tokens: int, lora_case: tuple | None) -> None:
+        """One eager forward of ``num_tokens`` dummy tokens as one sequence, every row with slot -1; ``lora_case``
+        (distinct adapters, has_base_tokens, long_tokens) plans the step's LoRA kernels as for that many adapters
+        (None: base only). The rows carry no adapter, so nothing is added."""
+        dev, width = self.device, self.inputs.max_blocks_per_seq
+        attn = AttentionMetadata(
+            backend=self.backend, slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros(1, width, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            max_query_len=num_tokens, max_seq_len=num_tokens)
+        lora = None
+        if lora_case is not None:
+            num_adapters, has_base, long_tokens = lora_case
+            slots = torch.full((num_tokens,), -1, dtype=torch.int32, device=dev)
+            lora = self.get_lora_manager().make_step(slots, num_adapters, has_base_tokens=has_base,
+                                                     long_tokens=long_tokens)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        hidden = self.model(ids, torch.arange(num_tokens, device=dev), self.kv_caches, attn, lora)
+        self.model.compute_logits(hidden[-1:])
 
     def _warmup_decode_splits(self) -> int:
         """The split-KV decode kernel is compiled per split count (a constexpr). The decode graphs compile their

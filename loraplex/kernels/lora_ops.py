@@ -15,6 +15,7 @@ columns split ~17x finer in the expand.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -80,6 +81,15 @@ class LoRAKernelConfig:
     def parts_max(self) -> int:
         """Rows of the fp32 shrink scratch this configuration writes."""
         return max(self.split_k, self.split_k_max or 1, self.fused_split_k)
+
+
+def compile_key(cfg: LoRAKernelConfig) -> tuple:
+    """The fields of a configuration that reach the kernels as compile-time constants (tiles, K parts, warps,
+    switches): two steps with the same key run the same compiled variants. ``split_k`` (grid size: programs per
+    chunk) and ``expand_splits`` reach them only as unspecialized integers, so they are left out; the K parts a
+    shrink writes (``split_k_max``, else ``split_k``) are a constant and stay."""
+    return dataclasses.astuple(dataclasses.replace(cfg, split_k=0, split_k_max=cfg.split_k_max or cfg.split_k,
+                                                   expand_splits=None))
 
 
 # decode: up to this many K parts per chunk when few chunks are in use (one adapter's 64 tokens: 4 chunks), and
