@@ -72,3 +72,32 @@ def test_engine_start_up_leaves_no_attention_variant_to_compile_in_mixed_steps(t
     # decode rows at offsets that are not 16-byte aligned, beside sequences longer than two splits' worth of keys
     assert any(d % 4 for d, _ in decode_rows) and max(n for d, n in decode_rows if d) > 512
     assert new_compiled_variants(before, triton_compiled_variants("loraplex.kernels.attn")) == []
+
+
+def test_engine_start_up_leaves_no_lora_variant_to_compile_in_prompt_steps(tiny_model):
+    """After start-up, prompt steps on many adapters compile no LoRA kernel: the warm-up ran one pass per compile key
+    a step can have (``mapping.warmup_steps``). The first step here is 4,096 tokens on ~45 adapters of ~90 tokens
+    each (prefill tiles), first with base requests among them and then without (expand-first zeroes base rows or
+    not); decode and mixed steps follow. The H200 report of 2026-12-07 compiled a shrink and an expand in the
+    distinct workload's prompt steps under the former warm-up (1 and max_loras adapters only)."""
+    from loraplex import LoRARequest, SamplingParams
+    from loraplex.bench.instrument import new_compiled_variants, triton_compiled_variants
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.engine_core import LLMEngine
+    from tests.conftest import adapter_dir
+
+    engine = LLMEngine(EngineConfig(model=tiny_model["model_dir"], device="cuda", dtype="bfloat16", enable_lora=True,
+                                    max_loras=64, max_lora_rank=64, max_num_batched_tokens=4096, max_num_seqs=64))
+    before = triton_compiled_variants("loraplex.kernels.lora")
+    gen = torch.Generator().manual_seed(5)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    num_files = len(tiny_model["adapters"])
+    for wave, with_base in enumerate((True, False)):
+        for i in range(50):
+            lora = None if with_base and i % 6 == 0 else LoRARequest(f"w{wave}a{i}", 100 * wave + i + 1,
+                                                                     adapter_dir(tiny_model, i % num_files))
+            engine.add_request(f"w{wave}r{i}", [1] + torch.randint(8, 500, (89,), generator=gen).tolist(), params,
+                               lora_request=lora)
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert new_compiled_variants(before, triton_compiled_variants("loraplex.kernels.lora")) == []
