@@ -30,7 +30,13 @@ from loraplex.adapters.errors import AdapterError
 from loraplex.adapters.file_cache import ValidatedFiles, file_key
 from loraplex.adapters.host_cache import HostLRUCache
 from loraplex.adapters.loader import HostAdapter
-from loraplex.adapters.mapping import LoRAStep, StepKernelOptions, token_slots_from_ids, warmup_steps
+from loraplex.adapters.mapping import (
+    LoRAStep,
+    StepKernelOptions,
+    fuses_silu_mul,
+    token_slots_from_ids,
+    warmup_steps,
+)
 from loraplex.adapters.modules import BaseShapes
 from loraplex.adapters.packed import load_packed_adapter
 from loraplex.adapters.prefetch import BackgroundLoader
@@ -403,7 +409,7 @@ class LoRAManager:
         ``gemm_slots``: the folded projections' shrinks inside their base GEMMs, over that many first slots
         (``gemm_shrink_width`` decides; None: the usual shrink kernels); the step's kernels are then planned for at
         most that many adapters, as in the configuration measured (run 29: ``max_loras`` = 32)."""
-        fuse = self.fuse_silu_mul or 0 < self.silu_mul_min_tokens <= token_slots.shape[0]
+        fuse = fuses_silu_mul(self.fuse_silu_mul, self.silu_mul_min_tokens, token_slots.shape[0])
         return LoRAStep(self.pool, token_slots, num_active, self.use_triton, fuse, self.overlap_shrink,
                         self.expand_first_min_tokens, has_base_tokens,
                         gemm_shrink=bool(gemm_slots) and bool(self.pool.folded), gemm_slots=gemm_slots,

@@ -51,6 +51,18 @@ def step_configs(shapes, max_loras: int, max_rank: int, num_tokens: int, num_act
             for p, mods in PROJ_MODULES.items()}
 
 
+def runs_expand_first(min_tokens: int, num_tokens: int) -> bool:
+    """Whether a step of ``num_tokens`` runs its LoRA work before the base GEMM (engine option
+    ``lora_expand_first_min_tokens``; 0: never). ``LoRAStep`` and the warm-up's keys ask the same question here."""
+    return 0 < min_tokens <= num_tokens
+
+
+def fuses_silu_mul(every_step: bool, min_tokens: int, num_tokens: int) -> bool:
+    """Whether a step of ``num_tokens`` adds gate|up's delta inside SiLU-and-multiply (``fuse_lora_silu_mul`` for
+    every step, or ``lora_silu_mul_min_tokens``; 0: never)."""
+    return every_step or 0 < min_tokens <= num_tokens
+
+
 @dataclasses.dataclass(frozen=True)
 class StepKernelOptions:
     """The engine's LoRA options that choose a step's kernel variants (``LoRAManager`` holds them)."""
@@ -72,8 +84,8 @@ def step_compile_key(shapes, opts: StepKernelOptions, num_tokens: int, num_activ
 
     configs = step_configs(shapes, opts.max_loras, opts.max_rank, num_tokens, num_active, opts.pdl,
                            long_tokens if opts.segment_tiles else None)
-    expand_first = 0 < opts.expand_first_min_tokens <= num_tokens
-    fused = opts.fuse_silu_mul or 0 < opts.silu_mul_min_tokens <= num_tokens
+    expand_first = runs_expand_first(opts.expand_first_min_tokens, num_tokens)
+    fused = fuses_silu_mul(opts.fuse_silu_mul, opts.silu_mul_min_tokens, num_tokens)
     return (tuple(compile_key(c) for c in configs.values()), expand_first, fused,
             has_base_tokens or not expand_first)
 
@@ -139,8 +151,8 @@ class LoRAStep:
         self.overlap_shrink = bool(overlap_shrink and use_triton and num_active and token_slots.is_cuda)
         # steps of at least this many tokens (0: never) run the LoRA work before the base GEMM, which accumulates
         # into the expand's output (``_expand_first_linear``); rows without an adapter then need zeros (the expand's)
-        self.expand_first = bool(expand_first_min_tokens and use_triton and num_active
-                                 and token_slots.shape[0] >= expand_first_min_tokens)
+        self.expand_first = bool(use_triton and num_active
+                                 and runs_expand_first(expand_first_min_tokens, token_slots.shape[0]))
         self.has_base_tokens = has_base_tokens  # host-known: False spares the expand zeroing base rows
         self.long_tokens = long_tokens  # host-known: tokens in requests of more than 32 (None: unknown)
         # the shrink inside the base GEMM for projections whose pool A rows are folded under the base weight

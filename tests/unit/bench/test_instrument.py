@@ -205,7 +205,8 @@ def test_new_compiled_variants_names_the_kernel_and_key_compiled_between_two_loo
 def test_a_timed_run_with_a_compile_inside_is_run_again_and_the_first_kept_aside(setup, monkeypatch):
     """A Triton compile inside a timed window (a variant the warm-up missed: seconds on the GPU) makes that run no
     measure of the engine: ``run_popularities`` runs the same workload again (new prompt tokens) and keeps the first
-    as discarded_run. The CPU runs no Triton kernel, so the first window's compile is stood in for by the variants read after it."""
+    as discarded_run. The CPU runs no Triton kernel, so the first window's compile is stood in for by the variants
+    read after it."""
     import loraplex.bench.offline as offline
     from loraplex.bench.offline import run_popularities
 
