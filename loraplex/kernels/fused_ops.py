@@ -154,6 +154,15 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_c
     return q
 
 
+@triton.jit
+def silu_mul_values(g, u):
+    """silu(g) * u in g's dtype, rounded as torch: silu in float32 rounded once, then the product rounded (shared
+    with the down shrink folded into SiLU-and-multiply, lora_fold.py, so both compute the same bits)."""
+    gf = g.to(tl.float32)
+    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)
+    return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+
+
 @fast_launch
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
@@ -163,10 +172,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.con
     mask = cols < n_cols
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
-    gf = g.to(tl.float32)
-    act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # torch's silu: float32 inside, rounded once
-    y = act.to(tl.float32) * u.to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_out + cols, silu_mul_values(g, u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -269,6 +269,20 @@ def lora_shrink_apply(x, lora_a, ranks, meta, cfg: LoRAKernelConfig, scratch, ch
     return y, {"shrink_progs": shrink_progs, "k_tiles": cdiv(x.shape[1], cfg.block_k)}
 
 
+def lora_silu_mul_shrink_apply(gate_up, lora_a, ranks, meta, cfg: LoRAKernelConfig, scratch,
+                               chunk_ranks) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(act, y, valid): SiLU-and-multiply of gate|up and the down projection's shrink of ``cfg`` on it, in one launch
+    (``lora_fold.silu_mul_shrink``); y and valid as from ``lora_shrink_apply`` on act."""
+    from loraplex.kernels.lora_fold import silu_mul_shrink
+
+    parts = cfg.split_k_max or cfg.split_k
+    shrink_progs = cfg.split_k * meta.max_chunks
+    act, y = silu_mul_shrink(gate_up, lora_a, ranks, meta, split_k=parts, progs=shrink_progs, block_r=cfg.block_r,
+                             block_k=cfg.block_k, y=scratch, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages,
+                             chunk_ranks=chunk_ranks if cfg.chunk_tables else None)
+    return act, y, {"shrink_progs": shrink_progs, "k_tiles": cdiv(gate_up.shape[1] // 2, cfg.block_k)}
+
+
 def lora_expand_apply(y, valid: dict, out, lora_b, ranks, scaling, slice_loc, max_slice_width: int, meta,
                       cfg: LoRAKernelConfig, col_align: int = 1, chunk_ranks=None, accumulate: bool = True,
                       y_slot_stride: int = 0, zero_base: bool = False) -> torch.Tensor:

@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.kernels.fused_ops import silu_mul_values
 from loraplex.kernels.host_math import cdiv
 from loraplex.kernels.launch import fast_launch
 from loraplex.kernels.lora_meta import LoRAKernelMeta
@@ -111,6 +112,23 @@ def weight_prefetch_mode(mode: str, dtype: torch.dtype, tile: int) -> tuple[int,
 UNSPECIALIZED = ("progs", "stride_yp", "stride_ys", "stride_crs")
 
 
+X_STORED = tl.constexpr(0)  # x_tile: x as stored (constexpr: kernels read it as a global)
+X_SILU_MUL = tl.constexpr(1)  # x = silu(gate) * up of a gate|up row [gate (K) | up (K)], rounded as ``fused_ops.silu_mul``
+
+
+@triton.jit
+def x_tile(x_ptrs, mask, up_offset, X_MODE: tl.constexpr):
+    """One tile of the shrink's input x: loaded (``X_STORED``), or with ``X_SILU_MUL`` computed from the gate columns
+    under ``x_ptrs`` and the up columns ``up_offset`` elements further (the down projection's input, recomputed
+    from gate|up by the shrink folded into SiLU-and-multiply)."""
+    if X_MODE == 1:
+        g = tl.load(x_ptrs, mask=mask, other=0.0)
+        u = tl.load(x_ptrs + up_offset, mask=mask, other=0.0)
+        return silu_mul_values(g, u)
+    else:
+        return tl.load(x_ptrs, mask=mask, other=0.0)
+
+
 @triton.jit
 def shrink_program(
     pid, r_tile, sl,
@@ -124,9 +142,10 @@ def shrink_program(
     stride_rs, stride_crs,
     SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, CHUNK_TABLES: tl.constexpr,
-    PREFETCH_A: tl.constexpr, PF_LINE: tl.constexpr, SIGNAL: tl.constexpr,
+    PREFETCH_A: tl.constexpr, PF_LINE: tl.constexpr, SIGNAL: tl.constexpr, X_MODE: tl.constexpr,
 ):
-    """Program (pid, r_tile, sl) of the shrink grid (module doc). ``SIGNAL`` (the one-launch ticketed kernel,
+    """Program (pid, r_tile, sl) of the shrink grid (module doc). ``X_MODE`` (``x_tile``): x as stored, or computed
+    from what the launch that also writes x reads (lora_fold.py). ``SIGNAL`` (the one-launch ticketed kernel,
     lora_ticketed.py): after its partial is stored, the program adds 1 to ``done_ptr[chunk * num_slices + sl]``
     (release, GPU scope), so an expand program of that (chunk, slice) can wait for all of them in the same launch."""
     num_chunks = tl.load(num_chunks_ptr)
@@ -178,7 +197,7 @@ def shrink_program(
         gdc_wait()  # x is written by a kernel before this launch's predecessor; A and the metadata are not
     for kk in range(k_lo, k_hi, BLOCK_K):
         k_mask = (kk + offs_k) < k_hi
-        xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        xt = x_tile(x_ptrs, m_mask[:, None] & k_mask[None, :], K * stride_xk, X_MODE)
         if PREFETCH_A == 1:
             at = a_nxt
             a_nxt = tl.load(a_ptrs + BLOCK_K * stride_ak,
@@ -225,7 +244,8 @@ def _lora_shrink_kernel(
                    stride_xt, stride_xk, stride_al, stride_as, stride_ar, stride_ak,
                    stride_yp, stride_ys, stride_yt, stride_yr, stride_rs, stride_crs,
                    SPLIT_K=SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION,
-                   USE_PDL=USE_PDL, CHUNK_TABLES=CHUNK_TABLES, PREFETCH_A=PREFETCH_A, PF_LINE=PF_LINE, SIGNAL=False)
+                   USE_PDL=USE_PDL, CHUNK_TABLES=CHUNK_TABLES, PREFETCH_A=PREFETCH_A, PF_LINE=PF_LINE, SIGNAL=False,
+                   X_MODE=0)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -86,7 +86,8 @@ def _lora_ticketed_kernel(
                        stride_xt, stride_xk, stride_al, stride_as, stride_ar, stride_ak,
                        stride_yp, stride_ys, stride_yt, stride_yr, stride_rs, stride_crs,
                        SPLIT_K=SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION,
-                       USE_PDL=False, CHUNK_TABLES=CHUNK_TABLES, PREFETCH_A=0, PF_LINE=64, SIGNAL=True)
+                       USE_PDL=False, CHUNK_TABLES=CHUNK_TABLES, PREFETCH_A=0, PF_LINE=64, SIGNAL=True,
+                       X_MODE=0)
     else:
         e = item - n_shrink
         expand_program(e % expand_progs, e // expand_progs, y_ptr, b_ptr, out_ptr, ranks_ptr, scaling_ptr,
