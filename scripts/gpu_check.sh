@@ -35,6 +35,9 @@
 #              interleaved over ${GEMM_SHRINK_ROUNDS:-2} rounds
 #   siluprompt gate|up + SiLU in a 7,314-token prompt step: the default order against the delta inside SiLU
 #              (bench lora_plan --silu-prompt; engine option lora_silu_mul_min_tokens)
+#   fold       the down shrink inside SiLU-and-multiply (engine option lora_fold_shrink_max_tokens): its GPU tests and the
+#              no-compile tests, then bench offline (1,000 requests, ${FOLD_POPULARITY:-base,zipf,uniform,distinct},
+#              --merge-single-lora) without and with --lora-fold-shrink-max-tokens ${FOLD_MAX_TOKENS:-256}, ${FOLD_ROUNDS:-1} round(s)
 #   ab         A/B of the experimental fuse_lora_silu_mul: its GPU test, then bench offline (1,000 requests, every
 #              popularity) without and with --fuse-lora-silu-mul, and step-profile at 64 adapters with it
 #
@@ -214,8 +217,22 @@ if [[ "$what" == *variants* ]]; then
             --output-len 128 --step-batch 0 --popularity "${OFFLINE_POPULARITY:-base,zipf,distinct}" \
             --repeats "${OFFLINE_REPEATS:-2}" ${offline_variants[$i]} ${smoke[@]+"${smoke[@]}"} > "$out/variant-$i.log" 2>&1
         echo "variant $i '${offline_variants[$i]}': exit $?"
-        grep -E "offline [a-z]+: |decode steps in|rounds" "$out/variant-$i.log" | cut -c1-300
+        grep -E "offline [a-z]+: |decode steps in|rounds|warmed up the eager" "$out/variant-$i.log" | cut -c1-300
         shrink_counters "$out/variant-$i"
+    done
+fi
+if [[ "$what" == *fold* ]]; then
+    python3 -m pytest tests/gpu/test_lora_fold_gpu.py tests/gpu/test_bench_counters_gpu.py -q -p no:cacheprovider \
+        -o addopts="" 2>&1 | tail -4
+    for round in $(seq "${FOLD_ROUNDS:-1}"); do
+        for variant in plain fold; do
+            flag=(); [[ "$variant" == fold ]] && flag=(--lora-fold-shrink-max-tokens "${FOLD_MAX_TOKENS:-256}")
+            python3 -m loraplex.cli bench offline --out-dir "$out/fold-$variant-$round" --num-requests 1000 \
+                --input-len 256 --output-len 128 --step-batch 0 --popularity "${FOLD_POPULARITY:-base,zipf,uniform,distinct}" \
+                --merge-single-lora ${flag[@]+"${flag[@]}"} ${smoke[@]+"${smoke[@]}"} > "$out/fold-$variant-$round.log" 2>&1
+            echo "fold $variant round $round: exit $?"
+            grep -E "offline [a-z]+: |decode steps in|warmed up the eager" "$out/fold-$variant-$round.log" | cut -c1-300
+        done
     done
 fi
 if [[ "$what" == *overlap* ]]; then

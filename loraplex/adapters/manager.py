@@ -33,6 +33,7 @@ from loraplex.adapters.loader import HostAdapter
 from loraplex.adapters.mapping import (
     LoRAStep,
     StepKernelOptions,
+    folds_shrink,
     fuses_silu_mul,
     token_slots_from_ids,
     warmup_steps,
@@ -116,6 +117,9 @@ class LoRAManager:
         # moves per decode step (0: none) that bring the step's adapters into the first W slots for the in-GEMM shrink
         # (``assign_slots`` with ``decode_tokens``; engine option lora_gemm_shrink_max_moves)
         self.gemm_shrink_max_moves = 0
+        # steps of at most this many tokens (0: never) run down's shrink inside SiLU-and-multiply (engine option
+        # lora_fold_shrink_max_tokens)
+        self.fold_shrink_max_tokens = 0
         self.host_cache: HostLRUCache[HostAdapter] = HostLRUCache(max(max_cpu_loras or max_loras, max_loras))
         self._validated: ValidatedFiles[HostAdapter] = ValidatedFiles()
         self.loader = BackgroundLoader(self._load_files, num_load_workers or min(4, os.cpu_count() or 1))
@@ -413,7 +417,8 @@ class LoRAManager:
         return LoRAStep(self.pool, token_slots, num_active, self.use_triton, fuse, self.overlap_shrink,
                         self.expand_first_min_tokens, has_base_tokens,
                         gemm_shrink=bool(gemm_slots) and bool(self.pool.folded), gemm_slots=gemm_slots,
-                        long_tokens=long_tokens, max_adapters=gemm_slots)
+                        long_tokens=long_tokens, max_adapters=gemm_slots,
+                        fold_shrink=folds_shrink(self.fold_shrink_max_tokens, token_slots.shape[0]))
 
     def warmup_steps(self, max_tokens: int) -> list[tuple[int, int, bool, int | None]]:
         """The eager steps a start-up warm-up runs so that no serving step compiles a LoRA kernel variant
@@ -427,7 +432,7 @@ class LoRAManager:
 
         return StepKernelOptions(self.max_loras, self.pool.max_rank, pdl_supported(self.device),
                                  self.expand_first_min_tokens, self.silu_mul_min_tokens, self.fuse_silu_mul,
-                                 self.segment_tiles)
+                                 self.segment_tiles, self.fold_shrink_max_tokens)
 
     def gemm_shrink_widths(self, num_tokens: int) -> tuple[int, ...]:
         """The GEMM widths the in-GEMM shrink may use for a pure-decode step of ``num_tokens`` rows

@@ -63,6 +63,12 @@ def fuses_silu_mul(every_step: bool, min_tokens: int, num_tokens: int) -> bool:
     return every_step or 0 < min_tokens <= num_tokens
 
 
+def folds_shrink(max_tokens: int, num_tokens: int) -> bool:
+    """Whether a step of ``num_tokens`` folds the down projection's shrink into SiLU-and-multiply (engine option
+    ``lora_fold_shrink_max_tokens``; 0: never)."""
+    return 0 < num_tokens <= max_tokens
+
+
 @dataclasses.dataclass(frozen=True)
 class StepKernelOptions:
     """The engine's LoRA options that choose a step's kernel variants (``LoRAManager`` holds them)."""
@@ -73,6 +79,7 @@ class StepKernelOptions:
     silu_mul_min_tokens: int = 0
     fuse_silu_mul: bool = False
     segment_tiles: bool = False
+    fold_shrink_max_tokens: int = 0
 
 
 def step_compile_key(shapes, opts: StepKernelOptions, num_tokens: int, num_active: int, has_base_tokens: bool,
@@ -86,8 +93,9 @@ def step_compile_key(shapes, opts: StepKernelOptions, num_tokens: int, num_activ
                            long_tokens if opts.segment_tiles else None)
     expand_first = runs_expand_first(opts.expand_first_min_tokens, num_tokens)
     fused = fuses_silu_mul(opts.fuse_silu_mul, opts.silu_mul_min_tokens, num_tokens)
+    folds = folds_shrink(opts.fold_shrink_max_tokens, num_tokens) and not fused
     return (tuple(compile_key(c) for c in configs.values()), expand_first, fused,
-            has_base_tokens or not expand_first)
+            has_base_tokens or not expand_first, folds)
 
 
 def warmup_steps(shapes, opts: StepKernelOptions, max_tokens: int) -> list[tuple[int, int, bool, int | None]]:
@@ -104,7 +112,8 @@ def warmup_steps(shapes, opts: StepKernelOptions, max_tokens: int) -> list[tuple
 
     if max_tokens < 1:
         return []
-    thresholds = (PREFILL_TILES_MIN_TOKENS, opts.expand_first_min_tokens, opts.silu_mul_min_tokens)
+    thresholds = (PREFILL_TILES_MIN_TOKENS, opts.expand_first_min_tokens, opts.silu_mul_min_tokens,
+                  opts.fold_shrink_max_tokens + 1)
     token_counts = {max_tokens, max(1, max_tokens - 1)} | {1 << i for i in range(max_tokens.bit_length())}
     token_counts |= {t - d for t in thresholds for d in (0, 1) if 1 <= t - d <= max_tokens}
     chosen: dict[tuple, tuple[int, int, bool, int | None]] = {}
@@ -114,7 +123,8 @@ def warmup_steps(shapes, opts: StepKernelOptions, max_tokens: int) -> list[tuple
                 key = step_compile_key(shapes, opts, num_tokens, num_active, True, long_tokens)
                 chosen[key] = (num_tokens, num_active, True, long_tokens)
                 if key[1]:  # expand-first: without base rows, the expand zeroes none (another variant)
-                    chosen[key[:3] + (False,)] = (num_tokens, num_active, False, long_tokens)
+                    key = step_compile_key(shapes, opts, num_tokens, num_active, False, long_tokens)
+                    chosen[key] = (num_tokens, num_active, False, long_tokens)
     return sorted(set(chosen.values()), key=lambda c: (c[0], c[1], c[2], c[3] or 0))
 
 
@@ -136,7 +146,7 @@ class LoRAStep:
     def __init__(self, pool: SlotPool, token_slots: torch.Tensor, num_active: int, use_triton: bool,
                  fuse_silu_mul: bool = False, overlap_shrink: bool = False, expand_first_min_tokens: int = 0,
                  has_base_tokens: bool = True, gemm_shrink: bool = False, long_tokens: int | None = None,
-                 max_adapters: int | None = None, gemm_slots: int | None = None) -> None:
+                 max_adapters: int | None = None, gemm_slots: int | None = None, fold_shrink: bool = False) -> None:
         self.pool = pool
         self.token_slots = token_slots  # [T] int32
         self.num_active = num_active  # distinct adapters in the step (host-known)
@@ -200,6 +210,12 @@ class LoRAStep:
                 self._chunk_ranks = pool.ranks.index_select(2, slots)[:, :, :chunks]
             self._counters = None
             self.ensure_counters()
+        # the down projection's shrink inside SiLU-and-multiply (``silu_mul_shrink``, lora_fold.py), where the
+        # usual two-launch path would run it: Triton, adapters in the step, no other path for down or gate|up's SiLU
+        self._fold_down = bool(fold_shrink and use_triton and num_active and not fuse_silu_mul
+                               and not self._fused("down") and not self._configs["down"].ticketed
+                               and not (self.gemm_shrink and "down" in pool.folded))
+        self._pre_shrunk = None  # (layer, proj, y, valid) of a folded shrink, for the next ``linear`` of that proj
 
     def replace_configs(self, change) -> None:
         """Every projection's kernel configuration replaced by ``change(proj, config)`` (a dict of fields to change;
@@ -226,6 +242,25 @@ class LoRAStep:
     @property
     def has_adapters(self) -> bool:
         return self.num_active > 0
+
+    @property
+    def folds_down_shrink(self) -> bool:
+        """Whether the model should call ``silu_mul_shrink`` for SiLU-and-multiply (then ``linear`` for down)."""
+        return self._fold_down
+
+    def silu_mul_shrink(self, layer_idx: int, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` [T, I] of gate|up's output, in the launch that also runs the down projection's shrink
+        on it (``lora_fold.silu_mul_shrink``); the next ``linear(layer_idx, "down", ...)`` runs the rest."""
+        assert self._fold_down and self._pre_shrunk is None, "no folded shrink planned, or one not yet consumed"
+        from loraplex.kernels.lora_ops import lora_silu_mul_shrink_apply
+
+        if gate_up.stride(-1) != 1:
+            gate_up = gate_up.contiguous()
+        a, _, ranks = self.pool.layer_view("down", layer_idx)
+        act, y, valid = lora_silu_mul_shrink_apply(gate_up, a, ranks, self._meta, self._configs["down"],
+                                                   self._scratch, self._layer_chunk_ranks(layer_idx, "down"))
+        self._pre_shrunk = (layer_idx, "down", y, valid)
+        return act
 
     @property
     def fuses_silu_mul(self) -> bool:
@@ -259,7 +294,10 @@ class LoRAStep:
     def linear(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, weight, bias)`` plus every token's adapter delta for ``proj``: the base GEMM, then ``add``;
-        with ``overlap_shrink``, the shrink on a forked stream while the GEMM runs, then the expand."""
+        with ``overlap_shrink``, the shrink on a forked stream while the GEMM runs, then the expand; after a folded
+        shrink (``silu_mul_shrink``), the GEMM and the expand only."""
+        if self._pre_shrunk is not None and self._pre_shrunk[:2] == (layer_idx, proj):
+            return self._linear_pre_shrunk(layer_idx, proj, x, weight, bias)
         if self.gemm_shrink and bias is None and proj in self.pool.folded and not self._fused(proj):
             folded, n = self.pool.folded[proj]
             if weight.shape[0] == n and weight.data_ptr() == folded[layer_idx].data_ptr():
@@ -269,6 +307,22 @@ class LoRAStep:
         if self.overlap_shrink and proj in self._configs and not self._configs[proj].fused:
             return self._overlapped_linear(layer_idx, proj, x, weight, bias)
         return self.add(layer_idx, proj, x, base_linear(x, weight, bias))
+
+    def _linear_pre_shrunk(self, layer_idx: int, proj: str, x: torch.Tensor, weight: torch.Tensor,
+                           bias: torch.Tensor | None) -> torch.Tensor:
+        """The base GEMM and the expand of partials a folded shrink already wrote, in the step's order (the expand
+        first, writing the output the GEMM accumulates into, with ``expand_first``)."""
+        _, _, y, valid = self._pre_shrunk
+        self._pre_shrunk = None
+        _, bt, ranks = self.pool.layer_view(proj, layer_idx)
+        cfg = self._configs[proj]
+        chunk_ranks = self._layer_chunk_ranks(layer_idx, proj)
+        if self.expand_first and bias is None:
+            out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+            self._expand(proj, y, valid, out, bt, ranks, cfg, chunk_ranks, accumulate=False,
+                         zero_base=self.has_base_tokens)
+            return base_linear(x, weight, out=out, accumulate=True)
+        return self._expand(proj, y, valid, base_linear(x, weight, bias), bt, ranks, cfg, chunk_ranks)
 
     def _fused(self, proj: str) -> bool:
         return bool(self.use_triton and proj in self._configs and self._configs[proj].fused)

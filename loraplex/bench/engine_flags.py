@@ -48,6 +48,10 @@ FLAGS: dict[str, dict] = {
         type=int, default=None,
         help="engine option lora_gemm_shrink_max_moves: adapters a decode step may move into the first slots for "
              "--lora-gemm-shrink (0: never; default: the engine's default)"),
+    "lora_fold_shrink_max_tokens": dict(
+        type=int, default=None,
+        help="engine option lora_fold_shrink_max_tokens: steps of at most this many tokens run the down projection's "
+             "LoRA shrink inside SiLU-and-multiply (0: never; default: the engine's default)"),
     "attention_decode_split": dict(
         **_ON_OFF,
         help="engine option attention_decode_split: in steps mixing decodes and prompts, the decodes through the "
@@ -76,10 +80,10 @@ FLAGS: dict[str, dict] = {
 # the options of each benchmark, in the order of its --help
 OFFLINE = ("fuse_lora_silu_mul", "lora_silu_mul_min_tokens", "merge_single_lora", "lora_overlap_shrink",
            "lora_expand_first_min_tokens", "lora_segment_tiles", "lora_gemm_shrink", "lora_gemm_shrink_max_tokens",
-           "lora_gemm_shrink_max_moves", "attention_decode_split", "piecewise_cuda_graphs", "kv_cache_dtype", "quantization",
-           "num_speculative_tokens", "lora_grouping")
+           "lora_gemm_shrink_max_moves", "lora_fold_shrink_max_tokens", "attention_decode_split", "piecewise_cuda_graphs",
+           "kv_cache_dtype", "quantization", "num_speculative_tokens", "lora_grouping")
 STEP_PROFILE = ("fuse_lora_silu_mul", "lora_overlap_shrink", "lora_gemm_shrink", "merge_single_lora",
-                "attention_decode_split", "piecewise_cuda_graphs")
+                "lora_fold_shrink_max_tokens", "attention_decode_split", "piecewise_cuda_graphs")
 
 
 def add_flags(parser, names) -> None:

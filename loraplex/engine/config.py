@@ -103,6 +103,11 @@ class EngineConfig:
     # (otherwise ignored). Off by default
     lora_gemm_shrink: bool = False
     lora_gemm_shrink_max_tokens: int = 64
+    # steps of at most this many tokens (0: never) run the down projection's LoRA shrink inside the SiLU-and-multiply
+    # launch, whose extra programs recompute their tiles of silu(gate) * up from gate|up (kernels/lora_fold.py): one
+    # launch fewer per layer. Triton only; not with fuse_lora_silu_mul / lora_silu_mul_min_tokens steps. Off until
+    # measured on the H200
+    lora_fold_shrink_max_tokens: int = 0
     # with lora_gemm_shrink, a decode step whose adapters could fill half of a width W but some of which sit at or above
     # slot W (the first slots hold adapters that stopped running) moves up to this many of them below W, one or two
     # device copies of a slot each (LoRAManager._gather_low); 0: never
@@ -163,6 +168,8 @@ class EngineConfig:
             raise ValueError(f"lora_group_max_skips must be >= 0, got {self.lora_group_max_skips}")
         if self.lora_expand_first_min_tokens < 0:
             raise ValueError(f"lora_expand_first_min_tokens must be >= 0, got {self.lora_expand_first_min_tokens}")
+        if self.lora_fold_shrink_max_tokens < 0:
+            raise ValueError(f"lora_fold_shrink_max_tokens must be >= 0, got {self.lora_fold_shrink_max_tokens}")
         if self.lora_silu_mul_min_tokens < 0:
             raise ValueError(f"lora_silu_mul_min_tokens must be >= 0, got {self.lora_silu_mul_min_tokens}")
         if self.lora_gemm_shrink_max_moves < 0:

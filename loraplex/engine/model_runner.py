@@ -325,6 +325,7 @@ class ModelRunner:
             self.lora_manager.overlap_shrink = self.config.lora_overlap_shrink
             self.lora_manager.expand_first_min_tokens = self.config.lora_expand_first_min_tokens
             self.lora_manager.segment_tiles = self.config.lora_segment_tiles
+            self.lora_manager.fold_shrink_max_tokens = self.config.lora_fold_shrink_max_tokens
             if self.config.lora_gemm_shrink:
                 self._fold_lora_rows()
             if self.config.merge_single_lora:

@@ -213,7 +213,10 @@ class LlamaLayer(nn.Module):
             act = lora.silu_mul(self.idx, x, quant.linear(x, self.gate_up_weight, self.gate_up_bias))
         else:
             gate_up = _linear(lora, self.idx, "gate_up", x, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
-            act = ops.silu_mul(gate_up)
+            if lora is not None and lora.folds_down_shrink:  # the down shrink in the same launch (lora_fold.py)
+                act = lora.silu_mul_shrink(self.idx, gate_up)
+            else:
+                act = ops.silu_mul(gate_up)
         down = _linear(lora, self.idx, "down", act, self.down_weight, self.down_bias)
         if self.reduce is not None:
             self.reduce(down)

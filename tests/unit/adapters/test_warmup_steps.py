@@ -22,6 +22,7 @@ def _keys(opts, cases):
     (StepKernelOptions(256, 16, pdl=True, expand_first_min_tokens=128), 8192),  # the bench's engine
     (StepKernelOptions(256, 16, pdl=True, expand_first_min_tokens=128, silu_mul_min_tokens=2048,
                        segment_tiles=True), 8192),
+    (StepKernelOptions(256, 16, pdl=True, expand_first_min_tokens=128, fold_shrink_max_tokens=256), 8192),
     (StepKernelOptions(64, 64, expand_first_min_tokens=128), 16384),
     (StepKernelOptions(8, 16, expand_first_min_tokens=0), 4096),
 ])

@@ -32,10 +32,12 @@ def test_a_command_line_reaches_the_engine_kwargs():
 
     q = argparse.ArgumentParser()
     add_step_profile_args(q)
-    kw = engine_flags.engine_kwargs(q.parse_args(["--lora-gemm-shrink", "--merge-single-lora"]),
+    kw = engine_flags.engine_kwargs(q.parse_args(["--lora-gemm-shrink", "--merge-single-lora",
+                                                  "--lora-fold-shrink-max-tokens", "256"]),
                                     engine_flags.STEP_PROFILE)
     assert kw == {"fuse_lora_silu_mul": False, "lora_overlap_shrink": None, "lora_gemm_shrink": True,
-                  "merge_single_lora": True, "attention_decode_split": None, "piecewise_cuda_graphs": None}
+                  "merge_single_lora": True, "lora_fold_shrink_max_tokens": 256, "attention_decode_split": None,
+                  "piecewise_cuda_graphs": None}
     # a namespace without some options (another benchmark's) gives only those it has
     assert engine_flags.engine_kwargs(argparse.Namespace(lora_gemm_shrink=True), engine_flags.OFFLINE) == {
         "lora_gemm_shrink": True}

@@ -5,6 +5,7 @@ and base requests in the same steps, and the fused call really made."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.adapters.mapping import LoRAStep
@@ -69,3 +70,16 @@ def test_silu_mul_min_tokens_fuses_only_the_large_steps(tiny_model, monkeypatch)
             assert lg[t].logprob == pytest.approx(v.logprob, abs=1e-4)
     with pytest.raises(ValueError, match="lora_silu_mul_min_tokens must be >= 0"):
         run(lora_silu_mul_min_tokens=-1)
+
+
+def test_fold_shrink_option_reaches_the_lora_manager_and_is_checked(tiny_model):
+    """lora_fold_shrink_max_tokens (the down shrink inside SiLU-and-multiply, Triton only: the CPU's twins never fold;
+    its effect is tested on CUDA, tests/gpu/test_lora_fold_gpu.py): the manager plans it, a negative value is refused."""
+    llm = LLM(tiny_model["model_dir"], dtype="float32", enable_lora=True, max_loras=4, max_num_seqs=4,
+              lora_fold_shrink_max_tokens=64)
+    manager = llm.engine.runner.get_lora_manager()
+    assert manager.fold_shrink_max_tokens == 64 and manager.kernel_options().fold_shrink_max_tokens == 64
+    step = manager.make_step(torch.tensor([0, -1, 1], dtype=torch.int32), 2)
+    assert not step.folds_down_shrink  # the twins run on the CPU
+    with pytest.raises(ValueError, match="lora_fold_shrink_max_tokens must be >= 0"):
+        LLM(tiny_model["model_dir"], dtype="float32", enable_lora=True, lora_fold_shrink_max_tokens=-1)

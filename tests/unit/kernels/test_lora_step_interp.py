@@ -14,13 +14,22 @@ from triton.runtime.interpreter import InterpretedFunction
 from loraplex.adapters.mapping import LoRAStep
 from loraplex.adapters.modules import PROJ_MODULES, BaseShapes
 from loraplex.adapters.slot_pool import SlotPool
-from loraplex.kernels import lora_expand, lora_ops, lora_shrink, lora_silu_mul, lora_ticketed
+from loraplex.kernels import (
+    fused_ops,
+    lora_expand,
+    lora_fold,
+    lora_ops,
+    lora_shrink,
+    lora_silu_mul,
+    lora_ticketed,
+)
 from loraplex.kernels.fused_ops_ref import silu_mul_ref
 
 if not isinstance(lora_shrink._lora_shrink_kernel, InterpretedFunction) or not isinstance(
         lora_silu_mul._lora_silu_mul_kernel, InterpretedFunction) or not isinstance(
-        lora_ticketed._lora_ticketed_kernel, InterpretedFunction):
-    for module in (lora_shrink, lora_expand, lora_silu_mul, lora_ticketed):
+        lora_ticketed._lora_ticketed_kernel, InterpretedFunction) or not isinstance(
+        lora_fold._silu_mul_shrink_kernel, InterpretedFunction):
+    for module in (fused_ops, lora_shrink, lora_expand, lora_silu_mul, lora_ticketed, lora_fold):
         importlib.reload(module)
     importlib.reload(lora_ops)
 
@@ -114,6 +123,37 @@ def test_expand_first_linear_equals_gemm_then_expand(with_base_tokens):
     x = torch.randn(num_tokens, SHAPES.proj_in("o"), generator=gen)
     weight = torch.randn(sum(SHAPES.slice_widths("o")), SHAPES.proj_in("o"), generator=gen) * 0.2
     torch.testing.assert_close(first.linear(0, "o", x, weight, bias), plain.linear(0, "o", x, weight, bias))
+
+
+@pytest.mark.parametrize("expand_first", [0, 64])
+@pytest.mark.parametrize("num_tokens, num_active", [(6, 3), (70, 2)])
+def test_folded_down_shrink_equals_silu_mul_then_linear(num_tokens, num_active, expand_first):
+    """``fold_shrink``: SiLU-and-multiply with the down shrink in the same launch (``silu_mul_shrink``), then
+    ``linear`` for down (the GEMM and the expand only), in either order of GEMM and expand; same act and output as
+    ``silu_mul`` then the usual ``linear``, mixed ranks and base tokens. The fold is planned only where it can run."""
+    gen = torch.Generator().manual_seed(500 + num_tokens + expand_first)
+    pool, slots = _pool_and_slots(gen, num_tokens, num_active)
+    plain = LoRAStep(pool, slots, num_active, use_triton=True, expand_first_min_tokens=expand_first)
+    fold = LoRAStep(pool, slots, num_active, use_triton=True, expand_first_min_tokens=expand_first, fold_shrink=True)
+    assert fold.folds_down_shrink and not plain.folds_down_shrink
+    assert fold.expand_first == (0 < expand_first <= num_tokens)
+    assert not LoRAStep(pool, slots, num_active, use_triton=False, fold_shrink=True).folds_down_shrink
+    assert not LoRAStep(pool, slots, 0, use_triton=True, fold_shrink=True).folds_down_shrink
+    assert not LoRAStep(pool, slots, num_active, use_triton=True, fold_shrink=True,
+                        fuse_silu_mul=True).folds_down_shrink
+    width = SHAPES.intermediate_size
+    for layer in range(SHAPES.num_layers):
+        gate_up = torch.randn(num_tokens, 2 * width, generator=gen)
+        weight = torch.randn(SHAPES.hidden_size, width, generator=gen) * 0.2
+        act = fold.silu_mul_shrink(layer, gate_up)
+        with pytest.raises(AssertionError, match="not yet consumed"):
+            fold.silu_mul_shrink(layer, gate_up)
+        want_act = silu_mul_ref(gate_up)
+        torch.testing.assert_close(act, want_act)
+        got = fold.linear(layer, "down", act, weight)
+        torch.testing.assert_close(got, plain.linear(layer, "down", act, weight), rtol=1e-5, atol=1e-4)
+        # the partials were used once: the next down linear of the step runs its own shrink
+        torch.testing.assert_close(fold.linear(layer, "down", act, weight), got, rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("use_triton", [False, True])
