@@ -105,8 +105,9 @@ class EngineConfig:
     lora_gemm_shrink_max_tokens: int = 64
     # steps of at most this many tokens (0: never) run the down projection's LoRA shrink inside the SiLU-and-multiply
     # launch, whose extra programs recompute their tiles of silu(gate) * up from gate|up (kernels/lora_fold.py): one
-    # launch fewer per layer. Triton only; not with fuse_lora_silu_mul / lora_silu_mul_min_tokens steps. Off until
-    # measured on the H200
+    # launch fewer per layer. Triton only; not with fuse_lora_silu_mul / lora_silu_mul_min_tokens steps. Off: slower
+    # on an H100 (run 32, docs/benchmarks/H100-2026-12-07-run32.md), decode steps +0.72 ms (zipf) and +1.81 ms
+    # (distinct), each shrink program recomputing silu for whole 16-row tiles of mostly masked rows
     lora_fold_shrink_max_tokens: int = 0
     # with lora_gemm_shrink, a decode step whose adapters could fill half of a width W but some of which sit at or above
     # slot W (the first slots hold adapters that stopped running) moves up to this many of them below W, one or two
