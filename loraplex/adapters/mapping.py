@@ -318,10 +318,7 @@ class LoRAStep:
         cfg = self._configs[proj]
         chunk_ranks = self._layer_chunk_ranks(layer_idx, proj)
         if self.expand_first and bias is None:
-            out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-            self._expand(proj, y, valid, out, bt, ranks, cfg, chunk_ranks, accumulate=False,
-                         zero_base=self.has_base_tokens)
-            return base_linear(x, weight, out=out, accumulate=True)
+            return self._expand_then_gemm(proj, y, valid, x, weight, bt, ranks, cfg, chunk_ranks)
         return self._expand(proj, y, valid, base_linear(x, weight, bias), bt, ranks, cfg, chunk_ranks)
 
     def _fused(self, proj: str) -> bool:
@@ -365,8 +362,14 @@ class LoRAStep:
         a, bt, ranks = self.pool.layer_view(proj, layer_idx)
         cfg = self._configs[proj]
         chunk_ranks = self._layer_chunk_ranks(layer_idx, proj)
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         y, valid = self._ops.lora_shrink_apply(x, a, ranks, self._meta, cfg, self._scratch, chunk_ranks)
+        return self._expand_then_gemm(proj, y, valid, x, weight, bt, ranks, cfg, chunk_ranks)
+
+    def _expand_then_gemm(self, proj: str, y, valid: dict, x: torch.Tensor, weight: torch.Tensor, bt, ranks, cfg,
+                          chunk_ranks) -> torch.Tensor:
+        """The write-only expand of the shrink's partials ``y`` into a new output (zeros in base rows where the step
+        may have some), then the base GEMM accumulating into it."""
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
         self._expand(proj, y, valid, out, bt, ranks, cfg, chunk_ranks, accumulate=False,
                      zero_base=self.has_base_tokens)
         return base_linear(x, weight, out=out, accumulate=True)
