@@ -210,11 +210,7 @@ class LoRAStep:
                 self._chunk_ranks = pool.ranks.index_select(2, slots)[:, :, :chunks]
             self._counters = None
             self.ensure_counters()
-        # the down projection's shrink inside SiLU-and-multiply (``silu_mul_shrink``, lora_fold.py), where the
-        # usual two-launch path would run it: Triton, adapters in the step, no other path for down or gate|up's SiLU
-        self._fold_down = bool(fold_shrink and use_triton and num_active and not fuse_silu_mul
-                               and not self._fused("down") and not self._configs["down"].ticketed
-                               and not (self.gemm_shrink and "down" in pool.folded))
+        self.fold_shrink = fold_shrink  # the down shrink inside SiLU-and-multiply where it can run (folds_down_shrink)
         self._pre_shrunk = None  # (layer, proj, y, valid) of a folded shrink, for the next ``linear`` of that proj
 
     def replace_configs(self, change) -> None:
@@ -245,13 +241,17 @@ class LoRAStep:
 
     @property
     def folds_down_shrink(self) -> bool:
-        """Whether the model should call ``silu_mul_shrink`` for SiLU-and-multiply (then ``linear`` for down)."""
-        return self._fold_down
+        """Whether the model should call ``silu_mul_shrink`` for SiLU-and-multiply (then ``linear`` for down): asked
+        for, and down would run the usual two launches (Triton, adapters in the step, gate|up's delta not inside
+        SiLU, down neither fused, ticketed nor in-GEMM)."""
+        return bool(self.fold_shrink and self.use_triton and self.num_active and not self.fuse_silu_mul
+                    and not self._fused("down") and not self._configs["down"].ticketed
+                    and not (self.gemm_shrink and "down" in self.pool.folded))
 
     def silu_mul_shrink(self, layer_idx: int, gate_up: torch.Tensor) -> torch.Tensor:
         """``silu(gate) * up`` [T, I] of gate|up's output, in the launch that also runs the down projection's shrink
         on it (``lora_fold.silu_mul_shrink``); the next ``linear(layer_idx, "down", ...)`` runs the rest."""
-        assert self._fold_down and self._pre_shrunk is None, "no folded shrink planned, or one not yet consumed"
+        assert self.folds_down_shrink and self._pre_shrunk is None, "no folded shrink planned, or one not yet consumed"
         from loraplex.kernels.lora_ops import lora_silu_mul_shrink_apply
 
         if gate_up.stride(-1) != 1:

@@ -260,13 +260,18 @@ def lora_shrink_apply(x, lora_a, ranks, meta, cfg: LoRAKernelConfig, scratch, ch
     """The shrink of ``cfg`` (split-K partials into ``scratch``) and what its consumer needs to know of it (which
     partials are valid: ``shrink_progs``, ``k_tiles``). ``pdl`` overrides ``cfg.pdl`` (a shrink on a forked stream
     launches without it: its predecessor is an event, not the kernel before it)."""
-    parts = cfg.split_k_max or cfg.split_k
-    shrink_progs = cfg.split_k * meta.max_chunks
-    y = lora_shrink(x, lora_a, ranks, meta, split_k=parts, progs=shrink_progs, block_r=cfg.block_r,
+    parts, valid = _shrink_plan(cfg, meta, x.shape[1])
+    y = lora_shrink(x, lora_a, ranks, meta, split_k=parts, progs=valid["shrink_progs"], block_r=cfg.block_r,
                     block_k=cfg.block_k, y=scratch, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages,
                     pdl=cfg.pdl if pdl is None else pdl, chunk_ranks=chunk_ranks if cfg.chunk_tables else None,
                     weight_prefetch=cfg.weight_prefetch)
-    return y, {"shrink_progs": shrink_progs, "k_tiles": cdiv(x.shape[1], cfg.block_k)}
+    return y, valid
+
+
+def _shrink_plan(cfg: LoRAKernelConfig, meta, k_dim: int) -> tuple[int, dict]:
+    """(K parts the shrink of ``cfg`` writes, what its expand needs to know of them: ``shrink_progs``, ``k_tiles``)."""
+    return cfg.split_k_max or cfg.split_k, {"shrink_progs": cfg.split_k * meta.max_chunks,
+                                            "k_tiles": cdiv(k_dim, cfg.block_k)}
 
 
 def lora_silu_mul_shrink_apply(gate_up, lora_a, ranks, meta, cfg: LoRAKernelConfig, scratch,
@@ -275,12 +280,11 @@ def lora_silu_mul_shrink_apply(gate_up, lora_a, ranks, meta, cfg: LoRAKernelConf
     (``lora_fold.silu_mul_shrink``); y and valid as from ``lora_shrink_apply`` on act."""
     from loraplex.kernels.lora_fold import silu_mul_shrink
 
-    parts = cfg.split_k_max or cfg.split_k
-    shrink_progs = cfg.split_k * meta.max_chunks
-    act, y = silu_mul_shrink(gate_up, lora_a, ranks, meta, split_k=parts, progs=shrink_progs, block_r=cfg.block_r,
-                             block_k=cfg.block_k, y=scratch, num_warps=cfg.shrink_warps, num_stages=cfg.shrink_stages,
-                             chunk_ranks=chunk_ranks if cfg.chunk_tables else None)
-    return act, y, {"shrink_progs": shrink_progs, "k_tiles": cdiv(gate_up.shape[1] // 2, cfg.block_k)}
+    parts, valid = _shrink_plan(cfg, meta, gate_up.shape[1] // 2)
+    act, y = silu_mul_shrink(gate_up, lora_a, ranks, meta, split_k=parts, progs=valid["shrink_progs"],
+                             block_r=cfg.block_r, block_k=cfg.block_k, y=scratch, num_warps=cfg.shrink_warps,
+                             num_stages=cfg.shrink_stages, chunk_ranks=chunk_ranks if cfg.chunk_tables else None)
+    return act, y, valid
 
 
 def lora_expand_apply(y, valid: dict, out, lora_b, ranks, scaling, slice_loc, max_slice_width: int, meta,

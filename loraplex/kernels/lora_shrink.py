@@ -121,7 +121,7 @@ def x_tile(x_ptrs, mask, up_offset, X_MODE: tl.constexpr):
     """One tile of the shrink's input x: loaded (``X_STORED``), or with ``X_SILU_MUL`` computed from the gate columns
     under ``x_ptrs`` and the up columns ``up_offset`` elements further (the down projection's input, recomputed
     from gate|up by the shrink folded into SiLU-and-multiply)."""
-    if X_MODE == 1:
+    if X_MODE == X_SILU_MUL:
         g = tl.load(x_ptrs, mask=mask, other=0.0)
         u = tl.load(x_ptrs + up_offset, mask=mask, other=0.0)
         return silu_mul_values(g, u)
@@ -245,7 +245,7 @@ def _lora_shrink_kernel(
                    stride_yp, stride_ys, stride_yt, stride_yr, stride_rs, stride_crs,
                    SPLIT_K=SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION,
                    USE_PDL=USE_PDL, CHUNK_TABLES=CHUNK_TABLES, PREFETCH_A=PREFETCH_A, PF_LINE=PF_LINE, SIGNAL=False,
-                   X_MODE=0)
+                   X_MODE=X_STORED)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -39,6 +39,7 @@ from loraplex.kernels.launch import fast_launch
 from loraplex.kernels.lora_expand import expand_program, expand_progs
 from loraplex.kernels.lora_meta import LoRAKernelMeta, check_apply_args
 from loraplex.kernels.lora_shrink import (
+    X_STORED,
     chunk_tables,
     dot_precision,
     gdc_wait,
@@ -87,7 +88,7 @@ def _lora_ticketed_kernel(
                        stride_yp, stride_ys, stride_yt, stride_yr, stride_rs, stride_crs,
                        SPLIT_K=SPLIT_K, BLOCK_M=BLOCK_M, BLOCK_R=BLOCK_R, BLOCK_K=BLOCK_K, DOT_PRECISION=DOT_PRECISION,
                        USE_PDL=False, CHUNK_TABLES=CHUNK_TABLES, PREFETCH_A=0, PF_LINE=64, SIGNAL=True,
-                       X_MODE=0)
+                       X_MODE=X_STORED)
     else:
         e = item - n_shrink
         expand_program(e % expand_progs, e // expand_progs, y_ptr, b_ptr, out_ptr, ranks_ptr, scaling_ptr,
