@@ -14,6 +14,9 @@ caller's event loop once per step. Replies to "add" carry the refusal itself (``
 
 The child ignores SIGINT and SIGTERM (a Ctrl-C, or systemd's stop, reaches every process of the group; the
 server drains, then stops it) and exits when the pipe closes, so a server that dies without stopping it does not leave it holding the GPU.
+A server that exits without closing the engine (a second Ctrl-C skips the app's shutdown) stops it at interpreter
+exit, before ``multiprocessing`` joins its children: that join would otherwise wait for a child that waits for
+the pipe to close.
 If the child dies, every open stream ends with an "error" delta, ``is_healthy()`` turns False and new requests
 raise ``EngineDeadError``, as with the loop thread.
 """
@@ -21,6 +24,7 @@ raise ``EngineDeadError``, as with the loop thread.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import itertools
 import logging
@@ -31,6 +35,7 @@ import queue
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 
 from loraplex.engine.async_engine import (
@@ -51,6 +56,7 @@ from loraplex.engine.protocol import EngineDeadError, EngineRequest, EngineStats
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 1800.0  # loading an 8B model from a slow disk, plus CUDA graph capture
+EXIT_STOP_TIMEOUT_S = 5.0  # at interpreter exit, how long the child may take to stop before it is killed
 
 
 class ProcessEngine(StreamingClient):
@@ -87,6 +93,9 @@ class ProcessEngine(StreamingClient):
         self._reader = threading.Thread(target=self._read_loop, name="loraplex-engine-reader", daemon=True)
         self._writer.start()
         self._reader.start()
+        self._closed = False
+        self._at_exit = _close_at_exit(weakref.ref(self))
+        atexit.register(self._at_exit)
 
     @classmethod
     def from_config(cls, config: EngineConfig, **kwargs) -> ProcessEngine:
@@ -129,6 +138,10 @@ class ProcessEngine(StreamingClient):
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Stop the child (it ends open streams as shut down), wait for it, then stop the threads here."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self._at_exit)
         self._send(("shutdown",))
         self._stop_child(timeout_s)
         self._reader.join(5.0)
@@ -231,6 +244,18 @@ class ProcessEngine(StreamingClient):
             log.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
             self._proc.kill()
             self._proc.join(5.0)
+
+
+def _close_at_exit(ref):
+    """The atexit hook of one ProcessEngine (a weak reference: the hook does not keep a dropped engine alive)."""
+
+    def close() -> None:
+        engine = ref()
+        if engine is not None and not engine._closed:
+            log.warning("the server exits without having stopped the engine process; stopping it now")
+            engine.close(timeout_s=EXIT_STOP_TIMEOUT_S)
+
+    return close
 
 
 # ---- the child -----------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """``loraplex serve``: uvicorn, run programmatically, with a draining SIGTERM.
 
 On SIGTERM (or Ctrl-C): ``/ready`` turns 503, the listening socket closes (new connections are
-refused), in-flight requests and streams finish within ``drain_timeout_s``, then the engine stops
-and the process exits 0.
+refused), in-flight requests and streams finish within ``drain_timeout_s`` (what still runs then is ended
+with a 503 ``draining``), then the engine stops and the process exits 0. A second Ctrl-C quits at once.
 """
 
 from __future__ import annotations
@@ -128,10 +128,10 @@ def serve(args: argparse.Namespace) -> int:
         app = create_app(settings, on_bootstrap_key=show_key, freeze_gc=settings.freeze_gc)
         config = uvicorn.Config(
             app, host=settings.host, port=settings.port, lifespan="on", log_config=None,
-            timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)), access_log=False,
+            timeout_graceful_shutdown=math.ceil(settings.drain_timeout_s + DRAIN_GRACE_S), access_log=False,
             proxy_headers=False, server_header=False,
         )
-        server = _make_server(config, app)
+        server = _make_server(config, app, settings.drain_timeout_s)
         server.run(sockets=[sock])
     finally:
         sock.close()
@@ -140,6 +140,9 @@ def serve(args: argparse.Namespace) -> int:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_DRAIN_TIMEOUT_S = 86400.0
+# after the drain timeout, the time the app has to end what still runs (error responses and events, usage records)
+# before uvicorn cancels the handlers that remain
+DRAIN_GRACE_S = 10.0
 MAX_SPECULATIVE_TOKENS = 16  # drafts beyond this are almost never all accepted, and each costs a token of compute
 # the least each count may be (the engine's own checks, made before anything starts)
 _COUNTS = {"max_loras": 1, "max_lora_rank": 1, "max_cpu_loras": 1, "max_num_seqs": 1, "max_model_len": 2,
@@ -233,21 +236,29 @@ def _bind(settings: Settings) -> socket.socket:
     return sock
 
 
-def _make_server(config, app):
-    """A uvicorn.Server whose exit signal first marks the app as draining (``/ready`` -> 503)."""
+def _make_server(config, app, drain_timeout_s: float):
+    """A uvicorn.Server whose exit signal first marks the app as draining (``/ready`` -> 503). Requests still
+    running ``drain_timeout_s`` later are ended by the app (a 503 ``draining``, or an error event in a stream,
+    usage recorded as ``error``); uvicorn's own graceful timeout, which cancels handlers mid-response, is set
+    :data:`DRAIN_GRACE_S` beyond it (``config.timeout_graceful_shutdown``)."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
+            self._loop = asyncio.get_running_loop()
             await super().startup(sockets=sockets)
             if self.started and sockets:  # uvicorn only announces sockets it bound itself
                 self._log_started_message(sockets)
 
-        def handle_exit(self, sig, frame) -> None:  # runs in the event loop's signal handler
+        def handle_exit(self, sig, frame) -> None:  # a signal handler, in the event loop's (main) thread
             services = app.state.get("services")
             if services is not None and not services.draining:
                 services.draining = True
-                log.info("signal %s: draining (in-flight requests finish, new ones are refused)", sig)
+                log.info("signal %s: draining (in-flight requests finish within %g s, new ones are refused)",
+                         sig, drain_timeout_s)
+                loop = getattr(self, "_loop", None)
+                if loop is not None:  # call_soon_threadsafe: the one loop call safe from a signal handler
+                    loop.call_soon_threadsafe(loop.call_later, drain_timeout_s, _expire_drain, services)
             super().handle_exit(sig, frame)
 
         @contextlib.contextmanager
@@ -259,3 +270,9 @@ def _make_server(config, app):
                 self._captured_signals.clear()
 
     return DrainingServer(config)
+
+
+def _expire_drain(services) -> None:
+    if not services.drain_expired:
+        services.drain_expired = True
+        log.warning("drain timeout passed: requests still running end with 503 draining")

@@ -45,6 +45,9 @@ class Services:
     engine_restarts: int = 0  # engines replaced by the supervisor after their loop died
     freeze_gc: bool = False  # loraplex serve: freeze the heap once the engine has loaded (engine/gc_heap.py)
     draining: bool = False
+    # set once ``drain_timeout_s`` has passed after the exit signal: generations still running end with a 503
+    # ``draining`` (an error event in a stream) instead of being cut by the HTTP server's own timeout
+    drain_expired: bool = False
     extras: dict[str, object] = field(default_factory=dict)  # per-area state (e.g. "registry")
     background: set[asyncio.Task] = field(default_factory=set)
     # the one thread that runs the HTTP side's tokenizer (see inference/pipeline.py)

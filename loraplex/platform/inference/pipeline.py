@@ -207,6 +207,7 @@ async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]]
             services=services, principal=principal, model=resolved, endpoint=endpoint,
             response_id=response_id, prompts=prompts, params=params, grant=grant,
             quota_reservation=reservation, param_names={"prompt": prompt_param, "max_tokens": max_tokens_param},
+            streamed=bool(getattr(req, "stream", False)),
         )
         held.pop_all()  # Generation.close() gives them back from here on
     return Prepared(gen, grant.headers, texts)

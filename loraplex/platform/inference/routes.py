@@ -68,6 +68,9 @@ async def get_model(request: Request, model: str) -> s.Model:
 def _engine_failure_error(exc: EngineFailure) -> ApiError:
     if exc.invalid:  # e.g. prompt + max_tokens need more KV blocks than the replica's cache has
         return ApiError(400, f"The request was refused: {exc}", param=exc.param, code="invalid_value")
+    if exc.draining:  # the same code as a request refused while draining: retry on another replica
+        return ApiError(503, f"Server is shutting down: {exc}; retry on another replica.", type="server_error",
+                        code="draining", headers={"Retry-After": "1"})
     return ApiError(503, f"The inference engine failed: {exc}", type="server_error", code="engine_error",
                     headers={"Retry-After": "5"})
 

@@ -38,12 +38,13 @@ class EngineFailure(Exception):
 
     ``invalid``: the engine refused the request itself (a ValueError from ``add_requests``), a 400;
     ``param``: the field it names, when the engine's error says (``SamplingParamsError.param``), as the
-    endpoint calls it."""
+    endpoint calls it; ``draining``: the server ended it because its drain timeout passed (a 503 ``draining``)."""
 
-    def __init__(self, message: str, invalid: bool = False, param: str | None = None):
+    def __init__(self, message: str, invalid: bool = False, param: str | None = None, draining: bool = False):
         super().__init__(message)
         self.invalid = invalid
         self.param = param
+        self.draining = draining
 
 
 def new_response_id(prefix: str) -> str:
@@ -79,6 +80,9 @@ class Generation:
     # the engine's names of request fields -> this endpoint's (prompt -> messages, max_tokens -> ...)
     param_names: dict[str, str] = field(default_factory=dict)
     arrival: float = field(default_factory=time.monotonic)
+    # a stream delivers each delta as it comes; a JSON response delivers nothing unless it completes (a request
+    # that ends in an error response is billed no completion tokens)
+    streamed: bool = True
     completion_tokens: int = 0  # delivered to the client
     status: str = STATUS_COMPLETED
     finish_reasons: list[str] = field(default_factory=list)
@@ -166,6 +170,7 @@ class Generation:
         open_prompts = len(streams)
         try:
             while open_prompts:
+                self._check_drain()
                 try:
                     i, item = await asyncio.wait_for(queue.get(), ENGINE_HEALTH_POLL_S)
                 except asyncio.TimeoutError:
@@ -187,6 +192,8 @@ class Generation:
                 self.completion_tokens += len(item.token_ids)
         except EngineFailure:
             self.status = STATUS_ERROR
+            if not self.streamed:  # the client gets an error response, none of the tokens
+                self.completion_tokens = 0
             raise
         except (asyncio.CancelledError, GeneratorExit):
             self.status = STATUS_ABORTED
@@ -197,6 +204,10 @@ class Generation:
             if any(not s.done for s in self._states) and self.status == STATUS_COMPLETED:
                 self.status = STATUS_ABORTED
             self.close()
+
+    def _check_drain(self) -> None:
+        if self.services.drain_expired:
+            raise EngineFailure("the server's drain timeout passed before this request finished", draining=True)
 
     def _count_prompt(self, i: int, d: TokenDelta) -> None:
         state = self._states[i]
