@@ -64,11 +64,14 @@ async def get_adapter(request: Request, name: str = _NAME) -> AdapterOut:
         item = await queries.get_own(session, principal.tenant_id, adapter_name)
     if item is None:
         raise not_found(f"No adapter '{adapter_name}'.", param="name")
-    if version is not None:
-        item.versions = [v for v in item.versions if v.version == version]
-        if not item.versions:
-            raise not_found(f"No version {version} of adapter '{adapter_name}'.", param="name")
-    return adapter_out(item, principal.tenant_id)
+    if version is None:
+        return adapter_out(item, principal.tenant_id)
+    if not any(v.version == version for v in item.versions):
+        raise not_found(f"No version {version} of adapter '{adapter_name}'.", param="name")
+    # the adapter's own fields (status, latest_version) stay the adapter's; only its versions list is narrowed
+    out = adapter_out(item, principal.tenant_id, version=version)
+    out.versions = [v for v in out.versions if v.version == version]
+    return out
 
 
 @patch("/v1/adapters/{name:str}", guards=_WRITE, tags=["adapters"], summary="Edit description or sharing",

@@ -39,7 +39,7 @@ class AdapterOut(msgspec.Struct):
     versions: list[VersionOut]
     created_at: datetime
     updated_at: datetime
-    version: int | None = None  # on upload: the version this upload created
+    version: int | None = None  # on upload: the version this upload created; on GET name@N: N
     object: str = "adapter"
 
 

@@ -101,6 +101,10 @@ class Registry:
                               param="description")
         if visibility is None and shared_with:
             visibility = VISIBILITY_SHARED
+        elif visibility == VISIBILITY_PRIVATE and shared_with:  # accepted, it would look shared and share nothing
+            raise bad_request("shared_with names tenants but visibility is 'private', which shares with no one: "
+                              "send visibility 'shared' (or leave it out), or an empty shared_with",
+                              param="shared_with")
         if visibility is not None and visibility not in VISIBILITIES:
             raise bad_request(f"visibility must be one of {', '.join(VISIBILITIES)}", param="visibility")
         if visibility == VISIBILITY_PUBLIC and not principal.is_admin:

@@ -79,6 +79,25 @@ async def test_sharing_grants_use_but_not_control(rapp, tiny_model):
     assert (await _call(rapp, bob, "alice/tuned")).status_code == 404
 
 
+async def test_private_with_a_share_list_is_a_400_not_a_share_that_shares_nothing(rapp, tiny_model):
+    """``visibility: private`` with tenants in ``shared_with`` was stored and echoed back as if shared, while the
+    tenants named got a 404: the owner was told it shared when it did not."""
+    alice, bob = await rapp.tenant("alice"), await rapp.tenant("bob")
+    config, weights = adapter_files(tiny_model, 1)
+    r = await rapp.upload(alice, "tuned", config=config, weights=weights, visibility="private", shared_with="bob")
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "shared_with" and "private" in err["message"] and "'shared'" in err["message"]
+    assert (await rapp.client.get("/v1/adapters/tuned", headers=rapp.headers(alice))).status_code == 404
+    assert (await rapp.upload(alice, "tuned", config=config, weights=weights)).status_code == 201
+    r = await rapp.client.patch("/v1/adapters/tuned", json={"visibility": "private", "shared_with": ["bob"]},
+                                headers=rapp.headers(alice))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "shared_with", r.text
+    got = (await rapp.client.get("/v1/adapters/tuned", headers=rapp.headers(alice))).json()
+    assert got["visibility"] == "private" and got["shared_with"] == []  # nothing changed
+    assert (await _call(rapp, bob, "alice/tuned")).status_code == 404
+
+
 async def test_only_admins_make_adapters_public(rapp, tiny_model):
     alice, bob = await rapp.tenant("alice"), await rapp.tenant("bob")
     config, weights = adapter_files(tiny_model, 2)

@@ -61,6 +61,29 @@ async def test_versions_names_and_content_addressing(rapp, tiny_model):
     assert (await rapp.client.get("/v1/adapters/tone", headers=rapp.headers())).status_code == 404
 
 
+async def test_getting_one_version_keeps_the_adapters_own_fields(rapp, tiny_model):
+    """``GET name@N`` narrows ``versions`` to N; status and latest_version stay the adapter's (a failed version 2
+    of a ready adapter showed the adapter as failed, with no latest version)."""
+    import torch
+    from safetensors.torch import load, save
+
+    c0, w0 = adapter_files(tiny_model, 0)
+    assert (await rapp.upload(None, "tone", config=c0, weights=w0)).status_code == 201
+    tensors = load(w0)
+    first = next(iter(tensors))
+    tensors[first] = torch.full_like(tensors[first], float("nan"))
+    assert (await rapp.upload(None, "tone", config=c0, weights=save(tensors))).status_code == 422
+    r = await rapp.client.get("/v1/adapters/tone@2", headers=rapp.headers())
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert (got["status"], got["latest_version"], got["version"]) == ("ready", 1, 2)
+    assert [(v["version"], v["status"]) for v in got["versions"]] == [(2, "failed")]
+    got = (await rapp.client.get("/v1/adapters/tone@1", headers=rapp.headers())).json()
+    assert (got["status"], got["latest_version"], got["version"]) == ("ready", 1, 1)
+    assert [v["version"] for v in got["versions"]] == [1]
+    assert (await rapp.client.get("/v1/adapters/tone@3", headers=rapp.headers())).status_code == 404
+
+
 async def test_editing_one_version_is_a_400_pointing_at_the_name(rapp, tiny_model):
     """Versions are immutable: ``PATCH name@N`` names the path parameter and says what to edit instead; it
     answers the same whether or not the adapter exists (the path alone decides)."""
