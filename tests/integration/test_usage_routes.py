@@ -53,6 +53,15 @@ async def test_plan_admin_validation_and_access(tmp_path):
         r = await c.put("/admin/tenant-plans/acme", json={"plan": None}, headers=admin)
         assert r.json()["plan"] is None and r.json()["quota"]["monthly_token_quota"] is None
         assert (await c.delete("/admin/plans/pro", headers=admin)).status_code == 204
+        # a tenant's own quota override: taking the plan away drops it too (no plan: free and unlimited), unless
+        # the same request sets one
+        r = await c.put("/admin/tenant-plans/acme", json={"monthly_token_quota": 0}, headers=admin)
+        assert r.json()["quota"]["monthly_token_quota"] == 0
+        r = await c.put("/admin/tenant-plans/acme", json={"plan": None}, headers=admin)
+        assert r.json()["quota"]["monthly_token_quota"] is None, r.text
+        r = await c.put("/admin/tenant-plans/acme", json={"plan": None, "monthly_token_quota": 7}, headers=admin)
+        assert r.json()["quota"]["monthly_token_quota"] == 7
+        await c.put("/admin/tenant-plans/acme", json={"plan": None}, headers=admin)
 
         for params, param in (({"group_by": "week"}, "group_by"), ({"format": "xml"}, "format"),
                               ({"from": "yesterday"}, "from"), ({"from": "2026-02-01", "to": "2026-01-01"}, "to")):

@@ -144,7 +144,9 @@ async def delete_plan(session: AsyncSession, name_or_id: str) -> None:
 
 
 async def set_tenant_plan(session: AsyncSession, tenant_name_or_id: str, fields: dict) -> tuple[Tenant, TenantPlan]:
-    """Assign ``fields["plan"]`` (name/id, or None for no plan) and/or the quota override."""
+    """Assign ``fields["plan"]`` (name/id, or None for no plan) and/or the quota override. Taking the plan away
+    without naming a quota also drops the override: a tenant without a plan is free and unlimited unless the same
+    request sets a quota for it."""
     tenant = await get_tenant(session, tenant_name_or_id)
     row = await session.get(TenantPlan, tenant.id)
     if row is None:
@@ -152,6 +154,8 @@ async def set_tenant_plan(session: AsyncSession, tenant_name_or_id: str, fields:
         session.add(row)
     if "plan" in fields:
         row.plan_id = None if fields["plan"] is None else (await get_plan(session, fields["plan"])).id
+        if fields["plan"] is None and "monthly_token_quota" not in fields:
+            row.monthly_token_quota = None
     if "monthly_token_quota" in fields:
         row.monthly_token_quota = check_quota(fields["monthly_token_quota"])
     row.updated_at = utcnow()
