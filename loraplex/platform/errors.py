@@ -151,10 +151,20 @@ def _handle_api_error(_: Request, exc: ApiError) -> Response[Any]:
     return error_response(exc.status_code, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
 
-def _handle_http(_: Request, exc: HTTPException) -> Response[Any]:
+def _body_limit(request: Request) -> int | None:
+    try:
+        return request.route_handler.resolve_request_max_body_size()
+    except Exception:  # noqa: BLE001 (no route: the message goes without the number)
+        return None
+
+
+def _handle_http(request: Request, exc: HTTPException) -> Response[Any]:
     status = exc.status_code
     param = None
     message = str(exc.detail or "error")
+    if status == 413 and message == "Request Entity Too Large":  # the framework's body limit, which it leaves unnamed
+        limit = _body_limit(request)
+        message = "The request body is too large" + (f": at most {limit:,} bytes are accepted." if limit else ".")
     if isinstance(exc, ValidationException):
         # framework validation (malformed JSON, wrong types, missing fields): 400 like OpenAI
         status = 400

@@ -33,6 +33,15 @@ def test_error_objects_and_request_ids(client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "name"
 
 
+def test_a_body_over_the_limit_is_a_413_that_names_the_limit(client):
+    body = b'{"model": "m", "prompt": "' + b"x" * 10_000_001 + b'"}'
+    for path in ("/v1/completions", "/admin/tenants"):
+        r = client.post(path, content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 413, (path, r.text)
+        err = r.json()["error"]
+        assert err["code"] == "payload_too_large" and "10,000,000 bytes" in err["message"], err
+
+
 def test_ready_reports_loading_without_engine_and_draining_refuses(client):
     r = client.get("/ready")
     assert r.status_code == 503 and r.json()["status"] == "loading"
