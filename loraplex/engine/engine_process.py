@@ -221,8 +221,10 @@ class ProcessEngine(StreamingClient):
                     reason = EngineDeadError(message[1])
                     break
         except (EOFError, OSError):
-            code = self._proc.exitcode if not self._proc.is_alive() else None
-            reason = EngineDeadError(f"the engine process exited (exit code {code})")
+            self._proc.join(2.0)  # the pipe closes as the child dies: reap it, so its exit code is known
+            code = self._proc.exitcode
+            reason = EngineDeadError("the engine process exited" if code is None else
+                                     f"the engine process exited ({_exit_text(code)})")
         except Exception as exc:  # noqa: BLE001 (a message this side cannot read: the engine is unusable)
             log.exception("reading from the engine process failed")
             reason = exc
@@ -244,6 +246,15 @@ class ProcessEngine(StreamingClient):
             log.warning("the engine process did not stop within %.0f s; killing it", timeout_s)
             self._proc.kill()
             self._proc.join(5.0)
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 def _close_at_exit(ref):

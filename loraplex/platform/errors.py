@@ -137,12 +137,18 @@ def _validation_param(exc: ValidationException) -> str | None:
     return None
 
 
+_REGEX_DETAIL = re.compile(r"Expected `str` matching regex ('.*')")
+
+
 def _validation_message(exc: ValidationException) -> str:
     message = str(exc.detail or "error")
     if isinstance(exc.extra, list) and exc.extra and isinstance(exc.extra[0], dict):
         detail = str(exc.extra[0].get("message", ""))
         if detail == _NO_BODY and exc.extra[0].get("key") in _BODY_KEYS:
             return f"{message}: the request body is empty; send a JSON object."
+        pattern = _REGEX_DETAIL.fullmatch(detail)
+        if pattern and exc.extra[0].get("key"):  # msgspec's words name the type, not the field
+            detail = f"{exc.extra[0]['key']} does not have the form the pattern {pattern.group(1)} describes"
         message = f"{message}: {detail}".rstrip(": ")
     return message
 
@@ -162,6 +168,8 @@ def _handle_http(request: Request, exc: HTTPException) -> Response[Any]:
     status = exc.status_code
     param = None
     message = str(exc.detail or "error")
+    if status == 400 and message == "Input data was truncated":  # msgspec's words for JSON that ends early
+        message = "JSON is malformed: the body ends before the JSON value does (truncated)"
     if status == 413 and message == "Request Entity Too Large":  # the framework's body limit, which it leaves unnamed
         limit = _body_limit(request)
         message = "The request body is too large" + (f": at most {limit:,} bytes are accepted." if limit else ".")

@@ -178,7 +178,8 @@ def extract_adapter_archive(archive: Path, out_dir: Path, max_uncompressed_bytes
         elif magic == b"PK\x03\x04" or magic == b"PK\x05\x06":
             _extract_zip(archive, out)
         else:
-            raise rejected("archive must be a .tar.gz or a .zip")
+            what = "it is empty" if not magic else f"its first bytes are {magic!r}"
+            raise rejected(f"archive must be a .tar.gz or a .zip, and {what} (neither a gzip nor a zip header)")
         out.finish()
     except BaseException:
         for name in ADAPTER_FILES:  # nothing half-written survives a refusal

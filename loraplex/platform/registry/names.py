@@ -25,6 +25,9 @@ class AdapterRef:
 
 
 def validate_adapter_name(name: str | None, param: str = "name") -> str:
+    if name is None:
+        raise bad_request(f"{param} is required: the adapter's name (1-64 characters of lowercase letters, digits, "
+                          "'.', '_' or '-').", param=param)
     if not name or not ADAPTER_NAME_RE.match(name) or ".." in name:
         raise bad_request(
             "Adapter name must be 1-64 characters of lowercase letters, digits, '.', '_' or '-', starting with "

@@ -143,7 +143,7 @@ async def test_a_killed_engine_process_ends_open_streams_and_refuses_new_request
         task, got = await _long_stream_started(eng, "victim", max_tokens=1000, per_delta_s=0.01)
         os.kill(eng.pid, signal.SIGKILL)
         await asyncio.wait_for(task, 30)
-        assert got[-1].finished and got[-1].finish_reason == "error" and "exit" in got[-1].error
+        assert got[-1].finished and got[-1].finish_reason == "error" and "killed by SIGKILL" in got[-1].error
         assert not eng.is_healthy()
         with pytest.raises(EngineDeadError):
             await _collect(eng, EngineRequest("after", [1, 2], SamplingParams()))
@@ -191,3 +191,25 @@ def test_the_engine_process_exits_when_the_server_dies(tiny_model, tmp_path):
     while _alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(child), "the engine process outlived the server that started it"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_server_that_exits_without_closing_the_engine_stops_it_at_exit(tiny_model, tmp_path):
+    """A second Ctrl-C skips the app's shutdown: the interpreter then exits with the engine never told to stop, and
+    multiprocessing's exit handler waited forever for a child that waited for the pipe to close."""
+    script = textwrap.dedent(f"""
+        from loraplex.engine.config import EngineConfig
+        from loraplex.engine.engine_process import ProcessEngine
+        if __name__ == "__main__":
+            eng = ProcessEngine.from_config(EngineConfig(model={tiny_model["model_dir"]!r}, dtype="float32"))
+            print(eng.pid, flush=True)
+            # returns: the interpreter's normal exit, no close()
+    """)
+    path = tmp_path / "server.py"
+    path.write_text(script)
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert time.monotonic() - t0 < 90
+    assert "stopping it now" in out.stderr
+    assert not _alive(int(out.stdout.split()[-1]))

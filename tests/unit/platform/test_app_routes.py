@@ -33,6 +33,17 @@ def test_error_objects_and_request_ids(client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "name"
 
 
+def test_malformed_bodies_and_names_get_messages_a_person_can_act_on(client):
+    for body in (b'{"model": "x", "prompt": "Hello",', b"[1, 2"):
+        r = client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400
+        assert r.json()["error"]["message"].startswith("JSON is malformed: the body ends before"), r.text
+    r = client.get("/v1/adapters/conc@")
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "name"
+    assert "name does not have the form the pattern" in err["message"] and "Expected `str`" not in err["message"]
+
+
 def test_a_body_over_the_limit_is_a_413_that_names_the_limit(client):
     body = b'{"model": "m", "prompt": "' + b"x" * 10_000_001 + b'"}'
     for path in ("/v1/completions", "/admin/tenants"):

@@ -252,8 +252,13 @@ async def test_malformed_forms_are_400s(rapp, tiny_model):
     config, weights = adapter_files(tiny_model, 0)
     r = await rapp.upload(None, None, config=config, weights=weights)
     assert r.status_code == 400 and r.json()["error"]["param"] == "name"
+    assert r.json()["error"]["message"].startswith("name is required"), r.text
     r = await rapp.upload(None, "../etc", config=config, weights=weights)
     assert r.status_code == 400 and r.json()["error"]["param"] == "name"
+    assert "1-64 characters" in r.json()["error"]["message"]
+    for archive, says in ((b"", "it is empty"), (b"PK\x03", "its first bytes are b'PK\\x03'")):
+        r = await rapp.upload(None, "odd", archive=archive)
+        assert r.status_code == 422 and says in r.json()["error"]["message"], r.text
     r = await rapp.upload(None, "half", config=config)
     assert r.status_code == 400 and r.json()["error"]["param"] == "weights"
     r = await rapp.upload(None, "both", config=config, weights=weights, archive=tar_gz({"a": b"b"}))
