@@ -6,6 +6,7 @@ key holds (no escalation from an inference key to ``adapters:write``).
 
 from __future__ import annotations
 
+import hashlib
 import re
 from datetime import timedelta
 
@@ -53,16 +54,33 @@ async def create_key(request: Request) -> Response:
     expires_at = None
     days = (form.get("expires_in_days") or "").strip()
     if days:
-        if not days.isdigit() or not 1 <= int(days) <= MAX_EXPIRY_DAYS:
+        if not (days.isascii() and days.isdigit()) or not 1 <= int(days) <= MAX_EXPIRY_DAYS:
             raise ApiError(400, f"Expiry must be a whole number of days from 1 to {MAX_EXPIRY_DAYS} (or blank "
                            "for no expiry).", param="expires_in_days")
         expires_at = utcnow() + timedelta(days=int(days))
+    if not await _first_submission(request, session, form.get("form_id") or ""):
+        # a reload (or a double click) of the form that already made a key: a second live key, whose secret
+        # replaced the first one's on the screen, is not what anyone meant
+        raise ApiError(409, "This form was already submitted and its key created; its secret was shown once, "
+                       "then. If you did not copy it, revoke that key below and create another.",
+                       param="form_id", code="conflict")
     async with request.app.state.services.sessions() as s:
         key, new = await svc.create_key(s, tenant, scopes, name, expires_at)
         owner = await svc.get_tenant(s, key.tenant_id)
     # rendered, not redirected: the secret exists only in this response (no-store)
     return page(request, "key_created.html", session, active="keys", key=key, tenant=owner, secret=new.key,
                 status_code=201)
+
+
+FORM_ID_TTL_S = 24 * 3600.0
+
+
+async def _first_submission(request: Request, session, form_id: str) -> bool:
+    """Whether this session has not sent this form before (forms without an id, e.g. scripted posts, always are)."""
+    if not form_id:
+        return True
+    digest = hashlib.sha256(f"{session.sid}:{form_id[:64]}".encode()).hexdigest()
+    return await request.app.state.services.kv.set_if_absent(f"console:form:{digest}", "1", FORM_ID_TTL_S)
 
 
 @post("/keys/{key_id:str}/revoke", include_in_schema=False, status_code=303)

@@ -55,13 +55,16 @@ def _range(request: Request) -> str:
     return key
 
 
-def adapter_label(row: dict, show_tenant: bool) -> str:
+def adapter_label(row: dict, show_tenant: bool, viewer: str | None = None) -> str:
+    """The chart's label of a usage row. ``viewer``: the tenant whose usage this is, whose own adapters are shown
+    without the owner (another tenant's adapter of the same name keeps it: the two are different adapters)."""
     if not row.get("adapter_id"):
         return BASE_LABEL + (f" ({row['tenant']})" if show_tenant else "")
-    # adapter_name is "<owner>/<adapter>"; a tenant's own are shown without the owner
+    # adapter_name is "<owner>/<adapter>"
     name = row.get("adapter_name") or row.get("model") or row["adapter_id"]
-    if not show_tenant and "/" in name:
-        name = name.split("/", 1)[1]
+    owner, slash, bare = name.partition("/")
+    if not show_tenant and slash and owner == viewer:
+        return bare
     return name
 
 
@@ -85,7 +88,7 @@ async def usage_page(request: Request) -> Response:
     show_tenant = session.principal.is_admin and tenant_id is None
     adapters: dict[str, tuple[int, int]] = {}
     for r in by_adapter:
-        label = adapter_label(r, show_tenant)
+        label = adapter_label(r, show_tenant, tenant.name if tenant is not None else None)
         t, n = adapters.get(label, (0, 0))
         adapters[label] = (t + r["total_tokens"], n + r["requests"])
     plan = await billing.tenant_plan(services, tenant) if tenant is not None else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import secrets
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -95,7 +96,9 @@ env = jinja2.Environment(
     undefined=jinja2.StrictUndefined,
 )
 env.filters.update(ago=_ago, when=_when, num=_num, bytes=_bytes, past=_past)
-env.globals.update(version=__version__, csrf_field=CSRF_FIELD)
+env.globals.update(version=__version__, csrf_field=CSRF_FIELD,
+                   # a fresh id per rendered form whose repeat would repeat its effect (a reload of "key created")
+                   form_id=lambda: secrets.token_urlsafe(16))
 
 
 def nav_items(session: Session | None) -> list[tuple[str, str, str]]:

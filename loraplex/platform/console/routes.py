@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from urllib.parse import quote, urlsplit
 
-from litestar import MediaType, Request, Response, Router
+from litestar import MediaType, Request, Response, Router, get
 from litestar.datastructures import CacheControlHeader
 from litestar.exceptions import HTTPException
 from litestar.static_files import create_static_files_router
@@ -20,19 +20,23 @@ from loraplex.platform.console import (
     pages_usage,
     proxy,
 )
+from loraplex.platform.console.deps import session_of
 from loraplex.platform.console.render import STATIC, page, redirect
-from loraplex.platform.console.session import LoginRequired
+from loraplex.platform.console.session import CSRF_HEADER, LoginRequired
 from loraplex.platform.errors import ApiError
 
 log = logging.getLogger(__name__)
 
 
 def _to_login(request: Request, exc: LoginRequired) -> Response:
-    if request.method != "GET" or request.headers.get("x-console-fetch"):
-        # scripts and form posts learn it plainly; the page script then goes to the sign-in form
+    if request.headers.get("x-console-fetch") or request.headers.get(CSRF_HEADER):
+        # the page's scripts (they send one of these headers) learn it plainly, then go to the sign-in form
         return Response({"error": {"message": exc.reason or "Sign in first.", "type": "invalid_request_error",
                                    "code": "not_signed_in"}}, status_code=401, media_type=MediaType.JSON)
-    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    if request.method == "GET":
+        target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    else:  # a form posted from a page after its session ended: sign in, then back to that page (the form is lost)
+        target = _same_console_page(request) or "/console"
     return redirect(request, f"/console/login?next={quote(target, safe='/')}", error=exc.reason or None)
 
 
@@ -60,14 +64,38 @@ def _on_error(request: Request, exc: HTTPException) -> Response:
     return page(request, "error.html", session, status_code=status, status=status, message=message)
 
 
+def _on_internal(request: Request, exc: Exception) -> Response:
+    """A fault in a console page: the console's error page (the API's JSON error is not for a browser)."""
+    log.exception("console error on %s %s", request.method, request.url.path, exc_info=exc)
+    return page(request, "error.html", request.state.get("console_session"), status_code=500, status=500,
+                message="The console had an error while showing this page. Try again; if it persists, the server's "
+                        "log has the details.")
+
+
+@get("/{rest:path}", include_in_schema=False)
+async def no_such_page(request: Request, rest: str) -> Response:
+    """Any other console path: the console's own 404 page."""
+    session = await session_of(request)
+    return page(request, "error.html", session, status_code=404, status=404,
+                message=f"There is no console page at {request.url.path}.")
+
+
+@get("/logout", include_in_schema=False, status_code=303)
+async def logout_link(request: Request) -> Response:
+    """Signing out is a form post (CSRF); a typed or followed link to it goes to the overview, signed in or not."""
+    return redirect(request, "/console")
+
+
 def route_handlers() -> list:
     pages = (pages_auth.handlers() + pages_overview.handlers() + pages_tenants.handlers() + pages_keys.handlers()
-             + pages_adapters.handlers() + pages_usage.handlers() + pages_playground.handlers() + proxy.handlers())
+             + pages_adapters.handlers() + pages_usage.handlers() + pages_playground.handlers() + proxy.handlers()
+             + [logout_link, no_such_page])
     return [
         Router(
             path="/console",
             route_handlers=pages,
-            exception_handlers={LoginRequired: _to_login, ApiError: _on_error, HTTPException: _on_error},
+            exception_handlers={LoginRequired: _to_login, ApiError: _on_error, HTTPException: _on_error,
+                                Exception: _on_internal},
             include_in_schema=False,
         ),
         create_static_files_router(

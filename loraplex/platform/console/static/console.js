@@ -155,6 +155,13 @@
   // ---- adapter upload with a progress bar (XHR: fetch has no upload progress) --------------------
   function startUpload(form) {
     const bar = $("#up-progress"), note = $("#up-note"), button = $("button[type=submit]", form);
+    const shared = $("#up-shared"), visibility = $("#up-vis");
+    if (shared && visibility) {
+      // names to share with make the adapter shared (private with names is refused: it would share nothing)
+      shared.addEventListener("input", () => {
+        if (shared.value.trim() && visibility.value === "private") visibility.value = "shared";
+      });
+    }
     form.addEventListener("submit", (ev) => {
       ev.preventDefault();
       const data = new FormData(form);
