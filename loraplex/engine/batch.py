@@ -48,6 +48,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from loraplex import closed_pipe
 from loraplex.engine import batch_options
@@ -123,10 +124,12 @@ def _run(args) -> int:
     try:
         total_lines = _check_unique_ids(src, args.input)
         scanned = _scan(src)
-        dst, num_kept, num_kept_failed = _open_output(args, scanned)
+        plan = _plan_output(args, scanned)
+        llm = _load(args)  # before OUTPUT is opened: a run that cannot start leaves it as it was
+        dst = _open_output(args, plan)
         try:
-            return _generate(args, scanned, dst, (num_kept, num_kept_failed), total_lines, max_in_flight, reorder,
-                             started)
+            return _generate(args, llm, scanned, dst, (plan.num_kept, plan.num_kept_failed), total_lines,
+                             max_in_flight, reorder, started)
         finally:
             if dst is not _stdout():
                 dst.close()
@@ -135,18 +138,21 @@ def _run(args) -> int:
             src.close()
 
 
-def _generate(args, scanned, dst, kept: tuple[int, int], total_lines: int | None, max_in_flight: int,
-              reorder: int, started: float) -> int:
+def _load(args):
     log.info("batch: loading the model from %s", args.model)
     from loraplex.engine.llm import LLM
 
     try:
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, seed=args.seed,
-                  max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, enable_lora=args.enable_lora,
-                  max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+        return LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                   seed=args.seed, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                   enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     except (ValueError, OSError) as exc:  # options the engine refuses, files it cannot read
         raise BatchError(f"--model {args.model}: the engine cannot start: {_ENGINE_FIELDS.sub(_flag, str(exc))}") \
             from None
+
+
+def _generate(args, llm, scanned, dst, kept: tuple[int, int], total_lines: int | None, max_in_flight: int,
+              reorder: int, started: float) -> int:
     loaded = time.monotonic()
     num_kept, num_kept_failed = kept
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
@@ -375,40 +381,64 @@ def _short(value, limit: int = 60) -> str:
 
 # ---- output ------------------------------------------------------------------------------------------------
 
-def _open_output(args, scanned: Iterator[tuple[int, bytes]]):
-    """The output to append to, how many of its lines an earlier run left (their input lines are taken from
-    ``scanned``), and how many of those failed."""
+@dataclass
+class _OutputPlan:
+    """What :func:`_plan_output` decided about OUTPUT, before anything is written to it."""
+
+    stream: bool  # "-" or not a regular file: written as is, no options file, nothing to resume
+    num_kept: int = 0  # complete lines an earlier run left (with --resume)
+    num_kept_failed: int = 0
+    options: dict | None = None
+
+
+def _plan_output(args, scanned: Iterator[tuple[int, bytes]]) -> _OutputPlan:
+    """Every check of OUTPUT, writing nothing: how many of its lines an earlier run left (their input lines are
+    taken from ``scanned``), and how many of those failed."""
     path = args.output
     if _is_stream(path):  # no options file beside it, nothing to resume, nothing to overwrite
         if args.resume:
             raise BatchError(f"--resume needs OUTPUT to be a regular file, not {path}")
-        if path == "-":
-            return _stdout(), 0, 0
-        try:
-            return open(path, "wb"), 0, 0  # noqa: SIM115
-        except OSError as exc:
-            raise BatchError(f"cannot write OUTPUT {path}: {exc.strerror}") from None
+        if path != "-" and not os.access(path, os.W_OK):
+            raise BatchError(f"cannot write OUTPUT {path}: permission denied")
+        return _OutputPlan(stream=True)
     if args.input != "-" and os.path.exists(path) and os.path.samefile(args.input, path):
         raise BatchError(f"OUTPUT {path} is the INPUT file")
     size = os.path.getsize(path) if os.path.isfile(path) else 0
-    options = batch_options.of_args(args)
-    num_kept = num_kept_failed = 0
+    plan = _OutputPlan(stream=False, options=batch_options.of_args(args))
     if size and args.resume:
-        _check_options(path, options)
-        num_kept, num_kept_failed = _check_resume(path, scanned)
+        _check_options(path, plan.options)
+        plan.num_kept, plan.num_kept_failed = _check_resume(path, scanned)
     elif size and not args.overwrite:
         raise BatchError(f"OUTPUT {path} exists and is not empty ({size} bytes): pass --resume to continue "
                          "that run or --overwrite to replace it")
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(path) and os.path.isdir(path):
+        raise BatchError(f"cannot write OUTPUT {path}: it is a folder")
+    if not os.path.isdir(folder):
+        raise BatchError(f"cannot write OUTPUT {path}: no such folder {folder}")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        raise BatchError(f"cannot write OUTPUT {path}: permission denied")
+    return plan
+
+
+def _open_output(args, plan: _OutputPlan):
+    """OUTPUT opened as planned (appended to with --resume, else truncated) and, for a file, the run's options
+    recorded beside it."""
+    path = args.output
+    if plan.stream and path == "-":
+        return _stdout()
     try:
         dst = open(path, "ab" if args.resume else "wb")  # noqa: SIM115
     except OSError as exc:
         raise BatchError(f"cannot write OUTPUT {path}: {exc.strerror}") from None
+    if plan.stream:
+        return dst
     try:
-        batch_options.record(path, options)
+        batch_options.record(path, plan.options)
     except OSError as exc:
         dst.close()
         raise BatchError(f"cannot write {batch_options.path_of(path)}: {exc.strerror}") from None
-    return dst, num_kept, num_kept_failed
+    return dst
 
 
 def _is_stream(path: str) -> bool:

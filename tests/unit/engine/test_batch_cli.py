@@ -215,6 +215,13 @@ def test_an_output_that_is_not_empty_is_kept_unless_resume_or_overwrite(tiny_mod
     assert dst.read_text() == "precious results\n"
     assert _run(tiny_model, src, src, "--overwrite") == 2
     assert "is the INPUT file" in capsys.readouterr().err and json.loads(src.read_text())["id"] == "a"
+    # --overwrite with a run that cannot start (the engine refuses an option) leaves OUTPUT and its options as they
+    # were: the file was truncated before the model loaded
+    options = tmp_path / "out.jsonl.options.json"
+    options.write_text('{"earlier": true}')
+    assert _run(tiny_model, src, dst, "--overwrite", "--max-model-len", "100000") == 2
+    assert "--max-model-len" in capsys.readouterr().err
+    assert dst.read_text() == "precious results\n" and options.read_text() == '{"earlier": true}'
     assert _run(tiny_model, src, dst, "--overwrite", "--max-tokens", "1") == 0
     assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == ["a"]
 
