@@ -37,6 +37,7 @@ import argparse
 import codecs
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -156,7 +157,8 @@ def _generate(args, llm, scanned, dst, kept: tuple[int, int], total_lines: int |
     loaded = time.monotonic()
     num_kept, num_kept_failed = kept
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    lines = (_parse(seq, line_no, raw, defaults, args.enable_lora) for seq, (line_no, raw) in enumerate(scanned))
+    lines = (_parse(seq, line_no, raw, defaults, args.enable_lora, args.seed)
+             for seq, (line_no, raw) in enumerate(scanned))
 
     def write(data: bytes) -> None:
         dst.write(data)
@@ -332,7 +334,14 @@ def _decode(line_no: int, raw: bytes):
     return item, item.get("id", line_no), None
 
 
-def _parse(seq: int, line_no: int, raw: bytes, defaults: dict, enable_lora: bool) -> Line:
+def line_seed(seed: int, rid) -> int:
+    """The sampling seed of a line whose params name none: from ``--seed`` and the line's id alone, so a sampled line
+    gives the same tokens whatever ran beside it, with any --max-num-seqs, and when --resume runs it."""
+    digest = hashlib.sha256(f"{seed}:{json.dumps(rid, sort_keys=True)}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 2  # below 2**62
+
+
+def _parse(seq: int, line_no: int, raw: bytes, defaults: dict, enable_lora: bool, seed: int = 0) -> Line:
     item, rid, error = _decode(line_no, raw)
     if error is not None:
         return Line(seq, line_no, rid, error=error)
@@ -355,7 +364,8 @@ def _parse(seq: int, line_no: int, raw: bytes, defaults: dict, enable_lora: bool
         if unknown:
             raise ValueError(f"params.{unknown[0]}: not a SamplingParams field")
         lora = _lora_request(item["lora"], enable_lora) if item.get("lora") is not None else None
-        return Line(seq, line_no, rid, prompt, SamplingParams(**{**defaults, **params}), lora)
+        return Line(seq, line_no, rid, prompt, SamplingParams(**{**defaults, "seed": line_seed(seed, rid), **params}),
+                    lora)
     except (ValueError, TypeError) as exc:
         return Line(seq, line_no, rid, error=str(exc))
 

@@ -650,3 +650,20 @@ def test_kv_cache_dtype_flag_reaches_the_engine(tiny_model, tmp_path, capsys):
     assert rc != 0 and not dst.exists()
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].endswith("--kv-cache-dtype must be one of auto, fp8, fp8_e4m3, int8, got 'int4'"), err
+
+
+def test_sampled_lines_without_a_seed_do_not_depend_on_what_ran_beside_them(tiny_model, tmp_path):
+    """Each line without a seed of its own samples with one derived from --seed and its id: the same tokens with any
+    --max-num-seqs, and so across --resume (which runs the later lines in other batches)."""
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"prompt": f"line {i}"} for i in range(10)])
+    outs = []
+    for i, seqs in enumerate(("1", "8")):
+        dst = tmp_path / f"out{i}.jsonl"
+        assert _run(tiny_model, src, dst, "--temperature", "1.0", "--max-tokens", "6", "--max-num-seqs", seqs) == 0
+        outs.append([json.loads(x)["outputs"][0]["token_ids"] for x in dst.read_text().splitlines()])
+    assert outs[0] == outs[1]
+    assert len({tuple(t) for t in outs[0]}) > 1  # sampled, and each line its own draw
+    dst = tmp_path / "other-seed.jsonl"
+    assert _run(tiny_model, src, dst, "--temperature", "1.0", "--max-tokens", "6", "--seed", "1") == 0
+    assert [json.loads(x)["outputs"][0]["token_ids"] for x in dst.read_text().splitlines()] != outs[0]
