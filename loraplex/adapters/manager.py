@@ -76,6 +76,11 @@ def _triton_usable(device: torch.device) -> bool:
     return True
 
 
+def _canonical(path) -> str:
+    """One spelling per adapter directory ("d", "d/", "x/../d", a link to it): the id clash check compares these."""
+    return os.path.realpath(os.fspath(path))
+
+
 @dataclass(eq=False)
 class _PendingLoad:
     key: Hashable  # file identity being read
@@ -164,7 +169,7 @@ class LoRAManager:
         now when a loader worker is idle, else at a later ``poll`` in scheduling order (a burst of requests
         never reads more adapters ahead than the host cache holds). Raises AdapterError only for an id
         clash; a bad file is reported by ``poll``."""
-        adapter_id, path = lora_request.lora_int_id, str(lora_request.lora_path)
+        adapter_id, path = lora_request.lora_int_id, _canonical(lora_request.lora_path)
         self._check_path(adapter_id, path)
         if self.is_ready(adapter_id) or adapter_id in self._loading:
             return
@@ -175,7 +180,7 @@ class LoRAManager:
 
     def validate_and_prefetch(self, lora_request) -> HostAdapter:
         """Validate and cache an adapter in host memory now. Raises AdapterError for a bad adapter."""
-        adapter_id, path = lora_request.lora_int_id, str(lora_request.lora_path)
+        adapter_id, path = lora_request.lora_int_id, _canonical(lora_request.lora_path)
         self._check_path(adapter_id, path)
         cached = self.host_cache.get(adapter_id)
         if cached is not None:
@@ -200,7 +205,7 @@ class LoRAManager:
             if adapter_id not in failures and not self.is_ready(adapter_id) and adapter_id not in self._loading:
                 # the registered version (a replacement under a removed id) before the request's own path
                 path = (self._queued.get(adapter_id) or self._paths.get(adapter_id)
-                        or str(lora_request.lora_path))
+                        or _canonical(lora_request.lora_path))
                 self._start_load(adapter_id, path, lora_request.lora_name)
         return failures
 

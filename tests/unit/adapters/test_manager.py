@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -130,6 +131,12 @@ def test_bad_adapter_is_refused_and_others_keep_working(tiny_model, hf_config, t
     assert out[0].abs().sum() > 0 and torch.equal(out[1], torch.zeros_like(out[1]))
     with pytest.raises(AdapterError, match="another path"):
         mgr.validate_and_prefetch(LoRARequest("other", 2, str(bad)))
+    # the same directory spelled otherwise is the same adapter, not a clash
+    d = adapter_dir(tiny_model, 1)
+    link = tmp_path / "link"
+    link.symlink_to(d)
+    for spelling in (d + "/", f"{d}/../{os.path.basename(d)}", link, str(link)):
+        mgr.validate_and_prefetch(LoRARequest("a1", 2, spelling))
 
 
 def test_adapter_on_some_layers_only(tiny_model, hf_config, tmp_path):
