@@ -108,15 +108,20 @@ class LLM:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them, each
         through the tokenizer's chat template (the server's path: ``chat_template_ids``), then ``generate``."""
         from loraplex.engine.async_engine import chat_template_ids
+        from loraplex.engine.chat import chat_messages
 
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError(f"messages: must be a conversation (a list of message dicts) or a list of them, got "
                             f"{messages!r:.80}")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        single = isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
         tokenizer = self.engine.tokenizer
         prompts = []
-        for conversation in conversations:
-            ids = chat_template_ids(tokenizer, list(conversation), add_generation_prompt, continue_final_message,
+        for c, conversation in enumerate(conversations):
+            if not isinstance(conversation, (list, tuple)) or not conversation:
+                raise TypeError(f"messages[{c}]: must be a non-empty list of message dicts, got {conversation!r:.80}")
+            rendered = chat_messages(conversation, "messages" if single else f"messages[{c}]")
+            ids = chat_template_ids(tokenizer, rendered, add_generation_prompt, continue_final_message,
                                     chat_template_kwargs)
             prompts.append({"prompt_token_ids": ids, "prompt": tokenizer.decode(ids, skip_special_tokens=False)})
         return self.generate(prompts, sampling_params, lora_request, use_tqdm)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from jinja2 import TemplateError
 from litestar import Request
 
+from loraplex.engine.chat import CHAT_ROLES
 from loraplex.platform.auth import principal_of
 from loraplex.platform.errors import ApiError, bad_request, model_not_found
 from loraplex.platform.inference import schemas as s
@@ -30,7 +31,6 @@ from loraplex.platform.inference.validation import (
 
 log = logging.getLogger(__name__)
 
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @dataclass

@@ -364,3 +364,24 @@ def test_chat_runs_each_conversation_through_the_models_chat_template(llm, tiny_
     assert got_one[0].outputs[0].token_ids == want[0].outputs[0].token_ids
     with pytest.raises(TypeError, match="messages"):
         llm.chat("Hello", params)
+
+
+def test_chat_takes_messages_as_the_server_does(llm):
+    """Text parts are joined, missing content is "", "developer" is "system"; a role the server refuses, a non-text
+    part or a non-dict message is a ValueError naming the message (a Jinja error named nothing)."""
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    plain = llm.chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nthere"}], params)
+    parts = llm.chat([{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+                      {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}],
+                     params)
+    assert parts[0].prompt_token_ids == plain[0].prompt_token_ids
+    empty = llm.chat([{"role": "user"}], params)
+    assert empty[0].prompt_token_ids == llm.chat([{"role": "user", "content": ""}], params)[0].prompt_token_ids
+    for conversation, needle in (([{"role": "foo", "content": "x"}], r"messages\[0\]\.role must be one of"),
+                                 ([{"role": "user", "content": [{"type": "image_url"}]}], r"messages\[0\]\.content"),
+                                 ([{"role": "user", "content": "x"}, "hi"], r"messages\[1\]")):
+        with pytest.raises(ValueError, match=needle):
+            llm.chat(conversation, params)
+    with pytest.raises(ValueError, match=r"messages\[1\]\[0\]\.role"):
+        llm.chat([[{"role": "user", "content": "x"}], [{"role": "nobody", "content": "x"}]], params)
+    assert not llm.engine.has_unfinished_requests()
