@@ -73,6 +73,8 @@ def register(subparsers) -> None:
     p.add_argument("output", help="JSONL output (- for stdout)")
     p.add_argument("--model", required=True, help="Hugging Face model directory")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--tokenizer", default=None,
+                   help="directory of the tokenizer, when --model's directory has none (default: --model)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV-cache element type: auto (the model's dtype) | fp8 (float8 e4m3, half the memory per "
@@ -144,7 +146,8 @@ def _load(args):
     from loraplex.engine.llm import LLM
 
     try:
-        return LLM(args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        return LLM(args.model, tokenizer=args.tokenizer, device=args.device, dtype=args.dtype,
+                   kv_cache_dtype=args.kv_cache_dtype,
                    seed=args.seed, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                    enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     except (ValueError, OSError) as exc:  # options the engine refuses, files it cannot read

@@ -7,10 +7,10 @@ import json
 import os
 
 # the flags that change what a line produces; scheduling flags (--max-num-seqs, --max-in-flight, ...) do not
-FLAGS = ("model", "device", "dtype", "kv_cache_dtype", "max_tokens", "temperature", "seed", "max_model_len",
-         "enable_lora", "max_lora_rank")
+FLAGS = ("model", "tokenizer", "device", "dtype", "kv_cache_dtype", "max_tokens", "temperature", "seed",
+         "max_model_len", "enable_lora", "max_lora_rank")
 # flags recorded since a later release: an options file without one was written with the flag's default
-RECORDED_LATER = {"kv_cache_dtype": "auto"}
+RECORDED_LATER = {"kv_cache_dtype": "auto", "tokenizer": None}
 
 
 def path_of(output: str) -> str:
@@ -19,8 +19,9 @@ def path_of(output: str) -> str:
 
 def of_args(args) -> dict:
     options = {name: getattr(args, name) for name in FLAGS}
-    if os.path.exists(args.model):  # the same directory however it is spelled
-        options["model"] = os.path.realpath(args.model)
+    for name in ("model", "tokenizer"):
+        if options[name] is not None and os.path.exists(options[name]):  # the same directory however it is spelled
+            options[name] = os.path.realpath(options[name])
     return options
 
 

@@ -53,9 +53,18 @@ def _check_argument_types(request_id, prompt_token_ids, sampling_params, lora_re
     check_type("prompt", prompt, (str, type(None)), "a string or None")
 
 
+# what a Hugging Face directory holds when it carries its own tokenizer (fast, sentencepiece or tiktoken files)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json", "tiktoken.model")
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
+    folder = Path(path)
+    if folder.is_dir() and not any((folder / name).exists() for name in TOKENIZER_FILES):
+        # transformers' own error here talks of missing sentencepiece/tiktoken packages
+        raise ValueError(f"tokenizer: {path} holds no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy "
+                         "the model's tokenizer there, or pass the directory that has it as the tokenizer")
     return AutoTokenizer.from_pretrained(path)
 
 

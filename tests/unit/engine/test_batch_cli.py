@@ -667,3 +667,22 @@ def test_sampled_lines_without_a_seed_do_not_depend_on_what_ran_beside_them(tiny
     dst = tmp_path / "other-seed.jsonl"
     assert _run(tiny_model, src, dst, "--temperature", "1.0", "--max-tokens", "6", "--seed", "1") == 0
     assert [json.loads(x)["outputs"][0]["token_ids"] for x in dst.read_text().splitlines()] != outs[0]
+
+
+def test_a_model_directory_without_a_tokenizer_says_so_and_tokenizer_names_one(tiny_model, tmp_path, capsys):
+    import shutil
+
+    bare = tmp_path / "weights-only"
+    bare.mkdir()
+    for name in ("config.json", "generation_config.json", "model.safetensors"):
+        shutil.copy(Path(tiny_model["model_dir"]) / name, bare / name)
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [{"id": "a", "prompt": "Hello"}])
+    assert main(["batch", str(src), str(dst), "--model", str(bare), *MODEL_ARGS]) == 2
+    err = capsys.readouterr().err
+    assert "holds no tokenizer files" in err and "sentencepiece" not in err, err
+    assert main(["batch", str(src), str(dst), "--model", str(bare), "--tokenizer", tiny_model["model_dir"],
+                 *MODEL_ARGS, "--max-tokens", "2"]) == 0
+    assert json.loads(dst.read_text())["id"] == "a"
+    recorded = json.loads((tmp_path / "out.jsonl.options.json").read_text())
+    assert recorded["tokenizer"] == str(Path(tiny_model["model_dir"]).resolve())
