@@ -169,7 +169,7 @@ def _generate(args, llm, scanned, dst, kept: tuple[int, int], total_lines: int |
 
     streamed = _is_stream(args.output)
     where = "stdout" if args.output == "-" else args.output
-    window = RollingWindow(llm, write, max_in_flight, reorder)
+    window = RollingWindow(llm, write, max_in_flight, reorder, refusal_text=lambda text: _LIMIT_FIELDS.sub(_flag, text))
     progress = _Progress(llm.engine, window.stats, args.progress_interval, total_lines, num_kept)
     with _stop_on_signals() as received:
         try:
@@ -212,6 +212,10 @@ def _generate(args, llm, scanned, dst, kept: tuple[int, int], total_lines: int |
 
 # engine config fields that are flags of this command: the engine's errors name the field, the user typed the flag
 _ENGINE_FIELDS = re.compile(r"\b(max_model_len|max_num_seqs|max_loras|max_lora_rank|dtype|device)\b")
+
+
+# the engine's limits a line's refusal names (n above max_num_seqs, a prompt over max_model_len): the flags that set them
+_LIMIT_FIELDS = re.compile(r"\b(max_model_len|max_num_seqs|max_loras|max_lora_rank)\b")
 
 
 def _flag(match: re.Match) -> str:

@@ -48,9 +48,13 @@ class WindowStats:
 
 
 class RollingWindow:
-    def __init__(self, llm, write: Callable[[bytes], None], max_in_flight: int, max_unwritten: int):
+    def __init__(self, llm, write: Callable[[bytes], None], max_in_flight: int, max_unwritten: int,
+                 refusal_text: Callable[[str], str] = str):
+        """``refusal_text``: the engine's refusal of a line as that line's error says it (the batch command names
+        its flags where the engine names its config fields)."""
         assert 1 <= max_in_flight <= max_unwritten, (max_in_flight, max_unwritten)
         self.llm = llm
+        self.refusal_text = refusal_text
         self.write = write
         self.max_in_flight = max_in_flight
         self.max_unwritten = max_unwritten
@@ -106,7 +110,7 @@ class RollingWindow:
             try:
                 request_id, out = self.llm._add_request(line.prompt, line.params, line.lora, 0)
             except ValueError as exc:
-                line.error = str(exc)
+                line.error = self.refusal_text(str(exc))
             else:
                 self._in_flight[request_id] = (line, out)
                 self.stats.max_in_flight_seen = max(self.stats.max_in_flight_seen, len(self._in_flight))

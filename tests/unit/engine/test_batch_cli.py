@@ -47,14 +47,17 @@ def test_lines_the_engine_refuses_fail_alone(tiny_model, tmp_path):
         json.dumps({"id": "vocab", "prompt_token_ids": [5, 10**6]}).encode(),
         b'{"id": "bytes", "prompt": "\xff\xfe"}',
         json.dumps({**good, "id": "ok2"}).encode(),
+        json.dumps({**good, "id": "wide", "params": {"n": 4}}).encode(),
     ]
     src.write_bytes(b"\n".join(lines) + b"\n")
     rc = main(["batch", str(src), str(dst), "--model", tiny_model["model_dir"], "--dtype", "float32",
-               "--max-tokens", "3", "--max-model-len", "64"])
+               "--max-tokens", "3", "--max-model-len", "64", "--max-num-seqs", "2"])
     out = [json.loads(x) for x in dst.read_text().splitlines()]
     assert rc == 1
-    assert [o["id"] for o in out] == ["ok", "long", "vocab", 4, "ok2"]  # no readable id: its line number
-    assert "max_model_len 64" in out[1]["error"] and "[0, 512)" in out[2]["error"]
+    assert [o["id"] for o in out] == ["ok", "long", "vocab", 4, "ok2", "wide"]  # no readable id: its line number
+    # the limits named as the flags that set them
+    assert "--max-model-len 64" in out[1]["error"] and "[0, 512)" in out[2]["error"]
+    assert "--max-num-seqs" in out[5]["error"] and "max_num_seqs" not in out[5]["error"], out[5]
     assert "UTF-8" in out[3]["error"]
     want = LLM(tiny_model["model_dir"], dtype="float32").generate(
         {"prompt_token_ids": [1, 40, 41, 42]}, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
