@@ -9,10 +9,11 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+import msgspec
 from jinja2 import TemplateError
 from litestar import Request
 
-from loraplex.engine.chat import CHAT_ROLES
+from loraplex.engine.chat import ChatMessageError, chat_messages
 from loraplex.platform.auth import principal_of
 from loraplex.platform.errors import ApiError, bad_request, model_not_found
 from loraplex.platform.inference import schemas as s
@@ -115,29 +116,10 @@ async def chat_prompt(req: s.ChatCompletionRequest, services) -> list[int]:
                           "send a prompt to /v1/completions instead.", param="messages", code="unsupported")
     if not req.messages:
         raise bad_request("messages must contain at least one message.", param="messages")
-    messages = []
-    for i, m in enumerate(req.messages):
-        role = CHAT_ROLES.get(m.role)
-        if role is None:
-            raise bad_request(f"messages[{i}].role must be one of {sorted(CHAT_ROLES)}, got {m.role!r}.",
-                              param=f"messages[{i}].role")
-        if isinstance(m.content, list):
-            parts = []
-            for part in m.content:
-                if part.type != "text":
-                    raise bad_request(f"messages[{i}].content: only text parts are supported (got {part.type!r}).",
-                                      param=f"messages[{i}].content")
-                if part.text is None:
-                    raise bad_request(f"messages[{i}].content: a part of type 'text' needs a 'text' string.",
-                                      param=f"messages[{i}].content")
-                parts.append(part.text)
-            content = "\n".join(parts)  # as vLLM joins text parts for a template that expects a string
-        else:
-            content = m.content or ""
-        message = {"role": role, "content": content}
-        if m.name is not None:  # the template's to show (speaker names in some templates)
-            message["name"] = m.name
-        messages.append(message)
+    try:
+        messages = chat_messages(msgspec.to_builtins(req.messages))
+    except ChatMessageError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
     add_generation_prompt = req.add_generation_prompt is not False  # vLLM's default: true
     continue_final_message = bool(req.continue_final_message)
     if add_generation_prompt and continue_final_message:
