@@ -76,7 +76,7 @@ def _quota_field(form: dict[str, str]) -> int | None:
     raw = (form.get("monthly_token_quota") or "").strip().replace(",", "").replace("_", "")
     if not raw:
         return None
-    if not (raw.isascii() and raw.isdigit()):  # str.isdigit alone takes '²', which int() refuses
+    if not raw.isdecimal():  # what int() reads (str.isdigit also takes '²', which int() refuses)
         raise ApiError(400, f"Monthly token quota must be a whole number of tokens (blank = unlimited), got {raw!r}.",
                        param="monthly_token_quota")
     return int(raw)

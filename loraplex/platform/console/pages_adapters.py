@@ -21,7 +21,7 @@ from loraplex.platform.console.session import Session
 from loraplex.platform.errors import ApiError, forbidden, not_found
 from loraplex.platform.models import SCOPE_ADAPTERS_WRITE, SCOPE_ADMIN
 from loraplex.platform.registry import queries
-from loraplex.platform.registry.models import VISIBILITIES, VISIBILITY_PUBLIC, VISIBILITY_SHARED, Adapter
+from loraplex.platform.registry.models import VISIBILITIES, Adapter
 from loraplex.platform.registry.schemas import adapter_out
 from loraplex.platform.registry.setup import registry_of
 
@@ -51,20 +51,17 @@ async def adapters_page(request: Request) -> Response:
     async with request.app.state.services.sessions() as s:
         # operators: every tenant's (public and shared ones included); tenants: own + shared with them
         items = await _all_adapters(s) if p.is_admin else await queries.list_usable(s, p)
-    # a tenant's list holds only what it can call; an operator's, every tenant's adapters
+        # a tenant's list holds only what it can call; an operator's, every tenant's adapters: the registry's own
+        # rule says which of those the operator's key can call
+        usable = set((await s.execute(select(Adapter.id).where(Adapter.deleted_at.is_(None),
+                                                               queries.usable_by(p.tenant_id)))).scalars()) \
+            if p.is_admin else None
     adapters = [(adapter_out(i, p.tenant_id), i.adapter.tenant_id == p.tenant_id,
-                 not p.is_admin or _usable_by(i, p)) for i in items]
+                 usable is None or i.adapter.id in usable) for i in items]
     uploaded = request.query_params.get("uploaded")
     return page(request, "adapters.html", session, active="adapters", adapters=adapters, uploaded=uploaded,
                 can_write=p.has_scope(SCOPE_ADAPTERS_WRITE), visibilities=VISIBILITIES,
                 max_upload_bytes=request.app.state.services.settings.max_upload_bytes)
-
-
-def _usable_by(item: queries.Listed, p: Principal) -> bool:
-    """Whether ``p``'s key can call the adapter (an operator's list also holds tenants' adapters it cannot)."""
-    a = item.adapter
-    return (a.tenant_id == p.tenant_id or a.visibility == VISIBILITY_PUBLIC
-            or (a.visibility == VISIBILITY_SHARED and p.tenant_name in (item.shared_with or ())))
 
 
 async def _owned(request: Request, session: Session, owner: str, name: str) -> tuple[queries.Listed, Principal]:
@@ -124,7 +121,7 @@ async def adapter_delete(request: Request, owner: str = _OWNER, name: str = _NAM
     item, acting = await _owned(request, session, owner, name)
     _check_write(session)
     version = form.get("version") or ""
-    numbered = version.isascii() and version.isdigit()
+    numbered = version.isdecimal()  # what int() reads ('²' is a digit it refuses)
     await registry_of(request).delete(acting, item.adapter.name, int(version) if numbered else None)
     if numbered:
         return redirect(request, f"/console/adapters/{owner}/{name}", flash=f"Version {version} deleted.")
