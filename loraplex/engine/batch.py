@@ -210,12 +210,11 @@ def _generate(args, llm, scanned, dst, kept: tuple[int, int], total_lines: int |
 
 # ---- arguments ---------------------------------------------------------------------------------------------
 
-# engine config fields that are flags of this command: the engine's errors name the field, the user typed the flag
-_ENGINE_FIELDS = re.compile(r"\b(max_model_len|max_num_seqs|max_loras|max_lora_rank|dtype|device)\b")
-
-
-# the engine's limits a line's refusal names (n above max_num_seqs, a prompt over max_model_len): the flags that set them
-_LIMIT_FIELDS = re.compile(r"\b(max_model_len|max_num_seqs|max_loras|max_lora_rank)\b")
+# engine config fields that are flags of this command: the engine's errors name the field, the user typed the flag.
+# _LIMITS: those a line's refusal can name (n above max_num_seqs, a prompt over max_model_len)
+_LIMITS = ("max_model_len", "max_num_seqs", "max_loras", "max_lora_rank")
+_ENGINE_FIELDS = re.compile(rf"\b({'|'.join((*_LIMITS, 'dtype', 'device'))})\b")
+_LIMIT_FIELDS = re.compile(rf"\b({'|'.join(_LIMITS)})\b")
 
 
 def _flag(match: re.Match) -> str:
@@ -412,6 +411,8 @@ def _plan_output(args, scanned: Iterator[tuple[int, bytes]]) -> _OutputPlan:
     """Every check of OUTPUT, writing nothing: how many of its lines an earlier run left (their input lines are
     taken from ``scanned``), and how many of those failed."""
     path = args.output
+    if os.path.isdir(path):  # not a regular file, but no stream either
+        raise BatchError(f"cannot write OUTPUT {path}: it is a folder")
     if _is_stream(path):  # no options file beside it, nothing to resume, nothing to overwrite
         if args.resume:
             raise BatchError(f"--resume needs OUTPUT to be a regular file, not {path}")
@@ -429,8 +430,6 @@ def _plan_output(args, scanned: Iterator[tuple[int, bytes]]) -> _OutputPlan:
         raise BatchError(f"OUTPUT {path} exists and is not empty ({size} bytes): pass --resume to continue "
                          "that run or --overwrite to replace it")
     folder = os.path.dirname(os.path.abspath(path))
-    if os.path.exists(path) and os.path.isdir(path):
-        raise BatchError(f"cannot write OUTPUT {path}: it is a folder")
     if not os.path.isdir(folder):
         raise BatchError(f"cannot write OUTPUT {path}: no such folder {folder}")
     if not os.access(path if os.path.exists(path) else folder, os.W_OK):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import signal
 from pathlib import Path
 
@@ -208,7 +209,7 @@ def test_resume_refuses_an_output_that_is_not_this_inputs(tiny_model, tmp_path, 
         assert f"line 1 of {dst} is not a loraplex batch output line" in capsys.readouterr().err
 
 
-def test_an_output_that_is_not_empty_is_kept_unless_resume_or_overwrite(tiny_model, tmp_path, capsys):
+def test_an_output_that_is_not_empty_is_kept_unless_resume_or_overwrite(tiny_model, tmp_path, capsys, caplog):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, [{"id": "a", "prompt": "Hello"}])
     dst.write_text("precious results\n")
@@ -225,6 +226,13 @@ def test_an_output_that_is_not_empty_is_kept_unless_resume_or_overwrite(tiny_mod
     assert _run(tiny_model, src, dst, "--overwrite", "--max-model-len", "100000") == 2
     assert "--max-model-len" in capsys.readouterr().err
     assert dst.read_text() == "precious results\n" and options.read_text() == '{"earlier": true}'
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="loraplex"):
+        assert _run(tiny_model, src, folder) == 2
+    assert "is a folder" in capsys.readouterr().err
+    assert not any("loading the model" in r.getMessage() for r in caplog.records)  # refused before the model is read
     assert _run(tiny_model, src, dst, "--overwrite", "--max-tokens", "1") == 0
     assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == ["a"]
 
