@@ -163,16 +163,22 @@ def silu_mul_values(g, u):
     return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
 
 
-@fast_launch
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    col0 = tl.program_id(1) * BLOCK
-    cols = col0 + tl.arange(0, BLOCK)
+def silu_mul_block(x_ptr, out_ptr, row, col_block, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+    """out[row, cols] = silu(gate) * up for the BLOCK columns of block ``col_block`` of one row of gate|up
+    (shared with the row programs of the down shrink folded into SiLU-and-multiply, lora_fold.py)."""
+    cols = col_block * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     g = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     u = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0)
     tl.store(out_ptr + row * stride_out + cols, silu_mul_values(g, u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@fast_launch
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n_cols, BLOCK: tl.constexpr):
+    silu_mul_block(x_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1), stride_x, stride_out, n_cols,
+                   BLOCK)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ launches a step). The down projection's shrink reads x = silu(gate) * up, which 
 SiLU-and-multiply, writes. Here one launch does both:
 
 - the *row programs* write ``act = silu(gate) * up`` [T, I] exactly as ``fused_ops.silu_mul`` (same rounding,
-  shared ``silu_mul_values``);
+  shared ``silu_mul_block``);
 - the *shrink programs* (the same grid decomposition and split-K partials as ``lora_shrink``, so the expand that
   follows sums them unchanged) recompute their chunk's tile of act from gate|up as they read it, instead of
   waiting for the row programs (no grid-wide sync, no atomics: runs under ``TRITON_INTERPRET=1``).
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.fused_ops import silu_mul_values
+from loraplex.kernels.fused_ops import silu_mul_block
 from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.launch import fast_launch
 from loraplex.kernels.lora_meta import LoRAKernelMeta
@@ -70,12 +70,8 @@ def _silu_mul_shrink_kernel(
     else:
         q = pid - shrink_total
         col_blocks = tl.cdiv(K, ROW_BLOCK)
-        row = (q // col_blocks).to(tl.int64)
-        cols = (q % col_blocks) * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
-        mask = cols < K
-        g = tl.load(gu_ptr + row * stride_gu + cols, mask=mask, other=0.0)
-        u = tl.load(gu_ptr + row * stride_gu + K + cols, mask=mask, other=0.0)
-        tl.store(act_ptr + row * stride_act + cols, silu_mul_values(g, u).to(act_ptr.dtype.element_ty), mask=mask)
+        silu_mul_block(gu_ptr, act_ptr, (q // col_blocks).to(tl.int64), q % col_blocks, stride_gu, stride_act, K,
+                       ROW_BLOCK)
 
 
 def silu_mul_shrink(
