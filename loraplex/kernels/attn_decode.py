@@ -48,6 +48,52 @@ FP8_BLOCK_N = 128
 FP8_NUM_STAGES = 2
 
 
+@triton.jit
+def kv_tile(q, t, t_mask, d, d_mask, block_table_row, kv_head, key_cache_ptr, value_cache_ptr, key_scale_ptr,
+            value_scale_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, block_size, qk_scale,
+            BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_INT8: tl.constexpr):
+    """For the keys at positions ``t`` (``t_mask``: which exist) of one KV head (program axis 1) through its
+    sequence's block-table row: the scores ``q . K^T * qk_scale`` [rows, BLOCK_N] in log2 units (each key row
+    times its scale in an INT8 cache), the value tile [BLOCK_N, BLOCK_D] in q's dtype, and the value rows'
+    scales (1.0 outside an INT8 cache). Shared by the decode and the varlen kernel."""
+    block_ids = tl.load(block_table_row + t // block_size, mask=t_mask, other=0).to(tl.int64)
+    in_block = (t % block_size).to(tl.int64)
+    kv_mask = t_mask[:, None] & d_mask[None, :]
+    k = tl.load(
+        key_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks
+        + kv_head * stride_kh + d[None, :],
+        mask=kv_mask, other=0.0,
+    ).to(q.dtype)  # a float8 cache: exact in 16-bit, so the dots run as for a 16-bit cache
+    v = tl.load(
+        value_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs
+        + kv_head * stride_vh + d[None, :],
+        mask=kv_mask, other=0.0,
+    ).to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if KV_INT8:  # each key row times its scale; each value row's scale folded into its probability
+        scale_row = (block_ids * block_size + in_block) * tl.num_programs(1) + kv_head
+        s = s * tl.load(key_scale_ptr + scale_row, mask=t_mask, other=0.0)[None, :]
+        v_scale = tl.load(value_scale_ptr + scale_row, mask=t_mask, other=0.0)
+    else:
+        v_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+    return s, v, v_scale
+
+
+@triton.jit
+def accumulate_tile(acc, l_i, m_i, m_ref, s, v, v_scale, DOT_PRECISION: tl.constexpr, KV_INT8: tl.constexpr):
+    """One online-softmax step: (acc, l) rescaled from the running max ``m_i`` to ``m_ref`` (finite), plus the
+    tile's probabilities ``exp2(s - m_ref)`` and their sum over the value tile."""
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if KV_INT8:
+        pv = p * v_scale[None, :]
+    else:
+        pv = p
+    acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["stride_bt"])  # the step's block-table width: 16-divisible or not, one variant
 def _decode_split_kernel(
@@ -116,36 +162,12 @@ def _decode_split_kernel(
     for tile_start in range(start, end, BLOCK_N):
         t = tile_start + tl.arange(0, BLOCK_N)
         t_mask = t < end
-        block_ids = tl.load(block_table_row + t // block_size, mask=t_mask, other=0).to(tl.int64)
-        in_block = (t % block_size).to(tl.int64)
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            key_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks
-            + kv_head * stride_kh + d[None, :],
-            mask=kv_mask, other=0.0,
-        ).to(q.dtype)  # a float8 cache: exact in 16-bit, so the dots run as for a 16-bit cache
-        v = tl.load(
-            value_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs
-            + kv_head * stride_vh + d[None, :],
-            mask=kv_mask, other=0.0,
-        ).to(q.dtype)  # a float8 cache: exact in 16-bit, so the dots run as for a 16-bit cache
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_H, BLOCK_N], log2 units
-        if KV_INT8:  # each key row times its scale; each value row's scale folded into its probability
-            scale_row = (block_ids * block_size + in_block) * tl.num_programs(1) + kv_head
-            s = s * tl.load(key_scale_ptr + scale_row, mask=t_mask, other=0.0)[None, :]
-            v_scale = tl.load(value_scale_ptr + scale_row, mask=t_mask, other=0.0)
-        else:
-            v_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+        s, v, v_scale = kv_tile(q, t, t_mask, d, d_mask, block_table_row, kv_head, key_cache_ptr, value_cache_ptr,
+                                key_scale_ptr, value_scale_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                stride_vh, block_size, qk_scale, BLOCK_N, DOT_PRECISION, KV_INT8)
         s = tl.where(t_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile has >= 1 valid key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_INT8:
-            pv = p * v_scale[None, :]
-        else:
-            pv = p
-        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc, l_i = accumulate_tile(acc, l_i, m_i, m_new, s, v, v_scale, DOT_PRECISION, KV_INT8)
         m_i = m_new
 
     has_keys = l_i > 0.0  # False only for an empty split (or seq_len 0): no 0/0

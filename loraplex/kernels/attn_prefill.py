@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.attn_decode import LOG2E, check_kv_cache, dot_precision
+from loraplex.kernels.attn_decode import LOG2E, accumulate_tile, check_kv_cache, dot_precision, kv_tile
 from loraplex.kernels.host_math import cdiv, next_power_of_2
 from loraplex.kernels.launch import fast_launch
 
@@ -117,37 +117,13 @@ def _prefill_kernel(
     for tile_start in range(0, kv_end, BLOCK_N):
         t = tile_start + tl.arange(0, BLOCK_N)
         t_mask = t < kv_end
-        block_ids = tl.load(block_table_row + t // block_size, mask=t_mask, other=0).to(tl.int64)
-        in_block = (t % block_size).to(tl.int64)
-        kv_mask = t_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            key_cache_ptr + block_ids[:, None] * stride_kb + in_block[:, None] * stride_ks
-            + kv_head * stride_kh + d[None, :],
-            mask=kv_mask, other=0.0,
-        ).to(q.dtype)  # a float8 cache: exact in 16-bit, so the dots run as for a 16-bit cache
-        v = tl.load(
-            value_cache_ptr + block_ids[:, None] * stride_vb + in_block[:, None] * stride_vs
-            + kv_head * stride_vh + d[None, :],
-            mask=kv_mask, other=0.0,
-        ).to(q.dtype)  # a float8 cache: exact in 16-bit, so the dots run as for a 16-bit cache
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        if KV_INT8:  # each key row times its scale; each value row's scale folded into its probability
-            scale_row = (block_ids * block_size + in_block) * tl.num_programs(1) + kv_head
-            s = s * tl.load(key_scale_ptr + scale_row, mask=t_mask, other=0.0)[None, :]
-            v_scale = tl.load(value_scale_ptr + scale_row, mask=t_mask, other=0.0)
-        else:
-            v_scale = tl.full([BLOCK_N], 1.0, tl.float32)
+        s, v, v_scale = kv_tile(q, t, t_mask, d, d_mask, block_table_row, kv_head, key_cache_ptr, value_cache_ptr,
+                                key_scale_ptr, value_scale_ptr, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                stride_vh, block_size, qk_scale, BLOCK_N, DOT_PRECISION, KV_INT8)
         s = tl.where(t_mask[None, :] & (t[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: no -inf - -inf
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_INT8:
-            pv = p * v_scale[None, :]
-        else:
-            pv = p
-        acc = acc * alpha[:, None] + tl.dot(pv.to(v.dtype), v, input_precision=DOT_PRECISION)
+        acc, l_i = accumulate_tile(acc, l_i, m_i, m_safe, s, v, v_scale, DOT_PRECISION, KV_INT8)
         m_i = m_new
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
