@@ -36,8 +36,6 @@ from __future__ import annotations
 import argparse
 import codecs
 import contextlib
-import dataclasses
-import hashlib
 import json
 import logging
 import os
@@ -52,15 +50,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from loraplex import closed_pipe
-from loraplex.engine import batch_options
-from loraplex.engine.batch_window import Line, RollingWindow
+from loraplex.engine import batch_lines, batch_options
+from loraplex.engine.batch_window import RollingWindow
 from loraplex.engine.config import KV_CACHE_DTYPES
-from loraplex.engine.lora_request import LoRARequest
-from loraplex.engine.sampling_params import SamplingParams, SamplingParamsError, _is_int
+from loraplex.engine.sampling_params import SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
-_NOT_AN_OBJECT = object()
-_PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 class BatchError(Exception):
@@ -160,7 +155,7 @@ def _generate(args, llm, scanned, dst, kept: tuple[int, int], total_lines: int |
     loaded = time.monotonic()
     num_kept, num_kept_failed = kept
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    lines = (_parse(seq, line_no, raw, defaults, args.enable_lora, args.seed)
+    lines = (batch_lines.parse(seq, line_no, raw, defaults, args.enable_lora, args.seed)
              for seq, (line_no, raw) in enumerate(scanned))
 
     def write(data: bytes) -> None:
@@ -294,8 +289,9 @@ def _check_unique_ids(src, name: str) -> int:
             yield raw
 
     for line_no, raw in _scan(counted()):
-        item, rid, _ = _decode(line_no, raw)
-        if item is _NOT_AN_OBJECT or "id" not in item:
+        item, _ = batch_lines.decode(line_no, raw)
+        rid = batch_lines.line_id(item, line_no)
+        if item is batch_lines.NOT_AN_OBJECT or "id" not in item:
             numbered.add(line_no)
         key = json.dumps(rid, sort_keys=True)
         if key in first:
@@ -309,7 +305,7 @@ def _check_unique_ids(src, name: str) -> int:
     for key, line_nos in list(repeats.items())[:5]:
         where = ", ".join(map(str, line_nos[:-1])) + f" and {line_nos[-1]}"
         without = [n for n in line_nos if n in numbered]
-        shown.append(f"id {_short(json.loads(key))} on lines {where}"
+        shown.append(f"id {batch_lines.short(json.loads(key))} on lines {where}"
                      + (f" (line {without[0]} has no id, so its id is its line number)" if without else ""))
     more = f"; {len(repeats) - len(shown)} more repeated ids" if len(repeats) > len(shown) else ""
     raise BatchError(f"INPUT {name} repeats ids, so its output lines could not be matched to its lines: "
@@ -325,74 +321,6 @@ def _scan(src) -> Iterator[tuple[int, bytes]]:
             raw = raw[len(codecs.BOM_UTF8):]
         if raw.strip():
             yield line_no, raw
-
-
-def _decode(line_no: int, raw: bytes):
-    """(the line's object, or _NOT_AN_OBJECT; its id; why it is not an object, or None)."""
-    try:
-        item = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        return _NOT_AN_OBJECT, line_no, f"line {line_no} is not UTF-8: {exc}"
-    except ValueError as exc:
-        return _NOT_AN_OBJECT, line_no, f"line {line_no} is not JSON: {exc}"
-    if not isinstance(item, dict):
-        return _NOT_AN_OBJECT, line_no, f"line {line_no} is not a JSON object"
-    return item, item.get("id", line_no), None
-
-
-def line_seed(seed: int, rid) -> int:
-    """The sampling seed of a line whose params name none: from ``--seed`` and the line's id alone, so a sampled line
-    gives the same tokens whatever ran beside it, with any --max-num-seqs, and when --resume runs it."""
-    digest = hashlib.sha256(f"{seed}:{json.dumps(rid, sort_keys=True)}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 2  # below 2**62
-
-
-def _parse(seq: int, line_no: int, raw: bytes, defaults: dict, enable_lora: bool, seed: int = 0) -> Line:
-    item, rid, error = _decode(line_no, raw)
-    if error is not None:
-        return Line(seq, line_no, rid, error=error)
-    try:
-        if "prompt_token_ids" in item:
-            token_ids = item["prompt_token_ids"]
-            # no int() casts: 1.7, true or "1" would run as another prompt than the line asked for
-            if not isinstance(token_ids, list) or not all(_is_int(t) for t in token_ids):
-                raise ValueError(f"prompt_token_ids: must be a list of integers (token ids), got "
-                                 f"{_short(token_ids)}")
-            prompt = {"prompt_token_ids": token_ids}
-        elif isinstance(item.get("prompt"), str):
-            prompt = item["prompt"]
-        else:
-            raise ValueError("a line needs 'prompt' (string) or 'prompt_token_ids'")
-        params = item.get("params", {})
-        if not isinstance(params, dict):
-            raise ValueError("'params' must be an object of SamplingParams fields")
-        unknown = sorted(params.keys() - _PARAM_FIELDS)
-        if unknown:
-            raise ValueError(f"params.{unknown[0]}: not a SamplingParams field")
-        lora = _lora_request(item["lora"], enable_lora) if item.get("lora") is not None else None
-        return Line(seq, line_no, rid, prompt, SamplingParams(**{**defaults, "seed": line_seed(seed, rid), **params}),
-                    lora)
-    except (ValueError, TypeError) as exc:
-        return Line(seq, line_no, rid, error=str(exc))
-
-
-def _lora_request(lora, enable_lora: bool) -> LoRARequest:
-    if not (isinstance(lora, dict) and {"name", "id", "path"} <= lora.keys()):
-        raise ValueError("'lora' must be an object with 'name', 'id' and 'path'")
-    for key, ok, what in (("name", isinstance(lora["name"], str), "a string"),
-                          ("id", _is_int(lora["id"]) and lora["id"] >= 1, "an integer >= 1 (0 is the base model)"),
-                          ("path", isinstance(lora["path"], str), "a string (a PEFT adapter directory)")):
-        if not ok:
-            raise ValueError(f"lora.{key}: must be {what}, got {_short(lora[key])}")
-    if not enable_lora:  # the engine's own message names its field, enable_lora, not the flag the user types
-        raise ValueError(f"lora: adapter {lora['name']!r} needs --enable-lora (this run has no adapters)")
-    return LoRARequest(lora["name"], lora["id"], lora["path"])
-
-
-def _short(value, limit: int = 60) -> str:
-    """A value for an error message, cut to ``limit`` characters (a line may hold a huge list)."""
-    text = json.dumps(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 # ---- output ------------------------------------------------------------------------------------------------
@@ -504,7 +432,7 @@ def _check_resume(path: str, scanned: Iterator[tuple[int, bytes]]) -> tuple[int,
                 raise BatchError(f"--resume: {path} has more lines than the input has lines to run "
                                  f"({num_kept - 1}): it is not the output of this input")
             last_line_no = line[0]
-            in_id = _decode(*line)[1]
+            in_id = batch_lines.line_id(batch_lines.decode(*line)[0], line[0])
             if type(out_id) is not type(in_id) or out_id != in_id:
                 raise BatchError(f"--resume: line {num_kept} of {path} has id {json.dumps(out_id)} but input "
                                  f"line {line[0]} has id {json.dumps(in_id)}: {path} is not the output of "

@@ -12,7 +12,7 @@ import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from loraplex.engine.outputs import CompletionOutput, Logprob, RequestOutput, apply_delta
 
@@ -49,11 +49,12 @@ class WindowStats:
 
 class RollingWindow:
     def __init__(self, llm, write: Callable[[bytes], None], max_in_flight: int, max_unwritten: int,
-                 refusal_text: Callable[[str], str] = str):
+                 refusal_text: Callable[[str], str] = str, records: Records | None = None):
         """``refusal_text``: the engine's refusal of a line as that line's error says it (the batch command names
-        its flags where the engine names its config fields)."""
+        its flags where the engine names its config fields). ``records``: the output format (default loraplex's)."""
         assert 1 <= max_in_flight <= max_unwritten, (max_in_flight, max_unwritten)
         self.llm = llm
+        self.records = records or LoraplexRecords()
         self.refusal_text = refusal_text
         self.write = write
         self.max_in_flight = max_in_flight
@@ -115,18 +116,14 @@ class RollingWindow:
                 self._in_flight[request_id] = (line, out)
                 self.stats.max_in_flight_seen = max(self.stats.max_in_flight_seen, len(self._in_flight))
         if line.error is not None:
-            self._done[line.seq] = (line, _dumps({"id": line.id, "error": line.error}), True, 0, 0)
+            self._done[line.seq] = (line, _dumps(self.records.refused(line)), True, 0, 0)
         self.stats.max_unwritten_seen = max(self.stats.max_unwritten_seen, self._next_seq - self._next_write)
 
     def _finish(self, line: Line, out: RequestOutput) -> None:
-        record = {"id": line.id, "num_prompt_tokens": len(out.prompt_token_ids),
-                  "num_cached_tokens": out.num_cached_tokens,
-                  "outputs": [_output_record(c, line.params.logprobs is not None) for c in out.outputs]}
-        if line.params.prompt_logprobs is not None:
-            record["prompt_logprobs"] = [_logprob_entry(e) for e in out.prompt_logprobs or []]
         failed = any(c.finish_reason == "error" for c in out.outputs)
         num_output = sum(len(c.token_ids) for c in out.outputs)
-        self._done[line.seq] = (line, _dumps(record), failed, len(out.prompt_token_ids), num_output)
+        self._done[line.seq] = (line, _dumps(self.records.finished(line, out, failed)), failed,
+                                len(out.prompt_token_ids), num_output)
 
     def _write_ready(self) -> None:
         stats = self.stats
@@ -148,6 +145,32 @@ class RollingWindow:
         self._in_flight.clear()
         self._done.clear()
         self.stats.num_in_flight = 0
+
+
+class Records(Protocol):
+    """An output format: the record of a line that ran, and of one that could not."""
+
+    def finished(self, line: Line, out: RequestOutput, failed: bool) -> dict:
+        """``failed``: a sample ended with finish_reason "error" (its ``error`` says why)."""
+
+    def refused(self, line: Line) -> dict:
+        """A line that did not run: ``line.error`` says why."""
+
+
+class LoraplexRecords:
+    """loraplex's own output lines: ``{"id", "outputs", "num_prompt_tokens", "num_cached_tokens"}`` (plus logprobs
+    where the line's params ask for them), or ``{"id", "error"}``."""
+
+    def finished(self, line: Line, out: RequestOutput, failed: bool) -> dict:
+        record = {"id": line.id, "num_prompt_tokens": len(out.prompt_token_ids),
+                  "num_cached_tokens": out.num_cached_tokens,
+                  "outputs": [_output_record(c, line.params.logprobs is not None) for c in out.outputs]}
+        if line.params.prompt_logprobs is not None:
+            record["prompt_logprobs"] = [_logprob_entry(e) for e in out.prompt_logprobs or []]
+        return record
+
+    def refused(self, line: Line) -> dict:
+        return {"id": line.id, "error": line.error}
 
 
 def _output_record(comp: CompletionOutput, with_logprobs: bool) -> dict:
