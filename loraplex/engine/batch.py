@@ -13,6 +13,12 @@ Output: one line per non-blank input line, in input order: ``{"id", "outputs": [
 Each line is written whole and flushed at once, so an interrupted run leaves only complete lines, except perhaps
 a cut-short last one after a hard kill.
 
+An input in which a line has ``custom_id`` and ``body`` is read in OpenAI's batch format instead, every line of it
+(batch_openai.py): ``{"custom_id", "method": "POST", "url", "body"}`` in, ``{"id", "custom_id", "response",
+"error"}`` out, ``custom_id`` taking the place of ``id`` (unique; no line-number default) and ``--lora-modules
+NAME=PATH`` naming the adapters ``body.model`` may name. One format a file, decided by the file and not by a flag:
+the two formats share no field, so the input says which it is, and every output line of a run is of one format.
+
 Lines run through a rolling window (batch_window.py): up to ``--max-in-flight`` requests in the engine at once
 (default 2 x max_num_seqs, so the scheduler always has the next request waiting), the next line added as soon
 as one finishes; at most ``--reorder-buffer`` lines may be admitted but not yet written, which bounds memory
@@ -50,12 +56,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from loraplex import closed_pipe
-from loraplex.engine import batch_lines, batch_options
+from loraplex.engine import batch_lines, batch_openai, batch_options
 from loraplex.engine.batch_window import RollingWindow
 from loraplex.engine.config import KV_CACHE_DTYPES
 from loraplex.engine.sampling_params import SamplingParams, SamplingParamsError
 
 log = logging.getLogger(__name__)
+LORAPLEX, OPENAI = "loraplex", "openai"  # the input formats (one a file): loraplex's own lines, OpenAI's batch lines
 
 
 class BatchError(Exception):
@@ -81,6 +88,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False,
                    help="accept LoRA adapters in input lines (default off)")
+    p.add_argument("--lora-modules", action="extend", nargs="+", default=None, metavar="NAME=PATH",
+                   help="adapters that OpenAI-format lines name in body.model (needs --enable-lora)")
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--max-in-flight", type=int, default=None,
@@ -120,13 +129,13 @@ def _run(args) -> int:
         raise BatchError(f"--reorder-buffer must be at least --max-in-flight ({max_in_flight}), got {reorder}")
     src = _open_input(args)
     try:
-        total_lines = _check_unique_ids(src, args.input)
+        total_lines, fmt = _check_input(src, args.input)
         scanned = _scan(src)
-        plan = _plan_output(args, scanned)
+        plan = _plan_output(args, scanned, fmt)
         llm = _load(args)  # before OUTPUT is opened: a run that cannot start leaves it as it was
         dst = _open_output(args, plan)
         try:
-            return _generate(args, llm, scanned, dst, (plan.num_kept, plan.num_kept_failed), total_lines,
+            return _generate(args, llm, fmt, scanned, dst, (plan.num_kept, plan.num_kept_failed), total_lines,
                              max_in_flight, reorder, started)
         finally:
             if dst is not _stdout():
@@ -150,13 +159,22 @@ def _load(args):
             from None
 
 
-def _generate(args, llm, scanned, dst, kept: tuple[int, int], total_lines: int | None, max_in_flight: int,
+def _generate(args, llm, fmt: str, scanned, dst, kept: tuple[int, int], total_lines: int | None, max_in_flight: int,
               reorder: int, started: float) -> int:
     loaded = time.monotonic()
     num_kept, num_kept_failed = kept
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    lines = (batch_lines.parse(seq, line_no, raw, defaults, args.enable_lora, args.seed)
-             for seq, (line_no, raw) in enumerate(scanned))
+    if fmt == OPENAI:
+        ctx = batch_openai.Context(defaults, args.seed, _models(args), llm.get_tokenizer())
+        lines = (batch_openai.parse(seq, line_no, raw, ctx) for seq, (line_no, raw) in enumerate(scanned))
+        records = batch_openai.OpenAIRecords()
+    else:
+        if args.lora_modules:
+            log.warning("batch: --lora-modules names adapters for OpenAI-format lines (body.model); the lines of %s "
+                        "are in loraplex's format and name their adapter in 'lora'", args.input)
+        lines = (batch_lines.parse(seq, line_no, raw, defaults, args.enable_lora, args.seed)
+                 for seq, (line_no, raw) in enumerate(scanned))
+        records = None
 
     def write(data: bytes) -> None:
         dst.write(data)
@@ -164,7 +182,8 @@ def _generate(args, llm, scanned, dst, kept: tuple[int, int], total_lines: int |
 
     streamed = _is_stream(args.output)
     where = "stdout" if args.output == "-" else args.output
-    window = RollingWindow(llm, write, max_in_flight, reorder, refusal_text=lambda text: _LIMIT_FIELDS.sub(_flag, text))
+    window = RollingWindow(llm, write, max_in_flight, reorder, refusal_text=lambda text: _LIMIT_FIELDS.sub(_flag, text),
+                           records=records)
     progress = _Progress(llm.engine, window.stats, args.progress_interval, total_lines, num_kept)
     with _stop_on_signals() as received:
         try:
@@ -233,6 +252,14 @@ def _check_args(args) -> None:
         SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     except SamplingParamsError as exc:
         raise BatchError(f"--{exc.param.replace('_', '-')} {exc.detail}") from None
+    _models(args)
+
+
+def _models(args) -> dict:
+    try:
+        return batch_openai.models(args.model, args.lora_modules, args.enable_lora)
+    except ValueError as exc:
+        raise BatchError(str(exc)) from None
 
 
 # ---- input -------------------------------------------------------------------------------------------------
@@ -247,7 +274,7 @@ def _stdout():
 
 def _open_input(args):
     """The input as bytes (a line that is not UTF-8 is that line's error) in a file that can be read twice. Stdin or
-    a pipe is first copied to a temporary file: its ids are checked (_check_unique_ids) before the first line runs."""
+    a pipe is first copied to a temporary file: its ids are checked (_check_input) before the first line runs."""
     if args.input == "-":
         src = _stdin()
     else:
@@ -273,13 +300,30 @@ def _is_regular_file(stream) -> bool:
         return False
 
 
-def _check_unique_ids(src, name: str) -> int:
-    """Refuse an input in which two lines have one id (as OpenAI's batch API refuses a repeated custom_id): their
-    output lines could not be told apart. A line without an id has its line number, which may be another line's.
-    Returns the input's number of lines, blank ones included (for progress), and leaves ``src`` at its start."""
-    first: dict[str, int] = {}  # the id as canonical JSON -> the first line that has it
-    repeats: dict[str, list[int]] = {}
+class _Ids:
+    """Where each id of an input is, to name the ids that repeat."""
+
+    def __init__(self):
+        self.first: dict[str, int] = {}  # the id as canonical JSON -> the first line that has it
+        self.repeats: dict[str, list[int]] = {}
+
+    def add(self, rid, line_no: int) -> None:
+        key = json.dumps(rid, sort_keys=True)
+        if key in self.first:
+            self.repeats.setdefault(key, [self.first[key]]).append(line_no)
+        else:
+            self.first[key] = line_no
+
+
+def _check_input(src, name: str) -> tuple[int, str]:
+    """The input's number of lines, blank ones included (for progress), and its format: OpenAI's batch format when a
+    line has ``custom_id`` and ``body``, as OpenAI's and vLLM's batch lines have, else loraplex's. Refuses an input in
+    which two lines have one id (OpenAI's batch API refuses a repeated custom_id): their output lines could not be
+    told apart. A loraplex line without an id has its line number, which may be another line's; an OpenAI line
+    without a custom_id fails on its own. Leaves ``src`` at its start."""
+    ids, custom_ids = _Ids(), _Ids()
     numbered: set[int] = set()  # lines whose id is their line number
+    openai_line = None  # the first line in OpenAI's format
     total = 0
 
     def counted():
@@ -290,26 +334,32 @@ def _check_unique_ids(src, name: str) -> int:
 
     for line_no, raw in _scan(counted()):
         item, _ = batch_lines.decode(line_no, raw)
-        rid = batch_lines.line_id(item, line_no)
+        custom_id = batch_openai.line_id(item)
+        if isinstance(custom_id, str) and custom_id:
+            custom_ids.add(custom_id, line_no)
+        if batch_openai.is_request(item):  # no loraplex id: its lines' ids are only kept for loraplex's format
+            openai_line = openai_line or line_no
+            continue
         if item is batch_lines.NOT_AN_OBJECT or "id" not in item:
             numbered.add(line_no)
-        key = json.dumps(rid, sort_keys=True)
-        if key in first:
-            repeats.setdefault(key, [first[key]]).append(line_no)
-        else:
-            first[key] = line_no
+        ids.add(batch_lines.line_id(item, line_no), line_no)
     src.seek(0)
-    if not repeats:
-        return total
+    fmt = LORAPLEX if openai_line is None else OPENAI
+    if fmt == OPENAI:
+        log.info("batch: %s is in OpenAI's batch format (line %d has custom_id and body)", name, openai_line)
+        ids, numbered = custom_ids, set()
+    if not ids.repeats:
+        return total, fmt
+    label = "id" if fmt == LORAPLEX else "custom_id"
     shown = []
-    for key, line_nos in list(repeats.items())[:5]:
+    for key, line_nos in list(ids.repeats.items())[:5]:
         where = ", ".join(map(str, line_nos[:-1])) + f" and {line_nos[-1]}"
         without = [n for n in line_nos if n in numbered]
-        shown.append(f"id {batch_lines.short(json.loads(key))} on lines {where}"
+        shown.append(f"{label} {batch_lines.short(json.loads(key))} on lines {where}"
                      + (f" (line {without[0]} has no id, so its id is its line number)" if without else ""))
-    more = f"; {len(repeats) - len(shown)} more repeated ids" if len(repeats) > len(shown) else ""
-    raise BatchError(f"INPUT {name} repeats ids, so its output lines could not be matched to its lines: "
-                     f"{'; '.join(shown)}{more}. Give every line its own id")
+    more = f"; {len(ids.repeats) - len(shown)} more repeated {label}s" if len(ids.repeats) > len(shown) else ""
+    raise BatchError(f"INPUT {name} repeats {label}s, so its output lines could not be matched to its lines: "
+                     f"{'; '.join(shown)}{more}. Give every line its own {label}")
 
 
 def _scan(src) -> Iterator[tuple[int, bytes]]:
@@ -335,7 +385,7 @@ class _OutputPlan:
     options: dict | None = None
 
 
-def _plan_output(args, scanned: Iterator[tuple[int, bytes]]) -> _OutputPlan:
+def _plan_output(args, scanned: Iterator[tuple[int, bytes]], fmt: str) -> _OutputPlan:
     """Every check of OUTPUT, writing nothing: how many of its lines an earlier run left (their input lines are
     taken from ``scanned``), and how many of those failed."""
     path = args.output
@@ -353,7 +403,7 @@ def _plan_output(args, scanned: Iterator[tuple[int, bytes]]) -> _OutputPlan:
     plan = _OutputPlan(stream=False, options=batch_options.of_args(args))
     if size and args.resume:
         _check_options(path, plan.options)
-        plan.num_kept, plan.num_kept_failed = _check_resume(path, scanned)
+        plan.num_kept, plan.num_kept_failed = _check_resume(path, scanned, fmt)
     elif size and not args.overwrite:
         raise BatchError(f"OUTPUT {path} exists and is not empty ({size} bytes): pass --resume to continue "
                          "that run or --overwrite to replace it")
@@ -408,10 +458,11 @@ def _check_options(path: str, options: dict) -> None:
                          "earlier run's options, or --overwrite to start over")
 
 
-def _check_resume(path: str, scanned: Iterator[tuple[int, bytes]]) -> tuple[int, int]:
-    """Match the output's complete lines with the input's first lines (by position, and their ids must
-    agree), cut off a last line without a newline, and return how many lines are kept and how many of those
-    failed."""
+def _check_resume(path: str, scanned: Iterator[tuple[int, bytes]], fmt: str) -> tuple[int, int]:
+    """Match the output's complete lines with the input's first lines (by position, and their ids, or custom_ids in
+    OpenAI's format, must agree), cut off a last line without a newline, and return how many lines are kept and how
+    many of those failed."""
+    label = "id" if fmt == LORAPLEX else "custom_id"
     num_kept = num_failed = end = last_line_no = 0
     with open(path, "rb") as f:
         for raw in f:
@@ -422,20 +473,26 @@ def _check_resume(path: str, scanned: Iterator[tuple[int, bytes]]) -> tuple[int,
             num_kept += 1
             try:
                 record = json.loads(raw)
-                out_id = record["id"]
-                num_failed += "error" in record or any(o["finish_reason"] == "error" for o in record["outputs"])
+                if fmt == OPENAI:
+                    out_id = record["custom_id"]
+                    num_failed += batch_openai.output_failed(record)
+                else:
+                    out_id = record["id"]
+                    num_failed += "error" in record or any(o["finish_reason"] == "error" for o in record["outputs"])
             except (ValueError, TypeError, KeyError):
-                raise BatchError(f"--resume: line {num_kept} of {path} is not a loraplex batch output line; "
+                shape = " in OpenAI's batch format (the input's)" if fmt == OPENAI else ""
+                raise BatchError(f"--resume: line {num_kept} of {path} is not a loraplex batch output line{shape}; "
                                  "pass --overwrite to start over") from None
             line = next(scanned, None)
             if line is None:
                 raise BatchError(f"--resume: {path} has more lines than the input has lines to run "
                                  f"({num_kept - 1}): it is not the output of this input")
             last_line_no = line[0]
-            in_id = batch_lines.line_id(batch_lines.decode(*line)[0], line[0])
+            item = batch_lines.decode(*line)[0]
+            in_id = batch_openai.line_id(item) if fmt == OPENAI else batch_lines.line_id(item, line[0])
             if type(out_id) is not type(in_id) or out_id != in_id:
-                raise BatchError(f"--resume: line {num_kept} of {path} has id {json.dumps(out_id)} but input "
-                                 f"line {line[0]} has id {json.dumps(in_id)}: {path} is not the output of "
+                raise BatchError(f"--resume: line {num_kept} of {path} has {label} {json.dumps(out_id)} but input "
+                                 f"line {line[0]} has {label} {json.dumps(in_id)}: {path} is not the output of "
                                  "this input; pass --overwrite to start over")
             end += len(raw)
     if end < os.path.getsize(path):

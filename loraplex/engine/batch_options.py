@@ -8,9 +8,9 @@ import os
 
 # the flags that change what a line produces; scheduling flags (--max-num-seqs, --max-in-flight, ...) do not
 FLAGS = ("model", "tokenizer", "device", "dtype", "kv_cache_dtype", "max_tokens", "temperature", "seed",
-         "max_model_len", "enable_lora", "max_lora_rank")
+         "max_model_len", "enable_lora", "max_lora_rank", "lora_modules")
 # flags recorded since a later release: an options file without one was written with the flag's default
-RECORDED_LATER = {"kv_cache_dtype": "auto", "tokenizer": None}
+RECORDED_LATER = {"kv_cache_dtype": "auto", "tokenizer": None, "lora_modules": None}
 
 
 def path_of(output: str) -> str:
@@ -22,6 +22,9 @@ def of_args(args) -> dict:
     for name in ("model", "tokenizer"):
         if options[name] is not None and os.path.exists(options[name]):  # the same directory however it is spelled
             options[name] = os.path.realpath(options[name])
+    if options["lora_modules"] is not None:  # NAME=PATH, each PATH resolved as --model is
+        options["lora_modules"] = [f"{name}={os.path.realpath(path)}" for name, _, path in
+                                   (value.partition("=") for value in options["lora_modules"])]
     return options
 
 

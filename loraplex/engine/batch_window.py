@@ -31,6 +31,9 @@ class Line:
     params: Any = None
     lora: Any = None
     error: str | None = None
+    error_param: str | None = None  # the request field ``error`` is about, where one is named (OpenAI's "param")
+    error_code: str | None = None  # what kind of error (OpenAI's error "code"); loraplex's own records omit it
+    request: Any = None  # what the line's output format needs beside its outputs (batch_openai.Request)
 
 
 @dataclass
@@ -112,6 +115,7 @@ class RollingWindow:
                 request_id, out = self.llm._add_request(line.prompt, line.params, line.lora, 0)
             except ValueError as exc:
                 line.error = self.refusal_text(str(exc))
+                line.error_param = getattr(exc, "param", None)
             else:
                 self._in_flight[request_id] = (line, out)
                 self.stats.max_in_flight_seen = max(self.stats.max_in_flight_seen, len(self._in_flight))

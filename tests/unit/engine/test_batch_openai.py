@@ -1,0 +1,206 @@
+"""``loraplex batch`` on OpenAI batch-format input (OpenAI's Batch API, vLLM's ``run_batch``): OpenAI batch-format
+output with the text loraplex's own lines give, under each line's custom_id, and a clear error per bad line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loraplex import LLM, SamplingParams
+from tests.conftest import adapter_dir, nan_adapter
+from tests.unit.engine.test_batch_cli import _run, _write_jsonl
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+def _line(custom_id, url, body, **envelope) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body, **envelope}
+
+
+def _read(path) -> list[dict]:
+    return [json.loads(x) for x in Path(path).read_text().splitlines()]
+
+
+def _ok_body(record: dict) -> dict:
+    assert record["error"] is None and record["response"]["status_code"] == 200, record
+    assert record["id"].startswith("batch_req_") and record["response"]["request_id"], record
+    return record["response"]["body"]
+
+
+def test_completion_lines_give_the_text_of_loraplex_lines_each_under_its_custom_id(tiny_model, tmp_path):
+    """The same prompts in both formats: each OpenAI line's completion is the loraplex line's greedy text and
+    tokens, written under that line's custom_id, in input order, as the server's text_completion object."""
+    model_dir = tiny_model["model_dir"]
+    jobs = [("zeta", "The river runs", 6), ("alpha", "Hello there", 3), ("mid", [1, 40, 41, 42], 5)]
+    names = [model_dir, Path(model_dir).name, model_dir]  # --model as given, or its directory's name
+    src, dst = tmp_path / "openai.jsonl", tmp_path / "openai.out.jsonl"
+    _write_jsonl(src, [_line(cid, COMPLETIONS, {"model": name, "prompt": prompt, "max_tokens": m, "ignore_eos": True})
+                       for (cid, prompt, m), name in zip(jobs, names)])
+    own_src, own_dst = tmp_path / "own.jsonl", tmp_path / "own.out.jsonl"
+    _write_jsonl(own_src, [{"id": cid, **({"prompt": p} if isinstance(p, str) else {"prompt_token_ids": p}),
+                            "params": {"max_tokens": m, "ignore_eos": True}} for cid, p, m in jobs])
+    assert _run(tiny_model, src, dst) == 0
+    assert _run(tiny_model, own_src, own_dst) == 0
+    out, own = _read(dst), _read(own_dst)
+    assert [o["custom_id"] for o in out] == ["zeta", "alpha", "mid"]
+    assert len({o["id"] for o in out}) == 3
+    for record, mine, name, (_, _, max_tokens) in zip(out, own, names, jobs):
+        body = _ok_body(record)
+        assert body["object"] == "text_completion" and body["id"].startswith("cmpl-") and body["model"] == name
+        [choice] = body["choices"]
+        assert choice["text"] == mine["outputs"][0]["text"] and choice["finish_reason"] == "length"
+        assert body["usage"] == {"prompt_tokens": mine["num_prompt_tokens"], "completion_tokens": max_tokens,
+                                 "total_tokens": mine["num_prompt_tokens"] + max_tokens,
+                                 "prompt_tokens_details": {"cached_tokens": mine["num_cached_tokens"]}}
+    assert len({o["response"]["body"]["choices"][0]["text"] for o in out}) == 3  # each line its own completion
+
+
+def test_chat_lines_give_llm_chat_text(tiny_model, tmp_path):
+    """A chat line renders its messages with the model's chat template as LLM.chat does; n samples come back as n
+    choices; max_completion_tokens bounds them; with add_generation_prompt false the message keeps the last role."""
+    model = tiny_model["model_dir"]
+    talk = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [
+        _line("greedy", CHAT, {"model": model, "messages": talk, "max_completion_tokens": 5, "ignore_eos": True}),
+        _line("two", CHAT, {"model": model, "messages": talk, "max_tokens": 3, "n": 2, "temperature": 1.0,
+                            "seed": 7}),
+        _line("no-turn", CHAT, {"model": model, "messages": talk, "add_generation_prompt": False, "max_tokens": 2}),
+    ])
+    assert _run(tiny_model, src, dst) == 0
+    greedy, two, no_turn = _read(dst)
+    want = LLM(model, dtype="float32").chat(talk, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    body = _ok_body(greedy)
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"content": want.outputs[0].text, "role": "assistant", "refusal": None}
+    assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids) and body["usage"]["completion_tokens"] == 5
+    choices = _ok_body(two)["choices"]
+    assert [c["index"] for c in choices] == [0, 1] and _ok_body(two)["usage"]["completion_tokens"] <= 6
+    assert _ok_body(no_turn)["choices"][0]["message"]["role"] == "user"  # no assistant turn opened: the last role
+
+
+def test_each_bad_line_fails_alone_naming_its_line_and_field(tiny_model, tmp_path):
+    """Envelope errors (not JSON, no custom_id, another method or url) get response null; a body the command
+    refuses gets a 400 (404 for an unknown model) with the error body the server would send; every error names
+    the line and the field, and the good lines around them still run."""
+    model = tiny_model["model_dir"]
+    good = {"model": model, "prompt": [1, 40, 41], "max_tokens": 3, "ignore_eos": True}
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [
+        _line("ok-1", COMPLETIONS, good),
+        _line("get", COMPLETIONS, good, method="GET"),
+        _line("embed", "/v1/embeddings", {"model": model, "input": "x"}),
+        {k: v for k, v in _line(None, COMPLETIONS, good).items() if k != "custom_id"},
+        "{not json",
+        _line("typo", COMPLETIONS, {**good, "temprature": 0.5}),
+        _line("range", COMPLETIONS, {**good, "temperature": -1}),
+        _line("model", COMPLETIONS, {**good, "model": "gpt-4o-mini"}),
+        _line("logprobs", CHAT, {"model": model, "messages": [{"role": "user", "content": "x"}], "logprobs": True}),
+        _line("role", CHAT, {"model": model, "messages": [{"role": "robot", "content": "x"}]}),
+        _line("long", COMPLETIONS, {**good, "prompt": [5] * 70}),
+        _line("max", CHAT, {"model": model, "messages": [{"role": "user", "content": "x"}],
+                            "max_completion_tokens": 0}),
+        {"id": "own", "prompt": "Hello"},
+        _line("ok-2", COMPLETIONS, good),
+    ])
+    assert _run(tiny_model, src, dst, "--max-model-len", "64") == 1
+    out = _read(dst)
+    assert [o["custom_id"] for o in out] == ["ok-1", "get", "embed", None, None, "typo", "range", "model",
+                                            "logprobs", "role", "long", "max", None, "ok-2"]
+    by_line = dict(enumerate(out, start=1))
+    envelope = {2: ("invalid_method", "method"), 3: ("invalid_url", "/v1/chat/completions"),
+                4: ("invalid_custom_id", "custom_id"), 5: ("invalid_json", "is not JSON"),
+                13: ("invalid_line", "loraplex's own line format")}
+    for line_no, (code, needle) in envelope.items():
+        record = by_line[line_no]
+        assert record["response"] is None and record["error"]["code"] == code, record
+        assert record["error"]["message"].startswith(f"line {line_no}") and needle in record["error"]["message"]
+    assert "/v1/completions" in by_line[3]["error"]["message"]  # the allowed urls named
+    refused = {6: (400, "unsupported", "temprature"), 7: (400, "invalid_value", "temperature"),
+               8: (404, "model_not_found", "model"), 9: (400, "unsupported", "logprobs"),
+               10: (400, "invalid_value", "messages[0].role"), 11: (400, "invalid_value", "prompt"),
+               12: (400, "invalid_value", "max_completion_tokens")}
+    for line_no, (status, code, param) in refused.items():
+        record = by_line[line_no]
+        assert record["response"]["status_code"] == status, record
+        error = record["response"]["body"]["error"]
+        assert (error["code"], error["param"], error["type"]) == (code, param, "invalid_request_error"), record
+        assert record["error"] == {"code": code, "message": error["message"]}
+        assert error["message"].startswith(f"line {line_no}: ") and param in error["message"], record
+    assert "--max-model-len 64" in by_line[11]["error"]["message"]  # the limit named as the flag that sets it
+    want = LLM(model, dtype="float32").generate({"prompt_token_ids": [1, 40, 41]},
+                                                SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    for record in (by_line[1], by_line[14]):
+        assert _ok_body(record)["choices"][0]["text"] == want[0].outputs[0].text
+
+
+def test_a_repeated_custom_id_is_refused_before_anything_runs(tiny_model, tmp_path, capsys):
+    """As OpenAI refuses such a file: one error line naming the custom_id and its lines; OUTPUT is not created.
+    Lines without a custom_id do not count as repeats of each other (each fails on its own)."""
+    model = tiny_model["model_dir"]
+    body = {"model": model, "prompt": "Hi"}
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [_line("x", COMPLETIONS, body), _line("y", COMPLETIONS, body), {"body": body},
+                       _line("x", CHAT, {"model": model, "messages": [{"role": "user", "content": "Hi"}]}),
+                       {"body": body}])
+    assert _run(tiny_model, src, dst) == 2
+    err = capsys.readouterr().err
+    assert 'repeats custom_ids' in err and 'custom_id "x" on lines 1 and 4' in err and '"y"' not in err, err
+    assert "line 3" not in err and not dst.exists()
+
+
+def test_lora_modules_name_the_adapters_body_model_may_name(tiny_model, tmp_path, capsys):
+    """``--lora-modules NAME=PATH``: a line whose body.model is NAME runs that adapter, as the loraplex line with the
+    same adapter in ``lora`` does; an adapter that fails to load fails its lines (500), the others run."""
+    model, path = tiny_model["model_dir"], adapter_dir(tiny_model, 0)
+    broken = nan_adapter(tiny_model, 1, tmp_path / "broken")
+    prompt = [1, 40, 41, 42]
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [_line(name, COMPLETIONS, {"model": name, "prompt": prompt, "max_tokens": 8, "ignore_eos": True})
+                       for name in ("a0", model, "broken")])
+    own_src, own_dst = tmp_path / "own.jsonl", tmp_path / "own.out.jsonl"
+    _write_jsonl(own_src, [{"prompt_token_ids": prompt, "params": {"max_tokens": 8, "ignore_eos": True},
+                            "lora": {"name": "a0", "id": 1, "path": path}}])
+    flags = ("--enable-lora", "--lora-modules", f"a0={path}", f"broken={broken}")
+    assert _run(tiny_model, src, dst, *flags) == 1
+    assert _run(tiny_model, own_src, own_dst, "--enable-lora") == 0
+    adapter, base, failed = _read(dst)
+    adapter_text = _ok_body(adapter)["choices"][0]["text"]
+    assert adapter_text == _read(own_dst)[0]["outputs"][0]["text"]
+    assert adapter_text != _ok_body(base)["choices"][0]["text"]  # the adapter changes the output
+    assert failed["response"]["status_code"] == 500 and failed["error"]["code"] == "engine_error", failed
+    assert failed["error"]["message"].startswith("line 3: generation failed")
+
+    for bad, needle in ((["--lora-modules", f"a0={path}"], "--lora-modules needs --enable-lora"),
+                        (["--enable-lora", "--lora-modules", "a0"], "NAME=PATH"),
+                        (["--enable-lora", "--lora-modules", f"a0={tmp_path / 'none'}"], "is not a directory"),
+                        (["--enable-lora", "--lora-modules", f"a0={path}", f"a0={path}"], "'a0' twice")):
+        assert _run(tiny_model, src, tmp_path / "refused.jsonl", *bad) == 2
+        assert needle in capsys.readouterr().err
+
+
+def test_resume_continues_an_openai_output_and_holds_to_its_lora_modules(tiny_model, tmp_path, capsys):
+    """--resume matches OUTPUT's lines with the input's by custom_id and runs only the rest; --lora-modules is
+    recorded with the run's options, so a resume with other adapters is refused naming the flag."""
+    model, path = tiny_model["model_dir"], adapter_dir(tiny_model, 0)
+    src, full, cut = tmp_path / "in.jsonl", tmp_path / "full.jsonl", tmp_path / "cut.jsonl"
+    _write_jsonl(src, [_line(f"r{i}", COMPLETIONS, {"model": "a0" if i % 2 else model, "prompt": [1, 30 + i],
+                                                     "max_tokens": 2 + i % 3, "ignore_eos": True})
+                       for i in range(6)])
+    flags = ("--enable-lora", "--lora-modules", f"a0={path}")
+    assert _run(tiny_model, src, full, *flags) == 0
+    lines = full.read_bytes().splitlines(keepends=True)
+    cut.write_bytes(b"".join(lines[:2]) + lines[2][:40])
+    (tmp_path / "cut.jsonl.options.json").write_bytes((tmp_path / "full.jsonl.options.json").read_bytes())
+    assert _run(tiny_model, src, cut, "--resume", "--enable-lora", "--lora-modules", f"a0={adapter_dir(tiny_model, 2)}") == 2
+    assert "--lora-modules" in capsys.readouterr().err
+    assert _run(tiny_model, src, cut, "--resume", *flags) == 0
+
+    def texts(path):
+        return [(o["custom_id"], _ok_body(o)["choices"][0]["text"]) for o in _read(path)]
+
+    assert texts(cut) == texts(full) and [c for c, _ in texts(full)] == [f"r{i}" for i in range(6)]
+    assert cut.read_bytes().startswith(b"".join(lines[:2]))  # the kept lines as they were
+    cut.write_text(json.dumps({"id": "r0", "outputs": []}) + "\n")  # a loraplex-format output line
+    assert _run(tiny_model, src, cut, "--resume", *flags) == 2
+    assert "line 1 of" in capsys.readouterr().err
