@@ -138,6 +138,22 @@ def _validation_param(exc: ValidationException) -> str | None:
 
 
 _REGEX_DETAIL = re.compile(r"Expected `str` matching regex ('.*')")
+# msgspec's words for a value of the wrong JSON type: "Expected `int | null`, got `str`"
+TYPE_MISMATCH = re.compile(r"Expected `([^`]+)`, got `(\w+)`")
+_TYPE_WORDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "a boolean",
+               "array": "an array", "object": "an object", "null": "null"}
+_GOT_WORDS = {**_TYPE_WORDS, "float": "a decimal number"}  # OpenAI's words: a float is never an integer
+
+
+def _invalid_type_message(param: str | None, expected: str, got: str) -> str:
+    """OpenAI's message for a value of the wrong type, from msgspec's type names: ``Invalid type for
+    'max_tokens': expected an integer, but got a string instead.`` (null is left out of what a field
+    takes, as OpenAI leaves it out)."""
+    names = [n for n in expected.split(" | ") if n != "null"] or ["null"]
+    words = [_TYPE_WORDS.get(n, f"`{n}`") for n in names]
+    takes = words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+    field = f"'{param}'" if param else "the request body"
+    return f"Invalid type for {field}: expected {takes}, but got {_GOT_WORDS.get(got, f'`{got}`')} instead."
 
 
 def _validation_message(exc: ValidationException) -> str:
@@ -146,6 +162,9 @@ def _validation_message(exc: ValidationException) -> str:
         detail = str(exc.extra[0].get("message", ""))
         if detail == _NO_BODY and exc.extra[0].get("key") in _BODY_KEYS:
             return f"{message}: the request body is empty; send a JSON object."
+        mismatch = TYPE_MISMATCH.fullmatch(detail)
+        if mismatch and exc.extra[0].get("source") == "body":  # a query string's values are all strings
+            return _invalid_type_message(_validation_param(exc), *mismatch.groups())
         pattern = _REGEX_DETAIL.fullmatch(detail)
         if pattern and exc.extra[0].get("key"):  # msgspec's words name the type, not the field
             detail = f"{exc.extra[0]['key']} does not have the form the pattern {pattern.group(1)} describes"
