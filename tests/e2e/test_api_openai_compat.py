@@ -187,6 +187,28 @@ def test_validation_errors_name_the_field_and_carry_a_code(server, client, model
         assert "text" in r.json()["error"]["message"] and "got 'text'" not in r.json()["error"]["message"]
 
 
+def test_values_are_typed_as_openai_types_them(server, client, model):
+    """A string (or a boolean, or 5.0) where a number or a boolean is declared is a 400 naming the field and
+    its type, never quietly converted (``"max_tokens": "5"`` once generated 5 tokens); an integer is a number."""
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {client.api_key}"}) as c:
+        for path, body in (("/v1/completions", {"model": model, "prompt": "Hello"}),
+                           ("/v1/chat/completions", {"model": model, "messages": USER})):
+            for extra, param, words in (({"max_tokens": "5"}, "max_tokens", "expected an integer, but got a string"),
+                                        ({"max_tokens": 5.0}, "max_tokens", "but got a decimal number"),
+                                        ({"max_tokens": True}, "max_tokens", "but got a boolean"),
+                                        ({"n": "2"}, "n", "expected an integer"),
+                                        ({"temperature": "0.5"}, "temperature", "expected a number"),
+                                        ({"stream": "false"}, "stream", "expected a boolean")):
+                r = c.post(path, json={**body, **extra})
+                err = r.json()["error"]
+                assert r.status_code == 400 and err["param"] == param and err["code"] == "invalid_value", (path, err)
+                assert err["message"].startswith(f"Invalid type for '{param}': ") and words in err["message"], err
+            r = c.post(path, json={**body, "max_tokens": 2, "temperature": 1, "top_p": 1, "presence_penalty": 0,
+                                   "stream": False, "n": 1})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] <= 2, r.json()
+
+
 def test_vllm_stop_extensions_stop_token_ids_and_include_stop_str(client, model, tiny_model):
     from transformers import AutoTokenizer
 
