@@ -11,6 +11,7 @@ For processes that exist to run the engine (``loraplex serve``, the benchmarks),
 
 from __future__ import annotations
 
+import atexit
 import gc
 import logging
 
@@ -18,8 +19,14 @@ log = logging.getLogger(__name__)
 
 
 def freeze_heap() -> int:
-    """Collect what is garbage now, then freeze everything still alive; returns the number of frozen objects."""
+    """Collect what is garbage now, then freeze everything still alive; returns the number of frozen objects.
+
+    At exit the heap is unfrozen again, so the interpreter's last collections reach the cycles that were alive at
+    the freeze: frozen, those outlive the teardown of their extension modules (Triton's nanobind module then lists
+    hundreds of "leaked" instances, types and functions on stderr at every shutdown)."""
     gc.collect()
+    if not gc.get_freeze_count():
+        atexit.register(gc.unfreeze)
     gc.freeze()
     frozen = gc.get_freeze_count()
     log.info("gc: %d objects alive after start-up moved out of the collector's reach (gc.freeze)", frozen)
