@@ -156,20 +156,22 @@ def _invalid_type_message(param: str | None, expected: str, got: str) -> str:
     return f"Invalid type for {field}: expected {takes}, but got {_GOT_WORDS.get(got, f'`{got}`')} instead."
 
 
-def _validation_message(exc: ValidationException) -> str:
+def _validation_message(exc: ValidationException) -> tuple[str, str]:
+    """The message and code of a framework validation error: ``invalid_type`` (OpenAI's code) for a body value
+    of the wrong JSON type, ``invalid_value`` for anything else (a missing field, a malformed body)."""
     message = str(exc.detail or "error")
     if isinstance(exc.extra, list) and exc.extra and isinstance(exc.extra[0], dict):
         detail = str(exc.extra[0].get("message", ""))
         if detail == _NO_BODY and exc.extra[0].get("key") in _BODY_KEYS:
-            return f"{message}: the request body is empty; send a JSON object."
+            return f"{message}: the request body is empty; send a JSON object.", "invalid_value"
         mismatch = TYPE_MISMATCH.fullmatch(detail)
         if mismatch and exc.extra[0].get("source") == "body":  # a query string's values are all strings
-            return _invalid_type_message(_validation_param(exc), *mismatch.groups())
+            return _invalid_type_message(_validation_param(exc), *mismatch.groups()), "invalid_type"
         pattern = _REGEX_DETAIL.fullmatch(detail)
         if pattern and exc.extra[0].get("key"):  # msgspec's words name the type, not the field
             detail = f"{exc.extra[0]['key']} does not have the form the pattern {pattern.group(1)} describes"
         message = f"{message}: {detail}".rstrip(": ")
-    return message
+    return message, "invalid_value"
 
 
 def _handle_api_error(_: Request, exc: ApiError) -> Response[Any]:
@@ -187,6 +189,7 @@ def _handle_http(request: Request, exc: HTTPException) -> Response[Any]:
     status = exc.status_code
     param = None
     message = str(exc.detail or "error")
+    code = _CODES.get(status, "invalid_value" if status == 400 else None)
     if status == 400 and message == "Input data was truncated":  # msgspec's words for JSON that ends early
         message = "JSON is malformed: the body ends before the JSON value does (truncated)"
     if status == 413 and message == "Request Entity Too Large":  # the framework's body limit, which it leaves unnamed
@@ -196,13 +199,10 @@ def _handle_http(request: Request, exc: HTTPException) -> Response[Any]:
         # framework validation (malformed JSON, wrong types, missing fields): 400 like OpenAI
         status = 400
         param = _validation_param(exc)
-        message = _validation_message(exc)
+        message, code = _validation_message(exc)
     if status >= 500:
         return error_response(status, message, "server_error", code="server_error", headers=exc.headers)
-    return error_response(
-        status, message, _TYPES.get(status, "invalid_request_error"), param,
-        _CODES.get(status, "invalid_value" if status == 400 else None), exc.headers,
-    )
+    return error_response(status, message, _TYPES.get(status, "invalid_request_error"), param, code, exc.headers)
 
 
 def _handle_internal(request: Request, exc: Exception) -> Response[Any]:

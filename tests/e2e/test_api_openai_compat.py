@@ -173,7 +173,6 @@ def test_validation_errors_name_the_field_and_carry_a_code(server, client, model
             ({"messages": USER}, "model"),
             ({"model": model, "messages": [{"content": "x"}]}, "messages[0].role"),
             ({"model": model, "messages": [{"role": "user", "content": [{"text": "x"}]}]}, "messages[0].content[0].type"),
-            ({"model": model, "messages": USER, "max_tokens": "many"}, "max_tokens"),
             ({"model": model, "messages": USER, "top_logprobs": 2}, "top_logprobs"),
             ({"model": model, "messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
             ({"model": model, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content"),
@@ -182,6 +181,10 @@ def test_validation_errors_name_the_field_and_carry_a_code(server, client, model
             r = c.post("/v1/chat/completions", json=body)
             err = r.json()["error"]
             assert r.status_code == 400 and err["param"] == param and err["code"] == "invalid_value", (body, err)
+        # a value of the wrong type has OpenAI's code for it
+        r = c.post("/v1/chat/completions", json={"model": model, "messages": USER, "max_tokens": "many"})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "max_tokens" and err["code"] == "invalid_type", err
         r = c.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user",
                                                                                 "content": [{"type": "text"}]}]})
         assert "text" in r.json()["error"]["message"] and "got 'text'" not in r.json()["error"]["message"]
@@ -201,7 +204,7 @@ def test_values_are_typed_as_openai_types_them(server, client, model):
                                         ({"stream": "false"}, "stream", "expected a boolean")):
                 r = c.post(path, json={**body, **extra})
                 err = r.json()["error"]
-                assert r.status_code == 400 and err["param"] == param and err["code"] == "invalid_value", (path, err)
+                assert r.status_code == 400 and err["param"] == param and err["code"] == "invalid_type", (path, err)
                 assert err["message"].startswith(f"Invalid type for '{param}': ") and words in err["message"], err
             r = c.post(path, json={**body, "max_tokens": 2, "temperature": 1, "top_p": 1, "presence_penalty": 0,
                                    "stream": False, "n": 1})

@@ -4,7 +4,8 @@ the server quietly converts. An integer is a number (``temperature: 1``); a bool
 neither is a decimal number, even ``5.0`` (OpenAI: "expected an integer, but got a decimal number instead").
 
 The app runs without an engine: a body that passes validation reaches the engine check and is a 503, so
-every 400 here comes from the body's types alone."""
+every 400 here comes from the body's types alone. A type error's code is ``invalid_type`` (OpenAI's); a missing
+field stays ``invalid_value``."""
 
 from __future__ import annotations
 
@@ -33,10 +34,10 @@ def model(client) -> str:
 USER = [{"role": "user", "content": "Hello"}]
 
 
-def _error(r) -> dict:
+def _error(r, code: str = "invalid_type") -> dict:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_value", err
+    assert err["type"] == "invalid_request_error" and err["code"] == code, err
     return err
 
 
@@ -108,9 +109,10 @@ def test_chat_messages_with_text_parts_and_integer_floats_pass_validation(client
 
 
 def test_missing_fields_are_still_named_at_their_path(client, model):
-    err = _error(client.post("/v1/chat/completions", json={"model": model, "messages": [*USER, {"content": "x"}]}))
+    err = _error(client.post("/v1/chat/completions", json={"model": model, "messages": [*USER, {"content": "x"}]}),
+                 "invalid_value")
     assert err["param"] == "messages[1].role" and "missing required field `role`" in err["message"], err
-    err = _error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5}))
+    err = _error(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 5}), "invalid_value")
     assert err["param"] == "model", err
 
 
