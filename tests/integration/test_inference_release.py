@@ -319,7 +319,7 @@ async def test_engine_refusal_after_admission_is_not_billed_and_releases(app, te
     """The engine refuses what validation let through (more samples than it runs at once): a 400, nothing
     billed, slot and tokens back; with an Idempotency-Key the 400 is replayed."""
     key = {"Idempotency-Key": f"k-{uuid.uuid4().hex}"}
-    refused = body(stream=stream, n=MAX_NUM_SEQS + 1)
+    refused = body(stream=stream, n=MAX_NUM_SEQS + 1, max_tokens=100)  # fits TPM: the engine is the one to refuse
     for _ in range(CAP + 1):
         call = Call(app.app, tenant["key"], "/v1/completions", refused, headers=key)
         await call.run()

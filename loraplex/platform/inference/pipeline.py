@@ -29,6 +29,7 @@ from loraplex.platform.inference.validation import (
     normalize_stop,
     sampling_params,
 )
+from loraplex.platform.limits import RequestSize
 
 log = logging.getLogger(__name__)
 
@@ -154,14 +155,24 @@ async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]]
     check_token_restrictions(req, _vocab_size(engine))
     params = sampling_params(req, n=n, max_tokens=budget, stop=stop, logprobs=logprobs,
                              prompt_logprobs=prompt_logprobs)
+    prompt_tokens, sequences = sum(len(ids) for ids in prompts), n * len(prompts)
+    size = RequestSize(model=resolved.name, prompt_tokens=prompt_tokens, max_tokens=budget, sequences=sequences,
+                       default_budget=max_tokens is None, min_budget=max(1, req.min_tokens or 0),
+                       max_tokens_param=max_tokens_param, prompt_param=prompt_param)
+    try:  # before anything is taken: a request larger than the tenant's tokens/min limit never runs
+        budget = services.limiter.fit(principal, size)
+    except ApiError:
+        services.metrics.rejected.labels("rate_limit").inc()
+        raise
+    if budget != params.max_tokens:  # a default budget cut to the limit
+        params = replace(params, max_tokens=budget)
     try:
         services.admission.acquire()
     except ApiError:
         services.metrics.rejected.labels("admission").inc()
         raise
-    prompt_tokens, sequences = sum(len(ids) for ids in prompts), n * len(prompts)
     # without max_tokens the budget is the server's default, no promise: the quota may cut it to what it has left
-    at_least = prompt_tokens + max(1, req.min_tokens or 0) * sequences if max_tokens is None else None
+    at_least = prompt_tokens + size.min_budget * sequences if max_tokens is None else None
     async with contextlib.AsyncExitStack() as held:  # given back on any exit, unless the generation takes it
         held.callback(services.admission.release)
         estimate = prompt_tokens + budget * sequences
