@@ -156,6 +156,13 @@ def _invalid_type_message(param: str | None, expected: str, got: str) -> str:
     return f"Invalid type for {field}: expected {takes}, but got {_GOT_WORDS.get(got, f'`{got}`')} instead."
 
 
+def invalid_type(param: str, expected: str, got: str, note: str = "") -> ApiError:
+    """A value of the wrong type that only a check after the body's conversion finds (types in msgspec's names,
+    as in its own errors: ``"str | array"``, ``"null"``), worded and coded as the body's type errors."""
+    message = _invalid_type_message(param, expected, got)
+    return ApiError(400, f"{message} {note}".strip(), param=param, code="invalid_type")
+
+
 def _validation_message(exc: ValidationException) -> tuple[str, str]:
     """The message and code of a framework validation error: ``invalid_type`` (OpenAI's code) for a body value
     of the wrong JSON type, ``invalid_value`` for anything else (a missing field, a malformed body)."""

@@ -190,6 +190,36 @@ def test_validation_errors_name_the_field_and_carry_a_code(server, client, model
         assert "text" in r.json()["error"]["message"] and "got 'text'" not in r.json()["error"]["message"]
 
 
+def test_a_message_without_content_and_an_empty_model_are_400s_as_in_openai(client, model):
+    """Content may be null (or left out) only on an assistant message that calls a tool or function; a user turn
+    without content was rendered as an empty turn and answered. ``model: ""`` is a missing model (OpenAI's 400),
+    not a 404 for a model named ""."""
+    chat = client.chat.completions.create
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}
+    cases = [
+        ([{"role": "user", "content": None}], "messages[0].content", "invalid_type", "but got null instead"),
+        ([{"role": "system"}, *USER], "messages[0].content", "invalid_value", "Missing required parameter"),
+        ([*USER, {"role": "assistant", "content": None}, *USER], "messages[1].content", "invalid_type", "null"),
+        ([*USER, {"role": "tool", "tool_call_id": "call_1", "content": None}], "messages[1].content",
+         "invalid_type", "null"),
+    ]
+    for messages, param, code, words in cases:
+        body = _refused(chat, model=model, messages=messages, max_tokens=2)
+        assert body["param"] == param and body["code"] == code and words in body["message"], (messages, body)
+        assert "tool_calls" in body["message"], body  # it says which message may have none
+    # an assistant's tool call (or legacy function call) needs no content
+    for assistant in ({"role": "assistant", "content": None, "tool_calls": [call]},
+                      {"role": "assistant", "function_call": {"name": "lookup", "arguments": "{}"}}):
+        r = chat(model=model, max_tokens=2, messages=[*USER, assistant,
+                                                      {"role": "tool", "tool_call_id": "call_1", "content": "42"}])
+        assert r.choices[0].finish_reason in ("stop", "length"), r
+
+    for call, kw in ((chat, dict(messages=USER)), (client.completions.create, dict(prompt="x"))):
+        body = _refused(call, model="", max_tokens=2, **kw)
+        assert body["param"] == "model" and body["code"] == "invalid_value", body
+        assert body["message"] == "You must provide a model parameter.", body
+
+
 def test_values_are_typed_as_openai_types_them(server, client, model):
     """A string (or a boolean, or 5.0) where a number or a boolean is declared is a 400 naming the field and
     its type, never quietly converted (``"max_tokens": "5"`` once generated 5 tokens); an integer is a number."""

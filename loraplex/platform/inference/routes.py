@@ -35,7 +35,12 @@ from loraplex.platform.inference.pipeline import (
 )
 from loraplex.platform.inference.runner import EngineFailure
 from loraplex.platform.inference.sse import DONE, SSEStream, StreamingOperation, sse_event
-from loraplex.platform.inference.validation import check_truncate_prompt_tokens, refuse_unsupported
+from loraplex.platform.inference.validation import (
+    check_message_contents,
+    check_truncate_prompt_tokens,
+    refuse_unsupported,
+    require_model,
+)
 from loraplex.platform.models import SCOPE_INFERENCE
 
 _ERRORS = error_responses(400, 401, 403, 404, 409, 422, 429, 503)
@@ -131,6 +136,7 @@ async def create_completion(request: Request, data: s.CompletionRequest,
 
 
 async def _create_completion(request: Request, data: s.CompletionRequest) -> Response[s.CompletionResponse]:
+    require_model(data.model)
     principal, resolved = await authorize_and_resolve(request, data.model)
     services = request.app.state.services
     engine = services.engine
@@ -267,9 +273,11 @@ async def create_chat_completion(request: Request, data: s.ChatCompletionRequest
 
 async def _create_chat_completion(request: Request, data: s.ChatCompletionRequest,
                                   ) -> Response[s.ChatCompletionResponse]:
+    require_model(data.model)
     principal, resolved = await authorize_and_resolve(request, data.model)
     engine = request.app.state.services.engine
     refuse_unsupported(data)
+    check_message_contents(data.messages)
     top_n = 0
     if data.top_logprobs is not None:
         if not data.logprobs:

@@ -67,8 +67,11 @@ class TextPart(msgspec.Struct, kw_only=True):
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
-    content: str | list[TextPart] | None = None
+    # left out (UNSET) or null only on an assistant message with tool_calls or function_call (validation.py)
+    content: str | list[TextPart] | None | msgspec.UnsetType = msgspec.UNSET
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    function_call: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True):

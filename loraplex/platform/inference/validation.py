@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
+
 from loraplex.engine.sampling_params import SamplingParams, SamplingParamsError
-from loraplex.platform.errors import ApiError, bad_request
+from loraplex.platform.errors import ApiError, bad_request, invalid_type
 from loraplex.settings import Settings
 
 MAX_STOP_STRING_CHARS = 256
@@ -46,6 +48,27 @@ def normalize_stop(stop: str | list[str] | None, limits: Limits) -> list[str]:
             raise bad_request(f"Each stop sequence must be at most {MAX_STOP_STRING_CHARS} characters.",
                               param="stop")
     return stops
+
+
+def require_model(model: str) -> None:
+    """An empty ``model`` is a missing one (OpenAI's 400), not a 404 for a model named ""."""
+    if not model:
+        raise bad_request("You must provide a model parameter.", param="model")
+
+
+def check_message_contents(messages) -> None:
+    """OpenAI's rule: a message's content may be null or left out only where the message says something else,
+    an assistant's ``tool_calls`` or ``function_call`` (a user turn without content is no turn to answer)."""
+    note = "Only an assistant message with tool_calls or function_call may have no content."
+    for i, m in enumerate(messages):
+        if m.content is not None and m.content is not msgspec.UNSET:
+            continue
+        if m.role == "assistant" and (m.tool_calls or m.function_call):
+            continue
+        param = f"messages[{i}].content"
+        if m.content is None:
+            raise invalid_type(param, "str | array", "null", note)
+        raise bad_request(f"Missing required parameter: '{param}'. {note}", param=param)
 
 
 def check_n(n: int | None, num_prompts: int, limits: Limits) -> int:
