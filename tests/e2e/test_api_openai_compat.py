@@ -157,6 +157,56 @@ def test_echo_with_logprobs_scores_the_prompt_like_lm_eval(client, model, tiny_m
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.text
 
 
+def test_echo_with_max_tokens_0_returns_the_prompt_alone_scored_and_bills_no_completion(server, client, model):
+    """Prompt scoring as OpenAI's legacy completions and vLLM answer it: ``echo`` + ``max_tokens=0`` is the prompt
+    echoed (with ``logprobs``, its tokens' logprobs, the first one's null) and nothing generated, finish_reason
+    "length", completion_tokens 0 in the response and in the usage ledger; streamed too. Without echo, 0 stays
+    a 400."""
+    tenant = server.create_tenant("scoring-co")
+    scorer = openai.OpenAI(api_key=tenant["key"], base_url=server.base_url + "/v1", max_retries=0)
+    prompt = "Hello there"
+    one = scorer.completions.create(model=model, prompt=prompt, max_tokens=1, echo=True, logprobs=0, temperature=0)
+    scored = scorer.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    num_prompt = one.usage.prompt_tokens
+    choice, lp = scored.choices[0], scored.choices[0].logprobs
+    assert choice.text == prompt and choice.finish_reason == "length", choice
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == num_prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    # the same prompt logprobs as the echo of a one-token completion, less its generated token
+    assert lp.tokens == one.choices[0].logprobs.tokens[:num_prompt]
+    assert lp.token_logprobs[1:] == pytest.approx(one.choices[0].logprobs.token_logprobs[1:num_prompt], abs=1e-4)
+    assert (scored.usage.prompt_tokens, scored.usage.completion_tokens, scored.usage.total_tokens) == \
+        (num_prompt, 0, num_prompt)
+    # without logprobs: the text alone; n choices each echo it
+    plain = scorer.completions.create(model=model, prompt=[prompt, "x"], max_tokens=0, echo=True, n=2)
+    assert [c.text for c in plain.choices] == [prompt, prompt, "x", "x"] and plain.usage.completion_tokens == 0
+    assert all(c.logprobs is None and c.finish_reason == "length" for c in plain.choices), plain
+
+    chunks = list(scorer.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    streamed_lp = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert streamed_lp == lp.tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0 and chunks[-1].usage.prompt_tokens == num_prompt
+
+    for kw in (dict(), dict(logprobs=0), dict(echo=False)):
+        body = _refused(scorer.completions.create, model=model, prompt=prompt, max_tokens=0, **kw)
+        assert body["param"] == "max_tokens" and "got 0" in body["message"], body
+    body = _refused(scorer.completions.create, model=model, prompt=prompt, max_tokens=0, echo=True,
+                    extra_body={"min_tokens": 1})
+    assert body["param"] == "min_tokens", body
+
+    # the ledger bills what the responses said: the prompts, and the one generated token of the first request only
+    server.wait_none_in_flight()
+    with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {tenant['key']}"}) as c:
+        totals = c.get("/v1/usage").json()["totals"]
+    billed = [one.usage, scored.usage, plain.usage, chunks[-1].usage]
+    assert totals["requests"] == len(billed), totals
+    assert totals["completion_tokens"] == sum(u.completion_tokens for u in billed) == 1, totals
+    assert totals["prompt_tokens"] == sum(u.prompt_tokens for u in billed), totals
+
+
 def test_a_chat_template_that_refuses_the_conversation_is_a_400(client, model):
     body = _refused(client.chat.completions.create, model=model, max_tokens=2,
                     messages=[{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}])

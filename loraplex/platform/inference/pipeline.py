@@ -140,7 +140,7 @@ async def chat_prompt(req: s.ChatCompletionRequest, services) -> list[int]:
 
 async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]], texts: list[str | None],
                   resolved, principal, *, max_tokens: int | None, max_tokens_param: str, prompt_param: str,
-                  logprobs: int | None, prompt_logprobs: int | None = None) -> Prepared:
+                  logprobs: int | None, prompt_logprobs: int | None = None, prompt_only: bool = False) -> Prepared:
     services = request.app.state.services
     engine = services.engine
     limits = Limits.from_settings(services.settings, engine.max_model_len)
@@ -200,7 +200,7 @@ async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]]
             services=services, principal=principal, model=resolved, endpoint=endpoint,
             response_id=response_id, prompts=prompts, params=params, grant=grant,
             quota_reservation=reservation, param_names={"prompt": prompt_param, "max_tokens": max_tokens_param},
-            streamed=bool(getattr(req, "stream", False)),
+            streamed=bool(getattr(req, "stream", False)), prompt_only=prompt_only,
         )
         held.pop_all()  # Generation.close() gives them back from here on
     return Prepared(gen, grant.headers, texts)

@@ -155,10 +155,15 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
     prompt_logprobs = data.prompt_logprobs
     if prompt_logprobs is None and score_prompt:
         prompt_logprobs = data.logprobs
+    max_tokens = 16 if data.max_tokens is None else data.max_tokens
+    # echo with max_tokens 0: the prompt alone, nothing generated (OpenAI's and vLLM's prompt scoring)
+    prompt_only = bool(data.echo) and max_tokens == 0
+    if prompt_only and data.min_tokens:
+        raise bad_request(f"min_tokens must be at most max_tokens (0), got {data.min_tokens}.", param="min_tokens")
     prep = await prepare(request, data, "completions", prompts, texts, resolved, principal,
-                         max_tokens=16 if data.max_tokens is None else data.max_tokens,
-                         max_tokens_param="max_tokens", prompt_param="prompt", logprobs=data.logprobs,
-                         prompt_logprobs=prompt_logprobs)
+                         max_tokens=1 if prompt_only else max_tokens, max_tokens_param="max_tokens",
+                         prompt_param="prompt", logprobs=None if prompt_only else data.logprobs,
+                         prompt_logprobs=prompt_logprobs, prompt_only=prompt_only)
     with owned(prep.generation) as gen:  # until the response takes it over
         n = gen.params.n
         created = int(time.time())

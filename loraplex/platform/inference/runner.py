@@ -11,6 +11,7 @@ waited in the engine's queue, the chunks that ran of a prefill) and the completi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -83,6 +84,10 @@ class Generation:
     # a stream delivers each delta as it comes; a JSON response delivers nothing unless it completes (a request
     # that ends in an error response is billed no completion tokens)
     streamed: bool = True
+    # the prompt alone (completions' echo with max_tokens 0, to score it): the engine samples after every prompt,
+    # so each choice runs with max_tokens 1 and its token (sampled in the prompt's own step, no extra forward
+    # pass) is neither sent nor billed; the choice ends "length", as in OpenAI's and vLLM's answer
+    prompt_only: bool = False
     completion_tokens: int = 0  # delivered to the client
     status: str = STATUS_COMPLETED
     finish_reasons: list[str] = field(default_factory=list)
@@ -187,6 +192,8 @@ class Generation:
                     raise EngineFailure(str(item) or type(item).__name__)
                 if item.finish_reason == "error" or item.error:
                     raise EngineFailure(item.error or "engine error")
+                if self.prompt_only:
+                    item = _without_output(item)
                 self._observe(i, item)
                 yield ChoiceDelta(i * self.params.n + item.index, item)
                 self.completion_tokens += len(item.token_ids)
@@ -340,6 +347,14 @@ class Generation:
             await s.usage.record(event)
         except Exception:
             log.exception("usage sink failed for %s", self.response_id)
+
+
+def _without_output(d: TokenDelta) -> TokenDelta:
+    """``d`` less what its sample generated (``Generation.prompt_only``): its prompt logprobs and counts stay."""
+    ended = d.finish_reason in ("stop", "length")  # an abort stays one
+    return dataclasses.replace(d, token_ids=[], text="", logprobs=None, num_generated_tokens=0,
+                               cumulative_logprob=None, stop_reason=None,
+                               finish_reason="length" if ended else d.finish_reason)
 
 
 def engine_unavailable(services) -> ApiError | None:
