@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -18,6 +18,11 @@ from loraplex.engine.protocol import EngineStats
 # Litestar appends "; charset=utf-8" to every text/* media type: naming it here too sent it twice, which
 # Prometheus 3 refuses (the scrape fails on a Content-Type Go cannot parse)
 CONTENT_TYPE = "text/plain; version=0.0.4"
+
+# prometheus_client also exports a ``*_created`` series (start time) beside every counter and histogram: one more
+# series per label set, which Prometheus's own ``rate()``/``increase()`` never read. The switch is process-wide
+# (this module is the process's one metrics registry); the same as PROMETHEUS_DISABLE_CREATED_SERIES=true.
+disable_created_metrics()
 
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0)
