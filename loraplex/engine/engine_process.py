@@ -19,6 +19,11 @@ exit, before ``multiprocessing`` joins its children: that join would otherwise w
 the pipe to close.
 If the child dies, every open stream ends with an "error" delta, ``is_healthy()`` turns False and new requests
 raise ``EngineDeadError``, as with the loop thread.
+
+Liveness: the child sends something at least every ``HEARTBEAT_S`` while idle (its stats) and after every step, so
+``silent_s()`` (seconds since the child last sent anything) grows only while a step runs or the child is stuck: a
+device hang, a stopped process, a deadlock. The server's supervisor ``kill()``s a child silent for longer than its
+stall timeout, which then dies as above and is replaced (loraplex/platform/engine_boot.py).
 """
 
 from __future__ import annotations
@@ -57,6 +62,10 @@ log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 1800.0  # loading an 8B model from a slow disk, plus CUDA graph capture
 EXIT_STOP_TIMEOUT_S = 5.0  # at interpreter exit, how long the child may take to stop before it is killed
+HEARTBEAT_S = 1.0  # an idle child sends its stats this often
+# a child silent this long when it is asked to stop is not stepping (a step is far shorter): it gets this long to
+# stop before it is killed, instead of the full close timeout
+STALLED_CLOSE_S = 5.0
 
 
 class ProcessEngine(StreamingClient):
@@ -87,6 +96,8 @@ class ProcessEngine(StreamingClient):
         self._replies: dict[int, concurrent.futures.Future] = {}
         self._tokens = itertools.count()
         self._dead: BaseException | None = None
+        self._heard_at = time.monotonic()  # when the child last sent anything (the reader thread sets it)
+        self._kill_reason: str | None = None
         self._lock = threading.Lock()  # orders streams, replies and sends against the child's death
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="loraplex-engine-writer", daemon=True)
@@ -130,6 +141,17 @@ class ProcessEngine(StreamingClient):
     def is_healthy(self) -> bool:
         return self._dead is None and self._proc.is_alive()
 
+    def silent_s(self) -> float:
+        """Seconds since the child last sent anything (0 once it is dead: then ``is_healthy`` says so). An idle
+        child sends every ``HEARTBEAT_S``, a busy one after each step: a long silence is a stuck engine."""
+        return 0.0 if self._dead is not None else max(0.0, time.monotonic() - self._heard_at)
+
+    def kill(self, reason: str) -> None:
+        """End a stuck child now (SIGKILL: it runs no more code); its streams and callers fail with ``reason``."""
+        self._kill_reason = reason
+        if self._proc.is_alive():
+            self._proc.kill()
+
     async def remove_adapter(self, adapter_id: int) -> None:
         await self._call("remove_adapter", adapter_id)
 
@@ -143,6 +165,8 @@ class ProcessEngine(StreamingClient):
         self._closed = True
         atexit.unregister(self._at_exit)
         self._send(("shutdown",))
+        if self.silent_s() > STALLED_CLOSE_S:  # stuck: it would not read the shutdown command in time anyway
+            timeout_s = min(timeout_s, STALLED_CLOSE_S)
         self._stop_child(timeout_s)
         self._reader.join(5.0)
         self._mark_dead(EngineDeadError("the engine was shut down"))
@@ -201,6 +225,7 @@ class ProcessEngine(StreamingClient):
         try:
             while True:
                 message = self._conn.recv()
+                self._heard_at = time.monotonic()
                 kind = message[0]
                 if kind == "step":
                     _, deltas, self._stats = message
@@ -223,8 +248,8 @@ class ProcessEngine(StreamingClient):
         except (EOFError, OSError):
             self._proc.join(2.0)  # the pipe closes as the child dies: reap it, so its exit code is known
             code = self._proc.exitcode
-            reason = EngineDeadError("the engine process exited" if code is None else
-                                     f"the engine process exited ({_exit_text(code)})")
+            reason = EngineDeadError(self._kill_reason or ("the engine process exited" if code is None else
+                                                           f"the engine process exited ({_exit_text(code)})"))
         except Exception as exc:  # noqa: BLE001 (a message this side cannot read: the engine is unusable)
             log.exception("reading from the engine process failed")
             reason = exc
@@ -345,6 +370,7 @@ class _ChildLoop:
     def __init__(self, engine, conn, parent_pid: int):
         self.engine, self.conn, self.parent_pid = engine, conn, parent_pid
         self.stopping = False
+        self.sent_at = time.monotonic()
         self.steps = 0
         self.step_s = self.step_cpu_s = self.send_s = 0.0
 
@@ -364,11 +390,15 @@ class _ChildLoop:
                     self.steps += 1
                     self.step_s += stepped - started
                     self.conn.send(("step", deltas, self._stats()))
+                    self.sent_at = time.monotonic()
                     self.send_s += time.perf_counter() - stepped
-                elif drained:  # e.g. the last request was aborted: no step follows to refresh the stats
+                elif not drained and os.getppid() != self.parent_pid:  # the server is gone (its end of the pipe
+                    return  # may be inherited)
+                elif drained or time.monotonic() - self.sent_at >= HEARTBEAT_S:
+                    # drained: e.g. the last request was aborted, and no step follows to refresh the stats; idle: the
+                    # heartbeat that tells the server this loop still runs (ProcessEngine.silent_s)
                     self.conn.send(("stats", self._stats()))
-                elif os.getppid() != self.parent_pid:  # the server is gone (its end of the pipe may be inherited)
-                    return
+                    self.sent_at = time.monotonic()
         except (EOFError, BrokenPipeError, ConnectionResetError):
             return  # the server closed the pipe: nobody to report to
         except BaseException as exc:  # noqa: BLE001 (the loop must report any death, then stop)

@@ -16,7 +16,7 @@ import pytest
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.engine_process import ProcessEngine
+from loraplex.engine.engine_process import HEARTBEAT_S, STALLED_CLOSE_S, ProcessEngine
 from loraplex.engine.protocol import EngineDeadError, EngineRequest
 from loraplex.engine.sampling_params import RequestLimitError, SamplingParamsError
 from tests.unit.engine.test_async_engine import _long_stream_started
@@ -151,6 +151,33 @@ async def test_a_killed_engine_process_ends_open_streams_and_refuses_new_request
         eng.close(timeout_s=5)
 
 
+async def test_an_idle_engine_beats_and_a_stopped_one_falls_silent_then_is_killed_with_the_reason(tiny_model):
+    eng = ProcessEngine.from_config(EngineConfig(model=tiny_model["model_dir"], dtype="float32"))
+    try:
+        await asyncio.sleep(3 * HEARTBEAT_S)  # idle: the child's heartbeat keeps the silence under a beat or two
+        assert eng.is_healthy() and eng.silent_s() < 2.5 * HEARTBEAT_S
+        task, got = await _long_stream_started(eng, "frozen", max_tokens=1000, per_delta_s=0.01)
+        os.kill(eng.pid, signal.SIGSTOP)  # as a hung device or a deadlock looks from here: alive, not answering
+        await asyncio.sleep(3 * HEARTBEAT_S)
+        assert eng.is_healthy() and eng.silent_s() >= 2.5 * HEARTBEAT_S and not task.done()
+        eng.kill("the engine stopped answering for 3 s")
+        await asyncio.wait_for(task, 30)
+        assert got[-1].finish_reason == "error" and "stopped answering for 3 s" in got[-1].error
+        assert not eng.is_healthy() and eng.silent_s() == 0.0
+    finally:
+        eng.close(timeout_s=5)
+
+
+async def test_closing_a_stuck_engine_waits_the_short_stall_timeout_not_the_full_one(tiny_model):
+    eng = ProcessEngine.from_config(EngineConfig(model=tiny_model["model_dir"], dtype="float32"))
+    os.kill(eng.pid, signal.SIGSTOP)
+    await asyncio.sleep(STALLED_CLOSE_S + 2 * HEARTBEAT_S)
+    started = time.monotonic()
+    await asyncio.to_thread(eng.close, 60.0)
+    assert time.monotonic() - started < STALLED_CLOSE_S + 10  # stopped and killed, not 60 s of waiting
+    assert not _alive(eng.pid)
+
+
 async def test_shutdown_ends_open_streams_and_stops_the_process(tiny_model):
     eng = ProcessEngine.from_config(EngineConfig(model=tiny_model["model_dir"], dtype="float32"))
     task, got = await _long_stream_started(eng, "open")
@@ -176,7 +203,7 @@ def test_the_engine_process_exits_when_the_server_dies(tiny_model, tmp_path):
     script = textwrap.dedent(f"""
         import os
         from loraplex.engine.config import EngineConfig
-        from loraplex.engine.engine_process import ProcessEngine
+        from loraplex.engine.engine_process import HEARTBEAT_S, STALLED_CLOSE_S, ProcessEngine
         if __name__ == "__main__":
             eng = ProcessEngine.from_config(EngineConfig(model={tiny_model["model_dir"]!r}, dtype="float32"))
             print(eng.pid, flush=True)
@@ -199,7 +226,7 @@ def test_a_server_that_exits_without_closing_the_engine_stops_it_at_exit(tiny_mo
     multiprocessing's exit handler waited forever for a child that waited for the pipe to close."""
     script = textwrap.dedent(f"""
         from loraplex.engine.config import EngineConfig
-        from loraplex.engine.engine_process import ProcessEngine
+        from loraplex.engine.engine_process import HEARTBEAT_S, STALLED_CLOSE_S, ProcessEngine
         if __name__ == "__main__":
             eng = ProcessEngine.from_config(EngineConfig(model={tiny_model["model_dir"]!r}, dtype="float32"))
             print(eng.pid, flush=True)
