@@ -13,7 +13,7 @@ from alembic import context
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from loraplex.platform.db import Base
-from loraplex.platform.migrate import import_all_models
+from loraplex.platform.migrate import PG_STARTUP_LOCK, import_all_models
 
 import_all_models()
 config = context.config
@@ -30,15 +30,11 @@ def _configure(connection) -> None:
     )
 
 
-# replicas starting together must not run the same migration twice
-_PG_MIGRATION_LOCK = 0x6C707801
-
-
 def _run_sync(connection) -> None:
     _configure(connection)
     with context.begin_transaction():
-        if connection.dialect.name == "postgresql":
-            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_PG_MIGRATION_LOCK})")
+        if connection.dialect.name == "postgresql":  # replicas starting together must not migrate twice
+            connection.exec_driver_sql(f"SELECT pg_advisory_xact_lock({PG_STARTUP_LOCK})")
         context.run_migrations()
 
 

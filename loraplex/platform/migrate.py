@@ -19,6 +19,9 @@ MODEL_MODULES = (
 )
 
 HEAD = "heads"
+# a Postgres advisory lock held, for one transaction, by the start-up work that replicas starting together must
+# do once: migrations (migrations/env.py) and the bootstrap admin key (tenants.bootstrap_admin)
+PG_STARTUP_LOCK = 0x6C707801
 
 
 def import_all_models() -> None:
@@ -77,6 +80,23 @@ def current_heads(url: str) -> set[str]:
     from alembic.script import ScriptDirectory
 
     return set(ScriptDirectory.from_config(alembic_config(url)).get_heads())
+
+
+async def begin_startup_lock(session) -> None:
+    """Begin ``session``'s transaction holding the start-up lock until it commits or rolls back: on Postgres the
+    advisory lock migrations take, on SQLite the database's write lock (``BEGIN IMMEDIATE``; a deferred
+    transaction would read first and find out only at its first write that another process wrote meanwhile).
+    What the transaction then reads includes everything a previous holder committed."""
+    from sqlalchemy import text
+
+    assert not session.in_transaction(), "the start-up lock must be the transaction's first statement"
+    dialect = session.bind.dialect.name
+    if dialect == "postgresql":
+        await session.execute(text(f"SELECT pg_advisory_xact_lock({PG_STARTUP_LOCK})"))
+    elif dialect == "sqlite":
+        await session.execute(text("BEGIN IMMEDIATE"))
+    else:
+        raise AssertionError(f"no start-up lock for {dialect}")
 
 
 def redact(url: str) -> str:

@@ -13,6 +13,7 @@ from loraplex.platform.auth import KEY_ID_RE, NewKey, generate_key, publish_inva
 from loraplex.platform.db import as_utc, utcnow
 from loraplex.platform.errors import ApiError, bad_request, not_found
 from loraplex.platform.kv import KV
+from loraplex.platform.migrate import begin_startup_lock
 from loraplex.platform.models import (
     ALL_SCOPES,
     SCOPE_ADMIN,
@@ -154,15 +155,21 @@ async def create_key(
     expires_at = _key_expiry(expires_at)
     if name is not None and (len(name) > 128 or not name.isprintable()):
         raise bad_request("name must be at most 128 printable characters.", param="name")
+    key, new = _add_key(session, tenant, scopes, name, expires_at)
+    await session.commit()
+    return key, new
+
+
+def _add_key(session: AsyncSession, tenant: Tenant, scopes: list[str], name: str | None,
+             expires_at: datetime | None) -> tuple[ApiKey, NewKey]:
+    """A new key in the session's transaction (checked by the caller, not yet committed)."""
     new = generate_key()
     key = ApiKey(
         id=new.key_id, tenant_id=tenant.id, key_hash=new.key_hash, scopes=scopes, name=name,
         created_at=utcnow(), expires_at=expires_at,
     )
     session.add(key)
-    await session.commit()
     return key, new
-
 
 
 async def list_keys(session: AsyncSession, tenant_name_or_id: str | None = None) -> list[tuple[ApiKey, Tenant]]:
@@ -208,24 +215,25 @@ async def bootstrap_admin(session: AsyncSession) -> str | None:
     """On first start: the ``admin`` tenant and one admin key. Returns the key (to print once) or None.
 
     Never again once any admin key was issued (recovery: ``loraplex admin key create --tenant admin
-    --scope admin`` on the database). Replicas starting together on an empty database may race: the
-    loser of the tenant insert finds the winner's tenant and key and prints nothing."""
-
-    async def has_admin_key() -> bool:
+    --scope admin`` on the database). Replicas starting together on an empty database take turns: the check
+    and the tenant and key it leads to are one transaction under the start-up lock, so a later holder sees the
+    first one's key and prints nothing. ``session`` must not be in a transaction yet."""
+    await begin_startup_lock(session)
+    try:
         rows = (await session.execute(
             select(ApiKey.scopes).join(Tenant).where(Tenant.name == ADMIN_TENANT)
         )).all()
-        return any(SCOPE_ADMIN in (scopes or []) for (scopes,) in rows)
-
-    if await has_admin_key():
-        return None
-    tenant = (await session.execute(select(Tenant).where(Tenant.name == ADMIN_TENANT))).scalars().first()
-    if tenant is None:
-        try:
-            tenant = await create_tenant(session, ADMIN_TENANT)
-        except ApiError:  # another replica created it a moment ago
-            if await has_admin_key():
-                return None
-            tenant = await get_tenant(session, ADMIN_TENANT)
-    _, new = await create_key(session, tenant.id, scopes=[SCOPE_ADMIN], name="bootstrap")
+        if any(SCOPE_ADMIN in (scopes or []) for (scopes,) in rows):
+            await session.commit()
+            return None
+        tenant = (await session.execute(select(Tenant).where(Tenant.name == ADMIN_TENANT))).scalars().first()
+        if tenant is None:
+            tenant = Tenant(name=ADMIN_TENANT, status=TENANT_ACTIVE, created_at=utcnow())
+            session.add(tenant)
+            await session.flush()
+        _, new = _add_key(session, tenant, [SCOPE_ADMIN], "bootstrap", None)
+        await session.commit()
+    except BaseException:
+        await session.rollback()
+        raise
     return new.key
