@@ -120,6 +120,49 @@ def test_parameters_the_server_cannot_honour_are_refused_naming_them(client, mod
     assert r.choices[0].message.tool_calls is None and r.usage.completion_tokens >= 1
 
 
+def test_openai_parameters_for_output_this_server_lacks_are_refused_and_their_no_op_values_accepted(client, model):
+    """Audio, predicted outputs, web search, reasoning effort, verbosity, moderation, another service tier and stored
+    completions were silently ignored: a client got plain text back as if they had worked. Each is a 400 naming the
+    field; its do-nothing value (and the fields that change no output: user, metadata, cache keys) is accepted."""
+    chat = client.chat.completions.create
+    audio = {"voice": "alloy", "format": "wav"}
+    cases = [
+        (dict(modalities=["text", "audio"], audio=audio), "modalities"),
+        (dict(modalities=["audio"]), "modalities"),
+        (dict(audio=audio), "audio"),
+        (dict(prediction={"type": "content", "content": "Hello there"}), "prediction"),
+        (dict(web_search_options={}), "web_search_options"),
+        (dict(reasoning_effort="low"), "reasoning_effort"),
+        (dict(verbosity="low"), "verbosity"),
+        (dict(moderation={"model": "omni-moderation-latest"}), "moderation"),
+        (dict(service_tier="flex"), "service_tier"),
+        (dict(service_tier="priority"), "service_tier"),
+        (dict(store=True), "store"),
+    ]
+    for kw, param in cases:
+        for stream in (False, True):
+            body = _refused(chat, model=model, messages=USER, max_tokens=2, stream=stream, **kw)
+            assert body["param"] == param and body["code"] == "unsupported", (kw, body)
+            assert body["message"].startswith(f"{param} ") and "not supported" in body["message"], body
+    # vLLM takes response_format on completions too: refused there as on chat
+    body = _refused(client.completions.create, model=model, prompt="x", max_tokens=2,
+                    extra_body={"response_format": {"type": "json_object"}})
+    assert body["param"] == "response_format" and body["code"] == "unsupported", body
+
+    r = chat(model=model, messages=USER, max_tokens=2, modalities=["text"], audio=None, prediction=None,
+             reasoning_effort=None, verbosity=None, service_tier="auto", store=False, metadata={"run": "7"},
+             user="end-user-7", safety_identifier="hashed-7", prompt_cache_key="greeting",
+             prompt_cache_retention="24h", prompt_cache_options={"mode": "implicit", "ttl": "30m"},
+             parallel_tool_calls=False)
+    assert r.usage.completion_tokens >= 1 and r.choices[0].message.content is not None
+    assert chat(model=model, messages=USER, max_tokens=2, service_tier="default").usage.completion_tokens >= 1
+    chunks = list(chat(model=model, messages=USER, max_tokens=2, stream=True,
+                       stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert chunks[-1].usage.completion_tokens >= 1
+    r = client.completions.create(model=model, prompt="x", max_tokens=2, extra_body={"response_format": {"type": "text"}})
+    assert r.usage.completion_tokens >= 1
+
+
 def test_echo_with_logprobs_scores_the_prompt_like_lm_eval(client, model, tiny_model):
     # greedy next token after P, then score P + [that token] with echo: the last prompt position must
     # carry the same logprob (what lm-eval-harness's loglikelihood requests rely on)

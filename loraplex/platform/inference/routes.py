@@ -35,12 +35,8 @@ from loraplex.platform.inference.pipeline import (
 )
 from loraplex.platform.inference.runner import EngineFailure
 from loraplex.platform.inference.sse import DONE, SSEStream, StreamingOperation, sse_event
-from loraplex.platform.inference.validation import (
-    check_message_contents,
-    check_truncate_prompt_tokens,
-    refuse_unsupported,
-    require_model,
-)
+from loraplex.platform.inference.unsupported import refuse_unsupported
+from loraplex.platform.inference.validation import check_message_contents, check_truncate_prompt_tokens, require_model
 from loraplex.platform.models import SCOPE_INFERENCE
 
 _ERRORS = error_responses(400, 401, 403, 404, 409, 422, 429, 503)

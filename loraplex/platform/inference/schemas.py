@@ -1,4 +1,7 @@
-"""OpenAI wire types (msgspec). Unknown request fields are ignored, never applied."""
+"""OpenAI wire types (msgspec).
+
+Every field of OpenAI's requests is declared: honoured, refused with its no-op values taken, or taken unread where
+it changes no output (unsupported.py). Other unknown fields (vLLM extensions not declared) are ignored."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import msgspec
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = False
+    include_obfuscation: bool | None = None  # taken unread: chunks are never padded
 
 
 class _SamplingFields(msgspec.Struct, kw_only=True):
@@ -25,7 +29,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     seed: int | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
-    user: str | None = None
+    user: str | None = None  # taken unread (unsupported.NO_OPS)
     logit_bias: dict[str, float] | None = None  # token id (a decimal string) -> bias in [-100, 100]
     # vLLM extensions
     top_k: int | None = None
@@ -40,7 +44,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] | None = None  # never completed
-    # vLLM extensions this server does not implement: declared only to be refused (validation.py)
+    # declared only to be refused, their no-op values taken (unsupported.py): OpenAI's chat field (vLLM takes it on
+    # completions too), vLLM extensions
+    response_format: dict[str, Any] | None = None
     spaces_between_special_tokens: bool | None = None  # true (the default) accepted
     return_tokens_as_token_ids: bool | None = None  # false accepted
     guided_json: Any = None
@@ -79,16 +85,32 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    # OpenAI fields refused, their no-op values taken (unsupported.py)
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    moderation: dict[str, Any] | None = None
+    service_tier: str | None = None
+    store: bool | None = None
+    # OpenAI fields taken unread: they change no output (unsupported.NO_OPS)
+    metadata: dict[str, str] | None = None
+    parallel_tool_calls: bool | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     # vLLM extensions: chat template switches (continue_final_message: assistant prefill)
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables (chat_kwargs.py)
-    # refused: a client's own template (see docs/api.md), echo of the last message
+    # refused (unsupported.py): a client's own template (see docs/api.md), echo of the last message
     chat_template: Any = None
     echo: bool | None = None
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import msgspec
 
 from loraplex.engine.sampling_params import SamplingParams, SamplingParamsError
-from loraplex.platform.errors import ApiError, bad_request, invalid_type
+from loraplex.platform.errors import bad_request, invalid_type
 from loraplex.settings import Settings
 
 MAX_STOP_STRING_CHARS = 256
@@ -165,18 +165,6 @@ def sampling_params(req, *, n: int, max_tokens: int, stop: list[str], logprobs: 
         raise bad_request(str(exc), param=exc.param) from exc
 
 
-# vLLM extensions whose output a client relies on (structured output, beam search): refused when set
-_VLLM_UNSUPPORTED = {
-    "guided_json": "structured output", "guided_regex": "structured output", "guided_choice": "structured output",
-    "guided_grammar": "structured output", "structured_outputs": "structured output",
-    "use_beam_search": "beam search",
-}
-
-
-def _unsupported(message: str, param: str) -> ApiError:
-    return ApiError(400, message, param=param, code="unsupported")
-
-
 def check_truncate_prompt_tokens(value: int | None, max_model_len: int) -> int | None:
     """vLLM's ``truncate_prompt_tokens``: how many of the prompt's last tokens to keep (-1: the context)."""
     if value is None:
@@ -187,45 +175,3 @@ def check_truncate_prompt_tokens(value: int | None, max_model_len: int) -> int |
         raise bad_request(f"truncate_prompt_tokens must be -1 (the context) or between 1 and {max_model_len} "
                           f"(max_model_len), got {value}.", param="truncate_prompt_tokens")
     return value
-
-
-def refuse_unsupported(req) -> None:
-    """OpenAI parameters this server cannot honour are refused naming them, never silently ignored (a
-    client asking for JSON output or tool calls would otherwise get plain text back as if it had worked).
-    Their no-op forms are accepted: ``response_format: {"type": "text"}``, ``tool_choice: "none"`` (tools are
-    then not shown to the model, as in vLLM)."""
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("stream_options is only allowed when stream is true.", param="stream_options")
-    for param, feature in _VLLM_UNSUPPORTED.items():
-        if getattr(req, param) not in (None, False):
-            raise _unsupported(f"{param} is not supported: this server has no {feature}.", param)
-    if req.spaces_between_special_tokens is False:
-        raise _unsupported("spaces_between_special_tokens=false is not supported (special tokens are "
-                           "detokenized as the tokenizer does).", "spaces_between_special_tokens")
-    if req.return_tokens_as_token_ids:
-        raise _unsupported("return_tokens_as_token_ids is not supported.", "return_tokens_as_token_ids")
-    if req.prompt_logprobs is not None and req.stream:
-        raise _unsupported("prompt_logprobs is not available with stream=true (as in vLLM).", "prompt_logprobs")
-    if getattr(req, "chat_template", None) is not None:
-        raise _unsupported("chat_template is not supported: requests are rendered with the model's own "
-                           "template (a request's template would run tenant-supplied code in the server).",
-                           "chat_template")
-    if getattr(req, "messages", None) is not None and req.echo:
-        raise _unsupported("echo is not supported on /v1/chat/completions.", "echo")
-    response_format = getattr(req, "response_format", None)
-    if response_format is not None and response_format.get("type") != "text":
-        raise _unsupported(f"response_format type {response_format.get('type')!r} is not supported "
-                           "(no structured output); only 'text' is accepted.", "response_format")
-    tool_choice = getattr(req, "tool_choice", None)
-    if tool_choice is not None and tool_choice != "none":
-        shown = tool_choice if isinstance(tool_choice, str) else "a named function"
-        raise _unsupported(f"tool_choice {shown!r} is not supported: this server does not generate tool "
-                           "calls; only 'none' is accepted.", "tool_choice")
-    if getattr(req, "tools", None) and tool_choice is None:
-        raise _unsupported("tools need tool calling, which this server does not support (tool_choice defaults "
-                           "to 'auto' when tools are given); send tool_choice 'none' to pass them anyway.", "tools")
-    if getattr(req, "functions", None):
-        raise _unsupported("functions (deprecated tool calling) is not supported.", "functions")
-    function_call = getattr(req, "function_call", None)
-    if function_call is not None and function_call != "none":
-        raise _unsupported("function_call is not supported; only 'none' is accepted.", "function_call")
