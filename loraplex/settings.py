@@ -37,6 +37,13 @@ class Settings:
     # storage; None = embedded default (SQLite file in data_dir / in-process cache, limiter, bus)
     database_url: str | None = None
     redis_url: str | None = None
+    # PostgreSQL (asyncpg): seconds to open a connection (asyncpg's own default is 60 s, so a database that accepts
+    # and never answers held every request that needed a new connection for a minute), to wait for a free pooled
+    # connection, and for one statement (0: no limit; it also bounds the pool's ping of a connection that went
+    # silent). Past any of them the request is a 503 database_unavailable; SQLite ignores them
+    database_connect_timeout_s: float = 5.0
+    database_pool_timeout_s: float = 10.0
+    database_command_timeout_s: float = 60.0
     # model + engine
     model: str | None = None  # HF directory; None = demo model generated in data_dir
     device: str = "auto"  # auto | cpu | cuda

@@ -100,7 +100,7 @@ def create_app(
             settings.data_path.mkdir(parents=True, exist_ok=True)
         if run_migrations:
             await migrate.upgrade_async(url)
-        db = make_engine(url)
+        db = make_engine(url, settings)
         kv = make_kv(settings.redis_url)
         sessions = make_session_factory(db)
         ttl = AUTH_CACHE_TTL_REDIS_S if settings.redis_url else AUTH_CACHE_TTL_EMBEDDED_S

@@ -15,6 +15,7 @@ import math
 import os
 import re
 import sys
+import time
 
 from loraplex.settings import ConfigError, Settings
 
@@ -134,7 +135,7 @@ def _reason(exc: BaseException) -> str:
     return text.splitlines()[0]
 
 
-async def check_database(url: str) -> None:
+async def check_database(settings: Settings) -> None:
     """Connect once (``SELECT 1``): a bad URL or an unreachable database is a one-line ConfigError."""
     from sqlalchemy import text
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
@@ -142,9 +143,10 @@ async def check_database(url: str) -> None:
     from loraplex.platform.db import make_engine
     from loraplex.platform.migrate import redact
 
+    url = settings.effective_database_url
     shown = redact(url)
     try:
-        engine = make_engine(url)
+        engine = make_engine(url, settings)
     except (ArgumentError, ImportError) as exc:
         raise ConfigError(f"database URL {shown} is not usable ({_reason(exc)}); expected "
                           "postgresql+asyncpg://USER@HOST:5432/DB or sqlite+aiosqlite:///PATH "
@@ -153,10 +155,14 @@ async def check_database(url: str) -> None:
         async with engine.connect() as conn:
             await conn.execute(text("SELECT 1"))
 
+    # the engine's own connect timeout (LORAPLEX_DATABASE_CONNECT_TIMEOUT_S) fires first on a server database;
+    # this bounds the SELECT and SQLite
+    limit = max(CONNECT_TIMEOUT_S, settings.database_connect_timeout_s + CONNECT_TIMEOUT_S)
+    started = time.monotonic()
     try:
-        await asyncio.wait_for(select_one(), CONNECT_TIMEOUT_S)
+        await asyncio.wait_for(select_one(), limit)
     except (SQLAlchemyError, OSError, asyncio.TimeoutError) as exc:
-        reason = f"no answer within {CONNECT_TIMEOUT_S:.0f} s" if isinstance(exc, asyncio.TimeoutError) \
+        reason = f"no answer within {time.monotonic() - started:.0f} s" if isinstance(exc, asyncio.TimeoutError) \
             else _reason(exc)
         raise ConfigError(f"cannot connect to the database at {shown}: {reason} "
                           "(--database-url / LORAPLEX_DATABASE_URL)") from exc
@@ -193,7 +199,7 @@ async def check_services(settings: Settings, *, must_exist: bool = False, redis:
     Returns True when the embedded database is new (see :func:`prepare_data_dir`).
     """
     new = prepare_data_dir(settings, must_exist=must_exist)
-    await check_database(settings.effective_database_url)
+    await check_database(settings)
     if redis and settings.redis_url:
         await check_redis(settings.redis_url)
     return new
@@ -229,7 +235,7 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     from alembic.util import CommandError  # (after alembic's logging is quieted)
 
     prepare_data_dir(settings)
-    asyncio.run(check_database(url))
+    asyncio.run(check_database(settings))
     try:
         migrate.upgrade(url, args.revision)
     except CommandError as exc:  # a relative target (+N) the database's state cannot reach

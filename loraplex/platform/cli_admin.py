@@ -84,7 +84,7 @@ async def _with_services(args: argparse.Namespace) -> int:
     if new_database:
         print(f"note: created a new database in {settings.data_path} (servers on another data dir will not "
               "see this change)", file=sys.stderr)
-    engine = make_engine(url)
+    engine = make_engine(url, settings)
     kv = make_kv(settings.redis_url)
     try:
         async with make_session_factory(engine)() as session:

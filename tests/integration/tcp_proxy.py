@@ -1,4 +1,5 @@
-"""A real TCP relay to a service (Redis) that a test can cut and bring back, to simulate an outage."""
+"""A real TCP relay to a service (Redis, PostgreSQL) that a test can cut, silence and bring back, to simulate an
+outage; and a listener that accepts and never answers."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from urllib.parse import urlparse
 
 class TcpProxy:
     """Relays 127.0.0.1:``port`` to ``target``. ``cut()`` drops every open connection and refuses new ones
-    (each is closed at once) until ``restore()``; the port stays the same, so clients reconnect by themselves."""
+    (each is closed at once) until ``restore()``; the port stays the same, so clients reconnect by themselves.
+    ``silence()`` drops every open connection too, but accepts new ones and never answers them (a host that hangs,
+    or a firewall that drops packets after the handshake): a client waits for its own timeout."""
 
     def __init__(self, target: tuple[str, int]):
         self.target = target
@@ -17,6 +20,7 @@ class TcpProxy:
         self.port = self.listener.getsockname()[1]
         self.conns: list[socket.socket] = []
         self.down = False
+        self.silent = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     @classmethod
@@ -36,6 +40,9 @@ class TcpProxy:
                 return
             if self.down:
                 client.close()
+                continue
+            if self.silent:
+                self.conns.append(client)  # held open, never read nor answered
                 continue
             upstream = socket.create_connection(self.target)
             self.conns += [client, upstream]
@@ -72,8 +79,12 @@ class TcpProxy:
             except OSError:
                 pass
 
+    def silence(self) -> None:
+        self.cut()
+        self.down, self.silent = False, True
+
     def restore(self) -> None:
-        self.down = False
+        self.down = self.silent = False
 
     def close(self) -> None:
         """Stop listening: new connections are refused (not accepted and dropped, as after ``cut``)."""
@@ -83,3 +94,37 @@ class TcpProxy:
         except OSError:
             pass
         self.listener.close()
+
+
+class SilentListener:
+    """A TCP port that accepts every connection and never sends a byte (as :meth:`TcpProxy.silence`, with no service
+    behind it): ``url(scheme)`` points a client at it."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            self.conns.append(client)
+
+    def close(self) -> None:
+        try:
+            self.listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.listener.close()
+        for c in self.conns:
+            c.close()
+
+    def __enter__(self) -> SilentListener:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -3,11 +3,14 @@ requests that need the database get 503 ``database_unavailable`` + ``Retry-After
 
 When the pool has to open a new connection, asyncpg raises the socket's own error (connection refused or
 reset, a timeout), which SQLAlchemy passes on untranslated; those used to escape as 500 ``internal_error``.
+A database that accepts connections and never answers ("silent") answers within the connect timeout
+(LORAPLEX_DATABASE_CONNECT_TIMEOUT_S), not after asyncpg's default minute.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
@@ -31,13 +34,13 @@ def _through(proxy: TcpProxy, url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{parts.username}@127.0.0.1:{proxy.port}"))
 
 
-@pytest.mark.parametrize("outage", ["reset", "refused"])
+@pytest.mark.parametrize("outage", ["reset", "refused", "silent"])
 async def test_requests_get_503_database_unavailable(outage, tmp_path, pg_url):
     await upgrade_async(pg_url)
     target = urlsplit(pg_url)
     proxy = TcpProxy((target.hostname, target.port or 5432))
     keys: list[str] = []
-    settings = Settings(data_dir=str(tmp_path), database_url=_through(proxy, pg_url))
+    settings = Settings(data_dir=str(tmp_path), database_url=_through(proxy, pg_url), database_connect_timeout_s=1.0)
     app = create_app(settings, start_engine=False, on_bootstrap_key=keys.append)
     try:
         async with AsyncTestClient(app, timeout=30) as client:
@@ -48,6 +51,8 @@ async def test_requests_get_503_database_unavailable(outage, tmp_path, pg_url):
             await app.state.services.db.dispose()  # the next query opens a new connection, through the outage
             if outage == "reset":
                 proxy.cut()  # accepted, then closed at once
+            elif outage == "silent":
+                proxy.silence()  # accepted, never answered
             else:
                 proxy.close()  # nothing listens: connection refused
             await asyncio.sleep(0.6)  # past the embedded auth cache's TTL (0.5 s)
@@ -57,7 +62,9 @@ async def test_requests_get_503_database_unavailable(outage, tmp_path, pg_url):
             assert r.status_code == 503 and r.json()["status"] == "database_unavailable"
             for method, path, headers in (("GET", "/v1/models", fresh), ("GET", "/admin/tenants", admin),
                                           ("GET", "/v1/adapters", fresh), ("GET", "/v1/usage", fresh)):
+                started = time.monotonic()
                 r = await client.request(method, path, headers=headers)
+                assert time.monotonic() - started < 5, path  # the connect timeout, 1 s here, not 60
                 assert r.status_code == 503, (path, r.text)
                 assert r.json()["error"]["code"] == "database_unavailable" and r.headers["retry-after"], path
     finally:

@@ -40,7 +40,7 @@ async def _export_async(args: argparse.Namespace, out) -> int:
 
     settings = settings_from_args(args)
     await check_services(settings, must_exist=True, redis=False)  # exports never use Redis
-    db = make_engine(settings.effective_database_url)
+    db = make_engine(settings.effective_database_url, settings)
     sessions = make_session_factory(db)
     try:
         lo, hi = aggregate.window(args.start, args.end)
@@ -108,7 +108,7 @@ def _replay(args: argparse.Namespace) -> int:
 
     async def run() -> int:
         await check_services(settings, must_exist=True, redis=False)
-        db = make_engine(settings.effective_database_url)
+        db = make_engine(settings.effective_database_url, settings)
         sink = LedgerSink(make_session_factory(db), settings.data_path / SPOOL_DIR)
         sink.spool.open()
         try:
