@@ -15,6 +15,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import queue
 import sys
@@ -27,6 +28,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine_core import LLMEngine, check_type, load_tokenizer
 from loraplex.engine.protocol import EngineDeadError, EngineRequest, EngineStats, TokenDelta
 from loraplex.engine.sampling_params import SamplingParams, snapshots
+from loraplex.engine.token_bytes import TokenBytes
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +91,11 @@ class StreamingClient:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    @functools.cached_property
+    def token_bytes(self) -> TokenBytes:
+        """``token_bytes(token_id)``: the token's raw bytes, cached per id (logprobs' ``bytes``)."""
+        return TokenBytes(self.tokenizer)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,

@@ -15,6 +15,7 @@ from typing import Protocol
 
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.sampling_params import SamplingParams
+from loraplex.engine.token_bytes import TokenBytes
 
 
 @dataclass
@@ -146,6 +147,8 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats: ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    token_bytes: TokenBytes  # token id -> its raw bytes, cached (logprobs' ``bytes``)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False,

@@ -28,20 +28,41 @@ def _token_text(engine, token_id: int, tops: list[TopLogprob]) -> str:
     return tokenizer.decode([token_id]) if tokenizer is not None else ""
 
 
+def _completion_name(engine, token_id: int, text: str) -> str:
+    """A token as /v1/completions names it (``tokens``, ``top_logprobs`` keys): its text, or for a token whose
+    bytes are not UTF-8 on their own (decoded, every such token reads U+FFFD) ``bytes:`` and its escaped bytes
+    (``bytes:\\xe2\\x80``), as OpenAI names them, so different tokens keep different keys."""
+    escaped = engine.token_bytes.escaped(token_id)
+    return text if escaped is None else "bytes:" + escaped
+
+
+def _chat_entry(engine, token_id: int, text: str) -> tuple[str, list[int]]:
+    """A token as chat logprobs show it: (``token``, ``bytes``). ``bytes`` are the token's own (a partial
+    character's bytes, which a client joins with its neighbours'); ``token`` is its text, or those bytes
+    escaped (``\\xe2\\x80``) when they are not UTF-8 on their own."""
+    escaped = engine.token_bytes.escaped(token_id)
+    return (text if escaped is None else escaped), list(engine.token_bytes(token_id))
+
+
 def completion_logprobs(engine, delta: TokenDelta, offset: int) -> s.CompletionLogprobs | None:
-    """The delta's tokens, their ``text_offset`` running on from ``offset`` by each token's own text (as
-    vLLM's do), not by the text sent: held-back bytes or a cut stop string never give two tokens one offset."""
+    """The delta's tokens, their ``text_offset`` running on from ``offset`` by each token's name in ``tokens`` (as
+    vLLM's run over the strings it returns), not by the text sent: held-back bytes or a cut stop string never give
+    two tokens one offset."""
     if delta.logprobs is None:
         return None
     out = s.CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
     for token_id, (lp, tops) in zip(delta.token_ids, delta.logprobs):
-        text = _token_text(engine, token_id, tops)
-        out.tokens.append(text)
+        name = _completion_name(engine, token_id, _token_text(engine, token_id, tops))
+        out.tokens.append(name)
         out.token_logprobs.append(lp)
-        out.top_logprobs.append({t.token: t.logprob for t in tops})
+        out.top_logprobs.append(_top_by_name(engine, tops))
         out.text_offset.append(offset)
-        offset += len(text)
+        offset += len(name)
     return out
+
+
+def _top_by_name(engine, tops: list[TopLogprob]) -> dict[str, float]:
+    return {_completion_name(engine, t.token_id, t.token): t.logprob for t in tops}
 
 
 def end_offset(lp: s.CompletionLogprobs | None, offset: int) -> int:
@@ -51,7 +72,7 @@ def end_offset(lp: s.CompletionLogprobs | None, offset: int) -> int:
     return lp.text_offset[-1] + len(lp.tokens[-1])
 
 
-def prompt_logprobs(first_token: str, prompt_ids: list[int],
+def prompt_logprobs(engine, first_token: str, prompt_ids: list[int],
                     entries: list[tuple[float, list[TopLogprob]] | None]) -> s.CompletionLogprobs:
     """Echoed prompt tokens with their logprobs (OpenAI ``echo`` + ``logprobs``): None for the first token,
     which nothing predicts; ``first_token`` is its text (the other tokens' texts come with their entries)."""
@@ -60,11 +81,12 @@ def prompt_logprobs(first_token: str, prompt_ids: list[int],
     for token_id, entry in zip(prompt_ids, entries):
         lp, tops = (None, None) if entry is None else entry
         text = first_token if tops is None else next(t.token for t in tops if t.token_id == token_id)
-        out.tokens.append(text)
+        name = _completion_name(engine, token_id, text)
+        out.tokens.append(name)
         out.token_logprobs.append(lp)
-        out.top_logprobs.append(None if tops is None else {t.token: t.logprob for t in tops})
+        out.top_logprobs.append(None if tops is None else _top_by_name(engine, tops))
         out.text_offset.append(offset)
-        offset += len(text)
+        offset += len(name)
     return out
 
 
@@ -97,12 +119,17 @@ def chat_logprobs(engine, delta: TokenDelta, top_n: int) -> s.ChatLogprobs | Non
         return None
     content = []
     for token_id, (lp, tops) in zip(delta.token_ids, delta.logprobs):
-        text = _token_text(engine, token_id, tops)
+        token, raw = _chat_entry(engine, token_id, _token_text(engine, token_id, tops))
         content.append(s.ChatLogprobEntry(
-            token=text, logprob=lp, bytes=list(text.encode()),
-            top_logprobs=[s.TopLogprobOut(t.token, t.logprob, list(t.token.encode())) for t in tops[:top_n]],
+            token=token, logprob=lp, bytes=raw,
+            top_logprobs=[_chat_top(engine, t) for t in tops[:top_n]],
         ))
     return s.ChatLogprobs(content=content)
+
+
+def _chat_top(engine, t: TopLogprob) -> s.TopLogprobOut:
+    token, raw = _chat_entry(engine, t.token_id, t.token)
+    return s.TopLogprobOut(token, t.logprob, raw)
 
 
 @dataclass

@@ -167,7 +167,7 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
         if data.echo:
             prompt_texts = await echo_texts(services, prompts, texts)
             first_tokens = await first_token_texts(services, prompts) if score_prompt else None
-            echo = _Echo(prompts, prompt_texts, first_tokens, n)
+            echo = _Echo(engine, prompts, prompt_texts, first_tokens, n)
         await _start(prep)
         if data.stream:
             include_usage = bool(data.stream_options and data.stream_options.include_usage)
@@ -209,8 +209,8 @@ class _Echo:
     """What ``echo`` puts before a choice's first generated text: the prompt, and with ``logprobs`` its
     tokens' logprobs (from the engine's first delta of that choice)."""
 
-    def __init__(self, prompts: list[list[int]], texts: list[str], first_tokens: list[str] | None, n: int):
-        self.prompts, self.texts, self.first_tokens, self.n = prompts, texts, first_tokens, n
+    def __init__(self, engine, prompts: list[list[int]], texts: list[str], first_tokens: list[str] | None, n: int):
+        self.engine, self.prompts, self.texts, self.first_tokens, self.n = engine, prompts, texts, first_tokens, n
 
     def head(self, index: int, delta) -> tuple[str, s.CompletionLogprobs | None, int]:
         """(text, logprobs, text offset of the first generated token). With logprobs, offsets run on over
@@ -219,7 +219,7 @@ class _Echo:
         text = self.texts[p]
         if self.first_tokens is None or delta.prompt_logprobs is None:
             return text, None, len(text)
-        lp = render.prompt_logprobs(self.first_tokens[p], self.prompts[p], delta.prompt_logprobs)
+        lp = render.prompt_logprobs(self.engine, self.first_tokens[p], self.prompts[p], delta.prompt_logprobs)
         return text, lp, render.end_offset(lp, 0)
 
 
