@@ -103,6 +103,9 @@ class Settings:
     default_tokens_per_minute: int = 200_000
     drain_timeout_s: float = 30.0
     engine_restart_delay_s: float = 2.0  # first wait before a dead engine is replaced (then doubles)
+    # an engine process that sends nothing for this long (an idle one beats every second, a busy one after each
+    # step) is stuck: it is killed and replaced; /ready is 503 engine_stalled after a quarter of it. 0: never
+    engine_stall_timeout_s: float = 60.0
     # secrets: server secret for cache-salt HMAC and session cookies; generated into data_dir if unset
     server_secret: str | None = None
     # /metrics names tenants and adapters: when set, a scrape must send ``Authorization: Bearer <token>`` (for

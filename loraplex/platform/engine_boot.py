@@ -89,7 +89,8 @@ async def start_engine_in_background(services) -> None:
     """Start the engine off the event loop, then supervise it for the life of the app.
 
     An engine whose step loop died (a device fault, a bug) has already ended its streams with an error
-    event; the supervisor drops it, waits (exponential backoff from ``engine_restart_delay_s``, up to a
+    event; an engine process that has sent nothing for ``engine_stall_timeout_s`` (a hung device, a stopped or
+    deadlocked process) is killed, which ends its streams the same way. The supervisor drops it, waits (exponential backoff from ``engine_restart_delay_s``, up to a
     minute) and loads a fresh one, so the replica recovers by itself. ``/ready`` is 503 meanwhile and new
     requests get a fast 503. A failure of the very first start is a configuration problem: not retried.
     """
@@ -115,6 +116,11 @@ async def start_engine_in_background(services) -> None:
         healthy_since = asyncio.get_running_loop().time()
         while engine.is_healthy():
             await asyncio.sleep(_WATCH_INTERVAL_S)
+            silent, stall = engine_silent_s(engine), settings.engine_stall_timeout_s
+            if stall and silent > stall:
+                log.error("the engine has sent nothing for %.0f s (engine_stall_timeout_s %g): killing it", silent,
+                          stall)
+                engine.kill(f"the engine stopped answering (nothing from it for {silent:.0f} s) and was killed")
         if asyncio.get_running_loop().time() - healthy_since > _MAX_RESTART_DELAY_S:
             delay = settings.engine_restart_delay_s  # it ran fine for a while: start the backoff over
         services.engine = None
@@ -131,6 +137,13 @@ async def start_engine_in_background(services) -> None:
 
 
 _WATCH_INTERVAL_S = 0.25
+
+
+def engine_silent_s(engine) -> float:
+    """Seconds since the engine process last sent anything (``ProcessEngine.silent_s``); 0 for the thread engine,
+    whose loop shares this process and cannot be killed on its own."""
+    silent_s = getattr(engine, "silent_s", None)
+    return silent_s() if silent_s is not None else 0.0
 _MAX_RESTART_DELAY_S = 60.0
 
 

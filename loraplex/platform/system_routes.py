@@ -11,6 +11,7 @@ from litestar import Request, Response, get
 from litestar.openapi.datastructures import ResponseSpec
 
 from loraplex.platform.auth import authorization_bearer
+from loraplex.platform.engine_boot import engine_silent_s
 from loraplex.platform.errors import ApiError
 from loraplex.platform.metrics import CONTENT_TYPE
 
@@ -24,7 +25,8 @@ class HealthStatus(msgspec.Struct):
 
 
 class ReadyStatus(msgspec.Struct):
-    status: str  # "ready" | "draining" | "database_unavailable" | "loading" | "engine_dead" | "engine_failed"
+    status: str  # "ready" | "draining" | "database_unavailable" | "loading" | "engine_dead" | "engine_failed" |
+    # "engine_stalled"
     engine: bool
     draining: bool
     detail: str | None = None
@@ -53,9 +55,21 @@ async def ready(request: Request) -> Response[ReadyStatus]:
         body = ReadyStatus(status="loading", engine=False, draining=False)
     elif not services.engine.is_healthy():
         body = ReadyStatus(status="engine_dead", engine=False, draining=False)
+    elif (stalled := _engine_stalled(services)) is not None:
+        body = ReadyStatus(status="engine_stalled", engine=False, draining=False, detail=stalled)
     else:
         return Response(ReadyStatus(status="ready", engine=True, draining=False))
     return Response(body, status_code=503, headers={"Retry-After": "1"})
+
+
+def _engine_stalled(services) -> str | None:
+    """A reason when the engine process has sent nothing for a quarter of ``engine_stall_timeout_s`` (it beats every
+    second when idle): out of rotation while it may still recover; the supervisor kills it at the full timeout."""
+    stall = services.settings.engine_stall_timeout_s
+    silent = engine_silent_s(services.engine)
+    if stall and silent > stall / 4:
+        return f"nothing from the engine for {silent:.0f} s (it is replaced after {stall:g} s)"
+    return None
 
 
 async def _database_error(services) -> str | None:
