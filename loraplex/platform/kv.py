@@ -198,6 +198,42 @@ class _RedisSubscription:
 
 
 MAX_REDIS_CONNECTIONS = 512
+# a subscription whose reads fail waits this long before the next, doubling up to the cap: at most one connection
+# attempt per 2 s per subscription during an outage, and back within 2 s of Redis (messages sent before are missed)
+RESUBSCRIBE_FIRST_WAIT_S = 0.5
+RESUBSCRIBE_MAX_WAIT_S = 2.0
+
+
+class _Outage:
+    """One subscription's view of Redis: a warning when its reads start failing, an info line when one succeeds
+    again, nothing in between (each subscription used to log a traceback every 0.5 s of an outage), and the
+    wait before each retry."""
+
+    def __init__(self, channel: str):
+        self.channel = channel
+        self.since: float | None = None  # monotonic time of the first failed read
+        self.wait_s = RESUBSCRIBE_FIRST_WAIT_S
+
+    def failed(self, exc: Exception) -> float:
+        """Seconds to wait before the next read."""
+        from redis.exceptions import ConnectionError as RedisConnectionError
+        from redis.exceptions import TimeoutError as RedisTimeoutError
+
+        if self.since is None:
+            self.since = time.monotonic()
+            # an unreachable Redis explains itself; anything else is a fault worth its traceback
+            expected = isinstance(exc, (RedisConnectionError, RedisTimeoutError, OSError))
+            log.warning("redis pub/sub %s: read failed (%s); retrying with backoff up to %g s, messages published "
+                        "meanwhile are missed", self.channel, str(exc) or type(exc).__name__, RESUBSCRIBE_MAX_WAIT_S,
+                        exc_info=None if expected else exc)
+        wait_s = self.wait_s
+        self.wait_s = min(self.wait_s * 2, RESUBSCRIBE_MAX_WAIT_S)
+        return wait_s
+
+    def answered(self) -> None:
+        if self.since is not None:
+            log.info("redis pub/sub %s: recovered after %.1f s", self.channel, time.monotonic() - self.since)
+            self.since, self.wait_s = None, RESUBSCRIBE_FIRST_WAIT_S
 
 
 class RedisKV:
@@ -249,15 +285,17 @@ class RedisKV:
         await pubsub.subscribe(self._k(channel))
 
         async def pump() -> None:
+            outage = _Outage(channel)
             while True:
                 try:
                     msg = await pubsub.get_message(timeout=1.0)
                 except asyncio.CancelledError:
                     raise
-                except Exception:
-                    log.warning("redis pub/sub read failed; retrying", exc_info=True)
-                    await asyncio.sleep(0.5)
+                except Exception as exc:
+                    # redis-py reconnects and resubscribes on the next read; until then, wait longer each time
+                    await asyncio.sleep(outage.failed(exc))
                     continue
+                outage.answered()
                 if msg and msg.get("type") == "message":
                     await _call(handler, msg["data"])
 
