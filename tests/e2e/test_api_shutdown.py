@@ -38,6 +38,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read()  # the engine runs multiprocessing's spawn_main; its resource tracker does not
+
+
 def _running(srv) -> float:
     text = httpx.get(srv.base_url + "/metrics").text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("vllm:num_requests_running{"))
@@ -186,3 +191,50 @@ def test_a_json_request_cut_by_an_engine_death_bills_no_completion_tokens(tmp_pa
     with sqlite3.connect(tmp_path / "data" / "loraplex.db") as db:
         rows = db.execute("SELECT prompt_tokens, completion_tokens, status FROM usage_records").fetchall()
     assert rows == [(rows[0][0], 0, "error")], rows
+
+
+def test_requests_waiting_on_a_stuck_engine_end_at_the_drain_timeout_and_the_server_stops(tmp_path, tiny_model):
+    """An engine that stopped answering (SIGSTOP here) before it admitted the requests: the drain timeout still
+    ends them with a 503 draining (they used to wait for the engine, then for uvicorn's cancel: a bare 500), and
+    closing the silent engine takes seconds, not the full close timeout."""
+    srv = start_server(tmp_path / "data", demo_model_from=tiny_model["model_dir"],
+                       env={"LORAPLEX_DRAIN_TIMEOUT_S": "2"})
+    engine_pid = None
+    try:
+        key = srv.create_tenant("stuck")["key"]
+        model = srv.client(key).get("/v1/models").json()["data"][0]["id"]
+        (engine_pid,) = {p for p in _children(srv.proc.pid) if _alive(p) and b"spawn_main" in _cmdline(p)}
+        os.kill(engine_pid, signal.SIGSTOP)
+        answers: list[httpx.Response] = []
+
+        def post(stream: bool) -> None:
+            answers.append(httpx.post(srv.base_url + "/v1/completions", timeout=90,
+                                      headers={"Authorization": f"Bearer {key}"},
+                                      json={"model": model, "prompt": "go", "max_tokens": 8, "stream": stream}))
+
+        posters = [threading.Thread(target=post, args=(stream,)) for stream in (False, True)]
+        for p in posters:
+            p.start()
+        time.sleep(6)  # the engine has been silent past STALLED_CLOSE_S: its close does not wait 30 s
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        for p in posters:
+            p.join(60)
+        answered = time.monotonic() - t0
+        rc = srv.proc.wait(60)
+        took = time.monotonic() - t0
+    finally:
+        if srv.alive:
+            srv.proc.kill()
+        if engine_pid is not None and _alive(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)
+    assert rc == 0, srv.log_text()[-3000:]
+    assert answered < 2 + 5, f"the waiting requests were answered {answered:.1f} s after SIGTERM"
+    assert took < 2 + 5 + 10, f"the server took {took:.1f} s to stop"
+    assert len(answers) == 2
+    for r in answers:
+        assert r.status_code == 503 and r.json()["error"]["code"] == "draining", r.text
+    assert not _alive(engine_pid)
+    with sqlite3.connect(tmp_path / "data" / "loraplex.db") as db:
+        rows = db.execute("SELECT completion_tokens, status FROM usage_records").fetchall()
+    assert all(status == "error" and tokens == 0 for tokens, status in rows), rows

@@ -131,11 +131,13 @@ class Generation:
             return
         reqs = self._engine_requests()
         try:
-            self._streams = await self.services.engine.add_requests(reqs)
-        except (ValueError, EngineDeadError) as exc:  # nothing reached the engine
+            self._streams = await self._admit(reqs)
+        except (ValueError, EngineDeadError, EngineFailure) as exc:  # nothing runs in the engine
             self._states.clear()
             self.status = STATUS_ERROR
             self.close()
+            if isinstance(exc, EngineFailure):
+                raise
             if isinstance(exc, EngineDeadError):
                 raise EngineFailure(str(exc)) from exc
             raise self._refusal(exc) from exc
@@ -143,6 +145,21 @@ class Generation:
             self.status = STATUS_ABORTED
             self.close()
             raise
+
+    async def _admit(self, reqs: list[EngineRequest]) -> list:
+        """``engine.add_requests``, given up (and its requests aborted) when the drain timeout passes before the
+        engine answers: an engine stuck before it admits them must not hold the response past the drain."""
+        adding = asyncio.ensure_future(self.services.engine.add_requests(reqs))
+        try:
+            while not (await asyncio.wait({adding}, timeout=ENGINE_HEALTH_POLL_S))[0]:
+                if self.services.drain_expired:
+                    adding.cancel()  # add_requests aborts what the engine may still admit
+                    await asyncio.wait({adding})
+                    self._check_drain()
+        except BaseException:
+            adding.cancel()
+            raise
+        return adding.result()
 
     def _refusal(self, exc: ValueError) -> EngineFailure:
         param = getattr(exc, "param", None)
