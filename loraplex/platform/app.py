@@ -23,8 +23,9 @@ from litestar.openapi.plugins import SwaggerRenderPlugin
 from loraplex import __version__
 from loraplex.engine.protocol import EngineClient
 from loraplex.platform import migrate
-from loraplex.platform.auth import Authenticator
+from loraplex.platform.auth import AUTH_CACHE_TTL_EMBEDDED_S, AUTH_CACHE_TTL_REDIS_S, Authenticator
 from loraplex.platform.db import is_sqlite, make_engine, make_session_factory
+from loraplex.platform.deployment import record_redis_url
 from loraplex.platform.errors import exception_handlers
 from loraplex.platform.hooks import BaseModelResolver, LoggingUsageSink
 from loraplex.platform.json_body import JsonBodyRequest
@@ -48,10 +49,6 @@ ROUTE_MODULES = (
     "loraplex.platform.usage.routes",  # usage queries and billing exports
     "loraplex.platform.console.routes",  # /console
 )
-# auth cache TTL: with Redis, pub/sub invalidates at once and the TTL only bounds a lost message;
-# embedded, the CLI (another process) cannot reach the in-process bus, so the TTL alone bounds it (< 1 s)
-AUTH_CACHE_TTL_REDIS_S = 5.0
-AUTH_CACHE_TTL_EMBEDDED_S = 0.5
 DEMO_MODEL_DIR = "demo-model"  # under data_dir
 
 
@@ -122,6 +119,7 @@ def create_app(
         await services.authenticator.start()
         async with sessions() as session:
             key = await bootstrap_admin(session)
+        await record_redis_url(sessions, settings.redis_url)  # for the CLI's invalidations (deployment.py)
         if key and on_bootstrap_key is not None:
             on_bootstrap_key(key)
         engine_task = None
@@ -170,5 +168,5 @@ def create_app(
         logging_config=None,
     )
     # outermost: request ids and drain refusal also apply to 404/405 from routing
-    app.asgi_handler = platform_middleware(app.asgi_handler)
+    app.asgi_handler = platform_middleware(app.asgi_handler, access_log_enabled=settings.access_log)
     return app

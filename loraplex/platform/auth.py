@@ -44,6 +44,10 @@ _ID_ALPHABET = string.ascii_lowercase + string.digits
 INVALIDATE_CHANNEL = "auth:invalidate"
 _DUMMY_HASH = hashlib.sha256(b"lpx-not-a-key").hexdigest()
 LAST_USED_WRITE_INTERVAL_S = 60.0
+# the servers' auth cache TTL: with Redis, pub/sub invalidates at once and the TTL only bounds a lost message;
+# embedded, the CLI (another process) cannot reach the in-process bus, so the TTL alone bounds it (< 1 s)
+AUTH_CACHE_TTL_REDIS_S = 5.0
+AUTH_CACHE_TTL_EMBEDDED_S = 0.5
 MAX_CACHED_KEYS = 50_000
 
 

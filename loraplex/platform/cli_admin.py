@@ -85,9 +85,13 @@ async def _with_services(args: argparse.Namespace) -> int:
         print(f"note: created a new database in {settings.data_path} (servers on another data dir will not "
               "see this change)", file=sys.stderr)
     engine = make_engine(url, settings)
-    kv = make_kv(settings.redis_url)
+    sessions = make_session_factory(engine)
+    redis_url = settings.redis_url
+    if redis_url is None and args.action_fn in _INVALIDATING:
+        redis_url = await _servers_redis(sessions, url, _INVALIDATING[args.action_fn])
+    kv = make_kv(redis_url)
     try:
-        async with make_session_factory(engine)() as session:
+        async with sessions() as session:
             return await args.action_fn(args, session, kv)
     finally:
         await kv.close()
@@ -191,3 +195,42 @@ async def _key_revoke(args, session, kv) -> int:
     k = await tenants.revoke_key(session, kv, args.key_id)
     print(f"revoked {k.id}")
     return 0
+
+
+# commands whose change every replica's auth cache must hear of, and how a warning names it (None: no warning;
+# a re-activated tenant waiting out a cache TTL is a delay, not a hole)
+_INVALIDATING = {_key_revoke: "the revocation", _tenant_suspend: "the suspension", _tenant_activate: None}
+
+
+async def _servers_redis(sessions, database_url: str, change: str | None) -> str | None:
+    """Without --redis-url: the Redis the servers recorded in the database (deployment.py), when the CLI can use
+    and reach it. Otherwise the change is still made (an operator revoking a leaked key must not be stopped by a
+    Redis the CLI cannot reach) and a warning says how long servers on Redis keep the old state."""
+    from loraplex.platform import deployment
+    from loraplex.platform.auth import AUTH_CACHE_TTL_REDIS_S
+    from loraplex.platform.cli import check_redis
+    from loraplex.platform.db import is_sqlite
+    from loraplex.settings import ConfigError
+
+    recorded = await deployment.servers_redis_url(sessions)
+    if recorded == "" or (recorded is None and is_sqlite(database_url)):
+        return None  # the servers run without Redis: their in-process auth cache lives 0.5 s
+    why = None
+    if recorded is None:
+        why = "the servers have recorded no Redis URL in this database (none of this version has started on it)"
+    elif deployment.password_hidden(recorded):
+        why = f"the servers use Redis at {recorded}, whose password is not recorded"
+    else:
+        try:
+            await check_redis(recorded)
+        except ConfigError as exc:
+            why = f"the servers' Redis (recorded in the database) does not answer here: {exc}"
+    if why is None:
+        print(f"note: invalidating on the servers' Redis at {recorded} (recorded in the database; --redis-url "
+              "overrides it)", file=sys.stderr)
+        return recorded
+    if change is not None:
+        print(f"warning: {why}. Without --redis-url, {change} reaches servers that use Redis only when their auth "
+              f"cache expires, up to {AUTH_CACHE_TTL_REDIS_S:g} s from now, not within 1 s: pass --redis-url (or "
+              "LORAPLEX_REDIS_URL) with the servers' Redis", file=sys.stderr)
+    return None

@@ -56,3 +56,14 @@ class ApiKey(Base):
     last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
 
     tenant: Mapped[Tenant] = relationship(back_populates="api_keys")
+
+
+class DeploymentSetting(Base):
+    """A value the servers record for other processes of the deployment (the ``loraplex`` CLI) to find: one row
+    per name (``platform/deployment.py``)."""
+
+    __tablename__ = "deployment_settings"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(String(2048), nullable=False)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False, default=utcnow)

@@ -1,0 +1,72 @@
+"""What the servers record in the database for the ``loraplex`` CLI: the Redis URL they listen on for auth
+invalidations.
+
+``loraplex admin key revoke`` (or ``tenant suspend``) publishes an invalidation that every replica's auth cache
+hears within a second (SECURITY.md 5), but only on the Redis the replicas use. Run with ``--database-url`` alone, the
+CLI reached no replica: servers on Redis kept accepting a revoked key for their cache's whole TTL. Every server
+therefore records at start the Redis URL it uses ('' without Redis), and the CLI falls back to it
+(``cli_admin.py``). The password is never recorded (the database and its backups are read more widely than the
+deployment's secrets): a Redis with one still needs ``--redis-url``, and the CLI says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import OperationalError, ProgrammingError, SQLAlchemyError
+
+from loraplex.platform.db import SessionFactory, utcnow
+from loraplex.platform.models import DeploymentSetting
+
+log = logging.getLogger(__name__)
+
+REDIS_URL = "redis_url"
+HIDDEN = "***"  # stands for a password in a recorded URL
+
+
+def without_password(url: str) -> str:
+    """``url`` with its password (in the user part or a ``password=`` query argument) replaced by ``***``."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        userinfo, _, host = netloc.rpartition("@")
+        netloc = f"{userinfo.partition(':')[0]}:{HIDDEN}@{host}"
+    query = [(k, HIDDEN if k == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe="*")))
+
+
+def password_hidden(url: str) -> bool:
+    """Whether a recorded URL had a password (so it cannot be used as it stands)."""
+    parts = urlsplit(url)
+    return parts.password == HIDDEN or dict(parse_qsl(parts.query)).get("password") == HIDDEN
+
+
+async def record_redis_url(sessions: SessionFactory, redis_url: str | None) -> None:
+    """At server start: the Redis URL this server takes invalidations from ('' without Redis), password hidden.
+    The last server to start wins; replicas of one deployment share their Redis."""
+    value = without_password(redis_url) if redis_url else ""
+    try:
+        async with sessions() as session:
+            insert = pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert
+            now = utcnow()
+            stmt = insert(DeploymentSetting).values(name=REDIS_URL, value=value, updated_at=now)
+            await session.execute(stmt.on_conflict_do_update(index_elements=["name"],
+                                                             set_={"value": value, "updated_at": now}))
+            await session.commit()
+    except SQLAlchemyError as exc:  # the server runs without it; only the CLI's fallback is lost
+        log.warning("could not record the Redis URL for the loraplex CLI in the database: %s", exc)
+
+
+async def servers_redis_url(sessions: SessionFactory) -> str | None:
+    """What the servers recorded: a Redis URL (its password, if any, as ``***``), '' when they run without Redis,
+    None when nothing is (no server of this version has started on this database yet)."""
+    try:
+        async with sessions() as session:
+            return (await session.execute(
+                select(DeploymentSetting.value).where(DeploymentSetting.name == REDIS_URL))).scalar_one_or_none()
+    except (OperationalError, ProgrammingError):  # no such table: a database not upgraded yet
+        return None
