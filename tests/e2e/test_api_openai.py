@@ -130,6 +130,31 @@ def test_rate_limit_429_with_retry_headers(server):
     assert err.value.body["type"] == "rate_limit_error"
 
 
+def test_a_request_over_the_token_limit_is_refused_once_not_retried(server):
+    """The report's repro: 200 tokens/min, max_tokens=300. OpenAI's "Request too large" (the client raises
+    RateLimitError), and x-should-retry: false keeps the client's default retries from sending it again."""
+    t = server.create_tenant("small", tokens_per_minute=200)
+    client = oai(server, t["key"])  # the default max_retries=2
+
+    def rejected() -> float:
+        text = httpx.get(server.base_url + "/metrics").text
+        return sum(float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith('loraplex_rejected_requests_total{reason="rate_limit"}'))
+
+    before = rejected()
+    with pytest.raises(openai.RateLimitError) as err:
+        client.completions.create(model=base_model(server), prompt="Hi", max_tokens=300)
+    assert err.value.code == "rate_limit_exceeded" and err.value.param == "max_tokens"
+    message = err.value.body["message"]
+    assert message.startswith(f"Request too large for {base_model(server)}: Limit 200 tokens per minute, "
+                              "Requested 30"), message
+    assert "Lower max_tokens to at most 19" in message
+    assert rejected() == before + 1  # sent once
+    # nothing was taken: a request that fits runs at once
+    r = client.completions.with_raw_response.create(model=base_model(server), prompt="Hi", max_tokens=5)
+    assert r.headers["x-ratelimit-remaining-tokens"] == str(200 - r.parse().usage.prompt_tokens - 5)
+
+
 def test_request_id_on_every_response(server, tenants):
     key = tenants["acme"]["key"]
     with httpx.Client(base_url=server.base_url, headers={"Authorization": f"Bearer {key}"}) as c:
