@@ -112,6 +112,8 @@ class Settings:
     # deployments where /metrics is reachable from outside; the k8s ingress keeps it inside the cluster instead)
     metrics_token: str | None = None
     log_level: str = "INFO"
+    log_format: str = "text"  # text | json: one JSON object a line (loraplex/log.py)
+    access_log: bool = False  # loraplex serve: one loraplex.access line a request (method, path, status, ids)
     log_prompts: bool = False
 
     @property

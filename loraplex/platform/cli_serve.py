@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from loraplex.engine.config import KV_CACHE_DTYPES
+from loraplex.log import LOG_FORMATS, set_log_format
 from loraplex.platform.cli import (
     FlagError,
     add_common,
@@ -86,6 +87,12 @@ def register(subparsers) -> None:
                         "(env LORAPLEX_TENSOR_PARALLEL_SIZE, default 1)")
     p.add_argument("--num-kv-blocks", type=int, help="KV-cache blocks (env LORAPLEX_NUM_KV_BLOCKS, default: sized "
                    "from free memory)")
+    p.add_argument("--log-format", choices=LOG_FORMATS,
+                   help="text, or json: one JSON object a line with ts, level, logger, message, and request_id and "
+                        "tenant on lines logged while a request runs (env LORAPLEX_LOG_FORMAT, default text)")
+    p.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=None,
+                   help="one loraplex.access line a request: method, path without the query string, status, "
+                        "duration, request id, tenant, completion id (env LORAPLEX_ACCESS_LOG, default off)")
     p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight requests "
                    f"(env LORAPLEX_DRAIN_TIMEOUT_S, default {DEFAULTS.drain_timeout_s:g})")
     p.set_defaults(func=flag_checked(serve))
@@ -105,8 +112,9 @@ def serve(args: argparse.Namespace) -> int:
         lora_gemm_shrink_max_moves=args.lora_gemm_shrink_max_moves, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=args.num_kv_blocks, drain_timeout_s=args.drain_timeout_s,
         num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
-        tensor_parallel_size=args.tensor_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size, log_format=args.log_format, access_log=args.access_log,
     )
+    set_log_format(settings.log_format)  # first: every line from here on is in the chosen format
 
     check_serve_settings(settings)
     warn_open_metrics(settings)
