@@ -68,7 +68,7 @@ def test_setting_and_service_errors_are_one_line(case, tmp_path, capsys, monkeyp
 
 
 def test_bad_log_level_is_one_line(capsys, monkeypatch):
-    monkeypatch.setattr("loraplex.log._configured", False)
+    monkeypatch.setattr("loraplex.log._handler", None)
     rc, _, err = run(capsys, "--log-level", "chatty", "admin", "tenant", "list")
     assert_one_line_error(rc, err, "log level 'CHATTY'")
 
