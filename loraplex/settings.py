@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -144,6 +145,22 @@ class Settings:
 
     def with_overrides(self, **overrides: Any) -> Settings:
         return dataclasses.replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def check_secrets(self) -> None:
+        """A ConfigError when a secret setting still holds a placeholder of the deploy files (the server refuses to
+        start on one: cache salts and console sessions keyed on a string anyone can read in this repository)."""
+        found = [(ENV_PREFIX + name.upper(), m.group(0)) for name in SECRET_SETTINGS
+                 if (m := _PLACEHOLDER.search(getattr(self, name) or ""))]
+        if found:
+            named = ", ".join(f"{variable} (it contains {word!r})" for variable, word in found)
+            raise ConfigError(f"{named}: a placeholder, not a secret; set a random value (e.g. openssl rand -hex 32; "
+                              "for a URL, the service's real password) in the deployment's secret (deploy/README.md)")
+
+
+# settings that hold secrets (a URL: its password); one that contains what our deploy files write for a value to fill
+# in (deploy/k8s/secret.example.yaml's CHANGE_ME..., a "change-me-..." string) is refused by check_secrets
+SECRET_SETTINGS = ("server_secret", "metrics_token", "database_url", "redis_url")
+_PLACEHOLDER = re.compile(r"change[-_]?me", re.IGNORECASE)
 
 
 # LORAPLEX_* variables read outside Settings: the adapter CLI (server, key), the engine's CUDA switches

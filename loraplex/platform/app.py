@@ -85,7 +85,9 @@ def create_app(
     ``run_migrations``: upgrade the database at start (a Postgres advisory lock serialises replicas).
     A bootstrap admin key created on first start is handed to ``on_bootstrap_key`` (shown once).
     ``freeze_gc``: once the engine has loaded, freeze the process's heap (``loraplex serve`` only: the process
-    exists for the server; ``loraplex.engine.gc_heap``)."""
+    exists for the server; ``loraplex.engine.gc_heap``).
+    A secret setting left at a deploy file's placeholder is a ConfigError here, before anything starts."""
+    settings.check_secrets()
     modules = load_modules(CORE_ROUTE_MODULES) + load_modules(ROUTE_MODULES)
     handlers = [h for m in modules for h in m.route_handlers()]
     url = settings.effective_database_url
