@@ -18,6 +18,7 @@ import msgspec
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from loraplex.log import request_log_context
+from loraplex.platform.auth import KEY_ID_LEN, KEY_PREFIX
 from loraplex.platform.errors import ErrorBody, ErrorResponse
 
 access_log = logging.getLogger("loraplex.access")
@@ -26,6 +27,8 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 # what the usage ledger records as request_id
 _COMPLETION_ID = re.compile(rb'^(?:data: ?)?\{\s*"id"\s*:\s*"((?:chat)?cmpl-[A-Za-z0-9]{1,64})"')
 MAX_LOGGED_PATH_CHARS = 256
+# an API key a client put in a path (a misconfigured base URL): its secret, whole or in part, is never logged
+_KEY_SECRET_IN_PATH = re.compile(rf"({KEY_PREFIX}-[a-z0-9]{{{KEY_ID_LEN}}}-)[A-Za-z0-9]+")
 # while draining these still answer (probes, scraping)
 _ALWAYS_OPEN = ("/health", "/ready", "/metrics")
 REQUEST_ID_HEADER = b"x-request-id"
@@ -104,6 +107,7 @@ class _Exchange:
 def _log_access(method: str, path: str, exchange: _Exchange, started: float) -> None:
     status = exchange.status or 500  # no response started: the server answers 500
     duration_ms = round((time.perf_counter() - started) * 1e3, 1)
+    path = _KEY_SECRET_IN_PATH.sub(r"\1[redacted]", path)
     path = repr(path[:MAX_LOGGED_PATH_CHARS])[1:-1]  # a client's control characters cannot start a log line
     access_log.info("%s %s %d %.1fms", method, path, status, duration_ms, extra={"fields": {
         "method": method, "path": path, "status": status, "duration_ms": duration_ms}})

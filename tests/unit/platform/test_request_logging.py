@@ -120,7 +120,8 @@ def test_access_log_names_the_request_never_its_key_or_query(platform, json_line
         bad_key = "lpx-aaaaaaaaaaaa-" + "B" * 40
         assert client.get("/v1/models", headers={"Authorization": f"Bearer {bad_key}"}).status_code == 401
         assert client.get("/v1/models%0A200%20forged").status_code == 404
-    models, head, nope, unauthorized, forged = _access(json_lines)
+        assert client.get(f"/v1/models/{keys[0]}", headers=auth).status_code == 404  # a key in a path
+    models, head, nope, unauthorized, forged, key_in_path = _access(json_lines)
     assert models["message"].startswith("GET /v1/models 200 ")
     assert {k: models[k] for k in ("method", "path", "status", "request_id", "tenant")} == {
         "method": "GET", "path": "/v1/models", "status": 200, "request_id": "trace-77", "tenant": "admin"}
@@ -130,6 +131,7 @@ def test_access_log_names_the_request_never_its_key_or_query(platform, json_line
     assert nope["request_id"].startswith("req-")
     assert unauthorized["status"] == 401 and "tenant" not in unauthorized
     assert forged["path"] == "/v1/models\\n200 forged"  # escaped: one line, no forged status
+    assert key_in_path["path"] == f"/v1/models/{keys[0][:17]}[redacted]"
     server_lines = json_lines.server_lines()
     for secret in (keys[0].rsplit("-", 1)[1], bad_key.rsplit("-", 1)[1], "sekrit"):
         assert [line for line in server_lines if secret in line] == []
