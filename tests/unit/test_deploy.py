@@ -114,15 +114,35 @@ def test_ports_and_probes_are_the_apps():
     assert compose["ports"] == [f"{Settings().port}:{Settings().port}"]
 
 
-def test_grace_period_covers_prestop_and_drain():
+def shutdown_after_drain_s() -> float:
+    """Worst case, from the drain timeout to the process's exit: what still runs is ended (DRAIN_GRACE_S), background
+    work finishes, the usage sink drains into the ledger, the engine process stops (then SIGKILL and a 5 s join)."""
+    import inspect
+
+    from loraplex.engine.engine_process import ProcessEngine
+    from loraplex.platform.cli_serve import DRAIN_GRACE_S
+    from loraplex.platform.services import Services
+    from loraplex.platform.usage.sink import LedgerSink
+
+    def timeout_s(method) -> float:
+        return inspect.signature(method).parameters["timeout_s"].default
+
+    return DRAIN_GRACE_S + timeout_s(Services.wait_background) + timeout_s(LedgerSink.stop) + \
+        timeout_s(ProcessEngine.close) + 5
+
+
+def test_grace_period_covers_prestop_drain_and_shutdown():
+    """A SIGKILL before the process exits loses the last usage records to the spool and cuts the engine's stop."""
     spec = one("Deployment")["spec"]["template"]["spec"]
     drain = float(config_env().get("LORAPLEX_DRAIN_TIMEOUT_S", Settings().drain_timeout_s))
     pre_stop = sum(int(x) for x in container()["lifecycle"]["preStop"]["exec"]["command"] if x.isdigit())
-    # after the drain the engine stops and the last usage events are written: keep a margin
-    assert spec["terminationGracePeriodSeconds"] >= pre_stop + drain + 10
+    margin = 10
+    assert spec["terminationGracePeriodSeconds"] >= pre_stop + drain + shutdown_after_drain_s() + margin
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     grace = compose["services"]["loraplex"]["stop_grace_period"]
-    assert int(grace.rstrip("s")) >= Settings().drain_timeout_s + 10
+    compose_drain = float(compose["services"]["loraplex"]["environment"].get("LORAPLEX_DRAIN_TIMEOUT_S",
+                                                                            Settings().drain_timeout_s))
+    assert int(grace.rstrip("s")) >= compose_drain + shutdown_after_drain_s() + margin
 
 
 def test_replicas_share_a_persistent_data_dir():
@@ -204,3 +224,109 @@ def test_gpu_image_has_a_c_compiler_for_triton():
     """Triton compiles a C launcher at first use; without gcc every kernel fails 'Failed to find C compiler'."""
     text = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"apt-get install[^\n]*\bgcc\b", text)
+
+
+def pod_specs() -> dict[str, dict]:
+    """Every pod template of the kustomization, by the name of its workload."""
+    out = {}
+    for o in k8s_objects():
+        if o["kind"] in ("Deployment", "Job"):
+            out[o["metadata"]["name"]] = o["spec"]["template"]["spec"]
+        elif o["kind"] == "CronJob":
+            out[o["metadata"]["name"]] = o["spec"]["jobTemplate"]["spec"]["template"]["spec"]
+    return out
+
+
+def test_every_pod_is_locked_down_and_sized():
+    specs = pod_specs()
+    assert {"loraplex", "loraplex-db-upgrade"} <= set(specs)
+    for name, spec in specs.items():
+        assert spec["securityContext"]["runAsNonRoot"] is True, name
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert spec.get("automountServiceAccountToken") is False, name  # the server never calls the k8s API
+        for c in spec["containers"]:
+            ctx = c["securityContext"]
+            assert ctx["readOnlyRootFilesystem"] is True and ctx["allowPrivilegeEscalation"] is False, name
+            assert ctx["capabilities"]["drop"] == ["ALL"], name
+            assert c["resources"]["requests"]["memory"] and c["resources"]["limits"]["memory"], name
+
+
+def test_migrations_run_at_start_and_the_optional_step_survives_reapplies():
+    """serve migrates under an advisory lock, so no Job has to run first; the optional step is a suspended CronJob
+    used as a template (kubectl create job --from=cronjob/...): a fixed-name Job in the kustomization failed every
+    apply with a new image (a Job's pod template is immutable) and lingered forever without a TTL."""
+    import inspect
+
+    from loraplex.platform.app import create_app
+
+    assert inspect.signature(create_app).parameters["run_migrations"].default is True
+    assert not [o for o in k8s_objects() if o["kind"] == "Job"]
+    cron = one("CronJob", "loraplex-db-upgrade")
+    assert cron["spec"]["suspend"] is True
+    job = cron["spec"]["jobTemplate"]["spec"]
+    assert 0 < job["ttlSecondsAfterFinished"] <= 7 * 86400
+    assert job["template"]["spec"]["restartPolicy"] == "Never" and job["activeDeadlineSeconds"] > 0
+    assert job["template"]["spec"]["containers"][0]["args"] == ["db", "upgrade"]
+
+
+def test_the_image_is_chosen_once_and_never_latest():
+    kustomization = one("Kustomization")
+    [image] = kustomization["images"]
+    tag = image.get("digest") or image.get("newTag")
+    assert tag and tag != "latest", image
+    for name, spec in pod_specs().items():
+        for c in spec["containers"]:
+            assert c["image"] == image["name"], (name, c["image"])  # untagged: kustomize sets it
+
+
+def test_kustomize_renders_the_pinned_image_and_no_secret():
+    import shutil
+    import subprocess
+
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: the rendered kustomization is not checked")
+    rendered = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, check=True).stdout
+    objects = [d for d in yaml.safe_load_all(rendered) if d]
+    assert "Secret" not in {o["kind"] for o in objects}
+    [image] = one("Kustomization")["images"]
+    images = set(re.findall(r"^\s*image: (\S+)$", rendered, re.MULTILINE))
+    assert images == {f"{image['newName']}:{image['newTag']}"}, images
+
+
+def test_replicas_spread_over_nodes():
+    spec = one("Deployment")["spec"]["template"]["spec"]
+    selector = one("Deployment")["spec"]["selector"]["matchLabels"]
+    spreads = {t["topologyKey"]: t for t in spec["topologySpreadConstraints"]}
+    assert spreads["kubernetes.io/hostname"]["labelSelector"]["matchLabels"] == selector
+    assert spreads["kubernetes.io/hostname"]["maxSkew"] == 1
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last pattern matching the path or one of its parent directories decides."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[: i + 1]) for i in range(len(parts))]
+    excluded = False
+    for pattern in patterns:
+        negated = pattern.startswith("!")
+        body = pattern.lstrip("!")
+        regex = re.escape(body).replace(r"\*\*/", "(?:.*/)?").replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+        if any(re.fullmatch(regex, c) for c in candidates):
+            excluded = not negated
+    return excluded
+
+
+def test_dockerignore_keeps_the_build_context_to_what_the_images_copy():
+    patterns = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    for path in (".venv/bin/python", ".git/HEAD", ".whl/redis-8.2.0-py3-none-any.whl", "docs/benchmarks/x.md",
+                 "loraplex/__pycache__/cli.cpython-311.pyc", "loraplex/platform/kv.pyc", "gpu-out/report.json",
+                 ".pytest_cache/v/x", ".hypothesis/examples/x", "tests/unit/test_deploy.py", "deploy/.env",
+                 "loraplex.egg-info/PKG-INFO"):
+        assert dockerignored(path, patterns), path
+    copied = {src for dockerfile in DEPLOY.glob("Dockerfile*")
+              for line in dockerfile.read_text().splitlines() if line.startswith("COPY ")
+              for src in line.split()[1:-1]}
+    assert copied == {"pyproject.toml", "README.md", "loraplex", "migrations"}, copied
+    for path in ("pyproject.toml", "README.md", "loraplex/cli.py", "loraplex/data/README", "migrations/env.py",
+                 "migrations/versions/0001_core.py"):
+        assert not dockerignored(path, patterns), path
