@@ -42,10 +42,11 @@ def request_fields() -> dict[str, str]:
 
 
 class TextFormatter(logging.Formatter):
-    """``TIME LEVEL LOGGER: MESSAGE request_id=... tenant=...`` (a traceback follows on its own lines)."""
+    """``TIME LEVEL LOGGER: MESSAGE request_id=... tenant=...`` (a traceback follows on its own lines); a child
+    process's lines name it: ``TIME LEVEL LOGGER [engine]: MESSAGE``."""
 
-    def __init__(self) -> None:
-        super().__init__(TEXT_FORMAT)
+    def __init__(self, process: str | None = None) -> None:
+        super().__init__(TEXT_FORMAT if process is None else TEXT_FORMAT.replace(": ", f" [{process}]: ", 1))
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         line = super().formatMessage(record)
@@ -54,7 +55,12 @@ class TextFormatter(logging.Formatter):
 
 class JsonFormatter(logging.Formatter):
     """One JSON object a line. A record's ``extra={"fields": {...}}`` adds those keys (the access log's method,
-    path, status...); the request's fields and the standard keys take precedence over them."""
+    path, status...); the request's fields and the standard keys take precedence over them. A child process's lines
+    carry ``"process": "engine"``."""
+
+    def __init__(self, process: str | None = None) -> None:
+        super().__init__()
+        self.process = process
 
     def format(self, record: logging.LogRecord) -> str:
         out: dict[str, object] = {
@@ -64,6 +70,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if self.process is not None:
+            out["process"] = self.process
         out.update(request_fields())
         extra = getattr(record, "fields", None)
         if isinstance(extra, dict):
@@ -77,9 +85,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str, ensure_ascii=False)
 
 
-def make_formatter(log_format: str) -> logging.Formatter:
+def make_formatter(log_format: str, process: str | None = None) -> logging.Formatter:
     check_log_format(log_format)
-    return JsonFormatter() if log_format == "json" else TextFormatter()
+    return JsonFormatter(process) if log_format == "json" else TextFormatter(process)
+
+
+def current_log_format() -> str:
+    """The format :func:`setup_logging` (or :func:`set_log_format`) chose; ``text`` before either ran."""
+    return "json" if _handler is not None and isinstance(_handler.formatter, JsonFormatter) else "text"
+
+
+def setup_child_logging(level: int, log_format: str, process: str) -> None:
+    """A child process's logging (the engine's): its parent's level and format, each line naming the process."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(make_formatter(log_format, process))
+    logging.basicConfig(level=level, handlers=[handler], force=True)
 
 
 def check_log_format(log_format: str) -> None:

@@ -57,6 +57,7 @@ from loraplex.engine.async_engine import (
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine_core import load_tokenizer
 from loraplex.engine.protocol import EngineDeadError, EngineRequest, EngineStats
+from loraplex.log import current_log_format, setup_child_logging
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,8 @@ class ProcessEngine(StreamingClient):
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
             target=_child_main, name="loraplex-engine", daemon=False,  # daemonic processes may not start TP workers
-            args=(config, child_conn, os.getpid(), logging.getLogger().getEffectiveLevel(), freeze_gc))
+            args=(config, child_conn, os.getpid(), logging.getLogger().getEffectiveLevel(), current_log_format(),
+                  freeze_gc))
         self._proc.start()
         child_conn.close()  # the child's end lives in the child alone: its exit closes the pipe here
         try:
@@ -311,13 +313,14 @@ def _load_exception(data: bytes) -> BaseException:
     return pickle.loads(data)  # from our own child over a private pipe, never from a client
 
 
-def _child_main(config: EngineConfig, conn, parent_pid: int, log_level: int, freeze_gc: bool) -> None:
+def _child_main(config: EngineConfig, conn, parent_pid: int, log_level: int, log_format: str,
+                freeze_gc: bool) -> None:
     # a Ctrl-C reaches the whole process group, and systemd's stop sends SIGTERM to every process of the unit: the
     # server drains its requests first, then stops this process itself (or it exits when the server's pipe closes)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _name_os_thread(LOOP_THREAD_OS_NAME)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s [engine]: %(message)s")
+    setup_child_logging(log_level, log_format, "engine")
     try:
         from loraplex.engine.engine_core import LLMEngine
 
