@@ -95,6 +95,10 @@ def register(subparsers) -> None:
                         "duration, request id, tenant, completion id (env LORAPLEX_ACCESS_LOG, default off)")
     p.add_argument("--drain-timeout-s", type=float, help="how long SIGTERM waits for in-flight requests "
                    f"(env LORAPLEX_DRAIN_TIMEOUT_S, default {DEFAULTS.drain_timeout_s:g})")
+    p.add_argument("--engine-stall-timeout-s", type=float,
+                   help="an engine process that sends nothing for this long (it beats every second when idle) is "
+                        "killed and replaced; /ready is 503 after a quarter of it; 0: never (env "
+                        f"LORAPLEX_ENGINE_STALL_TIMEOUT_S, default {DEFAULTS.engine_stall_timeout_s:g})")
     p.set_defaults(func=flag_checked(serve))
 
 
@@ -111,6 +115,7 @@ def serve(args: argparse.Namespace) -> int:
         lora_gemm_shrink_max_tokens=args.lora_gemm_shrink_max_tokens,
         lora_gemm_shrink_max_moves=args.lora_gemm_shrink_max_moves, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=args.num_kv_blocks, drain_timeout_s=args.drain_timeout_s,
+        engine_stall_timeout_s=args.engine_stall_timeout_s,
         num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
         tensor_parallel_size=args.tensor_parallel_size, log_format=args.log_format, access_log=args.access_log,
     )
@@ -148,6 +153,7 @@ def serve(args: argparse.Namespace) -> int:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_DRAIN_TIMEOUT_S = 86400.0
+MIN_ENGINE_STALL_TIMEOUT_S = 5.0
 # after the drain timeout, the time the app has to end what still runs (error responses and events, usage records)
 # before uvicorn cancels the handlers that remain
 DRAIN_GRACE_S = 10.0
@@ -194,6 +200,11 @@ def check_serve_settings(settings: Settings) -> None:
     for field, least in _COUNTS.items():
         check_int(_flag(field), getattr(settings, field), least)
     check_seconds(_flag("drain_timeout_s"), settings.drain_timeout_s, zero_ok=True, most=MAX_DRAIN_TIMEOUT_S)
+    stall = settings.engine_stall_timeout_s
+    check_seconds(_flag("engine_stall_timeout_s"), stall, zero_ok=True, most=MAX_DRAIN_TIMEOUT_S)
+    if 0 < stall < MIN_ENGINE_STALL_TIMEOUT_S:
+        raise FlagError(f"{_flag('engine_stall_timeout_s')} must be 0 (never) or at least "
+                        f"{MIN_ENGINE_STALL_TIMEOUT_S:g} seconds (an idle engine beats once a second), got {stall:g}")
     check_int(_flag("num_speculative_tokens"), settings.num_speculative_tokens, 0, MAX_SPECULATIVE_TOKENS, " (0: off)")
     if settings.metrics_token is not None and len(settings.metrics_token) < MIN_METRICS_TOKEN_CHARS:
         raise FlagError(f"LORAPLEX_METRICS_TOKEN must be at least {MIN_METRICS_TOKEN_CHARS} characters, got "

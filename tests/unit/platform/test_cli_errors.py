@@ -248,3 +248,15 @@ def test_adapter_upload_of_a_missing_path_names_it(tmp_path, capsys):
     rc, _, err = run(capsys, "adapter", "upload", "bot", str(missing), "--api-key", "lpx-x",
                      "--url", f"http://127.0.0.1:{closed_port()}")
     assert_flag_error(rc, err, str(missing), "does not exist")
+
+
+def test_an_engine_stall_timeout_too_short_for_the_heartbeat_is_refused_naming_the_flag():
+    from loraplex.platform.cli import FlagError
+    from loraplex.platform.cli_serve import check_serve_settings
+    from loraplex.settings import Settings
+
+    for bad in (1.0, -1.0, float("nan")):
+        with pytest.raises(FlagError, match="--engine-stall-timeout-s / LORAPLEX_ENGINE_STALL_TIMEOUT_S"):
+            check_serve_settings(Settings(engine_stall_timeout_s=bad))
+    for good in (0.0, 5.0, 600.0):
+        check_serve_settings(Settings(engine_stall_timeout_s=good))
