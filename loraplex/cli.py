@@ -20,7 +20,7 @@ from loraplex.settings import ConfigError, unknown_variables
 COMMAND_MODULES = (
     "loraplex.demo_cli",  # demo-model
     "loraplex.platform.cli",  # serve, admin, db, adapter, usage
-    "loraplex.engine.batch",  # batch
+    "loraplex.batch.command",  # batch
     "loraplex.bench.cli",  # bench
 )
 

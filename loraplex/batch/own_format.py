@@ -1,7 +1,7 @@
 """One input line of ``loraplex batch``: decoding it, and what loraplex's own line format asks for.
 
 A line of loraplex's format is ``{"id", "prompt" | "prompt_token_ids", "params": {SamplingParams fields},
-"lora": {"name", "id", "path"}}``; OpenAI's batch format is batch_openai.py's. Both share the decoding, the
+"lora": {"name", "id", "path"}}``; OpenAI's batch format is openai_format.py's. Both share the decoding, the
 seed of a line that names none, and how a value is shown in an error message.
 """
 
@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import json
 
-from loraplex.engine.batch_window import Line
+from loraplex.batch.window import Line
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.sampling_params import SamplingParams, _is_int
 

@@ -22,8 +22,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from loraplex.engine.batch_lines import NOT_AN_OBJECT, decode, line_seed, short, token_ids
-from loraplex.engine.batch_window import Line
+from loraplex.batch.own_format import NOT_AN_OBJECT, decode, line_seed, short, token_ids
+from loraplex.batch.window import Line
 from loraplex.engine.chat import ChatMessageError, chat_messages
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import RequestOutput

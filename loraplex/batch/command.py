@@ -14,12 +14,12 @@ Each line is written whole and flushed at once, so an interrupted run leaves onl
 a cut-short last one after a hard kill.
 
 An input in which a line has ``custom_id`` and ``body`` is read in OpenAI's batch format instead, every line of it
-(batch_openai.py): ``{"custom_id", "method": "POST", "url", "body"}`` in, ``{"id", "custom_id", "response",
+(openai_format.py): ``{"custom_id", "method": "POST", "url", "body"}`` in, ``{"id", "custom_id", "response",
 "error"}`` out, ``custom_id`` taking the place of ``id`` (unique; no line-number default) and ``--lora-modules
 NAME=PATH`` naming the adapters ``body.model`` may name. One format a file, decided by the file and not by a flag:
 the two formats share no field, so the input says which it is, and every output line of a run is of one format.
 
-Lines run through a rolling window (batch_window.py): up to ``--max-in-flight`` requests in the engine at once
+Lines run through a rolling window (window.py): up to ``--max-in-flight`` requests in the engine at once
 (default 2 x max_num_seqs, so the scheduler always has the next request waiting), the next line added as soon
 as one finishes; at most ``--reorder-buffer`` lines may be admitted but not yet written, which bounds memory
 when an early line runs long.
@@ -27,7 +27,7 @@ when an early line runs long.
 An OUTPUT that exists and is not empty is refused unless ``--resume`` (keep its complete lines, drop a cut-short
 last line, check that its ids are those of the input's first lines, and run only the lines after them) or
 ``--overwrite`` (start over). A run records the options that change what a line produces (model, dtype,
-kv_cache_dtype, max_tokens, temperature, seed, ...) in ``OUTPUT.options.json`` (batch_options.py); ``--resume`` with other values
+kv_cache_dtype, max_tokens, temperature, seed, ...) in ``OUTPUT.options.json`` (run_options.py); ``--resume`` with other values
 is refused, naming the flags. SIGINT/SIGTERM: no new lines are added, the lines in flight are aborted, the
 finished lines before the oldest unfinished one are written, and the command exits with 128 + the signal
 number; ``--resume`` continues from there. OUTPUT ``-`` whose reader closes the pipe (``| head``) stops the run
@@ -56,8 +56,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from loraplex import closed_pipe
-from loraplex.engine import batch_lines, batch_openai, batch_options
-from loraplex.engine.batch_window import RollingWindow
+from loraplex.batch import openai_format, own_format, run_options
+from loraplex.batch.window import RollingWindow
 from loraplex.engine.config import KV_CACHE_DTYPES
 from loraplex.engine.sampling_params import SamplingParams, SamplingParamsError
 
@@ -165,14 +165,14 @@ def _generate(args, llm, fmt: str, scanned, dst, kept: tuple[int, int], total_li
     num_kept, num_kept_failed = kept
     defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     if fmt == OPENAI:
-        ctx = batch_openai.Context(defaults, args.seed, _models(args), llm.get_tokenizer())
-        lines = (batch_openai.parse(seq, line_no, raw, ctx) for seq, (line_no, raw) in enumerate(scanned))
-        records = batch_openai.OpenAIRecords()
+        ctx = openai_format.Context(defaults, args.seed, _models(args), llm.get_tokenizer())
+        lines = (openai_format.parse(seq, line_no, raw, ctx) for seq, (line_no, raw) in enumerate(scanned))
+        records = openai_format.OpenAIRecords()
     else:
         if args.lora_modules:
             log.warning("batch: --lora-modules names adapters for OpenAI-format lines (body.model); the lines of %s "
                         "are in loraplex's format and name their adapter in 'lora'", args.input)
-        lines = (batch_lines.parse(seq, line_no, raw, defaults, args.enable_lora, args.seed)
+        lines = (own_format.parse(seq, line_no, raw, defaults, args.enable_lora, args.seed)
                  for seq, (line_no, raw) in enumerate(scanned))
         records = None
 
@@ -257,7 +257,7 @@ def _check_args(args) -> None:
 
 def _models(args) -> dict:
     try:
-        return batch_openai.models(args.model, args.lora_modules, args.enable_lora)
+        return openai_format.models(args.model, args.lora_modules, args.enable_lora)
     except ValueError as exc:
         raise BatchError(str(exc)) from None
 
@@ -333,16 +333,16 @@ def _check_input(src, name: str) -> tuple[int, str]:
             yield raw
 
     for line_no, raw in _scan(counted()):
-        item, _ = batch_lines.decode(line_no, raw)
-        custom_id = batch_openai.line_id(item)
+        item, _ = own_format.decode(line_no, raw)
+        custom_id = openai_format.line_id(item)
         if isinstance(custom_id, str) and custom_id:
             custom_ids.add(custom_id, line_no)
-        if batch_openai.is_request(item):  # no loraplex id: its lines' ids are only kept for loraplex's format
+        if openai_format.is_request(item):  # no loraplex id: its lines' ids are only kept for loraplex's format
             openai_line = openai_line or line_no
             continue
-        if item is batch_lines.NOT_AN_OBJECT or "id" not in item:
+        if item is own_format.NOT_AN_OBJECT or "id" not in item:
             numbered.add(line_no)
-        ids.add(batch_lines.line_id(item, line_no), line_no)
+        ids.add(own_format.line_id(item, line_no), line_no)
     src.seek(0)
     fmt = LORAPLEX if openai_line is None else OPENAI
     if fmt == OPENAI:
@@ -355,7 +355,7 @@ def _check_input(src, name: str) -> tuple[int, str]:
     for key, line_nos in list(ids.repeats.items())[:5]:
         where = ", ".join(map(str, line_nos[:-1])) + f" and {line_nos[-1]}"
         without = [n for n in line_nos if n in numbered]
-        shown.append(f"{label} {batch_lines.short(json.loads(key))} on lines {where}"
+        shown.append(f"{label} {own_format.short(json.loads(key))} on lines {where}"
                      + (f" (line {without[0]} has no id, so its id is its line number)" if without else ""))
     more = f"; {len(ids.repeats) - len(shown)} more repeated {label}s" if len(ids.repeats) > len(shown) else ""
     raise BatchError(f"INPUT {name} repeats {label}s, so its output lines could not be matched to its lines: "
@@ -400,7 +400,7 @@ def _plan_output(args, scanned: Iterator[tuple[int, bytes]], fmt: str) -> _Outpu
     if args.input != "-" and os.path.exists(path) and os.path.samefile(args.input, path):
         raise BatchError(f"OUTPUT {path} is the INPUT file")
     size = os.path.getsize(path) if os.path.isfile(path) else 0
-    plan = _OutputPlan(stream=False, options=batch_options.of_args(args))
+    plan = _OutputPlan(stream=False, options=run_options.of_args(args))
     if size and args.resume:
         _check_options(path, plan.options)
         plan.num_kept, plan.num_kept_failed = _check_resume(path, scanned, fmt)
@@ -428,10 +428,10 @@ def _open_output(args, plan: _OutputPlan):
     if plan.stream:
         return dst
     try:
-        batch_options.record(path, plan.options)
+        run_options.record(path, plan.options)
     except OSError as exc:
         dst.close()
-        raise BatchError(f"cannot write {batch_options.path_of(path)}: {exc.strerror}") from None
+        raise BatchError(f"cannot write {run_options.path_of(path)}: {exc.strerror}") from None
     return dst
 
 
@@ -444,15 +444,15 @@ def _is_stream(path: str) -> bool:
 def _check_options(path: str, options: dict) -> None:
     """Refuse to resume with options other than those the earlier run recorded beside ``path``."""
     try:
-        earlier = batch_options.recorded(path)
+        earlier = run_options.recorded(path)
     except ValueError as exc:
-        raise BatchError(f"--resume: {batch_options.path_of(path)} is not a loraplex batch options file ({exc}); "
+        raise BatchError(f"--resume: {run_options.path_of(path)} is not a loraplex batch options file ({exc}); "
                          "pass --overwrite to start over") from None
     if earlier is None:
         log.warning("batch --resume: %s does not exist, so the options of the earlier run cannot be compared; "
-                    "continuing with this run's", batch_options.path_of(path))
+                    "continuing with this run's", run_options.path_of(path))
         return
-    differing = batch_options.differences(earlier, options)
+    differing = run_options.differences(earlier, options)
     if differing:
         raise BatchError(f"--resume: {path} was generated with other options: {', '.join(differing)}; pass the "
                          "earlier run's options, or --overwrite to start over")
@@ -475,7 +475,7 @@ def _check_resume(path: str, scanned: Iterator[tuple[int, bytes]], fmt: str) -> 
                 record = json.loads(raw)
                 if fmt == OPENAI:
                     out_id = record["custom_id"]
-                    num_failed += batch_openai.output_failed(record)
+                    num_failed += openai_format.output_failed(record)
                 else:
                     out_id = record["id"]
                     num_failed += "error" in record or any(o["finish_reason"] == "error" for o in record["outputs"])
@@ -488,8 +488,8 @@ def _check_resume(path: str, scanned: Iterator[tuple[int, bytes]], fmt: str) -> 
                 raise BatchError(f"--resume: {path} has more lines than the input has lines to run "
                                  f"({num_kept - 1}): it is not the output of this input")
             last_line_no = line[0]
-            item = batch_lines.decode(*line)[0]
-            in_id = batch_openai.line_id(item) if fmt == OPENAI else batch_lines.line_id(item, line[0])
+            item = own_format.decode(*line)[0]
+            in_id = openai_format.line_id(item) if fmt == OPENAI else own_format.line_id(item, line[0])
             if type(out_id) is not type(in_id) or out_id != in_id:
                 raise BatchError(f"--resume: line {num_kept} of {path} has {label} {json.dumps(out_id)} but input "
                                  f"line {line[0]} has {label} {json.dumps(in_id)}: {path} is not the output of "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from loraplex import LLM, SamplingParams
 from tests.conftest import adapter_dir, nan_adapter
-from tests.unit.engine.test_batch_cli import _run, _write_jsonl
+from tests.unit.batch.test_batch_cli import _run, _write_jsonl
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 

@@ -33,7 +33,7 @@ class Line:
     error: str | None = None
     error_param: str | None = None  # the request field ``error`` is about, where one is named (OpenAI's "param")
     error_code: str | None = None  # what kind of error (OpenAI's error "code"); loraplex's own records omit it
-    request: Any = None  # what the line's output format needs beside its outputs (batch_openai.Request)
+    request: Any = None  # what the line's output format needs beside its outputs (openai_format.Request)
 
 
 @dataclass

@@ -245,9 +245,9 @@ def test_progress_counts_blank_lines_and_a_last_line_without_newline(tiny_model,
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     line = '{"id": %d, "prompt_token_ids": [1, 40], "params": {"ignore_eos": true}}'
     src.write_text(f"{line % 0}\n\n{line % 1}\n   \n{line % 2}")  # 5 lines, the last without a newline
-    caplog.set_level(logging.INFO, logger="loraplex.engine.batch")
+    caplog.set_level(logging.INFO, logger="loraplex.batch.command")
     assert _run(tiny_model, src, dst, "--max-tokens", "2", "--progress-interval", "0") == 0
-    progress = [r.getMessage() for r in caplog.records if r.name == "loraplex.engine.batch"
+    progress = [r.getMessage() for r in caplog.records if r.name == "loraplex.batch.command"
                 and r.getMessage().startswith("batch: ") and "lines written" in r.getMessage()]
     assert progress and all(" of 5 (" in m for m in progress)
     assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == [0, 1, 2]
@@ -259,16 +259,16 @@ def test_progress_lines_and_a_final_summary_on_stderr(tiny_model, tmp_path, capl
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, [{"id": i, "prompt_token_ids": [1, 40 + i], "params": {"ignore_eos": True}} for i in range(3)]
                  + ["{bad"])
-    caplog.set_level(logging.INFO, logger="loraplex.engine.batch")
+    caplog.set_level(logging.INFO, logger="loraplex.batch.command")
     assert _run(tiny_model, src, dst, "--max-tokens", "3", "--progress-interval", "0") == 1
-    messages = [r.getMessage() for r in caplog.records if r.name == "loraplex.engine.batch"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "loraplex.batch.command"]
     progress = [m for m in messages if m.startswith("batch: ") and "lines written" in m]
     assert progress and all(" of 4 (" in m and "output tok/s" in m for m in progress)
     assert messages[-1].startswith("batch done: 3 lines ok, 1 failed; 6 prompt tokens, 9 output tokens in ")
     assert "output tok/s" in messages[-1]
     caplog.clear()
     assert _run(tiny_model, src, dst, "--max-tokens", "3", "--overwrite") == 1  # default: every 5 s
-    messages = [r.getMessage() for r in caplog.records if r.name == "loraplex.engine.batch"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "loraplex.batch.command"]
     assert not [m for m in messages if "lines written" in m] and messages[-1].startswith("batch done: ")
 
 
@@ -422,7 +422,7 @@ def test_resume_refuses_other_generation_options_naming_them(tiny_model, tmp_pat
 def test_resume_of_an_options_file_without_kv_cache_dtype_takes_it_as_auto(tiny_model, tmp_path, capsys):
     """An OUT.options.json written before --kv-cache-dtype was recorded resumes with the default, and is
     refused with another value (an int8 or fp8 cache gives other tokens than the kept lines')."""
-    from loraplex.engine import batch_options
+    from loraplex.batch import run_options as batch_options
 
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, [{"id": i, "prompt_token_ids": [1, 40 + i], "params": {"ignore_eos": True}} for i in range(2)])
