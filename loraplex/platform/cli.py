@@ -157,7 +157,7 @@ async def check_database(settings: Settings) -> None:
 
     # the engine's own connect timeout (LORAPLEX_DATABASE_CONNECT_TIMEOUT_S) fires first on a server database;
     # this bounds the SELECT and SQLite
-    limit = max(CONNECT_TIMEOUT_S, settings.database_connect_timeout_s + CONNECT_TIMEOUT_S)
+    limit = settings.database_connect_timeout_s + CONNECT_TIMEOUT_S
     started = time.monotonic()
     try:
         await asyncio.wait_for(select_one(), limit)

@@ -12,7 +12,8 @@ class TcpProxy:
     """Relays 127.0.0.1:``port`` to ``target``. ``cut()`` drops every open connection and refuses new ones
     (each is closed at once) until ``restore()``; the port stays the same, so clients reconnect by themselves.
     ``silence()`` drops every open connection too, but accepts new ones and never answers them (a host that hangs,
-    or a firewall that drops packets after the handshake): a client waits for its own timeout."""
+    or a firewall that drops packets after the handshake): a client waits for its own timeout. ``freeze()`` is the
+    same for the connections already open: they stay open and nothing more is relayed either way."""
 
     def __init__(self, target: tuple[str, int]):
         self.target = target
@@ -21,6 +22,7 @@ class TcpProxy:
         self.conns: list[socket.socket] = []
         self.down = False
         self.silent = False
+        self.frozen = False
         threading.Thread(target=self._accept, daemon=True).start()
 
     @classmethod
@@ -41,7 +43,7 @@ class TcpProxy:
             if self.down:
                 client.close()
                 continue
-            if self.silent:
+            if self.silent or self.frozen:
                 self.conns.append(client)  # held open, never read nor answered
                 continue
             upstream = socket.create_connection(self.target)
@@ -49,11 +51,11 @@ class TcpProxy:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pipe(src, dst) -> None:
+    def _pipe(self, src, dst) -> None:
         try:
             while data := src.recv(65536):
-                dst.sendall(data)
+                if not self.frozen:
+                    dst.sendall(data)
         except OSError:
             pass
         finally:
@@ -83,8 +85,11 @@ class TcpProxy:
         self.cut()
         self.down, self.silent = False, True
 
+    def freeze(self) -> None:
+        self.frozen = True
+
     def restore(self) -> None:
-        self.down = self.silent = False
+        self.down = self.silent = self.frozen = False
 
     def close(self) -> None:
         """Stop listening: new connections are refused (not accepted and dropped, as after ``cut``)."""

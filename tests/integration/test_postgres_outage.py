@@ -15,8 +15,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 from litestar.testing import AsyncTestClient
+from sqlalchemy import text
 
 from loraplex.platform.app import create_app
+from loraplex.platform.db import make_engine
 from loraplex.platform.migrate import upgrade_async
 from loraplex.settings import Settings
 from tests.e2e.server import FreshPostgres
@@ -69,3 +71,24 @@ async def test_requests_get_503_database_unavailable(outage, tmp_path, pg_url):
                 assert r.json()["error"]["code"] == "database_unavailable" and r.headers["retry-after"], path
     finally:
         proxy.close()
+
+
+async def test_a_pooled_connection_that_goes_silent_is_given_up_after_the_command_timeout(pg_url):
+    """The pool pings a connection before handing it out; on a connection that went silent (a failover that left
+    the old address black-holed) the ping waited for TCP to give up, minutes, without a statement timeout."""
+    target = urlsplit(pg_url)
+    proxy = TcpProxy((target.hostname, target.port or 5432))
+    settings = Settings(database_connect_timeout_s=1.0, database_command_timeout_s=1.0)
+    engine = make_engine(_through(proxy, pg_url), settings)
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(text("SELECT 1"))  # now pooled
+        proxy.freeze()
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            async with engine.connect() as conn:
+                await conn.execute(text("SELECT 1"))
+        assert time.monotonic() - started < 8  # the ping's timeout, then a new connection's, not minutes
+    finally:
+        proxy.close()
+        await engine.dispose()
