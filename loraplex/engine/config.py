@@ -8,6 +8,12 @@ from pathlib import Path
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
 
 
+def served_model_id(model: str) -> str:
+    """A base model directory's public id (``/v1/models``, the ``model`` requests name): the name of the directory
+    it resolves to, so ``.``, a trailing slash or a symlink give the real directory's name."""
+    return Path(model).resolve().name
+
+
 @dataclass
 class EngineConfig:
     model: str = ""  # Hugging Face directory (config.json + *.safetensors + tokenizer)
@@ -204,7 +210,7 @@ class EngineConfig:
             check_lookup_sizes(self.prompt_lookup_min, self.prompt_lookup_max)
         self._check_device()
         if self.model_id is None and self.model:
-            self.model_id = Path(self.model).resolve().name
+            self.model_id = served_model_id(self.model)
 
     def _check_device(self) -> None:
         """``cpu``, ``cuda`` or ``cuda:N`` naming a GPU this process can use (a clear error, not an assertion from

@@ -13,7 +13,6 @@ import contextlib
 import importlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from types import ModuleType
 
 from litestar import Litestar
@@ -21,6 +20,7 @@ from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import SwaggerRenderPlugin
 
 from loraplex import __version__
+from loraplex.engine.config import served_model_id as engine_served_model_id
 from loraplex.engine.protocol import EngineClient
 from loraplex.platform import migrate
 from loraplex.platform.auth import AUTH_CACHE_TTL_EMBEDDED_S, AUTH_CACHE_TTL_REDIS_S, Authenticator
@@ -54,7 +54,7 @@ DEMO_MODEL_DIR = "demo-model"  # under data_dir
 
 def served_model_id(settings: Settings) -> str:
     """The base model's public id: the model directory's name (``demo-model`` for the demo)."""
-    return Path(settings.model).resolve().name if settings.model else DEMO_MODEL_DIR
+    return engine_served_model_id(settings.model) if settings.model else DEMO_MODEL_DIR
 
 
 def load_modules(paths: tuple[str, ...]) -> list[ModuleType]:

@@ -125,8 +125,8 @@ _BODY_KEYS = (None, "", "data")
 _NO_BODY = "'data'"
 
 
-def _validation_param(exc: ValidationException) -> str | None:
-    extra = exc.extra
+def validation_param(extra: Any) -> str | None:
+    """The field a validation error (its ``extra``: Litestar's list of details) is about."""
     if isinstance(extra, list) and extra and isinstance(extra[0], dict):
         key = extra[0].get("key")
         # a missing field is reported at its parent (the body itself, or the object holding it): name the field
@@ -163,20 +163,20 @@ def invalid_type(param: str, expected: str, got: str, note: str = "") -> ApiErro
     return ApiError(400, f"{message} {note}".strip(), param=param, code="invalid_type")
 
 
-def _validation_message(exc: ValidationException) -> tuple[str, str]:
-    """The message and code of a framework validation error: ``invalid_type`` (OpenAI's code) for a body value
-    of the wrong JSON type, ``invalid_value`` for anything else (a missing field, a malformed body)."""
-    message = str(exc.detail or "error")
-    if isinstance(exc.extra, list) and exc.extra and isinstance(exc.extra[0], dict):
-        detail = str(exc.extra[0].get("message", ""))
-        if detail == _NO_BODY and exc.extra[0].get("key") in _BODY_KEYS:
+def validation_message(message: str, extra: Any) -> tuple[str, str]:
+    """The message and code of a framework validation error (``message``: its detail, ``extra``: Litestar's list of
+    details): ``invalid_type`` (OpenAI's code) for a body value of the wrong JSON type, ``invalid_value`` for
+    anything else (a missing field, a malformed body)."""
+    if isinstance(extra, list) and extra and isinstance(extra[0], dict):
+        detail = str(extra[0].get("message", ""))
+        if detail == _NO_BODY and extra[0].get("key") in _BODY_KEYS:
             return f"{message}: the request body is empty; send a JSON object.", "invalid_value"
         mismatch = TYPE_MISMATCH.fullmatch(detail)
-        if mismatch and exc.extra[0].get("source") == "body":  # a query string's values are all strings
-            return _invalid_type_message(_validation_param(exc), *mismatch.groups()), "invalid_type"
+        if mismatch and extra[0].get("source") == "body":  # a query string's values are all strings
+            return _invalid_type_message(validation_param(extra), *mismatch.groups()), "invalid_type"
         pattern = _REGEX_DETAIL.fullmatch(detail)
-        if pattern and exc.extra[0].get("key"):  # msgspec's words name the type, not the field
-            detail = f"{exc.extra[0]['key']} does not have the form the pattern {pattern.group(1)} describes"
+        if pattern and extra[0].get("key"):  # msgspec's words name the type, not the field
+            detail = f"{extra[0]['key']} does not have the form the pattern {pattern.group(1)} describes"
         message = f"{message}: {detail}".rstrip(": ")
     return message, "invalid_value"
 
@@ -205,8 +205,8 @@ def _handle_http(request: Request, exc: HTTPException) -> Response[Any]:
     if isinstance(exc, ValidationException):
         # framework validation (malformed JSON, wrong types, missing fields): 400 like OpenAI
         status = 400
-        param = _validation_param(exc)
-        message, code = _validation_message(exc)
+        param = validation_param(exc.extra)
+        message, code = validation_message(str(exc.detail or "error"), exc.extra)
     if status >= 500:
         return error_response(status, message, "server_error", code="server_error", headers=exc.headers)
     return error_response(status, message, _TYPES.get(status, "invalid_request_error"), param, code, exc.headers)

@@ -28,7 +28,13 @@ import msgspec
 from litestar import Request
 from litestar.exceptions import SerializationException, ValidationException
 
-from loraplex.platform.errors import TYPE_MISMATCH, bad_request
+from loraplex.platform.errors import (
+    TYPE_MISMATCH,
+    ApiError,
+    bad_request,
+    validation_message,
+    validation_param,
+)
 
 _OUT_OF_RANGE = "Number out of range"
 # msgspec's location of an error: "... - at `$.messages[1].content`"; a dict's value is "[...]" (no key)
@@ -107,6 +113,40 @@ def _field_path(location: str, body: Any, got: str | None) -> str:
     return path
 
 
+def validation_detail(error: str, body: Any) -> dict[str, str]:
+    """msgspec's error converting ``body`` as a detail in the shape Litestar gives its own validation errors
+    (``message``, ``source``, and the field as ``key``), which errors.py words."""
+    at = _AT.fullmatch(error)
+    message, location = (at.group(1), at.group(2)) if at else (error, "")
+    mismatch = TYPE_MISMATCH.fullmatch(message)
+    detail: dict[str, str] = {"message": message, "source": "body"}
+    path = _field_path(location, body, mismatch.group(2) if mismatch else None)
+    if path:
+        detail["key"] = path
+    return detail
+
+
+def convert_body(body: Any, body_type: type, method: str, path: str) -> Any:
+    """``body`` (plain JSON values) as ``body_type``, typed strictly, or the 400 the server answers a request to
+    ``method path`` with that body (what a route's body gets, for a caller without HTTP: loraplex batch)."""
+    try:
+        return msgspec.convert(body, body_type, strict=True, str_keys=True)
+    except msgspec.ValidationError as exc:
+        extra = [validation_detail(str(exc), body)]
+        message, code = validation_message(f"Validation failed for {method} {path}", extra)
+        raise ApiError(400, message, param=validation_param(extra), code=code) from None
+
+
+_NUMBER_LIMIT = "a JSON number must be finite and within about ±1.8e308 (a 64-bit float)"
+
+
+def out_of_range(field: str | None) -> ApiError:
+    """A number no 64-bit float holds (``1e309``), at ``field`` (None: where could not be told)."""
+    if field is None:
+        return bad_request(f"A number in the request body is out of range: {_NUMBER_LIMIT}.")
+    return bad_request(f"{field}: the number is out of range: {_NUMBER_LIMIT}.", param=field)
+
+
 def _body_type(handler: Any) -> Any:
     """The type a route handler takes its JSON body as (its ``data`` argument), or None (no body, a DTO's)."""
     field = handler.parsed_fn_signature.parameters.get("data")
@@ -135,14 +175,8 @@ class JsonBodyRequest(Request):
 
     def _validation_error(self, error: str, body: Any) -> ValidationException:
         """The error in the shape Litestar gives its own validation errors (errors.py words it)."""
-        at = _AT.fullmatch(error)
-        message, location = (at.group(1), at.group(2)) if at else (error, "")
-        mismatch = TYPE_MISMATCH.fullmatch(message)
-        detail: dict[str, str] = {"message": message, "source": "body"}
-        path = _field_path(location, body, mismatch.group(2) if mismatch else None)
-        if path:
-            detail["key"] = path
-        return ValidationException(detail=f"Validation failed for {self.method} {self.url.path}", extra=[detail])
+        return ValidationException(detail=f"Validation failed for {self.method} {self.url.path}",
+                                   extra=[validation_detail(error, body)])
 
     async def _parsed_json(self) -> Any:
         try:
@@ -155,8 +189,4 @@ class JsonBodyRequest(Request):
         except SerializationException as exc:
             if _OUT_OF_RANGE not in str(exc.detail):
                 raise
-            field = out_of_range_field(await self.body())
-            limit = "a JSON number must be finite and within about ±1.8e308 (a 64-bit float)"
-            if field is None:
-                raise bad_request(f"A number in the request body is out of range: {limit}.") from None
-            raise bad_request(f"{field}: the number is out of range: {limit}.", param=field) from None
+            raise out_of_range(out_of_range_field(await self.body())) from None

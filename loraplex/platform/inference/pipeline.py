@@ -9,26 +9,14 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-import msgspec
-from jinja2 import TemplateError
 from litestar import Request
 
-from loraplex.engine.chat import ChatMessageError, chat_messages
 from loraplex.platform.auth import principal_of
-from loraplex.platform.errors import ApiError, bad_request, model_not_found
+from loraplex.platform.errors import ApiError, model_not_found
+from loraplex.platform.inference import plan
 from loraplex.platform.inference import schemas as s
-from loraplex.platform.inference.chat_kwargs import template_kwargs
 from loraplex.platform.inference.runner import Generation, engine_unavailable, new_response_id
-from loraplex.platform.inference.validation import (
-    MAX_PROMPTS,
-    MAX_STOP_TOKEN_IDS,
-    Limits,
-    check_max_tokens,
-    check_n,
-    check_token_restrictions,
-    normalize_stop,
-    sampling_params,
-)
+from loraplex.platform.inference.validation import Limits
 from loraplex.platform.limits import RequestSize
 
 log = logging.getLogger(__name__)
@@ -58,35 +46,11 @@ def _vocab_size(engine) -> int | None:
     return vocab
 
 
-def _check_ids(ids: list[int], engine, param: str) -> list[int]:
-    vocab = _vocab_size(engine)
-    for t in ids:
-        if t < 0 or (vocab is not None and t >= vocab):
-            raise bad_request(f"Token id {t} is outside the model's vocabulary [0, {vocab}).", param=param)
-    return ids
-
-
 async def completion_prompts(req: s.CompletionRequest, services) -> tuple[list[list[int]], list[str | None]]:
-    engine = services.engine
-    p = req.prompt
-    if isinstance(p, str):
-        return [await _tokenize(services, engine.encode, p)], [p]
-    if not p:
-        raise bad_request("prompt must not be empty.", param="prompt")
-    if all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-        return [_check_ids(list(p), engine, "prompt")], [None]
-    if all(isinstance(x, str) for x in p):
-        if len(p) > MAX_PROMPTS:
-            raise bad_request(f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
-        return [await _tokenize(services, engine.encode, x) for x in p], list(p)
-    if all(isinstance(x, list) for x in p):
-        if len(p) > MAX_PROMPTS:
-            raise bad_request(f"At most {MAX_PROMPTS} prompts per request.", param="prompt")
-        if any(not x for x in p):
-            raise bad_request("Token-id prompts must not be empty.", param="prompt")
-        return [_check_ids(x, engine, "prompt") for x in p], [None] * len(p)
-    raise bad_request("prompt must be a string, a list of strings, a list of token ids, or a list of "
-                      "token-id lists.", param="prompt")
+    """The request's prompts as token ids, and the text of each one given as a string (for echo)."""
+    items = plan.completion_prompt_items(req, _vocab_size(services.engine))
+    prompts = [await _tokenize(services, services.engine.encode, x) if isinstance(x, str) else x for x in items]
+    return prompts, [x if isinstance(x, str) else None for x in items]
 
 
 async def echo_texts(services, prompts: list[list[int]], texts: list[str | None]) -> list[str]:
@@ -111,31 +75,11 @@ async def first_token_texts(services, prompts: list[list[int]]) -> list[str]:
 
 
 async def chat_prompt(req: s.ChatCompletionRequest, services) -> list[int]:
-    if getattr(services.engine.tokenizer, "chat_template", None) is None:
-        # a base model often ships none; vLLM refuses chat then too (transformers has no default any more)
-        raise bad_request(f"The base model {services.base_model_id!r} has no chat template, so it cannot render messages; "
-                          "send a prompt to /v1/completions instead.", param="messages", code="unsupported")
-    if not req.messages:
-        raise bad_request("messages must contain at least one message.", param="messages")
+    call = plan.chat_template_call(req, services.engine.tokenizer, services.base_model_id)
     try:
-        messages = chat_messages(msgspec.to_builtins(req.messages))
-    except ChatMessageError as exc:
-        raise bad_request(str(exc), param=exc.param) from None
-    add_generation_prompt = req.add_generation_prompt is not False  # vLLM's default: true
-    continue_final_message = bool(req.continue_final_message)
-    if add_generation_prompt and continue_final_message:
-        raise bad_request("continue_final_message (continue the last message) cannot be combined with "
-                          "add_generation_prompt (start a new assistant message), which defaults to true: "
-                          "send add_generation_prompt=false.", param="continue_final_message")
-    extra = template_kwargs(services.engine.tokenizer, req.chat_template_kwargs)
-    try:
-        return await _tokenize(services, services.engine.apply_chat_template, messages, add_generation_prompt,
-                               continue_final_message, extra)
-    except (TemplateError, ValueError, TypeError) as exc:
-        # the model's chat template refused the conversation (raise_exception: roles must alternate, ...), or
-        # transformers did (continue_final_message: the last message is not in the rendered text, ...)
-        raise bad_request(f"The model's chat template cannot render these messages: {exc}",
-                          param="messages") from exc
+        return await _tokenize(services, services.engine.apply_chat_template, *call.args())
+    except plan.TEMPLATE_ERRORS as exc:
+        raise plan.template_refusal(exc) from exc
 
 
 async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]], texts: list[str | None],
@@ -144,18 +88,11 @@ async def prepare(request: Request, req, endpoint: str, prompts: list[list[int]]
     services = request.app.state.services
     engine = services.engine
     limits = Limits.from_settings(services.settings, engine.max_model_len)
-    n = check_n(req.n, len(prompts), limits)
-    stop = normalize_stop(req.stop, limits)
-    if req.stop_token_ids:
-        if len(req.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise bad_request(f"At most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed, got "
-                              f"{len(req.stop_token_ids)}.", param="stop_token_ids")
-        _check_ids(req.stop_token_ids, engine, "stop_token_ids")
-    budget = min(check_max_tokens(max_tokens, len(ids), limits, max_tokens_param, prompt_param) for ids in prompts)
-    check_token_restrictions(req, _vocab_size(engine))
-    params = sampling_params(req, n=n, max_tokens=budget, stop=stop, logprobs=logprobs,
-                             prompt_logprobs=prompt_logprobs)
-    prompt_tokens, sequences = sum(len(ids) for ids in prompts), n * len(prompts)
+    params = plan.engine_params(req, prompts, limits, _vocab_size(engine), max_tokens=max_tokens,
+                                max_tokens_param=max_tokens_param, prompt_param=prompt_param, logprobs=logprobs,
+                                prompt_logprobs=prompt_logprobs)
+    budget = params.max_tokens
+    prompt_tokens, sequences = sum(len(ids) for ids in prompts), params.n * len(prompts)
     size = RequestSize(model=resolved.name, prompt_tokens=prompt_tokens, max_tokens=budget, sequences=sequences,
                        default_budget=max_tokens is None, min_budget=max(1, req.min_tokens or 0),
                        max_tokens_param=max_tokens_param, prompt_param=prompt_param)

@@ -15,12 +15,11 @@ from loraplex.platform.errors import (
     ApiError,
     ErrorBody,
     ErrorResponse,
-    bad_request,
     error_responses,
     model_not_found,
 )
 from loraplex.platform.hooks import ResolvedModel
-from loraplex.platform.inference import render
+from loraplex.platform.inference import plan, render
 from loraplex.platform.inference import schemas as s
 from loraplex.platform.inference.pipeline import (
     Prepared,
@@ -35,8 +34,7 @@ from loraplex.platform.inference.pipeline import (
 )
 from loraplex.platform.inference.runner import EngineFailure
 from loraplex.platform.inference.sse import DONE, SSEStream, StreamingOperation, sse_event
-from loraplex.platform.inference.unsupported import refuse_unsupported
-from loraplex.platform.inference.validation import check_message_contents, check_truncate_prompt_tokens, require_model
+from loraplex.platform.inference.validation import require_model
 from loraplex.platform.models import SCOPE_INFERENCE
 
 _ERRORS = error_responses(400, 401, 403, 404, 409, 422, 429, 503)
@@ -68,12 +66,11 @@ async def get_model(request: Request, model: str) -> s.Model:
 
 def _engine_failure_error(exc: EngineFailure) -> ApiError:
     if exc.invalid:  # e.g. prompt + max_tokens need more KV blocks than the replica's cache has
-        return ApiError(400, f"The request was refused: {exc}", param=exc.param, code="invalid_value")
+        return plan.refused(str(exc), exc.param)
     if exc.draining:  # the same code as a request refused while draining: retry on another replica
         return ApiError(503, f"Server is shutting down: {exc}; retry on another replica.", type="server_error",
                         code="draining", headers={"Retry-After": "1"})
-    return ApiError(503, f"The inference engine failed: {exc}", type="server_error", code="engine_error",
-                    headers={"Retry-After": "5"})
+    return plan.engine_failed(str(exc))
 
 
 async def _start(prep: Prepared) -> None:
@@ -136,30 +133,15 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
     principal, resolved = await authorize_and_resolve(request, data.model)
     services = request.app.state.services
     engine = services.engine
-    refuse_unsupported(data)
-    if data.best_of is not None and data.best_of != (data.n or 1):
-        raise ApiError(400, "best_of is not supported (use n).", param="best_of", code="unsupported")
-    if data.suffix:
-        raise ApiError(400, "suffix is not supported.", param="suffix", code="unsupported")
+    plan.check_completion(data)
     prompts, texts = await completion_prompts(data, services)
-    keep = check_truncate_prompt_tokens(data.truncate_prompt_tokens, engine.max_model_len)
-    if keep is not None:  # a cut prompt is echoed as the tokens kept
-        texts = [t if len(ids) <= keep else None for ids, t in zip(prompts, texts)]
-        prompts = [ids[-keep:] for ids in prompts]
-    # echo + logprobs also scores the prompt (OpenAI; lm-eval-harness's loglikelihood requests rely on it)
-    score_prompt = bool(data.echo) and data.logprobs is not None
-    prompt_logprobs = data.prompt_logprobs
-    if prompt_logprobs is None and score_prompt:
-        prompt_logprobs = data.logprobs
-    max_tokens = 16 if data.max_tokens is None else data.max_tokens
-    # echo with max_tokens 0: the prompt alone, nothing generated (OpenAI's and vLLM's prompt scoring)
-    prompt_only = bool(data.echo) and max_tokens == 0
-    if prompt_only and data.min_tokens:
-        raise bad_request(f"min_tokens must be at most max_tokens (0), got {data.min_tokens}.", param="min_tokens")
+    prompts, texts = plan.truncate_prompts(prompts, texts, data.truncate_prompt_tokens, engine.max_model_len)
+    outputs = plan.completion_outputs(data)
+    score_prompt = outputs.score_prompt
     prep = await prepare(request, data, "completions", prompts, texts, resolved, principal,
-                         max_tokens=1 if prompt_only else max_tokens, max_tokens_param="max_tokens",
-                         prompt_param="prompt", logprobs=None if prompt_only else data.logprobs,
-                         prompt_logprobs=prompt_logprobs, prompt_only=prompt_only)
+                         max_tokens=outputs.max_tokens, max_tokens_param="max_tokens", prompt_param="prompt",
+                         logprobs=outputs.logprobs, prompt_logprobs=outputs.prompt_logprobs,
+                         prompt_only=outputs.prompt_only)
     with owned(prep.generation) as gen:  # until the response takes it over
         n = gen.params.n
         created = int(time.time())
@@ -277,25 +259,11 @@ async def _create_chat_completion(request: Request, data: s.ChatCompletionReques
     require_model(data.model)
     principal, resolved = await authorize_and_resolve(request, data.model)
     engine = request.app.state.services.engine
-    refuse_unsupported(data)
-    check_message_contents(data.messages)
-    top_n = 0
-    if data.top_logprobs is not None:
-        if not data.logprobs:
-            raise bad_request("top_logprobs needs logprobs=true.", param="top_logprobs")
-        if not 0 <= data.top_logprobs <= 20:
-            raise bad_request(f"top_logprobs must be between 0 and 20, got {data.top_logprobs}.",
-                              param="top_logprobs")
-        top_n = data.top_logprobs
+    top_n = plan.check_chat(data)
     prompt = await chat_prompt(data, request.app.state.services)
-    keep = check_truncate_prompt_tokens(data.truncate_prompt_tokens, engine.max_model_len)
-    if keep is not None:
-        prompt = prompt[-keep:]
-    # vLLM: a prompt that does not open an assistant turn is answered in the last message's role
-    role = "assistant" if data.add_generation_prompt is not False else data.messages[-1].role
-    max_tokens, param = data.max_tokens, "max_tokens"
-    if data.max_completion_tokens is not None:
-        max_tokens, param = data.max_completion_tokens, "max_completion_tokens"
+    [prompt], _ = plan.truncate_prompts([prompt], [None], data.truncate_prompt_tokens, engine.max_model_len)
+    role = plan.chat_role(data)
+    max_tokens, param = plan.chat_max_tokens(data)
     prep = await prepare(request, data, "chat.completions", [prompt], [None], resolved, principal,
                          max_tokens=max_tokens, max_tokens_param=param, prompt_param="messages",
                          logprobs=top_n if data.logprobs else None, prompt_logprobs=data.prompt_logprobs)

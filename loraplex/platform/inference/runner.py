@@ -23,6 +23,7 @@ from loraplex.engine.sampling_params import SamplingParams
 from loraplex.platform.auth import Principal
 from loraplex.platform.errors import ApiError
 from loraplex.platform.hooks import STATUS_ABORTED, STATUS_COMPLETED, STATUS_ERROR, ResolvedModel, UsageEvent
+from loraplex.platform.inference.plan import refusal_text
 from loraplex.platform.limits import RateGrant
 from loraplex.platform.services import Services
 
@@ -162,11 +163,8 @@ class Generation:
         return adding.result()
 
     def _refusal(self, exc: ValueError) -> EngineFailure:
-        param = getattr(exc, "param", None)
-        if param is None:
-            return EngineFailure(str(exc), invalid=True)
-        param = self.param_names.get(param, param)
-        return EngineFailure(f"{param}: {getattr(exc, 'detail', exc)}", invalid=True, param=param)
+        text, param = refusal_text(exc, self.param_names)
+        return EngineFailure(text, invalid=True, param=param)
 
     async def stream(self) -> AsyncIterator[ChoiceDelta]:
         """Merged deltas of every prompt's samples. Raises :class:`EngineFailure` if the engine refuses
