@@ -13,11 +13,13 @@ Output: one line per non-blank input line, in input order: ``{"id", "outputs": [
 Each line is written whole and flushed at once, so an interrupted run leaves only complete lines, except perhaps
 a cut-short last one after a hard kill.
 
-An input in which a line has ``custom_id`` and ``body`` is read in OpenAI's batch format instead, every line of it
-(openai_format.py): ``{"custom_id", "method": "POST", "url", "body"}`` in, ``{"id", "custom_id", "response",
-"error"}`` out, ``custom_id`` taking the place of ``id`` (unique; no line-number default) and ``--lora-modules
-NAME=PATH`` naming the adapters ``body.model`` may name. One format a file, decided by the file and not by a flag:
-the two formats share no field, so the input says which it is, and every output line of a run is of one format.
+An input in which a line has a field of OpenAI's batch envelope (``custom_id``, ``method``, ``url``, ``body``) is read
+in OpenAI's batch format instead, every line of it (openai_format.py): ``{"custom_id", "method": "POST", "url",
+"body"}`` in, ``{"id", "custom_id", "response", "error"}`` out, ``custom_id`` taking the place of ``id`` (unique; no
+line-number default), the body read as the server reads it, ``--served-model-name`` and ``--lora-modules`` naming
+the models ``body.model`` may name. ``--max-tokens`` and ``--temperature`` are defaults of loraplex's lines only: a
+body gets the server's defaults. One format a file, decided by the file and not by a flag: the two formats share no
+field, so the input says which it is, and every output line of a run is of one format.
 
 Lines run through a rolling window (window.py): up to ``--max-in-flight`` requests in the engine at once
 (default 2 x max_num_seqs, so the scheduler always has the next request waiting), the next line added as soon
@@ -28,13 +30,14 @@ An OUTPUT that exists and is not empty is refused unless ``--resume`` (keep its 
 last line, check that its ids are those of the input's first lines, and run only the lines after them) or
 ``--overwrite`` (start over). A run records the options that change what a line produces (model, dtype,
 kv_cache_dtype, max_tokens, temperature, seed, ...) in ``OUTPUT.options.json`` (run_options.py); ``--resume`` with other values
-is refused, naming the flags. SIGINT/SIGTERM: no new lines are added, the lines in flight are aborted, the
+is refused, naming the flags. No exception of one line ends the run (window.py). SIGINT/SIGTERM: no new lines are added, the lines in flight are aborted, the
 finished lines before the oldest unfinished one are written, and the command exits with 128 + the signal
 number; ``--resume`` continues from there. OUTPUT ``-`` whose reader closes the pipe (``| head``) stops the run
 with one line on stderr and exit code 141 (128 + SIGPIPE). An OUTPUT that is not a regular file (``/dev/null``, a
 named pipe) is written like ``-``: no options file beside it, no --resume. Ctrl-C before the first line starts
 (reading the input, loading the model) is one line on stderr and exit code 130. Exit codes: 0 every line ran,
-1 some line failed, 2 bad arguments or an OUTPUT that cannot be used.
+1 some line failed (the others ran), 2 bad arguments or an OUTPUT that cannot be used, 3 the run itself failed (an
+engine step, writing OUTPUT: logged with its traceback; OUTPUT holds the lines written before, --resume continues).
 """
 
 from __future__ import annotations
@@ -57,12 +60,18 @@ from dataclasses import dataclass
 
 from loraplex import closed_pipe
 from loraplex.batch import openai_format, own_format, run_options
+from loraplex.batch.own_format import LoraplexFormat
 from loraplex.batch.window import RollingWindow
 from loraplex.engine.config import KV_CACHE_DTYPES
 from loraplex.engine.sampling_params import SamplingParams, SamplingParamsError
+from loraplex.platform.inference.validation import Limits
+from loraplex.settings import ConfigError, Settings
 
 log = logging.getLogger(__name__)
 LORAPLEX, OPENAI = "loraplex", "openai"  # the input formats (one a file): loraplex's own lines, OpenAI's batch lines
+EXIT_LINES_FAILED, EXIT_USAGE, EXIT_RUN_FAILED = 1, 2, 3
+# loraplex-format lines' defaults where --max-tokens / --temperature are not given (OpenAI bodies: the server's)
+DEFAULT_MAX_TOKENS, DEFAULT_TEMPERATURE = 64, 0.0
 
 
 class BatchError(Exception):
@@ -81,15 +90,24 @@ def register(subparsers) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV-cache element type: auto (the model's dtype) | fp8 (float8 e4m3, half the memory per "
                         "token of bf16) | int8 (int8 with a scale per token and KV head)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help=f"default max_tokens of loraplex-format lines (default {DEFAULT_MAX_TOKENS}); OpenAI-format "
+                        "bodies take the server's default")
+    p.add_argument("--temperature", type=float, default=None,
+                   help=f"default temperature of loraplex-format lines (default {DEFAULT_TEMPERATURE}); "
+                        "OpenAI-format bodies take the server's default, 1.0")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="sequences the engine runs at once; a line's n may not exceed it")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False,
                    help="accept LoRA adapters in input lines (default off)")
-    p.add_argument("--lora-modules", action="extend", nargs="+", default=None, metavar="NAME=PATH",
-                   help="adapters that OpenAI-format lines name in body.model (needs --enable-lora)")
+    p.add_argument("--served-model-name", action="extend", nargs="+", default=None, metavar="NAME",
+                   help="the names OpenAI-format lines give the base model in body.model (vLLM's flag; default: "
+                        "the server's, --model's directory name, and --model as given)")
+    p.add_argument("--lora-modules", action="extend", nargs="+", default=None, metavar="NAME=PATH|JSON",
+                   help="adapters that OpenAI-format lines name in body.model, as NAME=PATH or vLLM's JSON "
+                        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' (needs --enable-lora)")
     p.add_argument("--max-loras", type=int, default=8)
     p.add_argument("--max-lora-rank", type=int, default=64)
     p.add_argument("--max-in-flight", type=int, default=None,
@@ -110,12 +128,15 @@ def run(args) -> int:
         return _run(args)
     except BatchError as exc:
         sys.stderr.write(f"loraplex batch: error: {exc}\n")
-        return 2
+        return EXIT_USAGE
     except KeyboardInterrupt:
         # Ctrl-C before the lines start (reading the input, loading the model): _stop_on_signals handles SIGINT
         # from the first line on, so no line has run and none was written
         sys.stderr.write("loraplex batch: interrupted before the first line ran\n")
         return 128 + signal.SIGINT
+    except Exception:  # noqa: BLE001 (a defect: its own exit code, apart from lines that failed)
+        log.exception("batch: the run failed")
+        return EXIT_RUN_FAILED
 
 
 def _run(args) -> int:
@@ -131,18 +152,34 @@ def _run(args) -> int:
     try:
         total_lines, fmt = _check_input(src, args.input)
         scanned = _scan(src)
-        plan = _plan_output(args, scanned, fmt)
+        limits = _request_limits() if fmt == OPENAI else None
+        plan = _plan_output(args, scanned, fmt, limits)
         llm = _load(args)  # before OUTPUT is opened: a run that cannot start leaves it as it was
         dst = _open_output(args, plan)
         try:
-            return _generate(args, llm, fmt, scanned, dst, (plan.num_kept, plan.num_kept_failed), total_lines,
-                             max_in_flight, reorder, started)
-        finally:
-            if dst is not _stdout():
-                dst.close()
+            line_format = _line_format(args, fmt, llm, limits)
+            rc = _generate(args, llm, line_format, scanned, dst, (plan.num_kept, plan.num_kept_failed),
+                           total_lines, max_in_flight, reorder, started)
+        except BaseException:
+            _close_output(dst, args.output)
+            raise
+        return _close_output(dst, args.output, rc)
     finally:
         if src is not _stdin():
             src.close()
+
+
+def _close_output(dst, where: str, rc: int = EXIT_RUN_FAILED) -> int:
+    """Close OUTPUT (its last lines may still be buffered): ``rc``, or the run's failure where they cannot be
+    written (a full disk)."""
+    if dst is _stdout():
+        return rc
+    try:
+        dst.close()
+    except OSError as exc:
+        log.error("batch: the run failed: its last lines could not be written to %s: %s", where, exc)
+        return EXIT_RUN_FAILED
+    return rc
 
 
 def _load(args):
@@ -159,22 +196,55 @@ def _load(args):
             from None
 
 
-def _generate(args, llm, fmt: str, scanned, dst, kept: tuple[int, int], total_lines: int | None, max_in_flight: int,
-              reorder: int, started: float) -> int:
+def _line_format(args, fmt: str, llm, limits: dict | None):
+    """How this run reads its lines and writes their records (window.LineFormat); warns of flags that do not apply
+    to the input's format."""
+    def refusal_text(text: str) -> str:  # the engine names its config fields, the user typed flags
+        return _LIMIT_FIELDS.sub(_flag, text)
+
+    if fmt == OPENAI:
+        given = [f"--{name.replace('_', '-')}" for name in ("max_tokens", "temperature")
+                 if getattr(args, name) is not None]
+        if given:
+            log.warning("batch: %s: defaults of loraplex-format lines only; the OpenAI-format bodies of %s take the "
+                        "server's defaults (max_tokens 16 for /v1/completions, the rest of the context for chat; "
+                        "temperature 1.0)", " and ".join(given), args.input)
+        models = _models(args)
+        ctx = openai_format.Context(
+            args.seed, models, next(iter(models)), Limits(**limits, max_model_len=llm.engine.config.max_model_len),
+            llm.get_tokenizer(), llm.engine.runner.model_config.vocab_size, refusal_text)
+        return openai_format.OpenAIFormat(ctx)
+    for flag, name in (("--lora-modules", "lora_modules"), ("--served-model-name", "served_model_name")):
+        if getattr(args, name):
+            log.warning("batch: %s names models for OpenAI-format lines (body.model); the lines of %s are in "
+                        "loraplex's format, which names an adapter in 'lora'", flag, args.input)
+    defaults = {"max_tokens": _max_tokens(args), "temperature": _temperature(args)}
+    return LoraplexFormat(defaults, args.enable_lora, args.seed, refusal_text)
+
+
+def _max_tokens(args) -> int:
+    return DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
+
+
+def _temperature(args) -> float:
+    return DEFAULT_TEMPERATURE if args.temperature is None else args.temperature
+
+
+def _request_limits() -> dict:
+    """The server's request limits, from the settings it reads (LORAPLEX_MAX_TOKENS_LIMIT, LORAPLEX_MAX_N,
+    LORAPLEX_MAX_STOP_SEQUENCES or their defaults), so a body is checked as the server would check it."""
+    try:
+        settings = Settings.from_env()
+    except ConfigError as exc:
+        raise BatchError(str(exc)) from None
+    return {"max_tokens_limit": settings.max_tokens_limit, "max_n": settings.max_n,
+            "max_stop_sequences": settings.max_stop_sequences}
+
+
+def _generate(args, llm, line_format, scanned, dst, kept: tuple[int, int], total_lines: int | None,
+              max_in_flight: int, reorder: int, started: float) -> int:
     loaded = time.monotonic()
     num_kept, num_kept_failed = kept
-    defaults = {"max_tokens": args.max_tokens, "temperature": args.temperature}
-    if fmt == OPENAI:
-        ctx = openai_format.Context(defaults, args.seed, _models(args), llm.get_tokenizer())
-        lines = (openai_format.parse(seq, line_no, raw, ctx) for seq, (line_no, raw) in enumerate(scanned))
-        records = openai_format.OpenAIRecords()
-    else:
-        if args.lora_modules:
-            log.warning("batch: --lora-modules names adapters for OpenAI-format lines (body.model); the lines of %s "
-                        "are in loraplex's format and name their adapter in 'lora'", args.input)
-        lines = (own_format.parse(seq, line_no, raw, defaults, args.enable_lora, args.seed)
-                 for seq, (line_no, raw) in enumerate(scanned))
-        records = None
 
     def write(data: bytes) -> None:
         dst.write(data)
@@ -182,24 +252,24 @@ def _generate(args, llm, fmt: str, scanned, dst, kept: tuple[int, int], total_li
 
     streamed = _is_stream(args.output)
     where = "stdout" if args.output == "-" else args.output
-    window = RollingWindow(llm, write, max_in_flight, reorder, refusal_text=lambda text: _LIMIT_FIELDS.sub(_flag, text),
-                           records=records)
+    window = RollingWindow(llm, write, line_format, max_in_flight, reorder)
     progress = _Progress(llm.engine, window.stats, args.progress_interval, total_lines, num_kept)
     with _stop_on_signals() as received:
         try:
-            finished = window.run(lines, stop=lambda: bool(received), tick=progress.tick)
+            finished = window.run(scanned, stop=lambda: bool(received), tick=progress.tick)
         except BrokenPipeError:
             if not (streamed and closed_pipe.reader_gone(dst)):
                 raise
             return closed_pipe.stop(f"loraplex batch: stopped: the reader of {where} closed it after "
                                     f"{window.stats.num_written} lines", dst)
-        except Exception:
+        except Exception:  # noqa: BLE001 (the run failed, not a line: its own exit code)
             if streamed:  # nothing to resume: the lines went to a pipe or a device
-                log.error("batch: failed after writing %d lines to %s", window.stats.num_written, where)
+                log.exception("batch: the run failed after writing %d lines to %s", window.stats.num_written, where)
             else:
-                log.error("batch: failed after writing %d lines (%d in all); the same command with --resume "
-                          "continues after them", window.stats.num_written, num_kept + window.stats.num_written)
-            raise
+                log.exception("batch: the run failed after writing %d lines (%d in all); the same command with "
+                              "--resume continues after them", window.stats.num_written,
+                              num_kept + window.stats.num_written)
+            return EXIT_RUN_FAILED
     stats = window.stats
     wall = time.monotonic() - loaded
     log.info("batch %s: %d lines ok, %d failed%s; %d prompt tokens, %d output tokens in %.1f s (%.1f output "
@@ -219,7 +289,7 @@ def _generate(args, llm, fmt: str, scanned, dst, kept: tuple[int, int], total_li
                     "the same command with --resume to continue", signal.Signals(signum).name, args.output,
                     num_kept + stats.num_written, reached, stats.num_dropped)
         return 128 + signum
-    return 0 if stats.num_failed + num_kept_failed == 0 else 1
+    return 0 if stats.num_failed + num_kept_failed == 0 else EXIT_LINES_FAILED
 
 
 # ---- arguments ---------------------------------------------------------------------------------------------
@@ -249,7 +319,7 @@ def _check_args(args) -> None:
         if value is not None and value < 1:
             raise BatchError(f"--{flag.replace('_', '-')} must be at least 1, got {value}")
     try:
-        SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+        SamplingParams(max_tokens=_max_tokens(args), temperature=_temperature(args))
     except SamplingParamsError as exc:
         raise BatchError(f"--{exc.param.replace('_', '-')} {exc.detail}") from None
     _models(args)
@@ -257,7 +327,7 @@ def _check_args(args) -> None:
 
 def _models(args) -> dict:
     try:
-        return openai_format.models(args.model, args.lora_modules, args.enable_lora)
+        return openai_format.models(args.model, args.served_model_name, args.lora_modules, args.enable_lora)
     except ValueError as exc:
         raise BatchError(str(exc)) from None
 
@@ -317,7 +387,8 @@ class _Ids:
 
 def _check_input(src, name: str) -> tuple[int, str]:
     """The input's number of lines, blank ones included (for progress), and its format: OpenAI's batch format when a
-    line has ``custom_id`` and ``body``, as OpenAI's and vLLM's batch lines have, else loraplex's. Refuses an input in
+    line has a field of its envelope (``custom_id``, ``method``, ``url``, ``body``), as OpenAI's and vLLM's batch
+    lines have, else loraplex's (whose lines have none of them). Refuses an input in
     which two lines have one id (OpenAI's batch API refuses a repeated custom_id): their output lines could not be
     told apart. A loraplex line without an id has its line number, which may be another line's; an OpenAI line
     without a custom_id fails on its own. Leaves ``src`` at its start."""
@@ -346,7 +417,8 @@ def _check_input(src, name: str) -> tuple[int, str]:
     src.seek(0)
     fmt = LORAPLEX if openai_line is None else OPENAI
     if fmt == OPENAI:
-        log.info("batch: %s is in OpenAI's batch format (line %d has custom_id and body)", name, openai_line)
+        log.info("batch: %s is in OpenAI's batch format (line %d has custom_id, method, url or body)", name,
+                 openai_line)
         ids, numbered = custom_ids, set()
     if not ids.repeats:
         return total, fmt
@@ -385,9 +457,9 @@ class _OutputPlan:
     options: dict | None = None
 
 
-def _plan_output(args, scanned: Iterator[tuple[int, bytes]], fmt: str) -> _OutputPlan:
+def _plan_output(args, scanned: Iterator[tuple[int, bytes]], fmt: str, limits: dict | None) -> _OutputPlan:
     """Every check of OUTPUT, writing nothing: how many of its lines an earlier run left (their input lines are
-    taken from ``scanned``), and how many of those failed."""
+    taken from ``scanned``), and how many of those failed. ``limits``: the request limits of an OpenAI-format run."""
     path = args.output
     if os.path.isdir(path):  # not a regular file, but no stream either
         raise BatchError(f"cannot write OUTPUT {path}: it is a folder")
@@ -400,7 +472,8 @@ def _plan_output(args, scanned: Iterator[tuple[int, bytes]], fmt: str) -> _Outpu
     if args.input != "-" and os.path.exists(path) and os.path.samefile(args.input, path):
         raise BatchError(f"OUTPUT {path} is the INPUT file")
     size = os.path.getsize(path) if os.path.isfile(path) else 0
-    plan = _OutputPlan(stream=False, options=run_options.of_args(args))
+    line_defaults = None if fmt == OPENAI else {"max_tokens": _max_tokens(args), "temperature": _temperature(args)}
+    plan = _OutputPlan(stream=False, options=run_options.of_args(args, line_defaults, limits))
     if size and args.resume:
         _check_options(path, plan.options)
         plan.num_kept, plan.num_kept_failed = _check_resume(path, scanned, fmt)

@@ -1,8 +1,10 @@
-"""One input line of ``loraplex batch``: decoding it, and what loraplex's own line format asks for.
+"""loraplex's own line format for ``loraplex batch``, and the decoding both formats share.
 
-A line of loraplex's format is ``{"id", "prompt" | "prompt_token_ids", "params": {SamplingParams fields},
-"lora": {"name", "id", "path"}}``; OpenAI's batch format is openai_format.py's. Both share the decoding, the
-seed of a line that names none, and how a value is shown in an error message.
+Input line: ``{"id", "prompt" | "prompt_token_ids", "params": {SamplingParams fields}, "lora": {"name", "id",
+"path"}}``. Output line: ``{"id", "outputs": [{"index", "text", "token_ids", "finish_reason", "stop_reason",
+"error"}], "num_prompt_tokens", "num_cached_tokens"}`` (plus logprobs where the line's params ask for them), or
+``{"id", "error"}``. OpenAI's batch format is openai_format.py's; both share the decoding (JSON as the server reads
+it), the seed of a line that names none, and how a value is shown in an error message.
 """
 
 from __future__ import annotations
@@ -10,23 +12,39 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
 
 from loraplex.batch.window import Line
 from loraplex.engine.lora_request import LoRARequest
+from loraplex.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams, _is_int
 
 NOT_AN_OBJECT = object()
 _PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_OUTPUT_FIELDS = ("index", "text", "token_ids", "finish_reason", "stop_reason", "error")
 
 
 def decode(line_no: int, raw: bytes):
-    """(the line's object, or NOT_AN_OBJECT; why it is not an object, or None)."""
+    """(the line's object, or NOT_AN_OBJECT; why it is not an object, or None). The line is read as the server reads a
+    body: strict JSON, so ``NaN``, ``Infinity``, a lone UTF-16 surrogate escape (``"\\udc80"``, which no UTF-8 text
+    holds) and a number no 64-bit float holds (``1e400``) make it no JSON, never a value that fails later."""
     try:
-        item = json.loads(raw.decode("utf-8"))
+        raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         return NOT_AN_OBJECT, f"line {line_no} is not UTF-8: {exc}"
-    except ValueError as exc:
+    try:
+        item = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
         return NOT_AN_OBJECT, f"line {line_no} is not JSON: {exc}"
+    except msgspec.ValidationError:  # "Number out of range": where, msgspec does not say
+        from loraplex.platform.json_body import out_of_range, out_of_range_field
+
+        return NOT_AN_OBJECT, f"line {line_no} is not JSON: {out_of_range(out_of_range_field(raw)).message}"
+    except RecursionError:
+        return NOT_AN_OBJECT, f"line {line_no} is not JSON: it nests objects or arrays too deeply to parse"
     if not isinstance(item, dict):
         return NOT_AN_OBJECT, f"line {line_no} is not a JSON object"
     return item, None
@@ -52,30 +70,63 @@ def token_ids(value, field: str) -> list[int]:
     return value
 
 
-def parse(seq: int, line_no: int, raw: bytes, defaults: dict, enable_lora: bool, seed: int = 0) -> Line:
-    """A line of loraplex's own format: what to run, or why it cannot run."""
-    item, error = decode(line_no, raw)
-    rid = line_id(item, line_no)
-    if error is not None:
-        return Line(seq, line_no, rid, error=error)
-    try:
-        if "prompt_token_ids" in item:
-            prompt = {"prompt_token_ids": token_ids(item["prompt_token_ids"], "prompt_token_ids")}
-        elif isinstance(item.get("prompt"), str):
-            prompt = item["prompt"]
-        else:
-            raise ValueError("a line needs 'prompt' (string) or 'prompt_token_ids'")
-        params = item.get("params", {})
-        if not isinstance(params, dict):
-            raise ValueError("'params' must be an object of SamplingParams fields")
-        unknown = sorted(params.keys() - _PARAM_FIELDS)
-        if unknown:
-            raise ValueError(f"params.{unknown[0]}: not a SamplingParams field")
-        lora = _lora_request(item["lora"], enable_lora) if item.get("lora") is not None else None
-        return Line(seq, line_no, rid, prompt, SamplingParams(**{**defaults, "seed": line_seed(seed, rid), **params}),
-                    lora)
-    except (ValueError, TypeError) as exc:
-        return Line(seq, line_no, rid, error=str(exc))
+def short(value, limit: int = 60) -> str:
+    """A value for an error message, cut to ``limit`` characters (a line may hold a huge list)."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+class LoraplexFormat:
+    """loraplex's own lines (window.LineFormat). ``defaults``: the SamplingParams fields of a line's params that it
+    does not set (``--max-tokens``, ``--temperature``); ``refusal_text``: the engine's refusal of a line as its error
+    says it (the command names its flags where the engine names its config fields)."""
+
+    def __init__(self, defaults: dict, enable_lora: bool, seed: int, refusal_text: Callable[[str], str] = str):
+        self.defaults, self.enable_lora, self.seed, self.refusal_text = defaults, enable_lora, seed, refusal_text
+
+    def parse(self, seq: int, line_no: int, raw: bytes) -> Line:
+        item, error = decode(line_no, raw)
+        rid = line_id(item, line_no)
+        if error is not None:
+            return Line(seq, line_no, rid, error=error)
+        try:
+            if "prompt_token_ids" in item:
+                prompt = {"prompt_token_ids": token_ids(item["prompt_token_ids"], "prompt_token_ids")}
+            elif isinstance(item.get("prompt"), str):
+                prompt = item["prompt"]
+            else:
+                raise ValueError("a line needs 'prompt' (string) or 'prompt_token_ids'")
+            params = item.get("params", {})
+            if not isinstance(params, dict):
+                raise ValueError("'params' must be an object of SamplingParams fields")
+            unknown = sorted(params.keys() - _PARAM_FIELDS)
+            if unknown:
+                raise ValueError(f"params.{unknown[0]}: not a SamplingParams field")
+            lora = _lora_request(item["lora"], self.enable_lora) if item.get("lora") is not None else None
+            params = SamplingParams(**{**self.defaults, "seed": line_seed(self.seed, rid), **params})
+            return Line(seq, line_no, rid, prompt, params, lora)
+        except (ValueError, TypeError) as exc:
+            return Line(seq, line_no, rid, error=str(exc))
+
+    def line_id(self, line_no: int, raw: bytes) -> Any:
+        return line_id(decode(line_no, raw)[0], line_no)
+
+    def finished(self, line: Line, out: RequestOutput, failed: bool) -> dict:
+        record = {"id": line.id, "num_prompt_tokens": len(out.prompt_token_ids),
+                  "num_cached_tokens": out.num_cached_tokens,
+                  "outputs": [_output_record(c, line.params.logprobs is not None) for c in out.outputs]}
+        if line.params.prompt_logprobs is not None:
+            record["prompt_logprobs"] = [_logprob_entry(e) for e in out.prompt_logprobs or []]
+        return record
+
+    def refused(self, line: Line) -> dict:
+        return {"id": line.id, "error": line.error}
+
+    def engine_refused(self, line: Line, exc: ValueError) -> str:
+        return self.refusal_text(str(exc))
+
+    def crashed(self, exc: Exception) -> str:
+        return f"internal error: {type(exc).__name__}: {exc} (a defect of loraplex batch, logged with its traceback)"
 
 
 def _lora_request(lora, enable_lora: bool) -> LoRARequest:
@@ -91,7 +142,18 @@ def _lora_request(lora, enable_lora: bool) -> LoRARequest:
     return LoRARequest(lora["name"], lora["id"], lora["path"])
 
 
-def short(value, limit: int = 60) -> str:
-    """A value for an error message, cut to ``limit`` characters (a line may hold a huge list)."""
-    text = json.dumps(value)
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+def _output_record(comp: CompletionOutput, with_logprobs: bool) -> dict:
+    record = {k: getattr(comp, k) for k in _OUTPUT_FIELDS}
+    if with_logprobs:  # only when the line asked for them: they are most of a line's size
+        record["logprobs"] = [_logprob_entry(e) for e in comp.logprobs or []]
+        record["cumulative_logprob"] = comp.cumulative_logprob
+    return record
+
+
+def _logprob_entry(entry: dict[int, Logprob] | None) -> dict[str, dict] | None:
+    """One position's logprobs as vLLM's API writes them: token id (a JSON key, so a string) -> its logprob,
+    rank and text."""
+    if entry is None:
+        return None
+    return {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in entry.items()}

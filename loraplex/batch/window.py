@@ -4,6 +4,10 @@ line as soon as one finishes, and write results in input order through a bounded
 Lines are numbered by ``seq`` (their place among the output records). A line that finishes before an older one
 waits in the buffer; the window stops admitting lines once ``max_unwritten`` of them (running plus waiting in
 the buffer) sit behind the oldest unwritten line, so one very long line bounds memory instead of growing it.
+
+No exception of one line ends the run: a line the format cannot read, the engine refuses, or that fails while it is
+read, admitted, run or written out gets an error record of its own (an unexpected exception is logged with its
+traceback), and the other lines run. Only what fails the run itself (an engine step, writing OUTPUT) propagates.
 """
 
 from __future__ import annotations
@@ -14,10 +18,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from loraplex.engine.outputs import CompletionOutput, Logprob, RequestOutput, apply_delta
+from loraplex.engine.outputs import RequestOutput, apply_delta
 
 log = logging.getLogger(__name__)
-_OUTPUT_FIELDS = ("index", "text", "token_ids", "finish_reason", "stop_reason", "error")
 
 
 @dataclass
@@ -30,10 +33,31 @@ class Line:
     prompt: str | dict | None = None
     params: Any = None
     lora: Any = None
-    error: str | None = None
-    error_param: str | None = None  # the request field ``error`` is about, where one is named (OpenAI's "param")
-    error_code: str | None = None  # what kind of error (OpenAI's error "code"); loraplex's own records omit it
+    error: Any = None  # why the line cannot run: a message, or its format's own error object (openai_format)
     request: Any = None  # what the line's output format needs beside its outputs (openai_format.Request)
+
+
+class LineFormat(Protocol):
+    """An input and output format (own_format, openai_format): how a line is read, and the record of a line that ran
+    or could not."""
+
+    def parse(self, seq: int, line_no: int, raw: bytes) -> Line:
+        """What the line asks to run, or why it cannot run (``error``)."""
+
+    def line_id(self, line_no: int, raw: bytes) -> Any:
+        """The line's id as its record echoes it, for a line :meth:`parse` failed on."""
+
+    def finished(self, line: Line, out: RequestOutput, failed: bool) -> dict:
+        """``failed``: a sample ended with finish_reason "error" (its ``error`` says why)."""
+
+    def refused(self, line: Line) -> dict:
+        """A line that did not run: ``line.error`` says why."""
+
+    def engine_refused(self, line: Line, exc: ValueError) -> Any:
+        """The ``error`` of a line the engine refused to add (a prompt over the context, n over max_num_seqs)."""
+
+    def crashed(self, exc: Exception) -> Any:
+        """The ``error`` of a line that failed on an unexpected exception (a defect, logged with its traceback)."""
 
 
 @dataclass
@@ -51,14 +75,11 @@ class WindowStats:
 
 
 class RollingWindow:
-    def __init__(self, llm, write: Callable[[bytes], None], max_in_flight: int, max_unwritten: int,
-                 refusal_text: Callable[[str], str] = str, records: Records | None = None):
-        """``refusal_text``: the engine's refusal of a line as that line's error says it (the batch command names
-        its flags where the engine names its config fields). ``records``: the output format (default loraplex's)."""
+    def __init__(self, llm, write: Callable[[bytes], None], line_format: LineFormat, max_in_flight: int,
+                 max_unwritten: int):
         assert 1 <= max_in_flight <= max_unwritten, (max_in_flight, max_unwritten)
         self.llm = llm
-        self.records = records or LoraplexRecords()
-        self.refusal_text = refusal_text
+        self.format = line_format
         self.write = write
         self.max_in_flight = max_in_flight
         self.max_unwritten = max_unwritten
@@ -68,19 +89,20 @@ class RollingWindow:
         self._next_write = 0  # seq of the oldest unwritten line
         self._next_seq = 0  # seq the next admitted line must have
 
-    def run(self, lines: Iterator[Line], stop: Callable[[], bool], tick: Callable[[], None]) -> bool:
-        """Run every line; False when ``stop()`` turned true first (in-flight lines are then aborted and
-        only the records before the oldest unfinished line are written)."""
+    def run(self, rows: Iterator[tuple[int, bytes]], stop: Callable[[], bool], tick: Callable[[], None]) -> bool:
+        """Run every line (``rows``: each non-blank input line's number and bytes); False when ``stop()`` turned
+        true first (in-flight lines are then aborted and only the records before the oldest unfinished line are
+        written)."""
         engine = self.llm.engine
         exhausted = False
         while True:
             while (not exhausted and not stop() and len(self._in_flight) < self.max_in_flight
                    and self._next_seq - self._next_write < self.max_unwritten):
-                line = next(lines, None)
-                if line is None:
+                row = next(rows, None)
+                if row is None:
                     exhausted = True
                     break
-                self._admit(line)
+                self._admit(self._read(*row))
             self._write_ready()
             if stop():
                 self._stop()
@@ -91,12 +113,8 @@ class RollingWindow:
                 continue  # only lines that failed at once were admitted: admit more
             for delta in engine.step():
                 entry = self._in_flight.get(delta.request_id)
-                if entry is None:
-                    continue
-                apply_delta(entry[1], delta)
-                if entry[1].finished:
-                    del self._in_flight[delta.request_id]
-                    self._finish(*entry)
+                if entry is not None:
+                    self._take(delta, *entry)
             self.stats.num_in_flight = len(self._in_flight)
             self._write_ready()
             tick()
@@ -104,6 +122,14 @@ class RollingWindow:
             engine.step()
         assert not self._done and self._next_write == self._next_seq
         return True
+
+    def _read(self, line_no: int, raw: bytes) -> Line:
+        seq = self._next_seq
+        try:
+            return self.format.parse(seq, line_no, raw)
+        except Exception as exc:  # noqa: BLE001 (a defect reading one line fails that line, not the run)
+            log.exception("batch: input line %d could not be read; it fails, the other lines run", line_no)
+            return Line(seq, line_no, self.format.line_id(line_no, raw), error=self.format.crashed(exc))
 
     def _admit(self, line: Line) -> None:
         assert line.seq == self._next_seq, (line.seq, self._next_seq)
@@ -114,20 +140,46 @@ class RollingWindow:
             try:
                 request_id, out = self.llm._add_request(line.prompt, line.params, line.lora, 0)
             except ValueError as exc:
-                line.error = self.refusal_text(str(exc))
-                line.error_param = getattr(exc, "param", None)
+                line.error = self.format.engine_refused(line, exc)
+            except Exception as exc:  # noqa: BLE001 (nothing was queued: the line fails, the run goes on)
+                log.exception("batch: input line %d could not be added to the engine; it fails, the other lines "
+                              "run", line.line_no)
+                line.error = self.format.crashed(exc)
             else:
                 self._in_flight[request_id] = (line, out)
                 self.stats.max_in_flight_seen = max(self.stats.max_in_flight_seen, len(self._in_flight))
         if line.error is not None:
-            self._done[line.seq] = (line, _dumps(self.records.refused(line)), True, 0, 0)
+            self._record(line, lambda: self.format.refused(line), True)
         self.stats.max_unwritten_seen = max(self.stats.max_unwritten_seen, self._next_seq - self._next_write)
 
-    def _finish(self, line: Line, out: RequestOutput) -> None:
-        failed = any(c.finish_reason == "error" for c in out.outputs)
-        num_output = sum(len(c.token_ids) for c in out.outputs)
-        self._done[line.seq] = (line, _dumps(self.records.finished(line, out, failed)), failed,
-                                len(out.prompt_token_ids), num_output)
+    def _take(self, delta, line: Line, out: RequestOutput) -> None:
+        """One engine delta of ``line``'s request; its record once the request has finished."""
+        try:
+            apply_delta(out, delta)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("batch: input line %d failed while it ran; it fails, the other lines run", line.line_no)
+            del self._in_flight[delta.request_id]
+            self.llm.engine.abort_request(delta.request_id)  # its last deltas find it no longer in flight
+            line.error = self.format.crashed(exc)
+            self._record(line, lambda: self.format.refused(line), True)
+            return
+        if out.finished:
+            del self._in_flight[delta.request_id]
+            failed = any(c.finish_reason == "error" for c in out.outputs)
+            self._record(line, lambda: self.format.finished(line, out, failed), failed, len(out.prompt_token_ids),
+                         sum(len(c.token_ids) for c in out.outputs))
+
+    def _record(self, line: Line, record: Callable[[], dict], failed: bool, num_prompt: int = 0,
+                num_output: int = 0) -> None:
+        """Queue ``line``'s record for writing; a record that cannot be built is the line's failure."""
+        try:
+            data = _dumps(record())
+        except Exception as exc:  # noqa: BLE001
+            log.exception("batch: the output line of input line %d could not be built; it fails, the other lines "
+                          "run", line.line_no)
+            line.error = self.format.crashed(exc)
+            data, failed = _dumps(self.format.refused(line)), True
+        self._done[line.seq] = (line, data, failed, num_prompt, num_output)
 
     def _write_ready(self) -> None:
         stats = self.stats
@@ -149,49 +201,6 @@ class RollingWindow:
         self._in_flight.clear()
         self._done.clear()
         self.stats.num_in_flight = 0
-
-
-class Records(Protocol):
-    """An output format: the record of a line that ran, and of one that could not."""
-
-    def finished(self, line: Line, out: RequestOutput, failed: bool) -> dict:
-        """``failed``: a sample ended with finish_reason "error" (its ``error`` says why)."""
-
-    def refused(self, line: Line) -> dict:
-        """A line that did not run: ``line.error`` says why."""
-
-
-class LoraplexRecords:
-    """loraplex's own output lines: ``{"id", "outputs", "num_prompt_tokens", "num_cached_tokens"}`` (plus logprobs
-    where the line's params ask for them), or ``{"id", "error"}``."""
-
-    def finished(self, line: Line, out: RequestOutput, failed: bool) -> dict:
-        record = {"id": line.id, "num_prompt_tokens": len(out.prompt_token_ids),
-                  "num_cached_tokens": out.num_cached_tokens,
-                  "outputs": [_output_record(c, line.params.logprobs is not None) for c in out.outputs]}
-        if line.params.prompt_logprobs is not None:
-            record["prompt_logprobs"] = [_logprob_entry(e) for e in out.prompt_logprobs or []]
-        return record
-
-    def refused(self, line: Line) -> dict:
-        return {"id": line.id, "error": line.error}
-
-
-def _output_record(comp: CompletionOutput, with_logprobs: bool) -> dict:
-    record = {k: getattr(comp, k) for k in _OUTPUT_FIELDS}
-    if with_logprobs:  # only when the line asked for them: they are most of a line's size
-        record["logprobs"] = [_logprob_entry(e) for e in comp.logprobs or []]
-        record["cumulative_logprob"] = comp.cumulative_logprob
-    return record
-
-
-def _logprob_entry(entry: dict[int, Logprob] | None) -> dict[str, dict] | None:
-    """One position's logprobs as vLLM's API writes them: token id (a JSON key, so a string) -> its logprob,
-    rank and text."""
-    if entry is None:
-        return None
-    return {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-            for t, lp in entry.items()}
 
 
 def _dumps(record: dict) -> bytes:

@@ -308,7 +308,7 @@ def test_a_signal_writes_complete_lines_in_order_and_resume_continues(tiny_model
     done = [json.loads(x)["id"] for x in data.splitlines()]
     assert 2 <= len(done) < len(items) and done == [x["id"] for x in items[: len(done)]]
     _write_jsonl(src, items[: len(done) + 3])  # the rest of a shorter job, to keep the test fast
-    assert _run(tiny_model, src, dst, "--max-tokens", "8", "--resume") == 0
+    assert _run(tiny_model, src, dst, "--max-tokens", "8", "--max-num-seqs", "2", "--resume") == 0
     assert [json.loads(x)["id"] for x in dst.read_text().splitlines()] == [x["id"] for x in items[: len(done) + 3]]
 
 
@@ -391,8 +391,9 @@ def test_ctrl_c_while_the_model_loads_is_one_line_and_exit_130(tmp_path):
 
 def test_resume_refuses_other_generation_options_naming_them(tiny_model, tmp_path, capsys):
     """The kept lines and the new ones must come from the same options: a --resume that changes one is refused
-    in one line naming the flag, and OUTPUT stays as it was; flags that only schedule (--max-num-seqs) may
-    change; --overwrite starts over with new options, which a later --resume then holds to."""
+    in one line naming the flag, and OUTPUT stays as it was (--max-num-seqs is one: a line whose n exceeds it
+    fails); flags that only schedule (--max-in-flight, --reorder-buffer) may change; --overwrite starts over with
+    new options, which a later --resume then holds to."""
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write_jsonl(src, [{"id": i, "prompt_token_ids": [1, 40 + i], "params": {"ignore_eos": True}} for i in range(3)])
     assert _run(tiny_model, src, dst, "--max-tokens", "4") == 0
@@ -404,14 +405,15 @@ def test_resume_refuses_other_generation_options_naming_them(tiny_model, tmp_pat
     cases = [(["--max-tokens", "5"], "--max-tokens 5"), (["--temperature", "0.7"], "--temperature 0.7"),
              (["--seed", "1"], "--seed 1"), (["--max-model-len", "64"], "--max-model-len 64"),
              (["--dtype", "bfloat16"], '--dtype "bfloat16"'), (["--enable-lora"], "--enable-lora true"),
-             (["--kv-cache-dtype", "int8"], '--kv-cache-dtype "int8"'),
+             (["--kv-cache-dtype", "int8"], '--kv-cache-dtype "int8"'), (["--max-num-seqs", "2"], "--max-num-seqs 2"),
              (["--model", str(another_model)], "--model")]
     for flags, named in cases:
         assert _run(tiny_model, src, dst, "--resume", "--max-tokens", "4", *flags) == 2
         err = capsys.readouterr().err
         assert named in err and "--overwrite" in err and err.count("\n") == 1, err
         assert dst.read_bytes() == lines[0]
-    assert _run(tiny_model, src, dst, "--resume", "--max-tokens", "4", "--max-num-seqs", "2") == 0
+    assert _run(tiny_model, src, dst, "--resume", "--max-tokens", "4", "--max-in-flight", "1",
+                "--reorder-buffer", "5") == 0
     assert dst.read_bytes() == b"".join(lines)
     assert _run(tiny_model, src, dst, "--overwrite", "--max-tokens", "2") == 0
     dst.write_bytes(dst.read_bytes().splitlines(keepends=True)[0])
