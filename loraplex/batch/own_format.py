@@ -21,6 +21,7 @@ from loraplex.batch.window import Line
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from loraplex.engine.sampling_params import SamplingParams, _is_int
+from loraplex.platform.json_body import out_of_range, out_of_range_field
 
 NOT_AN_OBJECT = object()
 _PARAM_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -37,12 +38,10 @@ def decode(line_no: int, raw: bytes):
         return NOT_AN_OBJECT, f"line {line_no} is not UTF-8: {exc}"
     try:
         item = msgspec.json.decode(raw)
+    except msgspec.ValidationError:  # "Number out of range" (a DecodeError too): where, msgspec does not say
+        return NOT_AN_OBJECT, f"line {line_no} is not JSON: {out_of_range(out_of_range_field(raw)).message}"
     except msgspec.DecodeError as exc:
         return NOT_AN_OBJECT, f"line {line_no} is not JSON: {exc}"
-    except msgspec.ValidationError:  # "Number out of range": where, msgspec does not say
-        from loraplex.platform.json_body import out_of_range, out_of_range_field
-
-        return NOT_AN_OBJECT, f"line {line_no} is not JSON: {out_of_range(out_of_range_field(raw)).message}"
     except RecursionError:
         return NOT_AN_OBJECT, f"line {line_no} is not JSON: it nests objects or arrays too deeply to parse"
     if not isinstance(item, dict):

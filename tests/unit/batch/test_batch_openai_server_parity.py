@@ -120,7 +120,8 @@ def test_each_body_gets_the_servers_answer(server, tiny_model, tmp_path):
 
 
 def test_bodies_the_server_reads_as_no_json_are_lines_that_are_no_json(tiny_model, tmp_path):
-    """NaN, Infinity and a lone surrogate escape are no JSON (the server answers "JSON is malformed"): such a line
+    """NaN, Infinity, a lone surrogate escape (the server answers "JSON is malformed") and a number no float holds
+    are no JSON: such a line
     fails on its own as invalid_json, its custom_id unread (a lone surrogate is no text a strict JSON parser of the
     output would take), and the lines around it run."""
     model = served_model_id(tiny_model["model_dir"])
@@ -136,14 +137,18 @@ def test_bodies_the_server_reads_as_no_json_are_lines_that_are_no_json(tiny_mode
                        line("inf", json.dumps(good)[:-1] + ', "top_p": Infinity}'),
                        line("lone", json.dumps({**good, "prompt": "x"})[:-1] + ', "prompt": "x\\udc80y"}'),
                        line("cid\\ud800", json.dumps(good)),
+                       line("huge", json.dumps(good)[:-1] + ', "seed": 1e400}'),
                        line("ok-2", json.dumps(good))])
     assert _run(tiny_model, src, dst) == 1
     out = [json.loads(x) for x in dst.read_text().splitlines()]
-    assert [o["custom_id"] for o in out] == ["ok-1", None, None, None, None, "ok-2"]
-    for line_no, record in enumerate(out[1:5], start=2):
+    assert [o["custom_id"] for o in out] == ["ok-1", None, None, None, None, None, "ok-2"]
+    for line_no, record in enumerate(out[1:6], start=2):
         assert record["response"] is None and record["error"]["code"] == "invalid_json", record
-        assert record["error"]["message"].startswith(f"line {line_no} is not JSON: JSON is malformed: "), record
+        assert record["error"]["message"].startswith(f"line {line_no} is not JSON: "), record
+    assert all(": JSON is malformed: " in record["error"]["message"] for record in out[1:5])
     assert "invalid utf-16 surrogate pair" in out[3]["error"]["message"]
     assert "surrogate pair" in out[4]["error"]["message"]  # a high surrogate alone: "unexpected end of ..."
     assert "\\ud" not in dst.read_text()  # nothing a strict parser refuses
-    assert out[0]["response"]["body"]["choices"] == out[5]["response"]["body"]["choices"]
+    assert out[5]["error"]["message"] == ("line 6 is not JSON: body.seed: the number is out of range: a JSON number "
+                                          "must be finite and within about ±1.8e308 (a 64-bit float).")
+    assert out[0]["response"]["body"]["choices"] == out[6]["response"]["body"]["choices"]
