@@ -121,9 +121,8 @@ def test_each_body_gets_the_servers_answer(server, tiny_model, tmp_path):
 
 def test_bodies_the_server_reads_as_no_json_are_lines_that_are_no_json(tiny_model, tmp_path):
     """NaN, Infinity, a lone surrogate escape (the server answers "JSON is malformed") and a number no float holds
-    are no JSON: such a line
-    fails on its own as invalid_json, its custom_id unread (a lone surrogate is no text a strict JSON parser of the
-    output would take), and the lines around it run."""
+    are no JSON: such a line fails on its own as invalid_json, its custom_id unread (a lone surrogate is no text a
+    strict JSON parser of the output would take), and the lines around it run."""
     model = served_model_id(tiny_model["model_dir"])
     good = {"model": model, "prompt": [1, 40, 41], "max_tokens": 2, "temperature": 0}
 
