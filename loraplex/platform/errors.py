@@ -241,6 +241,14 @@ def _handle_db(request: Request, exc: Exception) -> Response[Any]:
     return _handle_internal(request, exc)
 
 
+def _handle_pool_timeout(request: Request, exc: Exception) -> Response[Any]:
+    """Every pooled connection busy past LORAPLEX_DATABASE_POOL_TIMEOUT_S (SQLAlchemy's pool TimeoutError is not a
+    DBAPI error): an overloaded replica, a 503 to retry like an unreachable database, never a 500."""
+    log.warning("database pool exhausted on %s %s: %s", request.method, request.url.path, exc)
+    return error_response(503, "All of the server's database connections are busy; retry shortly.", "server_error",
+                          code="database_unavailable", headers={"Retry-After": "2"})
+
+
 def _database_unavailable(request: Request, exc: Exception) -> Response[Any]:
     log.warning("database unavailable on %s %s: %r", request.method, request.url.path, exc)
     return error_response(503, "The database is unavailable; retry shortly.", "server_error",
@@ -279,8 +287,10 @@ def exception_handlers() -> dict:
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
     from sqlalchemy.exc import DBAPIError
+    from sqlalchemy.exc import TimeoutError as PoolTimeoutError
 
     return {ApiError: _handle_api_error, HTTPException: _handle_http, DBAPIError: _handle_db,
+            PoolTimeoutError: _handle_pool_timeout,
             RedisConnectionError: _handle_redis, RedisTimeoutError: _handle_redis, OSError: _handle_os_error,
             Exception: _handle_internal}
 
