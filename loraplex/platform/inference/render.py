@@ -151,5 +151,40 @@ class ChoiceAccumulator:
     def add_text(self, text: str) -> None:
         self.text.append(text)
 
+    def add_completion_delta(self, engine, delta: TokenDelta) -> None:
+        """A delta of a /v1/completions choice: its text, and its tokens' logprobs with text offsets running on."""
+        lp = completion_logprobs(engine, delta, self.offset)
+        if lp is not None:
+            self.logprobs.append(lp)
+            self.offset = end_offset(lp, self.offset)
+        self.add_text(delta.text)
+        if delta.finished:
+            self.finish(delta)
+
+    def add_chat_delta(self, engine, delta: TokenDelta, top_n: int) -> None:
+        """A delta of a chat choice: its text, and its tokens' logprobs with ``top_n`` alternatives each."""
+        lp = chat_logprobs(engine, delta, top_n)
+        if lp is not None:
+            self.chat_logprobs.extend(lp.content or [])
+        self.add_text(delta.text)
+        if delta.finished:
+            self.finish(delta)
+
     def completion_logprobs(self) -> s.CompletionLogprobs | None:
         return concat_logprobs(self.logprobs)
+
+
+def completion_choices(choices: list[ChoiceAccumulator]) -> list[s.CompletionChoice]:
+    """A non-streamed /v1/completions response's choices, from their accumulators."""
+    return [s.CompletionChoice(index=i, text="".join(c.text), logprobs=c.completion_logprobs(),
+                               finish_reason=c.finish_reason or "stop", stop_reason=c.stop_reason,
+                               prompt_logprobs=c.prompt_logprobs)
+            for i, c in enumerate(choices)]
+
+
+def chat_choices(choices: list[ChoiceAccumulator], role: str, with_logprobs: bool) -> list[s.ChatChoice]:
+    """A non-streamed chat response's choices, from their accumulators."""
+    return [s.ChatChoice(index=i, message=s.AssistantMessage(content="".join(c.text), role=role),
+                         logprobs=s.ChatLogprobs(content=c.chat_logprobs) if with_logprobs else None,
+                         finish_reason=c.finish_reason or "stop", stop_reason=c.stop_reason)
+            for i, c in enumerate(choices)]

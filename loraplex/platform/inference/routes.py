@@ -165,25 +165,14 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
                 acc.offset = offset
                 if lp is not None:
                     acc.logprobs.append(lp)
-            lp = render.completion_logprobs(engine, cd.delta, acc.offset)
-            if lp is not None:
-                acc.logprobs.append(lp)
-                acc.offset = render.end_offset(lp, acc.offset)
-            acc.add_text(cd.delta.text)
+            acc.add_completion_delta(engine, cd.delta)
             if cd.delta.prompt_logprobs is not None and data.prompt_logprobs is not None:
                 acc.prompt_logprobs = render.vllm_prompt_logprobs(prompts[cd.index // n], cd.delta.prompt_logprobs)
-            if cd.delta.finished:
-                acc.finish(cd.delta)
 
         await _collect(request, prep, on_delta)
         await gen.wait_recorded()
-        body = s.CompletionResponse(
-            id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
-            choices=[s.CompletionChoice(index=i, text="".join(c.text), logprobs=c.completion_logprobs(),
-                                        finish_reason=c.finish_reason or "stop", stop_reason=c.stop_reason,
-                                        prompt_logprobs=c.prompt_logprobs)
-                     for i, c in enumerate(choices)],
-        )
+        body = s.CompletionResponse(id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
+                                    choices=render.completion_choices(choices))
         return Response(body, headers=prep.headers)
 
 
@@ -278,25 +267,15 @@ async def _create_chat_completion(request: Request, data: s.ChatCompletionReques
 
         def on_delta(cd) -> None:
             acc = choices[cd.index]
-            lp = render.chat_logprobs(engine, cd.delta, top_n)
-            if lp is not None:
-                acc.chat_logprobs.extend(lp.content or [])
+            acc.add_chat_delta(engine, cd.delta, top_n)
             if cd.delta.prompt_logprobs is not None:
                 acc.prompt_logprobs = render.vllm_prompt_logprobs(prompt, cd.delta.prompt_logprobs)
-            acc.add_text(cd.delta.text)
-            if cd.delta.finished:
-                acc.finish(cd.delta)
 
         await _collect(request, prep, on_delta)
         await gen.wait_recorded()
-        body = s.ChatCompletionResponse(
-            id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
-            choices=[s.ChatChoice(index=i, message=s.AssistantMessage(content="".join(c.text), role=role),
-                                  logprobs=s.ChatLogprobs(content=c.chat_logprobs) if data.logprobs else None,
-                                  finish_reason=c.finish_reason or "stop", stop_reason=c.stop_reason)
-                     for i, c in enumerate(choices)],
-            prompt_logprobs=choices[0].prompt_logprobs,
-        )
+        body = s.ChatCompletionResponse(id=gen.response_id, created=created, model=resolved.name, usage=_usage(gen),
+                                        choices=render.chat_choices(choices, role, bool(data.logprobs)),
+                                        prompt_logprobs=choices[0].prompt_logprobs)
         return Response(body, headers=prep.headers)
 
 
