@@ -3,9 +3,9 @@
 Input line: ``{"custom_id", "method": "POST", "url": "/v1/completions" | "/v1/chat/completions", "body"}``, the body a
 request as the server takes it, ``model`` naming the base model (its served names) or an adapter of
 ``--lora-modules``. A body is read by the server's own code (loraplex/platform/inference/plan.py, json_body.py):
-the same fields taken, refused and ignored, the same limits, defaults and errors, word for word. What the server
-does and a batch line cannot carry is refused (``unsupported``): ``stream``, logprobs (``logprobs``,
-``top_logprobs``, ``prompt_logprobs``), ``echo``, and several prompts in one line.
+the same fields taken, refused and ignored, the same limits, defaults and errors, word for word; and its response
+body is rendered by the server's code (render.py), logprobs included. What the server does and a batch line cannot
+carry is refused (``unsupported``): ``stream``, ``echo``, and several prompts in one line.
 
 Output line, as OpenAI writes one: ``{"id": "batch_req_...", "custom_id", "response": {"status_code", "request_id",
 "body"}, "error"}``. A request that ran or that the server would have answered with an error has a ``response``
@@ -23,8 +23,11 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
+
+import msgspec
 
 from loraplex.batch.own_format import NOT_AN_OBJECT, decode, line_seed, short
 from loraplex.batch.window import Line
@@ -32,8 +35,10 @@ from loraplex.engine.async_engine import chat_template_ids
 from loraplex.engine.config import served_model_id
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import RequestOutput
+from loraplex.engine.protocol import TokenDelta
+from loraplex.engine.token_bytes import TokenBytes
 from loraplex.platform.errors import ApiError, model_not_found
-from loraplex.platform.inference import plan
+from loraplex.platform.inference import plan, render
 from loraplex.platform.inference import schemas as s
 from loraplex.platform.inference.validation import Limits, require_model
 from loraplex.platform.json_body import convert_body
@@ -43,8 +48,6 @@ URLS = (COMPLETIONS, CHAT)
 ENVELOPE = ("custom_id", "method", "url", "body")
 _BODY_TYPES = {COMPLETIONS: s.CompletionRequest, CHAT: s.ChatCompletionRequest}
 _LORAPLEX_FIELDS = frozenset({"id", "prompt", "prompt_token_ids", "params", "lora"})
-_NO_LOGPROBS = ("OpenAI-format batch output carries no logprobs (loraplex's own line format writes them: "
-                "params.logprobs, params.prompt_logprobs)")
 
 
 def is_request(item) -> bool:
@@ -130,14 +133,19 @@ class LineError(Exception):
         self.code, self.message = code, message
 
 
-@dataclass(frozen=True)
+@dataclass
 class Request:
-    """What a line's output needs beside its outputs."""
+    """What a line's response needs beside the engine's deltas, and its choices as the deltas come."""
 
     url: str
     model: str  # as the body named it (the response body carries it)
+    prompt_ids: list[int]
+    param_names: dict[str, str]  # engine field -> body field, for the engine's refusals
     role: str = "assistant"  # of the chat message generated
-    param_names: tuple[tuple[str, str], ...] = ()  # engine field -> body field, for the engine's refusals
+    top_n: int = 0  # chat: alternatives per token's logprobs
+    chat_logprobs: bool = False  # chat: logprobs asked for
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs asked for
+    choices: list[render.ChoiceAccumulator] = field(default_factory=list)
 
 
 @dataclass
@@ -158,6 +166,8 @@ class OpenAIFormat:
 
     def __init__(self, ctx: Context):
         self.ctx = ctx
+        # what render.py reads of the server's engine client to name tokens in logprobs
+        self._tokens = SimpleNamespace(tokenizer=ctx.tokenizer, token_bytes=TokenBytes(ctx.tokenizer))
 
     def parse(self, seq: int, line_no: int, raw: bytes) -> Line:
         item, error = decode(line_no, raw)
@@ -166,16 +176,16 @@ class OpenAIFormat:
             return Line(seq, line_no, rid, error=LineError("invalid_json", error))
         try:
             url, body = _envelope(item, line_no)
-            request, prompt_ids, params, lora = self._request(url, body, rid)
+            request, params, lora = self._request(url, body, rid)
         except (LineError, ApiError) as exc:
             return Line(seq, line_no, rid, error=exc)
-        return Line(seq, line_no, rid, {"prompt_token_ids": prompt_ids}, params, lora, request=request)
+        return Line(seq, line_no, rid, {"prompt_token_ids": request.prompt_ids}, params, lora, request=request)
 
     def line_id(self, line_no: int, raw: bytes) -> Any:
         return line_id(decode(line_no, raw)[0])
 
     def _request(self, url: str, body: Any, custom_id: str):
-        """The server's reading of ``body`` (routes.py's order): (Request, prompt ids, SamplingParams, adapter)."""
+        """The server's reading of ``body`` (routes.py's order): (Request, SamplingParams, adapter)."""
         ctx = self.ctx
         req = convert_body(body, _BODY_TYPES[url], "POST", url)
         require_model(req.model)
@@ -194,7 +204,8 @@ class OpenAIFormat:
             params = plan.engine_params(req, prompts, ctx.limits, ctx.vocab_size, max_tokens=outputs.max_tokens,
                                         max_tokens_param="max_tokens", prompt_param="prompt",
                                         logprobs=outputs.logprobs, prompt_logprobs=outputs.prompt_logprobs)
-            request = Request(url, req.model, param_names=(("prompt", "prompt"), ("max_tokens", "max_tokens")))
+            request = Request(url, req.model, prompts[0], {"prompt": "prompt", "max_tokens": "max_tokens"},
+                              prompt_logprobs=req.prompt_logprobs is not None)
         else:
             top_n = plan.check_chat(req)
             _refuse_what_a_batch_line_cannot_carry(req)
@@ -209,12 +220,25 @@ class OpenAIFormat:
                                         max_tokens_param=param, prompt_param="messages",
                                         logprobs=top_n if req.logprobs else None,
                                         prompt_logprobs=req.prompt_logprobs)
-            request = Request(url, req.model, plan.chat_role(req), (("prompt", "messages"), ("max_tokens", param)))
+            request = Request(url, req.model, prompts[0], {"prompt": "messages", "max_tokens": param},
+                              plan.chat_role(req), top_n, bool(req.logprobs), req.prompt_logprobs is not None)
         if params.seed is None:  # reproducible, and the same when --resume runs it (the server's would be random)
             params = dataclasses.replace(params, seed=line_seed(ctx.seed, custom_id))
-        return request, prompts[0], params, ctx.models[req.model]
+        request.choices = [render.ChoiceAccumulator() for _ in range(params.n)]
+        return request, params, ctx.models[req.model]
 
     # ---- output --------------------------------------------------------------------------------------
+
+    def observe(self, line: Line, delta: TokenDelta) -> None:
+        """Each delta goes to its choice as the server's route takes it (text, logprobs, prompt logprobs)."""
+        request: Request = line.request
+        acc = request.choices[delta.index]
+        if request.url == COMPLETIONS:
+            acc.add_completion_delta(self._tokens, delta)
+        else:
+            acc.add_chat_delta(self._tokens, delta, request.top_n)
+        if delta.prompt_logprobs is not None and request.prompt_logprobs:
+            acc.prompt_logprobs = render.vllm_prompt_logprobs(request.prompt_ids, delta.prompt_logprobs)
 
     def finished(self, line: Line, out: RequestOutput, failed: bool) -> dict:
         if failed:  # as the server answers a generation that failed (an adapter that cannot be loaded)
@@ -222,29 +246,25 @@ class OpenAIFormat:
             return _record(line, plan.engine_failed(why or "engine error"))
         request: Request = line.request
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
-        usage = {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion_tokens,
-                 "total_tokens": len(out.prompt_token_ids) + completion_tokens,
-                 "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+        usage = render.usage(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens)
+        created = int(time.time())
         if request.url == COMPLETIONS:
-            choices = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": _finish_reason(c),
-                        "stop_reason": c.stop_reason, "prompt_logprobs": None} for c in out.outputs]
-            body = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": request.model,
-                    "choices": choices, "usage": usage, "object": "text_completion", "system_fingerprint": None}
+            body = s.CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", created=created, model=request.model,
+                                        usage=usage, choices=render.completion_choices(request.choices))
         else:
-            choices = [{"index": c.index, "message": {"content": c.text, "role": request.role, "refusal": None},
-                        "logprobs": None, "finish_reason": _finish_reason(c), "stop_reason": c.stop_reason}
-                       for c in out.outputs]
-            body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": request.model,
-                    "choices": choices, "usage": usage, "object": "chat.completion", "system_fingerprint": None,
-                    "prompt_logprobs": None}
+            body = s.ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex}", created=created, model=request.model,
+                                            usage=usage, prompt_logprobs=request.choices[0].prompt_logprobs,
+                                            choices=render.chat_choices(request.choices, request.role,
+                                                                        request.chat_logprobs))
         return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": line.id,
-                "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": body}, "error": None}
+                "response": {"status_code": 200, "request_id": uuid.uuid4().hex, "body": msgspec.to_builtins(body)},
+                "error": None}
 
     def refused(self, line: Line) -> dict:
         return _record(line, line.error)
 
     def engine_refused(self, line: Line, exc: ValueError) -> ApiError:
-        text, param = plan.refusal_text(exc, dict(line.request.param_names))
+        text, param = plan.refusal_text(exc, line.request.param_names)
         return plan.refused(self.ctx.refusal_text(text), param)
 
     def crashed(self, exc: Exception) -> ApiError:
@@ -284,9 +304,7 @@ def _refuse_what_a_batch_line_cannot_carry(req) -> None:
     """Fields the server honours whose answer has no place in a batch output line; their no-op values are taken."""
     chat = isinstance(req, s.ChatCompletionRequest)
     refused = (("stream", req.stream, "a batch line's response is written whole, never streamed"),
-               ("echo", None if chat else req.echo, "batch lines do not echo their prompt"),
-               ("logprobs", req.logprobs if chat else req.logprobs is not None, _NO_LOGPROBS),
-               ("prompt_logprobs", req.prompt_logprobs is not None, _NO_LOGPROBS))
+               ("echo", None if chat else req.echo, "batch lines do not echo their prompt"))
     for param, asked, why in refused:
         if asked:
             raise ApiError(400, f"{param} is not supported by loraplex batch: {why}.", param=param,
@@ -302,11 +320,6 @@ def _record(line: Line, error: ApiError | LineError) -> dict:
     body = {"error": {"message": error.message, "type": error.type, "param": error.param, "code": error.code}}
     return {**record, "response": {"status_code": error.status_code, "request_id": uuid.uuid4().hex, "body": body},
             "error": None}
-
-
-def _finish_reason(comp) -> str:
-    """As the server says it: "length" when max_tokens ended the sample, else "stop"."""
-    return "length" if comp.finish_reason == "length" else "stop"
 
 
 def output_failed(record: dict) -> bool:

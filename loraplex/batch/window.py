@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from loraplex.engine.outputs import RequestOutput, apply_delta
+from loraplex.engine.protocol import TokenDelta
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,9 @@ class LineFormat(Protocol):
 
     def line_id(self, line_no: int, raw: bytes) -> Any:
         """The line's id as its record echoes it, for a line :meth:`parse` failed on."""
+
+    def observe(self, line: Line, delta: TokenDelta) -> None:
+        """One engine delta of the line's request, as it comes (before it is folded into the line's output)."""
 
     def finished(self, line: Line, out: RequestOutput, failed: bool) -> dict:
         """``failed``: a sample ended with finish_reason "error" (its ``error`` says why)."""
@@ -152,9 +156,10 @@ class RollingWindow:
             self._record(line, lambda: self.format.refused(line), True)
         self.stats.max_unwritten_seen = max(self.stats.max_unwritten_seen, self._next_seq - self._next_write)
 
-    def _take(self, delta, line: Line, out: RequestOutput) -> None:
+    def _take(self, delta: TokenDelta, line: Line, out: RequestOutput) -> None:
         """One engine delta of ``line``'s request; its record once the request has finished."""
         try:
+            self.format.observe(line, delta)
             apply_delta(out, delta)
         except Exception as exc:  # noqa: BLE001
             log.exception("batch: input line %d failed while it ran; it fails, the other lines run", line.line_no)

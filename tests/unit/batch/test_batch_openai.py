@@ -102,7 +102,7 @@ def test_each_bad_line_fails_alone_as_openai_writes_it(tiny_model, tmp_path):
         {"custom_id": "typo", "method": "POST", "url": COMPLETIONS, "Body": good},
         _line("range", COMPLETIONS, {**good, "temperature": -1}),
         _line("model", COMPLETIONS, {**good, "model": "gpt-4o-mini"}),
-        _line("logprobs", CHAT, {"model": model, "messages": talk, "logprobs": True}),
+        _line("echo", COMPLETIONS, {**good, "echo": True}),
         _line("role", CHAT, {"model": model, "messages": [{"role": "robot", "content": "x"}]}),
         _line("long", COMPLETIONS, {**good, "prompt": [5] * 70}),
         _line("max", CHAT, {"model": model, "messages": talk, "max_completion_tokens": 0}),
@@ -116,7 +116,7 @@ def test_each_bad_line_fails_alone_as_openai_writes_it(tiny_model, tmp_path):
     assert _run(tiny_model, src, dst, "--max-model-len", "64") == 1
     out = _read(dst)
     assert [o["custom_id"] for o in out] == ["ok-1", "get", "embed", None, None, "typo", "range", "model",
-                                            "logprobs", "role", "long", "max", None, "type", "stream", "two",
+                                            "echo", "role", "long", "max", None, "type", "stream", "two",
                                             "nobody", "ok-2"]
     by_line = dict(enumerate(out, start=1))
     envelope = {2: ("invalid_method", "method"), 3: ("invalid_url", "/v1/chat/completions"),
@@ -131,7 +131,7 @@ def test_each_bad_line_fails_alone_as_openai_writes_it(tiny_model, tmp_path):
     refused = {7: (400, "invalid_value", "temperature", "temperature must be between 0.0 and 2.0, got -1.0."),
                8: (404, "model_not_found", "model",
                    "The model 'gpt-4o-mini' does not exist or you do not have access to it."),
-               9: (400, "unsupported", "logprobs", "logprobs is not supported by loraplex batch: "),
+               9: (400, "unsupported", "echo", "echo is not supported by loraplex batch: "),
                10: (400, "invalid_value", "messages[0].role", "messages[0].role must be one of "),
                11: (400, "context_length_exceeded", "prompt", "This model's maximum context length is 64 tokens; "
                                                              "the prompt has 70 tokens"),

@@ -1,11 +1,12 @@
 """An OpenAI-format batch line gets the answer the server gives its body: the same status, error (message, type,
-param, code) and, for a greedy request, the same text and usage. Each body below goes to a real server app (the
+param, code) and, for a greedy request, the same choices (text, logprobs, finish reason) and usage. Each body below goes to a real server app (the
 tiny model's engine, in-process) and into one batch file; the SDK fields, limits, defaults and refusals are the
 ones users met in review (metadata, store, service_tier, temperature above 2, NaN, max_tokens without a cap, ...)."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,11 @@ BODIES = [
     (COMPLETIONS, {"prompt": "Once upon a time", "temperature": 0}),  # no max_tokens: 16
     (COMPLETIONS, {"prompt": [1, 40, 41], "max_tokens": 3, "temperature": 0, "stop": ["\n", "x"], "n": 2}),
     (COMPLETIONS, {"prompt": ["Hello"], "max_tokens": 2, "temperature": 0, "best_of": 1, "suffix": ""}),
+    # logprobs, rendered by the server's code
+    (COMPLETIONS, {"prompt": "Once upon", "max_tokens": 3, "temperature": 0, "logprobs": 2, "prompt_logprobs": 1}),
+    (CHAT, {"messages": HI, "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+            "prompt_logprobs": 0}),
+    (CHAT, {"messages": HI, "max_tokens": 2, "temperature": 0, "logprobs": False, "top_logprobs": 0}),
     # refused as the server refuses them
     (CHAT, {"messages": HI, "store": True}),
     (CHAT, {"messages": HI, "service_tier": "flex"}),
@@ -81,6 +87,18 @@ BODIES = [
 ]
 
 
+def _same(mine, theirs) -> bool:
+    """Equal, logprobs within 1e-4: the server's engine and the batch's run the same model in other batches and KV
+    caches, so a logprob may differ in its last float32 digits."""
+    if isinstance(mine, float) and isinstance(theirs, float):
+        return math.isclose(mine, theirs, abs_tol=1e-4)
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        return mine.keys() == theirs.keys() and all(_same(mine[k], theirs[k]) for k in mine)
+    if isinstance(mine, list) and isinstance(theirs, list):
+        return len(mine) == len(theirs) and all(_same(a, b) for a, b in zip(mine, theirs))
+    return mine == theirs
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model):
     settings = Settings(data_dir=str(tmp_path_factory.mktemp("parity")), device="cpu", dtype="float32",
@@ -114,9 +132,8 @@ def test_each_body_gets_the_servers_answer(server, tiny_model, tmp_path):
         assert (got["object"], got["model"]) == (want["object"], want["model"]), body
         assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"], body
         assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"], body
-        for mine, theirs in zip(got["choices"], want["choices"], strict=True):
-            text = "message" if url == CHAT else "text"
-            assert (mine[text], mine["finish_reason"]) == (theirs[text], theirs["finish_reason"]), body
+        assert _same(got["choices"], want["choices"]), (body, got["choices"], want["choices"])
+        assert _same(got.get("prompt_logprobs"), want.get("prompt_logprobs")), body
 
 
 def test_bodies_the_server_reads_as_no_json_are_lines_that_are_no_json(tiny_model, tmp_path):
