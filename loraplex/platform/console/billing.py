@@ -17,6 +17,7 @@ from loraplex.platform.errors import ApiError
 
 log = logging.getLogger(__name__)
 
+PRICE_FIELDS = ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok")
 INGEST_WAIT_S = 3.0  # a page waits this long for usage still in the spool (so a run just made shows up)
 
 
@@ -72,14 +73,37 @@ async def list_plans(services) -> list | None:
         return await plans.list_plans(s)
 
 
-def _quota_field(form: dict[str, str]) -> int | None:
-    raw = (form.get("monthly_token_quota") or "").strip().replace(",", "").replace("_", "")
+UNLIMITED = "unlimited"  # the word that clears a quota (blank keeps or inherits it, depending on the form)
+PRICE_LABELS = {"input_per_mtok": "Input / M tok", "cached_input_per_mtok": "Cached / M tok",
+                "output_per_mtok": "Output / M tok"}
+
+
+def _quota_field(form: dict[str, str], blank: str) -> int | None:
+    """The quota typed, or None for the word "unlimited" (also for blank, which ``blank`` names on errors)."""
+    from loraplex.platform.console.deps import whole_number
+
+    raw = (form.get("monthly_token_quota") or "").strip()
+    if raw.lower() == UNLIMITED:
+        return None
+    plans = usage_module("plans")
+    limit = plans.MAX_QUOTA if plans is not None else None
+    return whole_number(form, "monthly_token_quota", "Monthly token quota", minimum=0, maximum=limit,
+                        unit="tokens", blank=blank + f", or '{UNLIMITED}'")
+
+
+def _price_field(form: dict[str, str], name: str) -> str | None:
+    """The price typed (checked with the API's rules, named by its label), or None when blank."""
+    from loraplex.platform.usage.pricing import MAX_PRICE, MAX_PRICE_DECIMALS, parse_price, price_text
+
+    raw = (form.get(name) or "").strip()
     if not raw:
         return None
-    if not raw.isdecimal():  # what int() reads (str.isdigit also takes '²', which int() refuses)
-        raise ApiError(400, f"Monthly token quota must be a whole number of tokens (blank = unlimited), got {raw!r}.",
-                       param="monthly_token_quota")
-    return int(raw)
+    label = PRICE_LABELS[name]
+    try:
+        return price_text(parse_price(raw, name))
+    except ApiError:
+        raise ApiError(400, f"{label} must be a price between 0 and {MAX_PRICE} per million tokens with at most "
+                       f"{MAX_PRICE_DECIMALS} decimal places, got {raw[:40]!r}.", param=name) from None
 
 
 async def _changed(request: Request, tenant_id: str) -> None:
@@ -93,7 +117,11 @@ async def save_tenant_plan(request: Request, tenant, form: dict[str, str]) -> No
     plans = usage_module("plans")
     if plans is None or area(services) is None:
         raise unavailable()
-    fields = {"plan": form.get("plan") or None, "monthly_token_quota": _quota_field(form)}
+    from loraplex.platform.console.deps import whole_number
+
+    quota = whole_number(form, "monthly_token_quota", "Monthly token quota", minimum=0, maximum=plans.MAX_QUOTA,
+                         unit="tokens", blank="blank = the plan's quota")
+    fields = {"plan": form.get("plan") or None, "monthly_token_quota": quota}
     async with services.sessions() as s:
         await plans.set_tenant_plan(s, tenant.id, fields)
     await _changed(request, tenant.id)
@@ -106,16 +134,20 @@ async def save_plan(request: Request, form: dict[str, str]) -> str:
     if plans is None or area(services) is None:
         raise unavailable()
     name = (form.get("name") or "").strip()
-    fields: dict = {"monthly_token_quota": _quota_field(form)}
-    for price in ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok"):
-        value = (form.get(price) or "").strip()
-        fields[price] = value or "0"
-    currency = (form.get("currency") or "").strip().upper()
-    if currency:
-        fields["currency"] = currency
     async with services.sessions() as s:
-        existing = {p.name for p in await plans.list_plans(s)}
-        if name in existing:
+        exists = name in {p.name for p in await plans.list_plans(s)}
+        # on a plan that exists a blank field keeps its value; on a new one it means 0 (prices) or unlimited
+        fields: dict = {}
+        if (form.get("monthly_token_quota") or "").strip() or not exists:
+            fields["monthly_token_quota"] = _quota_field(form, "blank = keep" if exists else "blank = unlimited")
+        for price in PRICE_FIELDS:
+            value = _price_field(form, price)
+            if value is not None or not exists:
+                fields[price] = value or "0"
+        currency = (form.get("currency") or "").strip().upper()
+        if currency:
+            fields["currency"] = currency
+        if exists:
             await plans.update_plan(s, name, fields)
         else:
             await plans.create_plan(s, name, fields)

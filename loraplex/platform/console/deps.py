@@ -53,16 +53,27 @@ def require_admin(session: Session) -> None:
                        code="insufficient_scope")
 
 
-def optional_int(data: dict[str, str], field: str, label: str) -> int | None:
-    """A positive int from a form field; blank means "server default" (None)."""
-    raw = (data.get(field) or "").strip().replace(",", "").replace("_", "")
+INT32_MAX = 2**31 - 1  # the largest limit the API stores in an integer column
+
+
+def whole_number(data: dict[str, str], field: str, label: str, *, minimum: int = 1, maximum: int | None = INT32_MAX,
+                 unit: str = "", blank: str = "blank = the default") -> int | None:
+    """The one check of every number field: ASCII digits only (``,`` and ``_`` allowed as separators), within
+    ``minimum..maximum``; blank is None. Errors name the form's ``label`` and say what blank means."""
+    raw = (data.get(field) or "").strip()
     if not raw:
         return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ApiError(400, f"{label} must be a whole number (or blank for the default), got {raw!r}.",
-                       param=field) from None
-    if value < 1:
-        raise ApiError(400, f"{label} must be at least 1 (or blank for the default).", param=field)
+    digits = raw.replace(",", "").replace("_", "")
+    what = f"a whole number{' of ' + unit if unit else ''}"
+    if not (digits.isascii() and digits.isdigit()):
+        raise ApiError(400, f"{label} must be {what} ({blank}), got {raw[:40]!r}.", param=field)
+    value = int(digits)
+    if value < minimum or (maximum is not None and value > maximum):
+        bound = f"between {minimum:,} and {maximum:,}" if maximum is not None else f"at least {minimum:,}"
+        raise ApiError(400, f"{label} must be {bound} ({blank}).", param=field)
     return value
+
+
+def optional_int(data: dict[str, str], field: str, label: str) -> int | None:
+    """A positive int from a form field; blank means "server default" (None)."""
+    return whole_number(data, field, label)

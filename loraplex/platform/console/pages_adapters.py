@@ -108,6 +108,9 @@ async def adapter_settings(request: Request, owner: str = _OWNER, name: str = _N
     registry = registry_of(request)
     shared = [t.strip() for t in (form.get("shared_with") or "").split(",") if t.strip()]
     visibility = form.get("visibility") or item.adapter.visibility
+    if visibility == "private" and shared:  # the API's 400; dropping the list would look saved and share nothing
+        raise ApiError(400, "Shared with names tenants but Visibility is 'private', which shares with no one: "
+                       "choose Visibility 'shared', or empty Shared with.", param="shared_with")
     meta = await registry.check_metadata(acting, form.get("description"), visibility,
                                          shared if visibility == "shared" else [])
     await registry.update(acting, item.adapter.name, meta)

@@ -14,7 +14,7 @@ from litestar import Request, Response, get, post
 from litestar.params import Parameter
 
 from loraplex.platform import tenants as svc
-from loraplex.platform.console.deps import form_of, session_of
+from loraplex.platform.console.deps import form_of, session_of, whole_number
 from loraplex.platform.console.render import page, redirect
 from loraplex.platform.db import utcnow
 from loraplex.platform.errors import ApiError
@@ -46,18 +46,18 @@ async def create_key(request: Request) -> Response:
     tenant = (form.get("tenant") or "").strip() if p.is_admin else p.tenant_id
     if not tenant:
         raise ApiError(400, "Choose the tenant the key is for.", param="tenant")
-    scopes = [s for s in ALL_SCOPES if form.get(f"scope_{s}")] or ["inference"]
+    scopes = [s for s in ALL_SCOPES if form.get(f"scope_{s}")]
+    if not scopes:
+        raise ApiError(400, "Scopes: choose at least one scope.", param="scopes")
     if not p.is_admin and any(s not in p.scopes or s == SCOPE_ADMIN for s in scopes):
         raise ApiError(403, "You can only grant scopes your own key holds.", type="permission_error",
                        param="scopes", code="insufficient_scope")
     name = (form.get("name") or "").strip() or None
     expires_at = None
-    days = (form.get("expires_in_days") or "").strip()
-    if days:
-        if not days.isdecimal() or not 1 <= int(days) <= MAX_EXPIRY_DAYS:  # isdecimal: what int() reads
-            raise ApiError(400, f"Expiry must be a whole number of days from 1 to {MAX_EXPIRY_DAYS} (or blank "
-                           "for no expiry).", param="expires_in_days")
-        expires_at = utcnow() + timedelta(days=int(days))
+    days = whole_number(form, "expires_in_days", "Expires in (days)", maximum=MAX_EXPIRY_DAYS, unit="days",
+                        blank="blank = no expiry")
+    if days is not None:
+        expires_at = utcnow() + timedelta(days=days)
     if not await _first_submission(request, session, form.get("form_id") or ""):
         # a reload (or a double click) of the form that already made a key: a second live key, whose secret
         # replaced the first one's on the screen, is not what anyone meant

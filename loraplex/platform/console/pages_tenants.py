@@ -38,8 +38,8 @@ async def create_tenant(request: Request) -> Response:
     require_admin(session)
     form = await form_of(request, session)
     name = (form.get("name") or "").strip()
-    rpm = optional_int(form, "requests_per_minute", "Requests per minute")
-    tpm = optional_int(form, "tokens_per_minute", "Tokens per minute")
+    rpm = optional_int(form, "requests_per_minute", "Requests / min")
+    tpm = optional_int(form, "tokens_per_minute", "Tokens / min")
     async with request.app.state.services.sessions() as s:
         tenant = await svc.create_tenant(s, name, rpm, tpm)
     return redirect(request, f"/console/tenants/{tenant.name}", flash=f"Tenant '{tenant.name}' created. "
@@ -88,8 +88,8 @@ async def set_limits(request: Request, name: str = _NAME) -> Response:
     session = await session_of(request)
     require_admin(session)
     form = await form_of(request, session)
-    rpm = optional_int(form, "requests_per_minute", "Requests per minute")
-    tpm = optional_int(form, "tokens_per_minute", "Tokens per minute")
+    rpm = optional_int(form, "requests_per_minute", "Requests / min")
+    tpm = optional_int(form, "tokens_per_minute", "Tokens / min")
     services = request.app.state.services
     async with services.sessions() as s:
         tenant = await svc.update_tenant_limits(s, services.kv, name, rpm, tpm)

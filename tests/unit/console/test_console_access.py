@@ -141,5 +141,5 @@ async def test_a_bad_form_value_returns_to_the_form_with_the_reason(capp):
     assert "Tenant name must be 1-63 characters" in page.text
     r = await capp.c.post("/console/tenants", data={"_csrf": token, "name": "ok", "requests_per_minute": "lots"},
                           headers=referer)
-    assert "Requests per minute must be a whole number" in r.text
+    assert "Requests / min must be a whole number" in r.text
     assert (await capp.c.get("/console/tenants/ok")).status_code == 404

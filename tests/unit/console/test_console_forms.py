@@ -25,10 +25,10 @@ async def test_digits_int_cannot_read_go_back_to_the_form_not_to_a_500(capp):
     token = await csrf_of(capp.c)
     await capp.tenant("acme")
     keys = {"referer": "http://testserver.local/console/keys"}
-    r = await capp.c.post("/console/keys", data={"_csrf": token, "tenant": "acme", "expires_in_days": "²"},
+    r = await capp.c.post("/console/keys", data={"_csrf": token, "tenant": "acme", "scope_inference": "1", "expires_in_days": "²"},
                           headers=keys, follow_redirects=False)
     assert r.status_code == 303 and r.headers["location"] == "/console/keys", r.text
-    assert "Expiry must be a whole number of days" in (await capp.c.get("/console/keys")).text
+    assert "Expires in (days) must be a whole number of days" in (await capp.c.get("/console/keys")).text
     tenant_page = {"referer": "http://testserver.local/console/tenants/acme"}
     r = await capp.c.post("/console/tenants/acme/plan", data={"_csrf": token, "monthly_token_quota": "²"},
                           headers=tenant_page, follow_redirects=False)
@@ -93,7 +93,7 @@ async def test_resubmitting_the_create_key_form_does_not_make_a_second_key(capp)
     page = (await capp.c.get("/console/keys")).text
     token = await csrf_of(capp.c)
     form_id = re.search(r'name="form_id" value="([^"]+)"', page).group(1)
-    form = {"_csrf": token, "form_id": form_id, "tenant": "acme", "name": "once"}
+    form = {"_csrf": token, "form_id": form_id, "tenant": "acme", "name": "once", "scope_inference": "1"}
     back = {"referer": "http://testserver.local/console/keys"}
     first = await capp.c.post("/console/keys", data=form, headers=back)
     assert first.status_code == 201 and "lpx-" in first.text
