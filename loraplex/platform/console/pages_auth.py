@@ -8,7 +8,7 @@ from litestar import Request, Response, get, post
 from litestar.response import Redirect
 
 from loraplex.platform.console.deps import form_of, session_of, store
-from loraplex.platform.console.render import page, redirect
+from loraplex.platform.console.render import page, read_flash, redirect
 from loraplex.platform.console.session import (
     COOKIE,
     CSRF_FIELD,
@@ -46,7 +46,9 @@ async def login_form(request: Request) -> Response:
         return redirect(request, "/console")
     except LoginRequired as exc:
         pre = request.cookies.get(PRE_COOKIE) or secrets.token_urlsafe(24)
-        return _login_page(request, pre, error=exc.reason or None)
+        # the reason carried from the page that found the session over (key revoked, tenant suspended) says more
+        # than this second look, which only finds the record gone
+        return _login_page(request, pre, error=read_flash(request)[1] or exc.reason or None)
 
 
 @post("/login", include_in_schema=False, status_code=303)

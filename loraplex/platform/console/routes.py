@@ -21,8 +21,8 @@ from loraplex.platform.console import (
     proxy,
 )
 from loraplex.platform.console.deps import session_of
-from loraplex.platform.console.render import STATIC, page, redirect
-from loraplex.platform.console.session import CSRF_HEADER, LoginRequired
+from loraplex.platform.console.render import STATIC, page, read_flash, redirect
+from loraplex.platform.console.session import COOKIE, CSRF_HEADER, LoginRequired
 from loraplex.platform.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,11 @@ def _to_login(request: Request, exc: LoginRequired) -> Response:
         target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
     else:  # a form posted from a page after its session ended: sign in, then back to that page (the form is lost)
         target = _same_console_page(request) or "/console"
-    return redirect(request, f"/console/login?next={quote(target, safe='/')}", error=exc.reason or None)
+    carried, _ = read_flash(request)  # e.g. "Key ... revoked": the action that ended this session
+    reason = " ".join(filter(None, (carried, exc.reason))) or None
+    response = redirect(request, f"/console/login?next={quote(target, safe='/')}", error=reason)
+    response.delete_cookie(COOKIE, path="/console")  # its record is gone
+    return response
 
 
 def _same_console_page(request: Request) -> str | None:

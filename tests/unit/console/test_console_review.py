@@ -84,3 +84,22 @@ async def test_a_key_with_no_scope_ticked_is_refused_not_made_an_inference_key(c
     admin = {"Authorization": f"Bearer {capp.admin_key}"}
     keys = (await capp.c.get("/admin/keys?tenant=acme", headers=admin)).json()
     assert len(keys["data"]) == 1  # only the one capp.tenant made
+
+
+async def test_the_sign_in_page_says_why_the_session_ended(capp):
+    key, key_id = await capp.tenant("acme")
+    await sign_in(capp.c, key)
+    token = await csrf_of(capp.c)
+    r = await capp.c.post(f"/console/keys/{key_id}/revoke", data={"_csrf": token},
+                          headers={"referer": "http://testserver.local/console/keys"})  # its own key
+    assert str(r.url).startswith("http://testserver.local/console/login"), r.url
+    assert f"Key {key_id} revoked" in r.text and "Your API key is no longer valid" in r.text
+    assert "Your session has ended" not in r.text
+    admin = {"Authorization": f"Bearer {capp.admin_key}"}
+    key2, _ = await capp.tenant("beta")
+    capp.c.cookies.clear()
+    await sign_in(capp.c, key2)
+    r = await capp.c.post("/admin/tenants/beta/suspend", headers=admin)
+    assert r.status_code == 200, r.text
+    r = await capp.c.get("/console/keys")
+    assert "Your API key is no longer valid" in r.text and "Your session has ended" not in r.text
