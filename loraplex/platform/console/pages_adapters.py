@@ -26,8 +26,8 @@ from loraplex.platform.registry.schemas import adapter_out
 from loraplex.platform.registry.setup import registry_of
 
 ADMIN_LIST_LIMIT = 300
-_OWNER = Parameter(max_length=64)
-_NAME = Parameter(max_length=64)
+_OWNER = Parameter()  # any length: unknown names are a 404
+_NAME = Parameter()
 
 
 async def _all_adapters(session) -> list[queries.Listed]:

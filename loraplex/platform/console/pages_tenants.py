@@ -13,7 +13,7 @@ from loraplex.platform.console.render import page, redirect
 from loraplex.platform.errors import not_found
 from loraplex.platform.models import TENANT_ACTIVE, TENANT_SUSPENDED
 
-_NAME = Parameter(max_length=64)
+_NAME = Parameter()  # any length: a name no tenant has is a 404 like any other
 
 
 @get("/tenants", include_in_schema=False)

@@ -61,8 +61,9 @@ def _on_error(request: Request, exc: HTTPException) -> Response:
     if status >= 500:
         log.error("console error on %s %s: %s", request.method, request.url.path, message)
     back = _same_console_page(request) if request.method == "POST" else None
-    if back and status < 500 and status not in (403, 404):
-        # a form the user filled in wrongly: back to it, with the reason
+    if back and status < 500:
+        # a form the user filled in wrongly, or an action refused (403, or 404 for what it named): back to the
+        # form, with the reason
         return redirect(request, back, error=message)
     session = request.state.get("console_session")
     return page(request, "error.html", session, status_code=status, status=status, message=message)
@@ -74,6 +75,14 @@ def _on_internal(request: Request, exc: Exception) -> Response:
     return page(request, "error.html", request.state.get("console_session"), status_code=500, status=500,
                 message="The console had an error while showing this page. Try again; if it persists, the server's "
                         "log has the details.")
+
+
+def _static_missing(request: Request, exc: HTTPException) -> Response:
+    """A console file that does not exist: the console's 404 page, not the API's JSON."""
+    if exc.status_code != 404:
+        return _on_error(request, exc)
+    return page(request, "error.html", request.state.get("console_session"), status_code=404, status=404,
+                message=f"There is no console page at {request.url.path}.")
 
 
 @get("/{rest:path}", include_in_schema=False)
@@ -104,6 +113,7 @@ def route_handlers() -> list:
         ),
         create_static_files_router(
             path="/console/static", directories=[STATIC], include_in_schema=False,
+            exception_handlers={HTTPException: _static_missing},
             cache_control=CacheControlHeader(max_age=300),
         ),
     ]

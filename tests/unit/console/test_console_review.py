@@ -103,3 +103,21 @@ async def test_the_sign_in_page_says_why_the_session_ended(capp):
     assert r.status_code == 200, r.text
     r = await capp.c.get("/console/keys")
     assert "Your API key is no longer valid" in r.text and "Your session has ended" not in r.text
+
+
+async def test_missing_things_are_the_consoles_404_and_refused_posts_go_back_to_the_form(capp):
+    key, _ = await capp.tenant("acme")
+    await sign_in(capp.c, capp.admin_key)
+    r = await capp.c.get("/console/tenants/" + "x" * 70)
+    assert r.status_code == 404 and "No tenant" in r.text
+    r = await capp.c.get("/console/static/nope.js")
+    assert r.status_code == 404 and r.headers["content-type"].startswith("text/html")
+    assert "There is no console page at /console/static/nope.js" in r.text
+    capp.c.cookies.clear()
+    await sign_in(capp.c, key)
+    token = await csrf_of(capp.c)
+    back = {"referer": "http://testserver.local/console/keys"}
+    r = await capp.c.post("/console/tenants/acme/limits", data={"_csrf": token, "requests_per_minute": "5"},
+                          headers=back, follow_redirects=False)  # a tenant key: 403
+    assert r.status_code == 303 and r.headers["location"] == "/console/keys", r.text
+    assert "platform operators" in (await capp.c.get("/console/keys")).text

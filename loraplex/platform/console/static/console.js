@@ -84,9 +84,14 @@
     form.addEventListener("submit", async (ev) => {
       ev.preventDefault();
       const data = new FormData(form);
+      const maxText = String(data.get("max_tokens") || "").trim();
+      if (!/^[0-9]+$/.test(maxText) || parseInt(maxText, 10) < 1) {
+        // not silently 16: the same rule as every number field (ASCII digits, at least 1)
+        return setStatus("Max tokens must be a whole number of at least 1, got '" + maxText + "'.", "err-text");
+      }
       const body = {
         model: data.get("model"), prompt: data.get("prompt"),
-        max_tokens: parseInt(data.get("max_tokens"), 10) || 16,
+        max_tokens: parseInt(maxText, 10),
         temperature: parseFloat(data.get("temperature") || "0.7"),
         stream: true, stream_options: { include_usage: true },
       };
