@@ -156,6 +156,10 @@ def test_walk_through(server, browser, globex, tiny_model):
     d = Path(adapter_dir(tiny_model, 0))
     # a refused upload shows the registry's reason
     page.fill("#up-name", "broken")
+    page.click("[data-testid=upload] button[type=submit]")  # no file chosen: told in the form's words
+    page.wait_for_selector("[data-testid=upload-note].err-text")
+    assert "Choose adapter_config.json and adapter_model.safetensors, or one archive" in \
+        page.inner_text("[data-testid=upload-note]")
     page.set_input_files("#up-config", str(d / "adapter_config.json"))
     page.set_input_files("#up-weights", str(d / "adapter_config.json"))
     page.click("[data-testid=upload] button[type=submit]")
@@ -182,6 +186,9 @@ def test_walk_through(server, browser, globex, tiny_model):
 
     page.click("text=Open in playground")
     assert page.input_value("#pg-model") == "support-bot"
+    page.fill("#pg-max", "")  # blank is refused, not silently 16
+    page.click("#pg-run")
+    assert "Max tokens must be a whole number" in page.inner_text("[data-testid=pg-status]")
     page.fill("#pg-max", "24")
     page.click("#pg-run")
     page.wait_for_selector("#pg-usage:not([hidden])")

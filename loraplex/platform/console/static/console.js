@@ -173,6 +173,16 @@
       for (const [key, value] of Array.from(data.entries())) {
         if (value instanceof File && !value.name) data.delete(key); // unchosen file inputs
       }
+      // the API's rule (one archive, or config + weights), told in the form's words before anything is sent
+      const files = data.has("archive") ? (data.has("config") || data.has("weights") ? "both" : "ok")
+        : (data.has("config") && data.has("weights") ? "ok" : "missing");
+      if (files !== "ok") {
+        note.className = "err-text";
+        note.textContent = files === "both"
+          ? "Choose either one archive, or adapter_config.json + adapter_model.safetensors, not both."
+          : "Choose adapter_config.json and adapter_model.safetensors, or one archive (.tar.gz, .zip).";
+        return;
+      }
       const xhr = new XMLHttpRequest();
       xhr.open("POST", form.dataset.endpoint);
       xhr.setRequestHeader("x-csrf-token", csrf());
