@@ -39,6 +39,7 @@ async def form_of(request: Request, session: Session) -> dict[str, str]:
     sent = data.get(CSRF_FIELD) or request.headers.get(CSRF_HEADER)
     if not tokens_equal(sent, session.csrf):
         raise CsrfError()
+    request.state.console_form = data  # an error sends the user back to the form with these filled in
     return data
 
 

@@ -64,7 +64,8 @@ def _on_error(request: Request, exc: HTTPException) -> Response:
     if back and status < 500:
         # a form the user filled in wrongly, or an action refused (403, or 404 for what it named): back to the
         # form, with the reason
-        return redirect(request, back, error=message)
+        return redirect(request, back, error=message, param=exc.param if isinstance(exc, ApiError) else None,
+                        typed=request.state.get("console_form"))
     session = request.state.get("console_session")
     return page(request, "error.html", session, status_code=status, status=status, message=message)
 
