@@ -5,6 +5,7 @@ kernel's OOM killer would)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -19,15 +20,13 @@ from loraplex.settings import Settings
 from tests.e2e.server import free_port
 
 
-@pytest.fixture(scope="module", params=["thread", "process"])
-def live(tmp_path_factory, tiny_model, request):
+@contextlib.contextmanager
+def _serving(settings: Settings):
+    """An app on its own port in a thread (the platform owns and supervises the engine), once /ready says 200."""
     import uvicorn
 
-    settings = Settings(data_dir=str(tmp_path_factory.mktemp("recovery")), device="cpu", num_kv_blocks=256,
-                        model=tiny_model["model_dir"], engine_restart_delay_s=0.2,
-                        engine_process=request.param == "process")
     keys: list[str] = []
-    app = create_app(settings, on_bootstrap_key=keys.append)  # the platform owns (and supervises) the engine
+    app = create_app(settings, on_bootstrap_key=keys.append)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -37,9 +36,20 @@ def live(tmp_path_factory, tiny_model, request):
     while not keys or httpx.get(base + "/ready").status_code != 200:
         assert time.monotonic() < deadline, "the server never became ready"
         time.sleep(0.1)
-    yield {"base": base, "key": keys[0], "app": app}
-    server.should_exit = True
-    thread.join(30)
+    try:
+        yield {"base": base, "key": keys[0], "app": app}
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture(scope="module", params=["thread", "process"])
+def live(tmp_path_factory, tiny_model, request):
+    settings = Settings(data_dir=str(tmp_path_factory.mktemp("recovery")), device="cpu", num_kv_blocks=256,
+                        model=tiny_model["model_dir"], engine_restart_delay_s=0.2,
+                        engine_process=request.param == "process")
+    with _serving(settings) as served:
+        yield served
 
 
 def test_dead_engine_is_replaced_and_serving_resumes(live):
@@ -80,27 +90,13 @@ STALL_S = 8.0
 
 @pytest.fixture
 def stalling(tmp_path, tiny_model):
-    import uvicorn
-
     settings = Settings(data_dir=str(tmp_path), device="cpu", num_kv_blocks=256, model=tiny_model["model_dir"],
                         engine_restart_delay_s=0.2, engine_process=True, engine_stall_timeout_s=STALL_S)
-    keys: list[str] = []
-    app = create_app(settings, on_bootstrap_key=keys.append)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while not keys or httpx.get(base + "/ready").status_code != 200:
-        assert time.monotonic() < deadline, "the server never became ready"
-        time.sleep(0.1)
-    yield {"base": base, "key": keys[0], "app": app}
-    for engine in (app.state.services.engine,):
-        if engine is not None and engine.is_healthy():
+    with _serving(settings) as served:
+        yield served
+        engine = served["app"].state.services.engine
+        if engine is not None and engine.is_healthy():  # a test that failed early leaves it stopped
             os.kill(engine.pid, signal.SIGCONT)
-    server.should_exit = True
-    thread.join(30)
 
 
 def test_a_stuck_engine_process_leaves_rotation_then_is_killed_and_replaced(stalling):
