@@ -101,32 +101,13 @@ class TcpProxy:
         self.listener.close()
 
 
-class SilentListener:
-    """A TCP port that accepts every connection and never sends a byte (as :meth:`TcpProxy.silence`, with no service
-    behind it): ``url(scheme)`` points a client at it."""
+class SilentListener(TcpProxy):
+    """A TCP port that accepts every connection and never sends a byte: a :class:`TcpProxy` silenced from the start,
+    with no service behind it. Use it as a context manager; ``port`` is where to point a client."""
 
     def __init__(self):
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            self.conns.append(client)
-
-    def close(self) -> None:
-        try:
-            self.listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.listener.close()
-        for c in self.conns:
-            c.close()
+        super().__init__(target=("127.0.0.1", 0))  # never dialled: a silent proxy only holds what it accepts
+        self.silent = True
 
     def __enter__(self) -> SilentListener:
         return self
