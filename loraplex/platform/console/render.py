@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import secrets
 from datetime import datetime, timezone
 from pathlib import Path
@@ -14,6 +13,7 @@ from litestar import MediaType, Request, Response
 from litestar.response import Redirect
 
 from loraplex import __version__
+from loraplex.platform.console.refused import MAX_TYPED_VALUE, Refused, typed_fields
 from loraplex.platform.console.session import CSRF_FIELD, Session, cookie_is_secure
 
 HERE = Path(__file__).resolve().parent
@@ -118,65 +118,60 @@ def nav_items(session: Session | None) -> list[tuple[str, str, str]]:
     return items
 
 
-def read_flash(request: Request) -> tuple[str | None, str | None]:
-    """(message, error) carried by the flash cookie of the previous redirect."""
-    raw = request.cookies.get(FLASH_COOKIE)
-    if not raw:
-        return None, None
-    try:
-        data = json.loads(base64.urlsafe_b64decode(raw.encode()))
-        text = str(data["m"])[:400]
-    except (ValueError, KeyError, TypeError):
-        return None, None
-    return (None, text) if data.get("k") == "error" else (text, None)
+MAX_FLASH = 400  # characters of a flash message
+MAX_FLASH_COOKIE = 3800  # bytes: browsers keep a cookie of up to 4 KB, name and attributes included
 
 
-SECRET_FIELD = re.compile(r"key|secret|password|token|csrf|form_id", re.I)
-MAX_TYPED_VALUE = 256  # characters per field carried back
-MAX_TYPED_TOTAL = 1500  # bytes of carried fields in all (the cookie stays well under browsers' 4 KB)
-
-
-def typed_fields(form: dict[str, str] | None) -> dict[str, str]:
-    """The non-secret fields of a submitted form, bounded, to fill the form in again after an error."""
-    out: dict[str, str] = {}
-    size = 0
-    for name, value in (form or {}).items():
-        if SECRET_FIELD.search(name) or not isinstance(value, str) or len(name) > 64:
-            continue
-        value = value[:MAX_TYPED_VALUE]
-        size += len(name.encode()) + len(value.encode()) + 8
-        if size > MAX_TYPED_TOTAL:
-            break
-        out[name] = value
-    return out
-
-
-def read_typed(request: Request) -> tuple[dict[str, str], str | None]:
-    """(fields typed, param of the error) carried by the flash cookie of a refused form; the fields also hold
-    ``_action``, the path the form was posted to (a page with several forms fills in only that one)."""
+def _flash_data(request: Request) -> dict:
+    """What the previous redirect left in the flash cookie (see :func:`redirect`); {} when none or unreadable."""
     raw = request.cookies.get(FLASH_COOKIE)
     try:
         data = json.loads(base64.urlsafe_b64decode(raw.encode())) if raw else {}
-        typed = {str(k): str(v)[:MAX_TYPED_VALUE] for k, v in (data.get("f") or {}).items()}
-        typed["_action"] = str(data.get("a") or "")
-        param = data.get("p")
-    except (ValueError, TypeError, AttributeError):
-        return {}, None
-    return typed, str(param) if param else None
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def read_flash(request: Request) -> tuple[str | None, str | None]:
+    """(message, error) carried by the flash cookie of the previous redirect."""
+    data = _flash_data(request)
+    if "m" not in data:
+        return None, None
+    text = str(data["m"])[:MAX_FLASH]
+    return (None, text) if data.get("k") == "error" else (text, None)
+
+
+def read_refused(request: Request) -> Refused:
+    """The form refused by the previous request, as typed (``a``: the path it was posted to, ``p``: the field
+    its error is about, ``f``: the fields), when the flash cookie carries one."""
+    data = _flash_data(request)
+    fields, action = data.get("f"), data.get("a")
+    if data.get("k") != "error" or not isinstance(fields, dict) or not isinstance(action, str):
+        return Refused()
+    return Refused(action, {str(k): str(v)[:MAX_TYPED_VALUE] for k, v in fields.items()},
+                   str(data["p"]) if data.get("p") else None, str(data.get("m") or "")[:MAX_FLASH])
 
 
 def redirect(request: Request, path: str, flash: str | None = None, error: str | None = None,
              param: str | None = None, typed: dict[str, str] | None = None) -> Redirect:
     """303 to ``path`` (a console path); ``flash``/``error`` is shown once on the next page, with the
-    ``typed`` fields (see :func:`typed_fields`) filled in again and ``param`` marked."""
+    ``typed`` fields (see :func:`refused.typed_fields`) filled in again and ``param`` marked."""
     assert path.startswith("/console")
     response = Redirect(path, status_code=303, headers={"Cache-Control": "no-store"})
     if flash or error:
-        value = json.dumps({"k": "error" if error else "ok", "m": error or flash, "p": param,
-                            "f": typed_fields(typed), "a": request.url.path if typed else None})
-        response.set_cookie(FLASH_COOKIE, base64.urlsafe_b64encode(value.encode()).decode(), path="/console",
-                            httponly=True, samesite="strict", secure=cookie_is_secure(request.scope), max_age=60)
+        data = {"k": "error" if error else "ok", "m": (error or flash)[:MAX_FLASH], "p": param}
+        if typed is not None:
+            data.update(f=typed_fields(typed), a=request.url.path)
+        value = _cookie_value(data)
+        if len(value) > MAX_FLASH_COOKIE:  # the message alone always fits; the fields only where they do
+            value = _cookie_value({k: v for k, v in data.items() if k not in ("f", "a")})
+        response.set_cookie(FLASH_COOKIE, value, path="/console", httponly=True, samesite="strict",
+                            secure=cookie_is_secure(request.scope), max_age=60)
     return response
+
+
+def _cookie_value(data: dict) -> str:
+    return base64.urlsafe_b64encode(json.dumps(data, ensure_ascii=False).encode()).decode()
 
 
 def render(template: str, **ctx) -> str:
@@ -188,12 +183,12 @@ def page(
     flash: str | None = None, error: str | None = None, **ctx,
 ) -> Response:
     carried_flash, carried_error = read_flash(request)
-    typed, error_param = read_typed(request) if carried_error and not error else ({}, None)
     html = render(
         template, session=session, principal=session.principal if session else None,
         csrf=session.csrf if session else "", nav=nav_items(session), active=active,
         flash=flash or carried_flash, error=error or carried_error,
-        base_url=str(request.base_url).rstrip("/"), typed=typed, error_param=error_param, **ctx,
+        base_url=str(request.base_url).rstrip("/"),
+        refused=read_refused(request) if carried_error and not error else Refused(), **ctx,
     )
     response = Response(html, media_type=MediaType.HTML, status_code=status_code, headers=PAGE_HEADERS)
     if FLASH_COOKIE in request.cookies:

@@ -127,14 +127,14 @@ async def test_a_refused_form_comes_back_filled_in_escaped_and_without_secrets(c
     await sign_in(capp.c, capp.admin_key)
     token = await csrf_of(capp.c, "/console/tenants")
     r = await capp.c.post("/console/plans", headers=TENANTS, follow_redirects=False, data={
-        "_csrf": token, "name": "p" * 400, "currency": '"><b>x', "input_per_mtok": "-1", "output_per_mtok": "2.5",
+        "_csrf": token, "name": "p" * 1100, "currency": '"><b>x', "input_per_mtok": "-1", "output_per_mtok": "2.5",
         "monthly_token_quota": "100", "api_key": "lpx-not-for-cookies"})
     assert r.status_code == 303
     assert "lpx-not-for-cookies" not in r.headers["set-cookie"] and token not in r.headers["set-cookie"]
     page = (await capp.c.get("/console/tenants")).text
-    assert 'name="input_per_mtok" value="-1" aria-invalid=true' in page
+    assert 'name="input_per_mtok" value="-1" aria-invalid="true" aria-describedby="pl-in-error"' in page
     assert 'name="output_per_mtok" value="2.5"' in page and 'value="&#34;&gt;&lt;b&gt;x"' in page
-    assert 'name="name" value="' + "p" * 256 + '"' in page  # bounded
+    assert 'name="name" value="' + "p" * 1024 + '"' in page  # bounded
     assert '<input id="t-name" name="name" value=""' in page  # the other form on the page stays empty
     page = (await capp.c.get("/console/tenants")).text  # shown once
     assert 'value="2.5"' not in page
