@@ -8,12 +8,14 @@ passed in ``config.attributes["connection"]`` (tests do this to share one connec
 from __future__ import annotations
 
 import asyncio
+import time
 
 from alembic import context
-from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.exc import DBAPIError
 
-from loraplex.platform.db import Base
-from loraplex.platform.migrate import PG_STARTUP_LOCK, import_all_models
+from loraplex.platform.db import Base, make_engine
+from loraplex.platform.migrate import PG_STARTUP_LOCK, cannot_connect, import_all_models
+from loraplex.settings import Settings
 
 import_all_models()
 config = context.config
@@ -38,12 +40,22 @@ def _run_sync(connection) -> None:
         context.run_migrations()
 
 
-async def _run_async(url: str) -> None:
-    engine = create_async_engine(url)
+async def _run_async(url: str, settings: Settings) -> None:
+    # the servers' connect timeout (LORAPLEX_DATABASE_CONNECT_TIMEOUT_S): a database that does not answer is an
+    # error naming it within seconds, not a wait of asyncpg's minute (or forever). No statement limit: a migration
+    # may rewrite a large table, and a replica waits in the advisory lock while another one migrates
+    engine = make_engine(url, settings, statement_timeout=False)
+    started = time.monotonic()
     try:
-        async with engine.connect() as connection:
+        try:
+            connection = await engine.connect()
+        except (DBAPIError, OSError, TimeoutError) as exc:
+            raise cannot_connect(url, exc, time.monotonic() - started) from exc
+        try:
             await connection.run_sync(_run_sync)
             await connection.commit()
+        finally:
+            await connection.close()
     finally:
         await engine.dispose()
 
@@ -64,7 +76,8 @@ def run_migrations_online() -> None:
     if connection is not None:
         _run_sync(connection)
         return
-    asyncio.run(_run_async(config.get_main_option("sqlalchemy.url")))
+    settings = config.attributes.get("settings") or Settings.from_env()
+    asyncio.run(_run_async(config.get_main_option("sqlalchemy.url"), settings))
 
 
 if context.is_offline_mode():

@@ -98,7 +98,7 @@ def create_app(
         if is_sqlite(url):
             settings.data_path.mkdir(parents=True, exist_ok=True)
         if run_migrations:
-            await migrate.upgrade_async(url)
+            await migrate.upgrade_async(url, settings=settings)
         db = make_engine(url, settings)
         kv = make_kv(settings.redis_url)
         sessions = make_session_factory(db)

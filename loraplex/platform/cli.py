@@ -128,27 +128,20 @@ def prepare_data_dir(settings: Settings, *, must_exist: bool = False) -> bool:
     return True
 
 
-def _reason(exc: BaseException) -> str:
-    """The driver's own words, one line (SQLAlchemy wraps them with a class name and a link)."""
-    inner = getattr(exc, "orig", None) or exc
-    text = str(inner).strip() or type(inner).__name__
-    return text.splitlines()[0]
-
-
 async def check_database(settings: Settings) -> None:
     """Connect once (``SELECT 1``): a bad URL or an unreachable database is a one-line ConfigError."""
     from sqlalchemy import text
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
     from loraplex.platform.db import make_engine
-    from loraplex.platform.migrate import redact
+    from loraplex.platform.migrate import cannot_connect, driver_reason, redact
 
     url = settings.effective_database_url
     shown = redact(url)
     try:
         engine = make_engine(url, settings)
     except (ArgumentError, ImportError) as exc:
-        raise ConfigError(f"database URL {shown} is not usable ({_reason(exc)}); expected "
+        raise ConfigError(f"database URL {shown} is not usable ({driver_reason(exc)}); expected "
                           "postgresql+asyncpg://USER@HOST:5432/DB or sqlite+aiosqlite:///PATH "
                           "(--database-url / LORAPLEX_DATABASE_URL)") from exc
     async def select_one() -> None:
@@ -162,10 +155,7 @@ async def check_database(settings: Settings) -> None:
     try:
         await asyncio.wait_for(select_one(), limit)
     except (SQLAlchemyError, OSError, asyncio.TimeoutError) as exc:
-        reason = f"no answer within {time.monotonic() - started:.0f} s" if isinstance(exc, asyncio.TimeoutError) \
-            else _reason(exc)
-        raise ConfigError(f"cannot connect to the database at {shown}: {reason} "
-                          "(--database-url / LORAPLEX_DATABASE_URL)") from exc
+        raise cannot_connect(url, exc, time.monotonic() - started) from exc
     finally:
         await engine.dispose()
 
@@ -175,7 +165,7 @@ async def check_redis(url: str) -> None:
     import redis.asyncio as redis
     from redis.exceptions import RedisError
 
-    from loraplex.platform.migrate import redact
+    from loraplex.platform.migrate import driver_reason, redact
 
     shown = redact(url)
     try:
@@ -187,7 +177,7 @@ async def check_redis(url: str) -> None:
     try:
         await client.ping()
     except (RedisError, OSError) as exc:
-        raise ConfigError(f"cannot reach Redis at {shown}: {_reason(exc)} (--redis-url / LORAPLEX_REDIS_URL)") \
+        raise ConfigError(f"cannot reach Redis at {shown}: {driver_reason(exc)} (--redis-url / LORAPLEX_REDIS_URL)") \
             from exc
     finally:
         await client.aclose()
@@ -237,7 +227,7 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     prepare_data_dir(settings)
     asyncio.run(check_database(settings))
     try:
-        migrate.upgrade(url, args.revision)
+        migrate.upgrade(url, args.revision, settings)
     except CommandError as exc:  # a relative target (+N) the database's state cannot reach
         raise FlagError(f"--revision {args.revision}: {exc}") from None
     if args.revision in ("head", "heads"):

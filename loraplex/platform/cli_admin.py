@@ -80,7 +80,7 @@ async def _with_services(args: argparse.Namespace) -> int:
     url = settings.effective_database_url
     if is_sqlite(url):
         # the embedded default: create/upgrade the database so the CLI works before the first serve
-        await migrate.upgrade_async(url)
+        await migrate.upgrade_async(url, settings=settings)
     if new_database:
         print(f"note: created a new database in {settings.data_path} (servers on another data dir will not "
               "see this change)", file=sys.stderr)

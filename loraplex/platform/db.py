@@ -51,11 +51,13 @@ def is_sqlite(url: str) -> bool:
     return url.startswith("sqlite")
 
 
-def make_engine(url: str, settings: Settings | None = None, *, echo: bool = False) -> AsyncEngine:
+def make_engine(url: str, settings: Settings | None = None, *, echo: bool = False,
+                statement_timeout: bool = True) -> AsyncEngine:
     """An async engine for ``url`` (``sqlite+aiosqlite:///...`` or ``postgresql+asyncpg://...``).
 
     A server-side database gets the timeouts of ``settings`` (None: their defaults): opening a connection,
-    waiting for one from the pool, one statement. SQLite has none of these (its busy timeout is fixed below)."""
+    waiting for one from the pool, one statement (``statement_timeout=False``: no limit, for migrations).
+    SQLite has none of these (its busy timeout is fixed below)."""
     if is_sqlite(url):
         engine = create_async_engine(url, echo=echo, connect_args={"timeout": 30})
         _configure_sqlite(engine)
@@ -68,7 +70,7 @@ def make_engine(url: str, settings: Settings | None = None, *, echo: bool = Fals
     if make_url(url).get_driver_name() == "asyncpg":
         # asyncpg.connect(timeout=...): the whole connect, TCP to authenticated (its default is 60 s);
         # command_timeout: every statement's default, the pool's pre-ping included
-        connect_args = {"timeout": connect_s, "command_timeout": command_s or None}
+        connect_args = {"timeout": connect_s, "command_timeout": (command_s or None) if statement_timeout else None}
     return create_async_engine(url, echo=echo, pool_pre_ping=True, pool_size=10, max_overflow=20,
                                pool_timeout=pool_s, connect_args=connect_args)
 

@@ -11,6 +11,8 @@ import importlib
 import importlib.util
 from pathlib import Path
 
+from loraplex.settings import ConfigError, Settings
+
 # every module that defines tables on Base; a module not built yet is skipped
 MODEL_MODULES = (
     "loraplex.platform.models",
@@ -52,7 +54,8 @@ def _quiet_alembic() -> None:
         logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
-def alembic_config(url: str):
+def alembic_config(url: str, settings: Settings | None = None):
+    """``settings``: the database timeouts migrations/env.py connects with (None: from the environment)."""
     _quiet_alembic()
     from alembic.config import Config
 
@@ -60,20 +63,37 @@ def alembic_config(url: str):
     cfg.set_main_option("script_location", str(migrations_dir()))
     # '%' is ConfigParser interpolation syntax; passwords may contain it
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    if settings is not None:
+        cfg.attributes["settings"] = settings
     return cfg
 
 
-def upgrade(url: str, revision: str = HEAD) -> None:
-    """Run migrations up to ``revision`` (blocking; call from a thread when inside an event loop)."""
+def upgrade(url: str, revision: str = HEAD, settings: Settings | None = None) -> None:
+    """Run migrations up to ``revision`` (blocking; call from a thread when inside an event loop). A database that
+    cannot be reached is a ConfigError once ``settings``' connect timeout has passed."""
     _quiet_alembic()
     from alembic import command
 
-    command.upgrade(alembic_config(url), revision)
+    command.upgrade(alembic_config(url, settings), revision)
 
 
-async def upgrade_async(url: str, revision: str = HEAD) -> None:
+async def upgrade_async(url: str, revision: str = HEAD, settings: Settings | None = None) -> None:
     # env.py runs its own event loop, so it needs a thread of its own
-    await asyncio.to_thread(upgrade, url, revision)
+    await asyncio.to_thread(upgrade, url, revision, settings)
+
+
+def driver_reason(exc: BaseException) -> str:
+    """The driver's own words, one line (SQLAlchemy wraps them with a class name and a link)."""
+    inner = getattr(exc, "orig", None) or exc
+    text = str(inner).strip() or type(inner).__name__
+    return text.splitlines()[0]
+
+
+def cannot_connect(url: str, exc: BaseException, waited_s: float) -> ConfigError:
+    """The one-line error for a database that refused, failed or did not answer a connection (``exc``)."""
+    reason = f"no answer within {waited_s:.0f} s" if isinstance(exc, TimeoutError) else driver_reason(exc)
+    return ConfigError(f"cannot connect to the database at {redact(url)}: {reason} "
+                       "(--database-url / LORAPLEX_DATABASE_URL)")
 
 
 def current_heads(url: str) -> set[str]:

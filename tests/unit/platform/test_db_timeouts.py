@@ -62,3 +62,32 @@ def test_sqlite_takes_no_server_timeouts(tmp_path):
     # the embedded default has no connection to open: a server database's timeouts never refuse it
     settings = Settings(database_command_timeout_s=-1)
     assert make_engine(f"sqlite+aiosqlite:///{tmp_path / 'x.db'}", settings) is not None
+
+
+@pytest.mark.parametrize("how", ["db upgrade", "migrate.upgrade"])
+def test_migrations_against_a_silent_database_give_up_after_the_connect_timeout(how, capsys, monkeypatch):
+    # `loraplex db upgrade` checks the database first; the migration's own engine (migrations/env.py, also what a
+    # server runs at start and what `alembic upgrade` runs) held on for asyncpg's default minute, or longer
+    from loraplex.platform import cli, migrate
+
+    monkeypatch.setenv("LORAPLEX_DATABASE_CONNECT_TIMEOUT_S", "1")
+    with SilentListener() as listener:
+        url = silent_url(listener)
+        started = time.monotonic()
+        if how == "db upgrade":
+            async def answers(_settings):  # the database answered the check, then went silent
+                return None
+
+            monkeypatch.setattr(cli, "check_database", answers)
+            assert main(["db", "upgrade", "--database-url", url]) == 1
+            err = capsys.readouterr().err.strip().splitlines()
+        else:
+            with pytest.raises(ConfigError) as raised:
+                migrate.upgrade(url)
+            err = [f"error: {raised.value}"]
+        elapsed = time.monotonic() - started
+        assert listener.conns, "the migration never reached the listener: the test measured something else"
+    assert elapsed < 5, elapsed
+    assert err == [
+        f"error: cannot connect to the database at postgresql+asyncpg://ops:***@127.0.0.1:{listener.port}/loraplex: "
+        "no answer within 1 s (--database-url / LORAPLEX_DATABASE_URL)"], err
