@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 ENV_PREFIX = "LORAPLEX_"
 
@@ -38,6 +39,9 @@ class Settings:
     # storage; None = embedded default (SQLite file in data_dir / in-process cache, limiter, bus)
     database_url: str | None = None
     redis_url: str | None = None
+    # the password of Redis when it is not in redis_url (a URL kept in a ConfigMap, the password in a Secret); the CLI
+    # also puts it into the Redis URL the servers recorded in the database, which never holds one (deployment.py)
+    redis_password: str | None = None
     # PostgreSQL (asyncpg): seconds to open a connection (asyncpg's own default is 60 s, so a database that accepts
     # and never answers held every request that needed a new connection for a minute), to wait for a free pooled
     # connection, and for one statement (0: no limit; it also bounds the pool's ping of a connection that went
@@ -128,6 +132,16 @@ class Settings:
         return f"sqlite+aiosqlite:///{self.data_path / 'loraplex.db'}"
 
     @property
+    def effective_redis_url(self) -> str | None:
+        """``redis_url`` with ``redis_password`` in it (None: no Redis). A ConfigError when both hold a password."""
+        if not self.redis_url or not self.redis_password:
+            return self.redis_url
+        if url_password(self.redis_url) not in (None, HIDDEN_PASSWORD):
+            raise ConfigError(f"{ENV_PREFIX}REDIS_URL holds a password and {ENV_PREFIX}REDIS_PASSWORD another: set the "
+                              "password in one of them")
+        return url_with_password(self.redis_url, self.redis_password)
+
+    @property
     def embedded(self) -> bool:
         return self.database_url is None and self.redis_url is None
 
@@ -159,8 +173,33 @@ class Settings:
 
 # settings that hold secrets (a URL: its password); one that contains what our deploy files write for a value to fill
 # in (deploy/k8s/secret.example.yaml's CHANGE_ME..., a "change-me-..." string) is refused by check_secrets
-SECRET_SETTINGS = ("server_secret", "metrics_token", "database_url", "redis_url")
+SECRET_SETTINGS = ("server_secret", "metrics_token", "database_url", "redis_url", "redis_password")
 _PLACEHOLDER = re.compile(r"change[-_]?me", re.IGNORECASE)
+
+
+HIDDEN_PASSWORD = "***"  # stands for a password in a URL recorded or shown without it
+
+
+def url_password(url: str) -> str | None:
+    """The password in a service URL (its user part, or a ``password=`` query argument), as written; None: none."""
+    parts = urlsplit(url)
+    if parts.password is not None:
+        return parts.password
+    return dict(parse_qsl(parts.query, keep_blank_values=True)).get("password")
+
+
+def url_with_password(url: str, password: str) -> str:
+    """``url`` with ``password`` in place of its hidden one (``***``), or added when it has none (in the user part,
+    or as a ``password=`` query argument where the URL has no host: a unix socket)."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if any(k == "password" for k, _ in query) or not parts.hostname:
+        query = [(k, password if k == "password" else v) for k, v in query] if any(
+            k == "password" for k, _ in query) else [*query, ("password", password)]
+        return f"{url.partition('?')[0]}?{urlencode(query)}"  # (urlunsplit drops unix:///'s empty host)
+    userinfo, _, host = parts.netloc.rpartition("@")
+    user = userinfo.partition(":")[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:{quote(password, safe='')}@{host}"))
 
 
 # LORAPLEX_* variables read outside Settings: the adapter CLI (server, key), the engine's CUDA switches

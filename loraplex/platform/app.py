@@ -100,7 +100,7 @@ def create_app(
         if run_migrations:
             await migrate.upgrade_async(url, settings=settings)
         db = make_engine(url, settings)
-        kv = make_kv(settings.redis_url)
+        kv = make_kv(settings.effective_redis_url)
         sessions = make_session_factory(db)
         ttl = AUTH_CACHE_TTL_REDIS_S if settings.redis_url else AUTH_CACHE_TTL_EMBEDDED_S
         services = Services(
@@ -121,7 +121,7 @@ def create_app(
         await services.authenticator.start()
         async with sessions() as session:
             key = await bootstrap_admin(session)
-        await record_redis_url(sessions, settings.redis_url)  # for the CLI's invalidations (deployment.py)
+        await record_redis_url(sessions, settings.effective_redis_url)  # for the CLI's invalidations (deployment.py)
         if key and on_bootstrap_key is not None:
             on_bootstrap_key(key)
         engine_task = None

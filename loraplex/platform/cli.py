@@ -191,7 +191,7 @@ async def check_services(settings: Settings, *, must_exist: bool = False, redis:
     new = prepare_data_dir(settings, must_exist=must_exist)
     await check_database(settings)
     if redis and settings.redis_url:
-        await check_redis(settings.redis_url)
+        await check_redis(settings.effective_redis_url)
     return new
 
 

@@ -86,9 +86,9 @@ async def _with_services(args: argparse.Namespace) -> int:
               "see this change)", file=sys.stderr)
     engine = make_engine(url, settings)
     sessions = make_session_factory(engine)
-    redis_url = settings.redis_url
+    redis_url = settings.effective_redis_url
     if redis_url is None and args.action_fn in _INVALIDATING:
-        redis_url = await _servers_redis(sessions, url, _INVALIDATING[args.action_fn])
+        redis_url = await _servers_redis(sessions, url, _INVALIDATING[args.action_fn], settings.redis_password)
     kv = make_kv(redis_url)
     try:
         async with sessions() as session:
@@ -202,15 +202,16 @@ async def _key_revoke(args, session, kv) -> int:
 _INVALIDATING = {_key_revoke: "the revocation", _tenant_suspend: "the suspension", _tenant_activate: None}
 
 
-async def _servers_redis(sessions, database_url: str, change: str | None) -> str | None:
-    """Without --redis-url: the Redis the servers recorded in the database (deployment.py), when the CLI can use
-    and reach it. Otherwise the change is still made (an operator revoking a leaked key must not be stopped by a
-    Redis the CLI cannot reach) and a warning says how long servers on Redis keep the old state."""
+async def _servers_redis(sessions, database_url: str, change: str | None, password: str | None) -> str | None:
+    """Without --redis-url: the Redis the servers recorded in the database (deployment.py), with ``password``
+    (LORAPLEX_REDIS_PASSWORD) in place of the password it never records, when the CLI can reach it. Otherwise the
+    change is still made (an operator revoking a leaked key must not be stopped by a Redis the CLI cannot reach) and
+    a warning says how long servers on Redis keep the old state."""
     from loraplex.platform import deployment
     from loraplex.platform.auth import AUTH_CACHE_TTL_REDIS_S
     from loraplex.platform.cli import check_redis
     from loraplex.platform.db import is_sqlite
-    from loraplex.settings import ConfigError
+    from loraplex.settings import ConfigError, url_with_password
 
     recorded = await deployment.servers_redis_url(sessions)
     if recorded == "" or (recorded is None and is_sqlite(database_url)):
@@ -218,17 +219,19 @@ async def _servers_redis(sessions, database_url: str, change: str | None) -> str
     why = None
     if recorded is None:
         why = "the servers have recorded no Redis URL in this database (none of this version has started on it)"
-    elif deployment.password_hidden(recorded):
-        why = f"the servers use Redis at {recorded}, whose password is not recorded"
+    elif deployment.password_hidden(recorded) and not password:
+        why = (f"the servers use Redis at {recorded}, whose password is not recorded (set LORAPLEX_REDIS_PASSWORD to "
+               "it)")
     else:
+        usable = url_with_password(recorded, password) if deployment.password_hidden(recorded) else recorded
         try:
-            await check_redis(recorded)
+            await check_redis(usable)
         except ConfigError as exc:
             why = f"the servers' Redis (recorded in the database) does not answer here: {exc}"
     if why is None:
         print(f"note: invalidating on the servers' Redis at {recorded} (recorded in the database; --redis-url "
               "overrides it)", file=sys.stderr)
-        return recorded
+        return usable
     if change is not None:
         print(f"warning: {why}. Without --redis-url, {change} reaches servers that use Redis only when their auth "
               f"cache expires, up to {AUTH_CACHE_TTL_REDIS_S:g} s from now, not within 1 s: pass --redis-url (or "

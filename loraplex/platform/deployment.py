@@ -6,7 +6,8 @@ hears within a second (SECURITY.md 5), but only on the Redis the replicas use. R
 CLI reached no replica: servers on Redis kept accepting a revoked key for their cache's whole TTL. Every server
 therefore records at start the Redis URL it uses ('' without Redis), and the CLI falls back to it
 (``cli_admin.py``). The password is never recorded (the database and its backups are read more widely than the
-deployment's secrets): a Redis with one still needs ``--redis-url``, and the CLI says so.
+deployment's secrets): the recorded URL holds ``***`` in its place, and the CLI puts ``LORAPLEX_REDIS_PASSWORD`` there
+(the deployment's secret); without it, the CLI says what to pass.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from sqlalchemy.exc import OperationalError, ProgrammingError, SQLAlchemyError
 
 from loraplex.platform.db import SessionFactory, utcnow
 from loraplex.platform.models import DeploymentSetting
+from loraplex.settings import HIDDEN_PASSWORD, url_password
 
 log = logging.getLogger(__name__)
 
 REDIS_URL = "redis_url"
-HIDDEN = "***"  # stands for a password in a recorded URL
 
 
 def without_password(url: str) -> str:
@@ -34,15 +35,15 @@ def without_password(url: str) -> str:
     netloc = parts.netloc
     if parts.password is not None:
         userinfo, _, host = netloc.rpartition("@")
-        netloc = f"{userinfo.partition(':')[0]}:{HIDDEN}@{host}"
-    query = [(k, HIDDEN if k == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+        netloc = f"{userinfo.partition(':')[0]}:{HIDDEN_PASSWORD}@{host}"
+    query = [(k, HIDDEN_PASSWORD if k == "password" else v)
+             for k, v in parse_qsl(parts.query, keep_blank_values=True)]
     return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe="*")))
 
 
 def password_hidden(url: str) -> bool:
     """Whether a recorded URL had a password (so it cannot be used as it stands)."""
-    parts = urlsplit(url)
-    return parts.password == HIDDEN or dict(parse_qsl(parts.query)).get("password") == HIDDEN
+    return url_password(url) == HIDDEN_PASSWORD
 
 
 async def record_redis_url(sessions: SessionFactory, redis_url: str | None) -> None:

@@ -12,6 +12,7 @@ import pytest
 from loraplex.cli import main
 from loraplex.platform import deployment
 from loraplex.platform.db import make_engine, make_session_factory
+from loraplex.settings import ConfigError, Settings, url_with_password
 
 
 @pytest.mark.parametrize("url, recorded", [
@@ -24,6 +25,33 @@ from loraplex.platform.db import make_engine, make_session_factory
 def test_a_recorded_url_keeps_everything_but_the_password(url, recorded):
     assert deployment.without_password(url) == recorded
     assert deployment.password_hidden(recorded) == ("s3cret" in url)
+
+
+@pytest.mark.parametrize("url, password, usable", [
+    ("redis://:***@redis.internal:6379/0", "s3cret", "redis://:s3cret@redis.internal:6379/0"),
+    ("rediss://ops:***@redis.internal:6380/2?ssl_cert_reqs=none", "p@ss/w:rd",
+     "rediss://ops:p%40ss%2Fw%3Ard@redis.internal:6380/2?ssl_cert_reqs=none"),
+    ("redis://redis.internal:6379/0?password=***&health_check_interval=5", "s3cret",
+     "redis://redis.internal:6379/0?password=s3cret&health_check_interval=5"),
+    ("redis://ops@redis.internal:6379/0", "s3cret", "redis://ops:s3cret@redis.internal:6379/0"),
+    ("redis://redis.internal:6379/0", "s3cret", "redis://:s3cret@redis.internal:6379/0"),
+    ("unix:///run/redis.sock?db=1", "s3cret", "unix:///run/redis.sock?db=1&password=s3cret"),
+])
+def test_the_password_goes_where_the_recorded_url_hides_it(url, password, usable):
+    import redis
+
+    assert url_with_password(url, password) == usable
+    assert redis.Redis.from_url(usable).get_connection_kwargs()["password"] == password  # as redis-py reads it
+    assert deployment.password_hidden(deployment.without_password(usable))  # what a server given it records
+
+
+def test_a_redis_password_set_twice_is_refused_naming_both():
+    settings = Settings(redis_url="redis://:one@redis:6379/0", redis_password="two")
+    with pytest.raises(ConfigError, match="LORAPLEX_REDIS_URL holds a password and LORAPLEX_REDIS_PASSWORD another"):
+        _ = settings.effective_redis_url
+    assert Settings(redis_url="redis://redis:6379/0", redis_password="two").effective_redis_url == \
+        "redis://:two@redis:6379/0"
+    assert Settings(redis_password="two").effective_redis_url is None
 
 
 def closed_port() -> int:
@@ -47,7 +75,7 @@ def record(data_dir: str, redis_url: str) -> None:
 
 
 @pytest.mark.parametrize("servers_redis, why", [
-    ("redis://:s3cret@127.0.0.1:{port}/0", "whose password is not recorded"),
+    ("redis://:s3cret@127.0.0.1:{port}/0", "whose password is not recorded (set LORAPLEX_REDIS_PASSWORD to it)"),
     ("redis://127.0.0.1:{port}/0", "does not answer here: cannot reach Redis at redis://127.0.0.1:{port}/0"),
 ])
 def test_a_revocation_the_cli_cannot_publish_is_made_with_a_warning(servers_redis, why, tmp_path, capsys,
