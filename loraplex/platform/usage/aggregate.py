@@ -49,7 +49,13 @@ def parse_time(value: str | None, param: str) -> datetime | None:
     except ValueError:
         raise bad_request(f"{param} must be an ISO 8601 date or date-time (e.g. 2026-11-01 or "
                           f"2026-11-01T00:00:00Z), got {value!r}.", param=param) from None
-    return parsed.replace(tzinfo=timezone.utc) if parsed.tzinfo is None else parsed.astimezone(timezone.utc)
+    if parsed.tzinfo is None:
+        return parsed.replace(tzinfo=timezone.utc)
+    try:
+        return parsed.astimezone(timezone.utc)
+    except OverflowError:  # year 1 at +01:00, year 9999 at -01:00: valid text, no UTC time
+        raise bad_request(f"{param} is out of range: {value!r} falls outside years 1 to 9999 in UTC.",
+                          param=param) from None
 
 
 def window(start: str | None, end: str | None) -> tuple[datetime, datetime]:
