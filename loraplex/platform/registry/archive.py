@@ -10,9 +10,11 @@ same directory of the archive; any other regular file (a README) is skipped unre
 from __future__ import annotations
 
 import gzip
+import lzma
 import struct
 import tarfile
 import zipfile
+import zlib
 from pathlib import Path, PurePosixPath
 
 from loraplex.adapters.validate import PICKLE_SUFFIXES
@@ -124,7 +126,11 @@ def _extract_tar(archive: Path, out: _Collector) -> None:
                         src = tar.extractfile(member)
                         assert src is not None
                         out.write(path, src, charge=False)
-        except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile) as exc:
+            # to the end of the gzip stream, where its CRC is checked: tar stops at its end-of-archive blocks,
+            # so damaged bytes that still inflate were taken as the adapter's
+            while reader.read(_COPY_CHUNK):
+                pass
+        except (tarfile.TarError, EOFError, OSError, gzip.BadGzipFile, zlib.error) as exc:
             raise rejected(f"archive is not a valid .tar.gz ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 
@@ -157,13 +163,17 @@ def _extract_zip(archive: Path, out: _Collector) -> None:
                 if mode not in (0, 0o100000):  # symlinks (0o120000) and other special files
                     raise rejected(f"archive member {info.filename[:200]!r} is a link or special file; only "
                                    "regular files are accepted")
+                if info.flag_bits & 0x1:  # zipfile's answer to it is a RuntimeError (a password is needed)
+                    raise rejected(f"archive member {info.filename[:200]!r} is encrypted; send an archive without a "
+                                   "password")
                 if info.file_size > out.budget.cap:
                     raise rejected(f"archive member {info.filename[:200]!r} claims {info.file_size} bytes "
                                    f"(limit: {out.budget.cap})", status=413, code="archive_too_large")
                 if _wanted(path):
                     with zf.open(info) as src:
                         out.write(path, src, charge=True)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, NotImplementedError) as exc:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, NotImplementedError, zlib.error,
+            lzma.LZMAError) as exc:
         raise rejected(f"archive is not a valid .zip ({type(exc).__name__}: {str(exc)[:200]})") from None
 
 

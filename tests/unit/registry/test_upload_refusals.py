@@ -107,6 +107,39 @@ def _zip_symlink(c, w):
     return {"archive": buf.getvalue()}
 
 
+def _zip_encrypted(c, w):
+    # what `zip -e` writes: the encryption bit set on each member (zipfile can only refuse to read it)
+    raw = bytearray(_zipped({"adapter_config.json": c, "adapter_model.safetensors": w}))
+    for signature, flags_at in ((b"PK\x03\x04", 6), (b"PK\x01\x02", 8)):
+        at = raw.find(signature)
+        while at >= 0:
+            raw[at + flags_at] |= 1
+            at = raw.find(signature, at + 4)
+    return {"archive": bytes(raw)}
+
+
+def _zip_lzma_damaged(c, w):
+    raw = bytearray(_zipped({"adapter_config.json": c, "adapter_model.safetensors": w}, zipfile.ZIP_LZMA))
+    middle = len(raw) // 2
+    raw[middle:middle + 64] = bytes(b ^ 0x5A for b in raw[middle:middle + 64])
+    return {"archive": bytes(raw)}
+
+
+def _tar_gz_bad_checksum(c, w):
+    # bytes that inflate to a valid tar, under a gzip CRC that does not match them
+    raw = bytearray(tar_gz({"adapter_config.json": c, "adapter_model.safetensors": w}))
+    raw[-8:-4] = bytes(b ^ 0xFF for b in raw[-8:-4])
+    return {"archive": bytes(raw)}
+
+
+def _zipped(members: dict[str, bytes], compression: int = zipfile.ZIP_STORED) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=compression) as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return buf.getvalue()
+
+
 def _tar_bomb(c, w):
     # five members of 8 MB of zeros: each under the cap, together over it; compresses to ~40 KB
     buf = io.BytesIO()
@@ -140,6 +173,9 @@ CASES = {
     "archive symlink": (_symlink, 422, "link"),
     "zip member with ..": (_zip_dotdot, 422, ".."),
     "zip symlink": (_zip_symlink, 422, "link"),
+    "encrypted zip": (_zip_encrypted, 422, "is encrypted"),
+    "zip with damaged LZMA data": (_zip_lzma_damaged, 422, "not a valid .zip"),
+    ".tar.gz whose gzip checksum fails": (_tar_gz_bad_checksum, 422, "CRC check failed"),
     "tar.gz bomb": (_tar_bomb, 413, "limit"),
     "zip bomb": (_zip_bomb, 413, "limit"),
     "safetensors header claiming 100 MB": (_header_100mb, 422, "header claims"),
