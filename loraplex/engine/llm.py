@@ -17,6 +17,12 @@ from loraplex.engine.vllm_args import engine_options
 Prompt = str | dict
 log = logging.getLogger(__name__)
 
+# keys of vLLM's prompt dicts (TextPrompt, TokensPrompt, EmbedsPrompt) that ask for inputs a text-only engine lacks:
+# refused unless empty, since dropping them would answer another question than the one asked
+_UNSUPPORTED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds",
+                            "token_type_ids")
+_PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids", "cache_salt"})
+
 
 _SPEC_KEYS = {"method": "speculative_method", "num_speculative_tokens": "num_speculative_tokens",
               "prompt_lookup_min": "prompt_lookup_min", "prompt_lookup_max": "prompt_lookup_max"}
@@ -129,10 +135,13 @@ class LLM:
     def _add_request(self, prompt: Prompt, params: SamplingParams, lora: LoRARequest | None,
                      priority: int) -> tuple[str, RequestOutput]:
         """Queue one prompt (ValueError for a bad one, nothing queued); its output fills in as it runs. A prompt is a
-        string, ``{"prompt_token_ids": [...]}`` (``"prompt"`` beside it is only echoed) or ``{"prompt": text}``."""
+        string, ``{"prompt_token_ids": [...]}`` (``"prompt"`` beside it is only echoed) or ``{"prompt": text}``; a
+        dict may carry vLLM's ``"cache_salt"`` (a string: prompts with other salts never share its prefix cache)."""
+        cache_salt = _cache_salt(prompt)
         text, token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids))
-        self.engine.add_request(request_id, token_ids, params, lora_request=lora, priority=priority, prompt=text)
+        self.engine.add_request(request_id, token_ids, params, lora_request=lora, cache_salt=cache_salt,
+                                priority=priority, prompt=text)
         samples = [CompletionOutput(index=i) for i in range(params.n)]
         return request_id, RequestOutput(request_id, text, token_ids, samples)
 
@@ -169,6 +178,24 @@ class LLM:
             return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"])
         raise ValueError("each prompt must be a string, a dict with 'prompt_token_ids', or a dict with 'prompt' "
                          f"(a string), got {type(prompt).__name__} {prompt!r:.80}")
+
+
+def _cache_salt(prompt: Prompt) -> str | None:
+    """A prompt dict's ``cache_salt``, its keys checked: ValueError naming a key this engine cannot honour."""
+    if not isinstance(prompt, dict):
+        return None
+    for key in prompt:
+        if key in _UNSUPPORTED_PROMPT_KEYS:
+            if prompt[key] is None or (hasattr(prompt[key], "__len__") and len(prompt[key]) == 0):
+                continue
+            raise ValueError(f"{key}: not supported (Loraplex serves text-only models); leave it out of the prompt")
+        if key not in _PROMPT_KEYS:
+            raise ValueError(f"{key}: not a prompt key; a prompt dict has 'prompt_token_ids' or 'prompt' (a string), "
+                             "and may have 'cache_salt' (a string)")
+    salt = prompt.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"cache_salt: must be a string, got {type(salt).__name__} {salt!r:.80}")
+    return salt
 
 
 def _check_types(name: str, values: list, types, expected: str) -> None:

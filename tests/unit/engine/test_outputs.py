@@ -385,3 +385,32 @@ def test_chat_takes_messages_as_the_server_does(llm):
     with pytest.raises(ValueError, match=r"messages\[1\]\[0\]\.role"):
         llm.chat([[{"role": "user", "content": "x"}], [{"role": "nobody", "content": "x"}]], params)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_prompt_dicts_cache_salt_keeps_its_prefix_cache_apart_and_other_vllm_keys_are_refused(llm):
+    """vLLM's prompt dicts may carry ``cache_salt`` (prompts with different salts never share prefix-cache blocks):
+    it is honoured. Keys that would change the result under vLLM but mean nothing here (``multi_modal_data``,
+    ``prompt_embeds``, ...) or that are no prompt key at all are refused naming the key, not silently dropped."""
+    params = SamplingParams(max_tokens=2, temperature=0)
+    ids = [1] + list(range(40, 40 + 47))  # several whole blocks
+    want = llm.generate({"prompt_token_ids": ids, "cache_salt": "tenant-a"}, params)[0]
+    again = llm.generate({"prompt_token_ids": ids, "cache_salt": "tenant-a"}, params)[0]
+    assert again.num_cached_tokens > 0
+    other = llm.generate({"prompt_token_ids": ids, "cache_salt": "tenant-b"}, params)[0]
+    assert other.num_cached_tokens == 0
+    assert other.outputs[0].token_ids == again.outputs[0].token_ids == want.outputs[0].token_ids
+    text = " ".join(["the river runs"] * 12)
+    assert llm.generate({"prompt": text}, params)[0].num_cached_tokens == 0
+    assert llm.generate({"prompt": text}, params)[0].num_cached_tokens > 0
+    assert llm.generate({"prompt": text, "cache_salt": "tenant-c"}, params)[0].num_cached_tokens == 0
+    for bad, key in (({"prompt": "Hello", "multi_modal_data": {"image": object()}}, "multi_modal_data"),
+                     ({"prompt_token_ids": [1, 5], "mm_processor_kwargs": {"x": 1}}, "mm_processor_kwargs"),
+                     ({"prompt_token_ids": [1, 5], "prompt_embeds": [[0.0]]}, "prompt_embeds"),
+                     ({"prompt": "Hello", "cache_salt": 5}, "cache_salt"),
+                     ({"prompt": "Hello", "cache_slat": "x"}, "cache_slat")):
+        with pytest.raises(ValueError, match=key):
+            llm.generate(["Hello", bad], params)
+        assert not llm.engine.has_unfinished_requests()
+    # vLLM's empty values ask for nothing
+    got = llm.generate({"prompt": "Hello", "multi_modal_data": None, "mm_processor_kwargs": {}}, params)[0]
+    assert got.outputs[0].token_ids == llm.generate("Hello", params)[0].outputs[0].token_ids
