@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "int8")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's other spellings of the same dtypes (its LLM(dtype=...) also takes a torch.dtype)
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 
 def served_model_id(model: str) -> str:
@@ -14,12 +17,22 @@ def served_model_id(model: str) -> str:
     return Path(model).resolve().name
 
 
+def _dtype_name(dtype) -> str:
+    """One of DTYPES for a name, a vLLM alias or a torch dtype; ValueError naming the field otherwise."""
+    name = str(dtype).removeprefix("torch.") if type(dtype).__name__ == "dtype" else dtype
+    name = _DTYPE_ALIASES.get(name, name) if isinstance(name, str) else name
+    if name not in DTYPES or not isinstance(name, str):
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or vLLM's 'half' and 'float', or a torch dtype "
+                         f"of those), got {dtype!r}")
+    return name
+
+
 @dataclass
 class EngineConfig:
     model: str = ""  # Hugging Face directory (config.json + *.safetensors + tokenizer)
     tokenizer: str | None = None  # default: the model directory
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
-    dtype: str = "auto"  # "float32" | "bfloat16" | "float16" | "auto" (config's dtype; float32 on the CPU)
+    dtype: str = "auto"  # DTYPES ("auto": the config's dtype; float32 on the CPU); vLLM's "half", "float" or a torch dtype too
     seed: int = 0  # seeds sampling for requests without their own seed
     # KV cache
     block_size: int = 16
@@ -154,6 +167,7 @@ class EngineConfig:
     model_id: str | None = None  # served name; default the model directory's name
 
     def __post_init__(self) -> None:
+        self.dtype = _dtype_name(self.dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}")

@@ -18,7 +18,7 @@ import socket
 import sys
 from pathlib import Path
 
-from loraplex.engine.config import KV_CACHE_DTYPES
+from loraplex.engine.config import DTYPES, KV_CACHE_DTYPES
 from loraplex.log import LOG_FORMATS, set_log_format
 from loraplex.platform.cli import (
     FlagError,
@@ -151,7 +151,6 @@ def serve(args: argparse.Namespace) -> int:
     return 0 if server.started else 1
 
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_DRAIN_TIMEOUT_S = 86400.0
 MIN_ENGINE_STALL_TIMEOUT_S = 5.0
 # after the drain timeout, the time the app has to end what still runs (error responses and events, usage records)

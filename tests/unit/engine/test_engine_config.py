@@ -37,3 +37,17 @@ def test_max_model_len_below_two_is_refused(value):
 
 def test_cpu_and_a_small_max_model_len_are_accepted():
     assert EngineConfig(model="m", device="cpu", max_model_len=2).max_model_len == 2
+
+
+@pytest.mark.parametrize("given, dtype", [("half", "float16"), ("float", "float32"), (torch.float16, "float16"),
+                                          (torch.bfloat16, "bfloat16"), ("bfloat16", "bfloat16"), ("auto", "auto")])
+def test_vllms_dtype_spellings_name_the_same_dtype(given, dtype):
+    """vLLM's ``dtype`` takes "half" and "float" (float32) and torch dtypes beside the names; code written for it runs
+    the same precision here."""
+    assert EngineConfig(model="m", dtype=given).dtype == dtype
+
+
+@pytest.mark.parametrize("given", ["float8", "fp16", torch.int8, 16])
+def test_an_unknown_dtype_is_refused_naming_the_field_and_the_choices(given):
+    with pytest.raises(ValueError, match=r"^dtype must be one of auto, float32, bfloat16, float16"):
+        EngineConfig(model="m", dtype=given)
