@@ -139,15 +139,18 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                     lora_request: LoRARequest | None = None, cache_salt: str | None = None, priority: int = 0,
                     arrival_time: float | None = None, prompt: str | None = None) -> None:
-        """Queue a request. Bad input raises ValueError (TypeError for an argument of the wrong type); an
-        adapter that fails to load fails only this request (its deltas say finish_reason "error"). Returns at
-        once: the adapter is read in the background and the scheduler admits the request once it is in host
-        memory."""
+        """Queue a request. Bad input raises ValueError (TypeError for an argument of the wrong type), and so does
+        a lora_request to an engine without enable_lora; an adapter that fails to load fails only this request
+        (its deltas say finish_reason "error"). Returns at once: the adapter is read in the background and the
+        scheduler admits the request once it is in host memory."""
         _check_argument_types(request_id, prompt_token_ids, sampling_params, lora_request, cache_salt, priority,
                               arrival_time, prompt)
         # the params as they are now (the caller may change and reuse its object): validated, and what the
         # engine caches on a params object (sampler flags, bias arrays) never goes stale
         sampling_params = sampling_params.snapshot()
+        if lora_request is not None and not self.config.enable_lora:  # vLLM refuses it too: nothing could run
+            raise ValueError("lora_request: this engine was started without enable_lora; start it with "
+                             "enable_lora=True to use adapters")
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt must contain at least one token")
         vocab = self.runner.model_config.vocab_size

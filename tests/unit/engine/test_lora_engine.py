@@ -99,3 +99,18 @@ def test_stats_and_metrics_name_the_adapters_requests_use(llm, tiny_model):
     metrics.attach_engine(lambda: "tiny", engine.get_stats, max_loras=2)
     info = [line for line in metrics.render().decode().splitlines() if line.startswith("vllm:lora_requests_info")]
     assert len(info) == 1 and 'running_lora_adapters=""' in info[0] and 'waiting_lora_adapters=""' in info[0]
+
+
+def test_a_lora_request_to_an_engine_without_enable_lora_is_refused_before_anything_runs(tiny_model):
+    """vLLM refuses it ("LoRA is not enabled"); it was queued and came back as an output with finish_reason "error"
+    and no text, so a caller reading only ``.text`` got empty completions for every prompt."""
+    base = LLM(tiny_model["model_dir"], dtype="float32")
+    lora = LoRARequest("a0", 1, adapter_dir(tiny_model, 0))
+    with pytest.raises(ValueError, match=r"lora_request: .*enable_lora=True"):
+        base.generate([{"prompt_token_ids": PROMPT[:10]}] * 2, PARAMS, lora_request=[None, lora])
+    assert not base.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="enable_lora"):
+        base.engine.add_request("r", PROMPT[:10], PARAMS, lora_request=lora)
+    assert not base.engine.has_unfinished_requests()
+    out = base.generate({"prompt_token_ids": PROMPT[:10]}, PARAMS)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 10
