@@ -395,8 +395,9 @@ class LLMEngine:
         if params.logprobs is not None:
             logprobs = [self._logprob_entry(lp) for lp in req.logprobs[sent:]]
         prompt_logprobs = None
-        if first and params.prompt_logprobs is not None and req.prompt_logprobs:
-            prompt_logprobs = [None if lp is None else self._logprob_entry(lp) for lp in req.prompt_logprobs]
+        # a one-token prompt has no position to score: its list is position 0's None alone, as for every prompt
+        if first and params.prompt_logprobs is not None and (req.prompt_logprobs or req.num_prompt_tokens == 1):
+            prompt_logprobs = [None if lp is None else self._logprob_entry(lp) for lp in req.prompt_logprobs or [None]]
         return TokenDelta(
             request_id=req.request_id, index=req.index, token_ids=new_ids, text=text, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, finished=finished, finish_reason=req.status.finish_reason,

@@ -414,3 +414,13 @@ def test_a_prompt_dicts_cache_salt_keeps_its_prefix_cache_apart_and_other_vllm_k
     # vLLM's empty values ask for nothing
     got = llm.generate({"prompt": "Hello", "multi_modal_data": None, "mm_processor_kwargs": {}}, params)[0]
     assert got.outputs[0].token_ids == llm.generate("Hello", params)[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("prompt", [[1], [1, 40], [1, 40, 41, 42]])
+def test_prompt_logprobs_have_one_entry_per_prompt_token_the_first_none(llm, prompt):
+    """A one-token prompt's prompt_logprobs were None (as if not asked for) instead of [None]."""
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1)
+    out = llm.generate({"prompt_token_ids": prompt}, params)[0]
+    assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+    assert out.prompt_logprobs[0] is None and all(prompt[j] in out.prompt_logprobs[j] for j in range(1, len(prompt)))
+    assert llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2))[0].prompt_logprobs is None
