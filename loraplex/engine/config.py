@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ class EngineConfig:
     tokenizer: str | None = None  # default: the model directory
     device: str = "cpu"  # "cpu" | "cuda" | "cuda:N"
     dtype: str = "auto"  # DTYPES ("auto": the config's dtype; float32 on the CPU); vLLM's "half", "float" or a torch dtype too
-    seed: int = 0  # seeds sampling for requests without their own seed
+    seed: int | None = 0  # seeds sampling for requests without their own seed; None (vLLM's): one drawn at random
     # KV cache
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from memory (kv_cache_memory_gb on the CPU, free HBM on CUDA)
@@ -168,6 +169,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.dtype = _dtype_name(self.dtype)
+        if self.seed is None:  # drawn here, once: every rank and the batch command's per-line seeds see this one
+            self.seed = secrets.randbits(63)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(2**63) <= self.seed < 2**64:
+            raise ValueError(f"seed must be an integer (a 64-bit one) or None, got {self.seed!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}")

@@ -51,3 +51,17 @@ def test_vllms_dtype_spellings_name_the_same_dtype(given, dtype):
 def test_an_unknown_dtype_is_refused_naming_the_field_and_the_choices(given):
     with pytest.raises(ValueError, match=r"^dtype must be one of auto, float32, bfloat16, float16"):
         EngineConfig(model="m", dtype=given)
+
+
+def test_seed_none_is_vllms_unseeded_engine_a_random_seed_fixed_once():
+    """vLLM's ``LLM(seed=None)`` was a RuntimeError from inside torch ("manual_seed expected a long"); it is a seed
+    drawn once, so every part of the engine (and tensor-parallel ranks, which get the config) uses the same one."""
+    seeds = {EngineConfig(model="m", seed=None).seed for _ in range(4)}
+    assert all(isinstance(s, int) and 0 <= s < 2**63 for s in seeds) and len(seeds) > 1
+    assert EngineConfig(model="m", seed=7).seed == 7
+
+
+@pytest.mark.parametrize("seed", [1.5, "1", True, 2**64, -(2**63) - 1])
+def test_a_seed_that_is_no_64_bit_integer_is_refused_naming_the_field(seed):
+    with pytest.raises(ValueError, match=r"^seed must be an integer"):
+        EngineConfig(model="m", seed=seed)
