@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import numbers
+import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,26 @@ def _dtype_name(dtype) -> str:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or vLLM's 'half' and 'float', or a torch dtype "
                          f"of those), got {dtype!r}")
     return name
+
+
+# a field's annotation (its first type; "| None" allows None) -> (accepted types, what the error calls it)
+_FIELD_TYPES = {"int": (numbers.Integral, "an integer"), "float": (numbers.Real, "a number"),
+                "bool": (bool, "true or false"), "str": (str, "a string")}
+
+
+def _check_field_types(config: EngineConfig) -> None:
+    """Each field of its annotated type (integers as ints); a ValueError naming the field otherwise: a float, None or
+    string where a count belongs failed deep inside the engine's start-up, or was taken."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        kinds = f.type.split(" | ")
+        if value is None and "None" in kinds:
+            continue
+        types, what = _FIELD_TYPES[kinds[0]]
+        if not isinstance(value, types) or (kinds[0] != "bool" and isinstance(value, bool)):
+            raise ValueError(f"{f.name} must be {what}{' or None' if 'None' in kinds else ''}, got {value!r}")
+        if kinds[0] == "int":
+            setattr(config, f.name, int(value))  # a numpy integer, as a plain int
 
 
 @dataclass
@@ -173,6 +196,10 @@ class EngineConfig:
             self.seed = secrets.randbits(63)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -(2**63) <= self.seed < 2**64:
             raise ValueError(f"seed must be an integer (a 64-bit one) or None, got {self.seed!r}")
+        for name in ("model", "tokenizer"):
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
+        _check_field_types(self)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
                              f"{self.kv_cache_dtype!r}")

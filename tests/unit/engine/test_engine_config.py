@@ -65,3 +65,23 @@ def test_seed_none_is_vllms_unseeded_engine_a_random_seed_fixed_once():
 def test_a_seed_that_is_no_64_bit_integer_is_refused_naming_the_field(seed):
     with pytest.raises(ValueError, match=r"^seed must be an integer"):
         EngineConfig(model="m", seed=seed)
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("block_size", 1.5, "an integer"), ("max_model_len", "64", "an integer or None"), ("max_loras", None, "an integer"),
+    ("max_lora_rank", None, "an integer"), ("num_speculative_tokens", 2.5, "an integer"),
+    ("enable_lora", "yes", "true or false"), ("kv_cache_memory_gb", "1", "a number"), ("model", 5, "a string"),
+    ("max_num_seqs", True, "an integer"),
+])
+def test_an_option_of_the_wrong_type_is_refused_naming_it(field, value, expected):
+    """Each was a TypeError from deep inside the engine's start-up ("empty(): argument 'size' must be tuple of ints",
+    "'<' not supported between instances of 'NoneType' and 'int'") or, for num_speculative_tokens=2.5, accepted."""
+    with pytest.raises(ValueError, match=f"^{field} must be {expected}, got "):
+        EngineConfig(**{"model": "m", field: value})
+
+
+def test_paths_and_numpy_integers_are_options_of_their_kind(tmp_path):
+    np = pytest.importorskip("numpy")
+    config = EngineConfig(model=tmp_path, tokenizer=tmp_path, max_num_seqs=np.int64(4), kv_cache_memory_gb=1)
+    assert config.model == config.tokenizer == str(tmp_path)
+    assert config.max_num_seqs == 4 and type(config.max_num_seqs) is int
