@@ -46,9 +46,11 @@ class LLM:
                  max_cpu_loras: int | None = None, device: str = "cpu", dtype: str = "auto", block_size: int = 16,
                  num_kv_blocks: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
-                 enable_prefix_caching: bool = True, seed: int | None = 0, tokenizer: str | None = None,
+                 enable_prefix_caching: bool | None = True, seed: int | None = 0, tokenizer: str | None = None,
                  speculative_config: dict | None = None, **kwargs):
         kwargs = engine_options(kwargs)  # vLLM's other keywords: dropped, or refused naming them
+        if enable_prefix_caching is None:  # vLLM's default value, which turns it on for generation
+            enable_prefix_caching = True
         if speculative_config is not None:
             kwargs.update(_speculative_options(speculative_config))
         config = EngineConfig(

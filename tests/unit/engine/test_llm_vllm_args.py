@@ -56,3 +56,10 @@ def test_vllm_arguments_that_change_nothing_are_accepted_with_a_warning_only_whe
     assert "swap_space=16" in warnings[1]
     assert quiet.generate(prompt, params)[0].outputs[0].token_ids == want
     assert llm.generate(prompt, params)[0].outputs[0].token_ids == want
+
+
+def test_vllms_none_for_enable_prefix_caching_means_its_default_on(tiny_model):
+    """vLLM's ``enable_prefix_caching`` defaults to None (on for generation); None ran with the cache off."""
+    llm = LLM(tiny_model["model_dir"], dtype="float32", enable_prefix_caching=None)
+    assert llm.engine.block_manager.enable_prefix_caching is True
+    assert not LLM(tiny_model["model_dir"], dtype="float32", enable_prefix_caching=False).engine.config.enable_prefix_caching
