@@ -68,6 +68,17 @@ def load_tokenizer(path: str):
     return AutoTokenizer.from_pretrained(path)
 
 
+def check_local_dirs(config: EngineConfig) -> None:
+    """The model and tokenizer directories exist (before anything loads): ValueError naming the argument."""
+    model = Path(config.model)
+    if not (model / "config.json").is_file():
+        what = "is not a directory" if not model.is_dir() else "has no config.json"
+        raise ValueError(f"model: {config.model} {what} (a Hugging Face model directory; Loraplex downloads nothing)")
+    if config.tokenizer is not None and not Path(config.tokenizer).is_dir():
+        raise ValueError(f"tokenizer: {config.tokenizer} is not a directory (one with the tokenizer's files; Loraplex "
+                         "downloads nothing)")
+
+
 def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
     """EOS ids from config.json, generation_config.json and the tokenizer (what HF generate stops on)."""
     ids: set[int] = set()
@@ -85,6 +96,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         from loraplex.engine.model_runner import ModelRunner
 
+        check_local_dirs(config)
         self.config = config
         self.tp_driver = None  # tensor parallelism: the worker ranks (engine/parallel.py)
         if config.tensor_parallel_size > 1:

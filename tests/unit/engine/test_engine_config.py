@@ -85,3 +85,14 @@ def test_paths_and_numpy_integers_are_options_of_their_kind(tmp_path):
     config = EngineConfig(model=tmp_path, tokenizer=tmp_path, max_num_seqs=np.int64(4), kv_cache_memory_gb=1)
     assert config.model == config.tokenizer == str(tmp_path)
     assert config.max_num_seqs == 4 and type(config.max_num_seqs) is int
+
+
+def test_a_model_or_tokenizer_directory_that_is_not_there_is_refused_naming_the_argument(tiny_model, tmp_path):
+    """A missing model was a FileNotFoundError about config.json from inside the runner; a missing tokenizer
+    directory, after the whole model had loaded, Hugging Face Hub's "Repo id must use alphanumeric chars"."""
+    with pytest.raises(ValueError, match=r"^model: .*no-model is not a directory"):
+        LLM(str(tmp_path / "no-model"))
+    with pytest.raises(ValueError, match=r"^model: .* has no config.json"):
+        LLM(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^tokenizer: .*no-tokenizer is not a directory"):
+        LLM(tiny_model["model_dir"], tokenizer=str(tmp_path / "no-tokenizer"))
