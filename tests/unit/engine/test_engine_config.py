@@ -96,3 +96,13 @@ def test_a_model_or_tokenizer_directory_that_is_not_there_is_refused_naming_the_
         LLM(str(tmp_path))
     with pytest.raises(ValueError, match=r"^tokenizer: .*no-tokenizer is not a directory"):
         LLM(tiny_model["model_dir"], tokenizer=str(tmp_path / "no-tokenizer"))
+
+
+@pytest.mark.parametrize("field, value", [("gpu_memory_utilization", 0.0), ("gpu_memory_utilization", 1.5),
+                                          ("gpu_memory_utilization", float("nan")), ("kv_cache_memory_gb", 0),
+                                          ("kv_cache_memory_gb", -1.0)])
+def test_memory_fractions_and_sizes_out_of_range_are_refused_naming_the_field(field, value):
+    """gpu_memory_utilization=1.5 sized the KV cache past the GPU's memory (vLLM takes (0, 1]); kv_cache_memory_gb=-1
+    said "KV cache of -131072 blocks" without naming the option."""
+    with pytest.raises(ValueError, match=f"^{field} must be "):
+        EngineConfig(**{"model": "m", field: value})
