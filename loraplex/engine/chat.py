@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 # the roles a message may have, as the chat template sees them
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -51,3 +53,10 @@ def chat_messages(conversation, where: str = "messages") -> list[dict]:
             message["name"] = m["name"]
         out.append(message)
     return out
+
+
+def template_call_parameters(tokenizer) -> set[str]:
+    """The named parameters of the tokenizer's ``apply_chat_template`` (``tokenize``, ``add_generation_prompt``,
+    ``tools``, ...): the caller sets them, so ``chat_template_kwargs`` (template variables) cannot."""
+    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
+    return {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}

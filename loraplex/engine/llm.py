@@ -116,7 +116,7 @@ class LLM:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them, each
         through the tokenizer's chat template (the server's path: ``chat_template_ids``), then ``generate``."""
         from loraplex.engine.async_engine import chat_template_ids
-        from loraplex.engine.chat import chat_messages
+        from loraplex.engine.chat import chat_messages, template_call_parameters
 
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError(f"messages: must be a conversation (a list of message dicts) or a list of them, got "
@@ -124,6 +124,14 @@ class LLM:
         single = isinstance(messages[0], dict)
         conversations = [messages] if single else list(messages)
         tokenizer = self.engine.tokenizer
+        if chat_template_kwargs is not None:
+            if not isinstance(chat_template_kwargs, dict):
+                raise TypeError(f"chat_template_kwargs: must be a dict of template variables, got "
+                                f"{chat_template_kwargs!r:.80}")
+            clash = sorted(set(chat_template_kwargs) & template_call_parameters(tokenizer))
+            if clash:
+                raise ValueError(f"chat_template_kwargs.{clash[0]}: a parameter of the template call, not a template "
+                                 "variable (add_generation_prompt and continue_final_message are chat()'s own)")
         prompts = []
         for c, conversation in enumerate(conversations):
             if not isinstance(conversation, (list, tuple)) or not conversation:

@@ -10,12 +10,12 @@ swap the template, skip the server's own switches or render someone else's conve
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any
 
 import jinja2
 import jinja2.meta
 
+from loraplex.engine.chat import template_call_parameters
 from loraplex.platform.errors import bad_request
 
 
@@ -25,9 +25,8 @@ def _template_variables(source: str) -> frozenset[str]:
 
 
 def _reserved(tokenizer) -> set[str]:
-    params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
-    names = {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-    return names | {"messages", "additional_special_tokens"} | set(getattr(tokenizer, "special_tokens_map", {}))
+    return (template_call_parameters(tokenizer) | {"messages", "additional_special_tokens"}
+            | set(getattr(tokenizer, "special_tokens_map", {})))
 
 
 def template_kwargs(tokenizer, kwargs: dict[str, Any] | None) -> dict[str, Any]:

@@ -424,3 +424,18 @@ def test_prompt_logprobs_have_one_entry_per_prompt_token_the_first_none(llm, pro
     assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
     assert out.prompt_logprobs[0] is None and all(prompt[j] in out.prompt_logprobs[j] for j in range(1, len(prompt)))
     assert llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2))[0].prompt_logprobs is None
+
+
+@pytest.mark.parametrize("kwargs, key", [({"tokenize": False}, "tokenize"), ({"add_generation_prompt": False},
+                                                                             "add_generation_prompt")])
+def test_chat_template_kwargs_that_are_parameters_of_the_template_call_are_refused_naming_them(llm, kwargs, key):
+    """They reached the tokenizer's apply_chat_template twice: a TypeError from transformers naming neither
+    chat_template_kwargs nor the argument to use. Template variables still pass."""
+    messages = [{"role": "user", "content": "Hi"}]
+    params = SamplingParams(max_tokens=2, temperature=0)
+    with pytest.raises(ValueError, match=f"^chat_template_kwargs.{key}: "):
+        llm.chat(messages, params, chat_template_kwargs=kwargs)
+    with pytest.raises(TypeError, match="^chat_template_kwargs: must be a dict"):
+        llm.chat(messages, params, chat_template_kwargs=["x"])
+    got = llm.chat(messages, params, chat_template_kwargs={"enable_thinking": False})[0]
+    assert got.prompt_token_ids == llm.chat(messages, params)[0].prompt_token_ids
