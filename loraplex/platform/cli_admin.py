@@ -9,10 +9,18 @@ import math
 import sys
 from datetime import datetime, timedelta
 
-from loraplex.platform.cli import add_common, check_services, flag_error, settings_from_args
+from loraplex.platform.cli import (
+    FlagError,
+    add_common,
+    check_int,
+    check_services,
+    flag_checked,
+    flag_error,
+    settings_from_args,
+)
 from loraplex.platform.db import as_utc
 from loraplex.platform.models import ALL_SCOPES
-from loraplex.platform.tenants import MAX_KEY_DAYS
+from loraplex.platform.tenants import MAX_KEY_DAYS, MAX_RATE_LIMIT, TENANT_NAME_RE, TENANT_NAME_RULE
 
 
 def register(subparsers) -> None:
@@ -25,7 +33,7 @@ def register(subparsers) -> None:
     p.add_argument("name", help="lowercase letters, digits, '-' or '_' (at most 63)")
     p.add_argument("--requests-per-minute", type=int, help="rate limit (default: LORAPLEX_DEFAULT_REQUESTS_PER_MINUTE)")
     p.add_argument("--tokens-per-minute", type=int, help="rate limit (default: LORAPLEX_DEFAULT_TOKENS_PER_MINUTE)")
-    p.set_defaults(func=_run, action_fn=_tenant_create,
+    p.set_defaults(func=_run, action_fn=_tenant_create, check=_check_tenant_create,
                    flags={"requests_per_minute": "--requests-per-minute", "tokens_per_minute": "--tokens-per-minute"})
     p = t_sub.add_parser("list", help="list tenants")
     p.set_defaults(func=_run, action_fn=_tenant_list)
@@ -42,7 +50,7 @@ def register(subparsers) -> None:
                    help="repeatable; default: inference")
     p.add_argument("--name", help="a label for the key")
     p.add_argument("--expires-in-days", type=float, help=f"expire after this many days (at most {MAX_KEY_DAYS})")
-    p.set_defaults(func=_run, action_fn=_key_create,
+    p.set_defaults(func=_run, action_fn=_key_create, check=_check_key_create,
                    flags={"tenant": "--tenant", "scopes": "--scope", "name": "--name", "expires_at": "--expires-in-days"})
     p = k_sub.add_parser("list", help="list keys (never the secrets)")
     p.add_argument("--tenant", help="only this tenant's keys")
@@ -58,9 +66,29 @@ def register(subparsers) -> None:
         parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def _check_tenant_create(args: argparse.Namespace) -> None:
+    if not TENANT_NAME_RE.match(args.name):
+        raise FlagError(f"tenant name {args.name!r}: {TENANT_NAME_RULE}")
+    check_int("--requests-per-minute", args.requests_per_minute, 1, MAX_RATE_LIMIT, " (or leave the flag out for "
+              "the server default)")
+    check_int("--tokens-per-minute", args.tokens_per_minute, 1, MAX_RATE_LIMIT, " (or leave the flag out for "
+              "the server default)")
+
+
+def _check_key_create(args: argparse.Namespace) -> None:
+    days = args.expires_in_days
+    if days is not None and not (math.isfinite(days) and 0 < days <= MAX_KEY_DAYS):
+        raise FlagError(f"--expires-in-days must be more than 0 and at most {MAX_KEY_DAYS}, got {days:g}")
+
+
+@flag_checked
 def _run(args: argparse.Namespace) -> int:
     from loraplex.platform.errors import ApiError
 
+    # values no run could use are refused before the database is opened (or, for a new data dir, created)
+    check = getattr(args, "check", None)
+    if check is not None:
+        check(args)
     try:
         return asyncio.run(_with_services(args))
     except ApiError as exc:
@@ -160,14 +188,9 @@ _KEY_COLS = ["id", "tenant", "scopes", "name", "created_at", "expires_at", "revo
 async def _key_create(args, session, kv) -> int:
     from loraplex.platform import tenants
     from loraplex.platform.db import utcnow
-    from loraplex.platform.errors import bad_request
 
     expires_at: datetime | None = None
-    if args.expires_in_days is not None:
-        days = args.expires_in_days
-        if not (math.isfinite(days) and 0 < days <= MAX_KEY_DAYS):
-            raise bad_request(f"--expires-in-days must be more than 0 and at most {MAX_KEY_DAYS}, got {days:g}",
-                              param="expires_at")
+    if args.expires_in_days is not None:  # in range (``_check_key_create``)
         expires_at = utcnow() + timedelta(days=args.expires_in_days)
     key, new = await tenants.create_key(session, args.tenant, args.scopes, args.name, expires_at)
     if args.json:

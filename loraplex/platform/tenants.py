@@ -26,6 +26,8 @@ from loraplex.platform.models import (
 )
 
 TENANT_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+TENANT_NAME_RULE = ("must be 1-63 characters of lowercase letters, digits, '-' or '_', starting with a letter or "
+                    "digit")
 TENANT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 ADMIN_TENANT = "admin"
 MAX_KEY_DAYS = 36500  # how far ahead a key may expire (100 years: far enough for "never", near enough for a date type)
@@ -33,10 +35,7 @@ MAX_KEY_DAYS = 36500  # how far ahead a key may expire (100 years: far enough fo
 
 def validate_tenant_name(name: str) -> str:
     if not TENANT_NAME_RE.match(name or ""):
-        raise bad_request(
-            "Tenant name must be 1-63 characters of lowercase letters, digits, '-' or '_', starting with a "
-            "letter or digit.", param="name",
-        )
+        raise bad_request(f"Tenant name {TENANT_NAME_RULE}.", param="name")
     return name
 
 

@@ -164,6 +164,23 @@ def test_admin_errors_name_the_flag_the_operator_typed(argv, flag, api_field, tm
     assert rc == 0 and json.loads(out) == []  # nothing was created behind the error
 
 
+@pytest.mark.parametrize("argv, needles", [
+    (["admin", "tenant", "create", "Bad_Name"], ["tenant name 'Bad_Name'", "lowercase"]),
+    (["admin", "tenant", "create", "_x"], ["tenant name '_x'", "starting with a letter or digit"]),
+    (["admin", "tenant", "create", "acme", "--requests-per-minute", "0"], ["--requests-per-minute", "at least 1"]),
+    (["admin", "tenant", "create", "acme", "--tokens-per-minute", "2147483648"], ["--tokens-per-minute",
+                                                                                   "2147483647"]),
+    (["admin", "key", "create", "--tenant", "acme", "--expires-in-days", "0"], ["--expires-in-days", "36500"]),
+])
+def test_admin_refuses_a_bad_value_before_creating_a_database(argv, needles, tmp_path, capsys):
+    """A value no run can use is exit 2 with nothing made: no data dir, no database, no "created a new database"."""
+    data = tmp_path / "new-data"
+    rc, out, err = run(capsys, *argv, "--data-dir", str(data))
+    assert_flag_error(rc, err, *needles)
+    assert out == "" and "created a new database" not in err
+    assert not data.exists()
+
+
 def assert_flag_error(rc: int, err: str, *needles: str) -> None:
     """A flag value no command can use: one ``error:`` line naming the flag and the limit, exit 2."""
     assert rc == 2, err
