@@ -76,7 +76,7 @@ def base_model_names(model: str, served_model_names: list[str] | None) -> list[s
 class LoraModule:
     name: str
     path: str
-    base_model_name: str | None = None  # vLLM's JSON form may name it; one base model here, so it is not read
+    base_model_name: str | None = None  # vLLM's JSON form may name it; kept on the LoRARequest (one base model here)
 
 
 def lora_module(value: str) -> LoraModule:
@@ -116,7 +116,8 @@ def models(model: str, served_model_names: list[str] | None, lora_modules: list[
             raise ValueError(f"--lora-modules names {module.name!r} {what}")
         if not os.path.isdir(module.path):
             raise ValueError(f"--lora-modules {value}: {module.path} is not a directory (a PEFT adapter's)")
-        names[module.name] = LoRARequest(module.name, sum(r is not None for r in names.values()) + 1, module.path)
+        names[module.name] = LoRARequest(module.name, sum(r is not None for r in names.values()) + 1, module.path,
+                                         base_model_name=module.base_model_name)
     if lora_modules and not enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     return names
