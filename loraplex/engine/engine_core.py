@@ -416,7 +416,8 @@ class LLMEngine:
             stop_reason=req.stop_reason, num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens, num_computed_prompt_tokens=req.num_computed_prompt_tokens,
             num_generated_tokens=num_generated,
-            cumulative_logprob=req.cumulative_logprob,
+            # as vLLM: None unless the request asked for logprobs
+            cumulative_logprob=req.cumulative_logprob if params.logprobs is not None else None,
             error=req.error, first_scheduled_time=req.first_scheduled_time if first else None,
             first_token_time=req.first_token_time if first else None,
             finished_time=req.finished_time if finished else None,

@@ -22,7 +22,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    cumulative_logprob: float | None = None
+    cumulative_logprob: float | None = None  # None unless the request asked for logprobs (vLLM)
     error: str | None = None
 
     def finished(self) -> bool:

@@ -62,7 +62,7 @@ class TokenDelta:
     # was aborted or failed before its prompt was done (0 if it never left the waiting queue)
     num_computed_prompt_tokens: int = 0
     num_generated_tokens: int = 0  # cumulative for this sample
-    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs so far
+    cumulative_logprob: float | None = None  # sum of the sampled tokens' logprobs so far (None: logprobs not asked)
     error: str | None = None
     # timings (monotonic seconds) for metering: set on the first delta / the final one
     first_scheduled_time: float | None = None
