@@ -160,6 +160,7 @@ class LLMEngine:
         # the params as they are now (the caller may change and reuse its object): validated, and what the
         # engine caches on a params object (sampler flags, bias arrays) never goes stale
         sampling_params = sampling_params.snapshot()
+        prompt_token_ids = self.truncate_prompt(prompt_token_ids, sampling_params)
         if lora_request is not None and not self.config.enable_lora:  # vLLM refuses it too: nothing could run
             raise ValueError("lora_request: this engine was started without enable_lora; start it with "
                              "enable_lora=True to use adapters")
@@ -200,6 +201,14 @@ class LLMEngine:
         params = sampling_params
         req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens,
                                                  params.stop, params.include_stop_str_in_output)
+
+    def truncate_prompt(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> list[int]:
+        """The prompt tokens that run: the last ``truncate_prompt_tokens`` of them (-1: ``max_model_len``), else
+        all. SamplingParamsError for a truncation over ``max_model_len``."""
+        keep = sampling_params.prompt_tokens_kept(self.config.max_model_len)
+        if keep is None or len(prompt_token_ids) <= keep:
+            return prompt_token_ids
+        return list(prompt_token_ids)[-keep:]
 
     def abort_request(self, request_id: str) -> None:
         aborted = self.scheduler.abort_request(request_id)

@@ -149,6 +149,8 @@ class LLM:
         dict may carry vLLM's ``"cache_salt"`` (a string: prompts with other salts never share its prefix cache)."""
         cache_salt = _cache_salt(prompt)
         text, token_ids = self._tokenize(prompt)
+        # the output's prompt_token_ids are those that run (vLLM's truncate_prompt_tokens); its prompt stays as given
+        token_ids = self.engine.truncate_prompt(token_ids, params)
         request_id = str(next(self._ids))
         self.engine.add_request(request_id, token_ids, params, lora_request=lora, cache_salt=cache_salt,
                                 priority=priority, prompt=text)

@@ -49,8 +49,9 @@ class RequestLimitError(SamplingParamsError):
         return type(self), (self.param, self.detail, self.limit)
 
 
-_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
-_OPTIONAL = frozenset({"seed", "max_tokens", "logprobs", "prompt_logprobs"})
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+               "truncate_prompt_tokens")
+_OPTIONAL = frozenset({"seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"})
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
@@ -83,6 +84,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id (an int, or its decimal string as in OpenAI) -> added
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] = field(default_factory=list)  # never completed (``bad_words_token_ids``)
+    # vLLM's left truncation: only the prompt's last k tokens run (-1: max_model_len of them; None: the whole prompt)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -177,6 +180,10 @@ class SamplingParams:
         if self.allowed_token_ids and set(self.allowed_token_ids) <= {w[0] for w in bad_words_token_ids if len(w) == 1}:
             raise SamplingParamsError("bad_words", "bans every token of allowed_token_ids: nothing could be sampled")
 
+    def prompt_tokens_kept(self, max_model_len: int) -> int | None:
+        """How many of the prompt's last tokens run (``truncate_prompt_tokens``; None: all of them)."""
+        return truncation_size(self.truncate_prompt_tokens, max_model_len)
+
     def validate(self) -> None:
         def bad(param: str, msg: str) -> None:
             raise SamplingParamsError(param, msg)
@@ -220,6 +227,10 @@ class SamplingParams:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1
+                                                            or self.truncate_prompt_tokens == -1):
+            bad("truncate_prompt_tokens", f"must be an integer >= 1, or -1 (max_model_len), got "
+                                          f"{self.truncate_prompt_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
         if any(not isinstance(w, str) for w in self.bad_words):
@@ -233,6 +244,20 @@ class SamplingParams:
                 bad("allowed_token_ids", f"must be a list of integers, got {self.allowed_token_ids!r}")
             if min(self.allowed_token_ids) < 0:
                 bad("allowed_token_ids", f"token ids must be >= 0, got {min(self.allowed_token_ids)}")
+
+
+def truncation_size(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """vLLM's ``truncate_prompt_tokens`` against an engine's ``max_model_len``: how many of the prompt's last tokens
+    to keep (-1: ``max_model_len``; None: no truncation). SamplingParamsError outside -1 and [1, max_model_len]."""
+    value = truncate_prompt_tokens
+    if value is None:
+        return None
+    if value == -1:
+        return max_model_len
+    if not _is_int(value) or not 1 <= value <= max_model_len:
+        raise SamplingParamsError("truncate_prompt_tokens", f"must be -1 (max_model_len) or between 1 and "
+                                                            f"{max_model_len} (max_model_len), got {value!r}")
+    return value
 
 
 def snapshots(params: Sequence[SamplingParams]) -> list[SamplingParams]:

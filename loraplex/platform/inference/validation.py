@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from loraplex.engine.sampling_params import SamplingParams, SamplingParamsError
+from loraplex.engine.sampling_params import SamplingParams, SamplingParamsError, truncation_size
 from loraplex.platform.errors import bad_request, invalid_type
 from loraplex.settings import Settings
 
@@ -166,12 +166,9 @@ def sampling_params(req, *, n: int, max_tokens: int, stop: list[str], logprobs: 
 
 
 def check_truncate_prompt_tokens(value: int | None, max_model_len: int) -> int | None:
-    """vLLM's ``truncate_prompt_tokens``: how many of the prompt's last tokens to keep (-1: the context)."""
-    if value is None:
-        return None
-    if value == -1:
-        return max_model_len
-    if not 1 <= value <= max_model_len:
-        raise bad_request(f"truncate_prompt_tokens must be -1 (the context) or between 1 and {max_model_len} "
-                          f"(max_model_len), got {value}.", param="truncate_prompt_tokens")
-    return value
+    """vLLM's ``truncate_prompt_tokens``: how many of the prompt's last tokens to keep (-1: the context); the
+    engine's rule (``truncation_size``), as the offline API applies it."""
+    try:
+        return truncation_size(value, max_model_len)
+    except SamplingParamsError as exc:
+        raise bad_request(str(exc), param=exc.param) from exc

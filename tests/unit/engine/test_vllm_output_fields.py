@@ -24,3 +24,35 @@ def test_cumulative_logprob_is_none_unless_logprobs_were_asked(llm):
     assert comp.token_ids == plain.outputs[0].token_ids
     assert comp.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(comp.logprobs, comp.token_ids)))
     assert comp.cumulative_logprob < 0
+
+
+def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(llm):
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    text = "The river runs past the old mill and on to the sea"
+    full_ids = llm.get_tokenizer().encode(text)
+    assert len(full_ids) > 6
+    cut = llm.generate(text, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True,
+                                            truncate_prompt_tokens=6))[0]
+    want = llm.generate({"prompt_token_ids": full_ids[-6:]}, params)[0]
+    assert cut.prompt_token_ids == full_ids[-6:] and cut.prompt == text  # the prompt as given, as in vLLM
+    assert cut.outputs[0].token_ids == want.outputs[0].token_ids
+    ids = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2, truncate_prompt_tokens=4))[0]
+    assert ids.prompt_token_ids == PROMPT[-4:]
+    short = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=2, truncate_prompt_tokens=-1))[0]
+    assert short.prompt_token_ids == PROMPT  # -1: max_model_len (64) tokens, more than the prompt has
+
+
+def test_truncate_prompt_tokens_over_max_model_len_is_refused_naming_it(llm):
+    from loraplex.engine.sampling_params import SamplingParamsError
+
+    with pytest.raises(SamplingParamsError, match="^truncate_prompt_tokens: .*64"):
+        llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(truncate_prompt_tokens=65))
+    assert llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(max_tokens=1))[0].finished  # still usable
+
+
+@pytest.mark.parametrize("value", [0, -2, 2.5, "4", True])
+def test_truncate_prompt_tokens_must_be_at_least_one_or_minus_one(value):
+    from loraplex.engine.sampling_params import SamplingParamsError
+
+    with pytest.raises(SamplingParamsError, match="^truncate_prompt_tokens: "):
+        SamplingParams(truncate_prompt_tokens=value)
