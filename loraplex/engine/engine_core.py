@@ -92,6 +92,11 @@ def eos_token_ids(model_dir: str, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+def _no_text(token_id: int) -> None:
+    """A token's text for a request with detokenize=False: none."""
+    return None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         from loraplex.engine.model_runner import ModelRunner
@@ -199,8 +204,9 @@ class LLMEngine:
                 self._pending.extend(self._final_deltas(request_id, [req]))
                 return
         params = sampling_params
-        req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens,
-                                                 params.stop, params.include_stop_str_in_output)
+        if params.detokenize:  # without it the request has no text (and no stop strings: SamplingParams refuses them)
+            req.detokenizer = IncrementalDetokenizer(self.tokenizer, req.prompt_token_ids, params.skip_special_tokens,
+                                                     params.stop, params.include_stop_str_in_output)
 
     def truncate_prompt(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> list[int]:
         """The prompt tokens that run: the last ``truncate_prompt_tokens`` of them (-1: ``max_model_len``), else
@@ -413,12 +419,14 @@ class LLMEngine:
         req.num_sent_tokens = num_generated
         params = req.sampling_params
         logprobs = None
+        decode = params.detokenize
         if params.logprobs is not None:
-            logprobs = [self._logprob_entry(lp) for lp in req.logprobs[sent:]]
+            logprobs = [self._logprob_entry(lp, decode) for lp in req.logprobs[sent:]]
         prompt_logprobs = None
         # a one-token prompt has no position to score: its list is position 0's None alone, as for every prompt
         if first and params.prompt_logprobs is not None and (req.prompt_logprobs or req.num_prompt_tokens == 1):
-            prompt_logprobs = [None if lp is None else self._logprob_entry(lp) for lp in req.prompt_logprobs or [None]]
+            prompt_logprobs = [None if lp is None else self._logprob_entry(lp, decode)
+                               for lp in req.prompt_logprobs or [None]]
         return TokenDelta(
             request_id=req.request_id, index=req.index, token_ids=new_ids, text=text, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, finished=finished, finish_reason=req.status.finish_reason,
@@ -432,8 +440,8 @@ class LLMEngine:
             finished_time=req.finished_time if finished else None,
         )
 
-    def _logprob_entry(self, lp: TokenLogprobs) -> tuple[float, list[TopLogprob]]:
-        text = self._token_text
+    def _logprob_entry(self, lp: TokenLogprobs, decode: bool = True) -> tuple[float, list[TopLogprob]]:
+        text = self._token_text if decode else _no_text
         tops = [TopLogprob(t, v, text(t), rank=i + 1) for i, (t, v) in enumerate(zip(lp.top_token_ids,
                                                                                       lp.top_logprobs))]
         if lp.token_id not in lp.top_token_ids:

@@ -35,7 +35,7 @@ class EngineRequest:
 class TopLogprob:
     token_id: int
     logprob: float
-    token: str
+    token: str | None  # None for a request with detokenize=False (as vLLM's decoded_token)
     rank: int | None = None  # 1 = the most likely token
 
 

@@ -53,7 +53,7 @@ _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "pr
                "truncate_prompt_tokens")
 _OPTIONAL = frozenset({"seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens"})
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize")
 
 
 def _is_int(value) -> bool:
@@ -80,6 +80,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (the sampled token always included)
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only (text "", logprobs' decoded tokens None), as in vLLM
     # vLLM's token restrictions, applied before penalties and temperature (logprobs stay those of the raw model)
     logit_bias: dict[int, float] | None = None  # token id (an int, or its decimal string as in OpenAI) -> added
     allowed_token_ids: list[int] | None = None  # only these may be sampled
@@ -233,6 +234,9 @@ class SamplingParams:
                                           f"{self.truncate_prompt_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "stop strings must be non-empty strings")
+        if self.stop and not self.detokenize:  # vLLM refuses it too: stop strings match the detokenized text
+            bad("stop", "stop strings need detokenize=True (they match the output's text, which detokenize=False "
+                        "does not make); use stop_token_ids")
         if any(not isinstance(w, str) for w in self.bad_words):
             bad("bad_words", f"must be a list of strings, got {self.bad_words!r}")
         if any(not w.strip() for w in self.bad_words):

@@ -56,3 +56,25 @@ def test_truncate_prompt_tokens_must_be_at_least_one_or_minus_one(value):
 
     with pytest.raises(SamplingParamsError, match="^truncate_prompt_tokens: "):
         SamplingParams(truncate_prompt_tokens=value)
+
+
+def test_detokenize_false_returns_the_same_token_ids_without_text(llm):
+    kw = dict(max_tokens=8, temperature=0.7, seed=5, ignore_eos=True, logprobs=2, n=2)
+    shown, bare = llm.generate([{"prompt_token_ids": PROMPT}] * 2,
+                               [SamplingParams(**kw), SamplingParams(**kw, detokenize=False)])
+    for a, b in zip(shown.outputs, bare.outputs):
+        assert a.text and b.text == ""
+        assert b.token_ids == a.token_ids and b.finish_reason == "length"
+        assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob)
+        assert all(lp.decoded_token is None for entry in b.logprobs for lp in entry.values())
+        assert all(lp.decoded_token is not None for entry in a.logprobs for lp in entry.values())
+
+
+def test_detokenize_false_with_stop_strings_is_refused_as_in_vllm():
+    from loraplex.engine.sampling_params import SamplingParamsError
+
+    with pytest.raises(SamplingParamsError, match="^stop: .*detokenize=True"):
+        SamplingParams(stop=["\n"], detokenize=False)
+    with pytest.raises(SamplingParamsError, match="^detokenize: "):
+        SamplingParams(detokenize="no")
+    SamplingParams(stop_token_ids=[2], detokenize=False)  # token ids need no text
