@@ -146,6 +146,8 @@ class LoRAManager:
         # computes y for the first slots only, ``gemm_shrink_width``)
         self._free_slots = list(range(max_loras))
         self._pins: dict[int, int] = {}
+        # adapters pinned from code (vLLM's pin_lora): one pin each, kept in a slot until removed
+        self._kept: set[int] = set()
         self._pending_removal: set[int] = set()
         # ids whose weights were forgotten (removed, or replaced by a new version): KV computed with the old
         # weights must not be served from the prefix cache (``take_dropped``)
@@ -250,7 +252,7 @@ class LoRAManager:
         shared = self._validated.get(key)
         if shared is not None:  # files already validated for another id: no read at all
             self.num_host_reuses += 1
-            self.host_cache.put(adapter_id, shared, keep=self._lookahead_set)
+            self.host_cache.put(adapter_id, shared, keep=self._host_keep)
             self._loaded(adapter_id, path, name)
             return
         read_key = key if key is not None else ("unreadable", path)
@@ -290,7 +292,7 @@ class LoRAManager:
                     continue
                 self.num_host_reuses += served > 0
                 served += 1
-                self.host_cache.put(adapter_id, result.adapter, keep=self._lookahead_set)
+                self.host_cache.put(adapter_id, result.adapter, keep=self._host_keep)
                 self._loaded(adapter_id, pending.path, pending.name)
         return failures
 
@@ -315,7 +317,7 @@ class LoRAManager:
             log.info("adapter %d read on the engine thread: rank %d", adapter_id, adapter.rank)
         else:
             self.num_host_reuses += 1
-        self.host_cache.put(adapter_id, adapter, keep=self._lookahead_set)
+        self.host_cache.put(adapter_id, adapter, keep=self._host_keep)
         return adapter
 
     def _load_files(self, path: str, adapter_id: int = 0) -> HostAdapter:
@@ -342,7 +344,10 @@ class LoRAManager:
 
     def remove_adapter(self, adapter_id: int) -> None:
         """Forget an adapter (host cache, slot, a read in flight) once its last running request has
-        released it."""
+        released it; a pin from ``keep_resident`` ends now."""
+        if adapter_id in self._kept:
+            self._kept.discard(adapter_id)
+            self.release(adapter_id)
         if self._pins.get(adapter_id):
             self._pending_removal.add(adapter_id)
         else:
@@ -373,6 +378,52 @@ class LoRAManager:
         """Clear a slot's ranks and give it back (lowest free slot first)."""
         self.pool.clear(slot)
         heapq.heappush(self._free_slots, slot)
+
+    # ---- adapters managed from code (the engine's add_lora / list_loras / pin_lora) ------------------
+    @property
+    def _host_keep(self) -> set[int]:
+        """Ids the host cache evicts last: the next waiting requests' adapters and the kept ones."""
+        return self._lookahead_set | self._kept if self._kept else self._lookahead_set
+
+    def is_registered(self, adapter_id: int) -> bool:
+        """Known by a path (read, being read or queued for a read) and not removed."""
+        if adapter_id in self._pending_removal:
+            return False
+        return (adapter_id in self._paths and adapter_id not in self._removed) or adapter_id in self._loading \
+            or adapter_id in self._queued
+
+    def loaded_adapter_ids(self) -> set[int]:
+        """Adapters whose weights are here (host memory or a GPU slot), and the kept ones; not those removed."""
+        ids = set(self.host_cache.ids()) | set(self._slot_of) | self._kept
+        return ids - self._pending_removal
+
+    def kept_adapter_ids(self) -> set[int]:
+        """Adapters pinned by ``keep_resident``: each holds a slot, or takes one at the next ``prefetch_slots``."""
+        return self._kept
+
+    def keep_resident(self, adapter_id: int) -> None:
+        """Pin a registered adapter in a GPU slot until ``remove_adapter`` (vLLM's ``pin_lora``): never evicted from
+        its slot, evicted from host memory last. It takes a slot now when one is free or held by an adapter no
+        running request uses, else at a later step. ValueError for an id not registered, and for a pin that would
+        leave no slot to the other adapters (the scheduler admits those into the slots the kept ones leave)."""
+        if adapter_id in self._kept:
+            return
+        if not self.is_registered(adapter_id):
+            raise ValueError(f"lora_int_id {adapter_id} is not registered: add it first (add_lora, or a request "
+                             "that uses it)")
+        if len(self._kept) + 1 >= self.max_loras:
+            raise ValueError(f"lora_int_id {adapter_id}: {len(self._kept)} of max_loras={self.max_loras} GPU slots "
+                             "are pinned already; one must stay for the other adapters (remove a pinned adapter, or "
+                             "start the engine with a larger max_loras)")
+        adapter = None
+        if adapter_id not in self._slot_of and adapter_id in self._paths:  # (else resident, or still being read)
+            # AdapterError here (its files changed or went away) leaves it unpinned
+            adapter = self.host_cache.get(adapter_id) or self._read(adapter_id, self._paths[adapter_id])
+        self._kept.add(adapter_id)
+        self.acquire(adapter_id)
+        slot = self._take_slot(avoid=self._lookahead_set, strict=False) if adapter is not None else None
+        if slot is not None:
+            self._place(adapter_id, slot, adapter)  # else ``prefetch_slots`` gives it one at a later step
 
     # ---- GPU slots -----------------------------------------------------------------------------------
     def resident_adapter_ids(self) -> list[int]:
@@ -523,6 +574,8 @@ class LoRAManager:
         On CUDA the fills overlap the step about to run; the host never waits here: when the fills' staging
         buffers are full (``SlotPool.can_fill_now``), the rest waits for a later step. Returns the number of fills."""
         window = self._lookahead[:self.max_loras]
+        if self._kept:  # kept adapters not yet resident come first: their slot is reserved by the scheduler
+            window = sorted(a for a in self._kept if a not in self._slot_of) + window
         wanted = set(window)
         num = 0
         for adapter_id in window:

@@ -13,6 +13,7 @@ from pathlib import Path
 from loraplex.engine.block_manager import BlockManager
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.lora_functions import LoRAFunctions
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.protocol import EngineStats, TokenDelta, TopLogprob
 from loraplex.engine.request import Request, RequestStatus, TokenLogprobs
@@ -97,7 +98,7 @@ def _no_text(token_id: int) -> None:
     return None
 
 
-class LLMEngine:
+class LLMEngine(LoRAFunctions):  # add_lora, remove_lora, list_loras, pin_lora: vLLM's, in lora_functions.py
     def __init__(self, config: EngineConfig):
         from loraplex.engine.model_runner import ModelRunner
 

@@ -65,6 +65,12 @@ class LLM:
 
             freeze_heap()
 
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name for the engine: ``llm.llm_engine.add_lora(...)``, ``remove_lora``, ``list_loras``, ``pin_lora``
+        (loraplex/engine/lora_functions.py); the same object as ``llm.engine``."""
+        return self.engine
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

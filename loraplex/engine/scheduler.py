@@ -58,6 +58,8 @@ class AdapterGate(Protocol):
 
     def take_dropped(self) -> list[int]: ...  # ids whose weights were forgotten (removed or replaced)
 
+    def kept_adapter_ids(self) -> set[int]: ...  # pinned from code (pin_lora): each holds a slot of max_loras
+
 
 class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager, adapters: AdapterGate | None = None):
@@ -276,6 +278,8 @@ class Scheduler:
                 self.running[-1].priority <= self.waiting[0].priority:
             return budget  # full, and no waiting request outranks the running ones: nothing can be admitted
         active_loras = {r.lora_id for r in self.running if r.lora_id}
+        if adapters is not None:  # pinned adapters hold slots as running ones do
+            active_loras |= adapters.kept_adapter_ids()
         passed_over: list[Request] = []
         order = self._waiting_order(active_loras, passed_over) if adapters is not None else list(self.waiting)
         admitted_ahead = False  # some request admitted ahead of one passed over

@@ -283,6 +283,9 @@ class _Gate:
     def take_dropped(self):
         return []
 
+    def kept_adapter_ids(self):
+        return set()
+
 
 def _grouping_scheduler(resident=(), **kw):
     sched = make_scheduler(**{"num_blocks": 512, "lora_grouping": True, **kw})
