@@ -120,10 +120,24 @@ async def begin_startup_lock(session) -> None:
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for messages."""
+    """The URL without its password, for messages: the user part's and any query argument naming a password
+    (``password=``, which redis-py, asyncpg and libpq all read, ``sslpassword=``...), each shown as ``***``."""
+    from urllib.parse import parse_qsl, quote
+
     from sqlalchemy.engine import make_url
 
+    from loraplex.settings import HIDDEN_PASSWORD
+
     try:
-        return make_url(url).render_as_string(hide_password=True)
+        shown = make_url(url).render_as_string(hide_password=True)
     except Exception:
         return "<database url>"
+    base, sep, query = shown.partition("?")
+    if not sep:
+        return shown
+    args = []  # (a '#' in a password is not taken as a fragment to keep: the whole argument goes)
+    for part in query.split("&"):
+        pairs = parse_qsl(part, keep_blank_values=True)
+        name = pairs[0][0] if pairs else part
+        args.append(f"{quote(name, safe='')}={HIDDEN_PASSWORD}" if "password" in name.lower() else part)
+    return f"{base}?{'&'.join(args)}"
