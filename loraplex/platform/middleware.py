@@ -22,7 +22,7 @@ from loraplex.platform.auth import KEY_ID_LEN, KEY_PREFIX
 from loraplex.platform.errors import ErrorBody, ErrorResponse
 
 access_log = logging.getLogger("loraplex.access")
-_SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+_SAFE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}\Z")
 # a completion's id, the first member of its JSON body or of a stream's first event (msgspec keeps field order):
 # what the usage ledger records as request_id
 _COMPLETION_ID = re.compile(rb'^(?:data: ?)?\{\s*"id"\s*:\s*"((?:chat)?cmpl-[A-Za-z0-9]{1,64})"')

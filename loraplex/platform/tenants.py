@@ -25,10 +25,10 @@ from loraplex.platform.models import (
     Tenant,
 )
 
-TENANT_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+TENANT_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}\Z")
 TENANT_NAME_RULE = ("must be 1-63 characters of lowercase letters, digits, '-' or '_', starting with a letter or "
                     "digit")
-TENANT_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+TENANT_ID_RE = re.compile(r"^[0-9a-f]{32}\Z")
 ADMIN_TENANT = "admin"
 MAX_KEY_DAYS = 36500  # how far ahead a key may expire (100 years: far enough for "never", near enough for a date type)
 

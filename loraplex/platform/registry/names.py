@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from loraplex.platform.errors import bad_request
 
-ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-_TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+ADAPTER_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
+_TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}\Z")
 MAX_VERSION = 2**31 - 1
 
 

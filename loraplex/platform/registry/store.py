@@ -22,7 +22,7 @@ from loraplex.adapters.validate import WEIGHTS_NAME
 log = logging.getLogger(__name__)
 
 ADAPTER_FILES = (CONFIG_NAME, WEIGHTS_NAME)
-_DIGEST_RE = re.compile(r"^[0-9a-f]{64}$")
+_DIGEST_RE = re.compile(r"^[0-9a-f]{64}\Z")
 _CHUNK = 1 << 20
 
 

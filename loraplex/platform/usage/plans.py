@@ -15,8 +15,8 @@ from loraplex.platform.tenants import get_tenant
 from loraplex.platform.usage.models import BillingPlan, TenantPlan
 from loraplex.platform.usage.pricing import ANY_ADAPTER, parse_price, price_text
 
-PLAN_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
-CURRENCY = re.compile(r"^[A-Z]{3}$")
+PLAN_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
+CURRENCY = re.compile(r"^[A-Z]{3}\Z")
 MAX_QUOTA = 10**15
 MAX_SURCHARGES = 1000
 PRICE_FIELDS = ("input_per_mtok", "cached_input_per_mtok", "output_per_mtok")
