@@ -1,7 +1,8 @@
 """Unpack an uploaded ``.tar.gz`` or ``.zip`` into a fresh directory, refusing anything dangerous.
 
 Refused: members with absolute paths, ``..``, backslashes or drive letters; links, devices and FIFOs;
-pickle weight files (by name, never opened); more than :data:`MAX_MEMBERS` members; more uncompressed
+pickle weight files (by name, never opened); more than :data:`MAX_MEMBERS` members; a tar extended header over
+:data:`MAX_TAR_HEADER_BYTES` (judged by its size, unread); more uncompressed
 bytes than the cap (counted on the bytes actually produced, so a lying header or a gzip bomb is stopped
 at the cap). Only ``adapter_config.json`` and ``adapter_model.safetensors`` are written, both from the
 same directory of the archive; any other regular file (a README) is skipped unread.
@@ -23,6 +24,11 @@ from loraplex.platform.registry.store import ADAPTER_FILES
 
 MAX_MEMBERS = 64
 _COPY_CHUNK = 1 << 16
+# a tar's extended headers (pax records, GNU long names) are read whole into memory by tarfile before the member
+# they describe is seen, whatever size they claim: a pax header of 500 MB of zeros gzips to 500 KB
+MAX_TAR_HEADER_BYTES = 1 << 20
+_EXTENDED_HEADERS = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
+                     tarfile.GNUTYPE_LONGLINK)
 
 
 def rejected(message: str, status: int = 422, code: str = "archive_rejected") -> ApiError:
@@ -106,11 +112,21 @@ class _Collector:
             raise rejected(f"archive has no {' or '.join(missing)}")
 
 
+class _BoundedTarInfo(tarfile.TarInfo):
+    """Refuses an extended header by the size it claims, before tarfile reads it into memory."""
+
+    def _proc_member(self, tarfile_):
+        if self.type in _EXTENDED_HEADERS and self.size > MAX_TAR_HEADER_BYTES:
+            raise rejected(f"archive has an extended tar header of {self.size} bytes (limit: "
+                           f"{MAX_TAR_HEADER_BYTES})")
+        return super()._proc_member(tarfile_)
+
+
 def _extract_tar(archive: Path, out: _Collector) -> None:
     with gzip.open(archive, "rb") as gz:
         reader = _CountingReader(gz, out.budget)
         try:
-            with tarfile.open(fileobj=reader, mode="r|") as tar:
+            with tarfile.open(fileobj=reader, mode="r|", tarinfo=_BoundedTarInfo) as tar:
                 for member in tar:
                     out.member()
                     path = _member_path(member.name)
