@@ -16,7 +16,7 @@ from litestar.params import Parameter
 from loraplex.platform import tenants as svc
 from loraplex.platform.console.deps import form_of, session_of, whole_number
 from loraplex.platform.console.render import page, redirect
-from loraplex.platform.db import utcnow
+from loraplex.platform.db import as_utc, utcnow
 from loraplex.platform.errors import ApiError
 from loraplex.platform.models import ALL_SCOPES, SCOPE_ADMIN
 
@@ -58,6 +58,8 @@ async def create_key(request: Request) -> Response:
                         blank="blank = no expiry")
     if days is not None:
         expires_at = utcnow() + timedelta(days=days)
+    if not p.is_admin:
+        expires_at = await _within_own_expiry(request, p, expires_at)
     if not await _first_submission(request, session, form.get("form_id") or ""):
         # a reload (or a double click) of the form that already made a key: a second live key, whose secret
         # replaced the first one's on the screen, is not what anyone meant
@@ -70,6 +72,20 @@ async def create_key(request: Request) -> Response:
     # rendered, not redirected: the secret exists only in this response (no-store)
     return page(request, "key_created.html", session, active="keys", key=key, tenant=owner, secret=new.key,
                 status_code=201)
+
+
+async def _within_own_expiry(request: Request, p, expires_at):
+    """A tenant's key never makes a key that outlives it: blank ("never") becomes its own expiry, a later one is
+    refused (a key lent for a day must not leave one behind that never expires)."""
+    async with request.app.state.services.sessions() as s:
+        own = as_utc((await svc.get_key(s, p.key_id, p.tenant_id)).expires_at)
+    if own is None or (expires_at is not None and expires_at <= own):
+        return expires_at
+    if expires_at is None:
+        return own
+    raise ApiError(400, f"Expires in (days): the key you signed in with expires {own:%Y-%m-%d %H:%M} UTC, and a "
+                        "key it makes cannot outlive it; leave the field blank for that date, or choose fewer days.",
+                   param="expires_in_days")
 
 
 FORM_ID_TTL_S = 24 * 3600.0
