@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from litestar import Request
 
 from loraplex.platform.auth import principal_of
-from loraplex.platform.errors import ApiError, model_not_found
+from loraplex.platform.errors import ApiError, bad_request, model_not_found
 from loraplex.platform.inference import plan
 from loraplex.platform.inference import schemas as s
 from loraplex.platform.inference.runner import Generation, engine_unavailable, new_response_id
@@ -46,9 +47,54 @@ def _vocab_size(engine) -> int | None:
     return vocab
 
 
+_token_chars: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _max_token_chars(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` stands for (its longest vocabulary entry as written: a byte-level
+    BPE piece is one character a byte, a byte-fallback piece ``<0x41>`` six for one byte), computed once."""
+    try:
+        return _token_chars[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    longest = max(map(len, tokenizer.get_vocab()), default=1)
+    with contextlib.suppress(TypeError):
+        _token_chars[tokenizer] = longest
+    return longest
+
+
+def check_prompt_chars(services, chars: int, param: str) -> None:
+    """A prompt text too long to fit the context whatever its tokens is refused before it is tokenized: every
+    request's prompts go through the one tokenizer thread, ahead of the rate limits, so a 10 MB prompt held every
+    tenant's requests for seconds. The bound is the context times the longest token (times 2, for normalizers
+    that join characters), so no prompt the context could hold is refused."""
+    engine = services.engine
+    tokenizer = getattr(engine, "tokenizer", None)
+    max_model_len = getattr(engine, "max_model_len", None)
+    if tokenizer is None or not max_model_len:
+        return
+    limit = max_model_len * _max_token_chars(tokenizer) * 2
+    if chars > limit:
+        raise bad_request(f"The prompt has {chars} characters, more than this model's maximum context of "
+                          f"{max_model_len} tokens can hold (at most {limit} characters, before any "
+                          f"truncate_prompt_tokens).", param=param, code="context_length_exceeded")
+
+
+def _text_chars(value) -> int:
+    """Characters of every string in a message list (contents, text parts, names)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_chars(v) for v in value)
+    return 0
+
+
 async def completion_prompts(req: s.CompletionRequest, services) -> tuple[list[list[int]], list[str | None]]:
     """The request's prompts as token ids, and the text of each one given as a string (for echo)."""
     items = plan.completion_prompt_items(req, _vocab_size(services.engine))
+    check_prompt_chars(services, sum(len(x) for x in items if isinstance(x, str)), "prompt")
     prompts = [await _tokenize(services, services.engine.encode, x) if isinstance(x, str) else x for x in items]
     return prompts, [x if isinstance(x, str) else None for x in items]
 
@@ -76,6 +122,7 @@ async def first_token_texts(services, prompts: list[list[int]]) -> list[str]:
 
 async def chat_prompt(req: s.ChatCompletionRequest, services) -> list[int]:
     call = plan.chat_template_call(req, services.engine.tokenizer, services.base_model_id)
+    check_prompt_chars(services, _text_chars(call.messages), "messages")
     try:
         return await _tokenize(services, services.engine.apply_chat_template, *call.args())
     except plan.TEMPLATE_ERRORS as exc:
