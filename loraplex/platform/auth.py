@@ -31,6 +31,7 @@ from loraplex.platform.db import SessionFactory, as_utc, utcnow
 from loraplex.platform.errors import forbidden, unauthorized
 from loraplex.platform.kv import KV, Subscription
 from loraplex.platform.models import SCOPE_ADMIN, TENANT_ACTIVE, ApiKey, Tenant
+from loraplex.platform.single_flight import SingleFlight
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class Authenticator:
         self._ttl = cache_ttl_s
         self._cache: dict[str, _Cached] = {}
         self._invalidations = 0  # bumped by every invalidation message: a read that overlaps one is not cached
+        self._reads: SingleFlight[_Cached] = SingleFlight()
         self._last_used_written: dict[str, float] = {}
         self._sub: Subscription | None = None
         self._tasks: set[asyncio.Task] = set()
@@ -162,7 +164,8 @@ class Authenticator:
             raise unauthorized("Invalid API key: expected 'Authorization: Bearer lpx-...'")
         entry = self._cache.get(key_id)
         if entry is None or time.monotonic() - entry.fetched > self._ttl:
-            entry = await self._load(key_id)
+            # one read per key id for a burst of requests (a new one after an invalidation: see _load)
+            entry = await self._reads.run((key_id, self._invalidations), lambda: self._load(key_id))
         # unknown, revoked and suspended ids are cached too and still hashed and compared, so a wrong
         # secret for a real key id costs the same as any other bad key (no key-id enumeration by timing)
         ok = hmac.compare_digest(hash_key(raw_key), entry.key_hash)

@@ -25,6 +25,7 @@ from datetime import datetime
 from loraplex.platform.auth import Principal
 from loraplex.platform.db import SessionFactory, utcnow
 from loraplex.platform.errors import ApiError
+from loraplex.platform.single_flight import SingleFlight
 from loraplex.platform.usage.ledger import as_utc, billable_tokens, tokens_used
 from loraplex.platform.usage.plans import tenant_billing
 from loraplex.platform.usage.pricing import month_bounds
@@ -82,6 +83,9 @@ class QuotaTracker:
         self._ledger: dict[tuple[str, datetime], tuple[float, int, int]] = {}
         self._ingested: dict[tuple[str, datetime], int] = defaultdict(int)
         self._reserved: dict[tuple[str, datetime], int] = defaultdict(int)
+        # a burst of requests after an entry expires makes one query per key, not one each
+        self._quota_reads: SingleFlight[int | None] = SingleFlight()
+        self._ledger_reads: SingleFlight[tuple[int, int]] = SingleFlight()
 
     # ---- hooks ------------------------------------------------------------------------------------
 
@@ -108,10 +112,13 @@ class QuotaTracker:
         if hit is not None and hit[0] > self._now_s():
             return hit[1]
         try:
-            async with self.sessions() as session:
-                _, quota = await tenant_billing(session, tenant_id)
+            return await self._quota_reads.run(tenant_id, lambda: self._read_quota(tenant_id))
         except Exception as exc:
             return _stale(hit, exc)[1]
+
+    async def _read_quota(self, tenant_id: str) -> int | None:
+        async with self.sessions() as session:
+            _, quota = await tenant_billing(session, tenant_id)
         self._quotas[tenant_id] = (self._now_s() + self.plan_ttl_s, quota)
         return quota
 
@@ -121,17 +128,24 @@ class QuotaTracker:
         key = (tenant_id, start)
         hit = self._ledger.get(key)
         if hit is None or hit[0] <= self._now_s():
-            marker = self._ingested[key]
             try:
-                total = await tokens_used(self.sessions, tenant_id, start, end)
+                hit = await self._ledger_reads.run(key, lambda: self._read_ledger(key, end))
             except Exception as exc:
-                total = _stale(hit, exc)[1] + self._ingested[key] - _stale(hit, exc)[2]
-            # ingested-since counts only what lands after this load; a commit racing the load is
-            # counted twice until the entry expires (errs on the side of the quota)
-            hit = (self._now_s() + self.ledger_ttl_s, total, marker)
-            self._ledger[key] = hit
+                stale = _stale(hit, exc)
+                hit = (self._now_s() + self.ledger_ttl_s, stale[1] + self._ingested[key] - stale[2],
+                       self._ingested[key])
+                self._ledger[key] = hit
         _, total, marker = hit
         return total + (self._ingested[key] - marker) + self.sink.pending_tokens(tenant_id, start, end)
+
+    async def _read_ledger(self, key: tuple[str, datetime], end: datetime) -> tuple[float, int, int]:
+        marker = self._ingested[key]
+        total = await tokens_used(self.sessions, key[0], key[1], end)
+        # ingested-since counts only what lands after this load; a commit racing the load is
+        # counted twice until the entry expires (errs on the side of the quota)
+        hit = (self._now_s() + self.ledger_ttl_s, total, marker)
+        self._ledger[key] = hit
+        return hit
 
     # ---- QuotaGate --------------------------------------------------------------------------------
 
