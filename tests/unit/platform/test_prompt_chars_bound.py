@@ -4,28 +4,15 @@ server's one tokenizer thread serves every tenant ahead of the rate limits, so a
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
-from litestar.testing import TestClient
 
-from loraplex.engine.async_engine import AsyncEngine
-from loraplex.engine.config import served_model_id
-from loraplex.platform.app import create_app
-from loraplex.platform.engine_boot import engine_config
-from loraplex.settings import Settings
+from tests.tiny_app import tiny_app_client
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, tiny_model):
-    settings = Settings(data_dir=str(tmp_path_factory.mktemp("chars")), device="cpu", dtype="float32",
-                        model=tiny_model["model_dir"], num_kv_blocks=512)
-    model_id = served_model_id(tiny_model["model_dir"])
-    engine = AsyncEngine.from_config(engine_config(settings, Path(tiny_model["model_dir"]), model_id))
-    keys: list[str] = []
-    app = create_app(settings, engine_client=engine, on_bootstrap_key=keys.append)
-    with TestClient(app, timeout=120) as client:
-        client.headers["Authorization"] = f"Bearer {keys[0]}"
+    with tiny_app_client(tmp_path_factory.mktemp("chars"), tiny_model, timeout=120) as (client, model_id, app):
         yield client, model_id, app
 
 
