@@ -30,13 +30,15 @@ REDIS_URL = "redis_url"
 
 
 def without_password(url: str) -> str:
-    """``url`` with its password (in the user part or a ``password=`` query argument) replaced by ``***``."""
+    """``url`` with its password (in the user part or a ``password=`` query argument) replaced by ``***``, and any
+    other secret query argument named like one (``ssl_password=``: a TLS key's) too: the table is readable by
+    whoever reads the database."""
     parts = urlsplit(url)
     netloc = parts.netloc
     if parts.password is not None:
         userinfo, _, host = netloc.rpartition("@")
         netloc = f"{userinfo.partition(':')[0]}:{HIDDEN_PASSWORD}@{host}"
-    query = [(k, HIDDEN_PASSWORD if k == "password" else v)
+    query = [(k, HIDDEN_PASSWORD if "password" in k.lower() else v)
              for k, v in parse_qsl(parts.query, keep_blank_values=True)]
     return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe="*")))
 

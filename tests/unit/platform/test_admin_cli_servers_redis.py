@@ -19,6 +19,7 @@ from loraplex.settings import ConfigError, Settings, url_with_password
     ("redis://:s3cret@redis.internal:6379/0", "redis://:***@redis.internal:6379/0"),
     ("rediss://ops:s3cret@redis.internal:6380/2?ssl_cert_reqs=none", "rediss://ops:***@redis.internal:6380/2?ssl_cert_reqs=none"),
     ("redis://redis.internal:6379/0?password=s3cret", "redis://redis.internal:6379/0?password=***"),
+    ("rediss://:s3cret@redis.internal:6380/0?ssl_password=k3y", "rediss://:***@redis.internal:6380/0?ssl_password=***"),
     ("redis://ops@redis.internal:6379/0", "redis://ops@redis.internal:6379/0"),
     ("redis://redis.loraplex.svc:6379/0", "redis://redis.loraplex.svc:6379/0"),
 ])
