@@ -180,6 +180,11 @@ _PLACEHOLDER = re.compile(r"change[-_]?me", re.IGNORECASE)
 HIDDEN_PASSWORD = "***"  # stands for a password in a URL recorded or shown without it
 
 
+def names_a_password(query_arg: str) -> bool:
+    """Whether a URL query argument holds a secret to hide (``password=``, ``ssl_password=``, ``sslpassword=``...)."""
+    return "password" in query_arg.lower()
+
+
 def url_password(url: str) -> str | None:
     """The password in a service URL (its user part, or a ``password=`` query argument), as written; None: none."""
     parts = urlsplit(url)

@@ -22,7 +22,7 @@ from sqlalchemy.exc import OperationalError, ProgrammingError, SQLAlchemyError
 
 from loraplex.platform.db import SessionFactory, utcnow
 from loraplex.platform.models import DeploymentSetting
-from loraplex.settings import HIDDEN_PASSWORD, url_password
+from loraplex.settings import HIDDEN_PASSWORD, names_a_password, url_password
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def without_password(url: str) -> str:
     if parts.password is not None:
         userinfo, _, host = netloc.rpartition("@")
         netloc = f"{userinfo.partition(':')[0]}:{HIDDEN_PASSWORD}@{host}"
-    query = [(k, HIDDEN_PASSWORD if "password" in k.lower() else v)
+    query = [(k, HIDDEN_PASSWORD if names_a_password(k) else v)
              for k, v in parse_qsl(parts.query, keep_blank_values=True)]
     return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe="*")))
 

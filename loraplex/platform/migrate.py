@@ -126,7 +126,7 @@ def redact(url: str) -> str:
 
     from sqlalchemy.engine import make_url
 
-    from loraplex.settings import HIDDEN_PASSWORD
+    from loraplex.settings import HIDDEN_PASSWORD, names_a_password
 
     try:
         shown = make_url(url).render_as_string(hide_password=True)
@@ -139,5 +139,5 @@ def redact(url: str) -> str:
     for part in query.split("&"):
         pairs = parse_qsl(part, keep_blank_values=True)
         name = pairs[0][0] if pairs else part
-        args.append(f"{quote(name, safe='')}={HIDDEN_PASSWORD}" if "password" in name.lower() else part)
+        args.append(f"{quote(name, safe='')}={HIDDEN_PASSWORD}" if names_a_password(name) else part)
     return f"{base}?{'&'.join(args)}"
