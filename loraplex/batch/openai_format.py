@@ -31,7 +31,7 @@ import msgspec
 
 from loraplex.batch.own_format import NOT_AN_OBJECT, decode, line_seed, short
 from loraplex.batch.window import Line
-from loraplex.engine.async_engine import chat_template_ids
+from loraplex.engine.chat import chat_template_ids
 from loraplex.engine.config import served_model_id
 from loraplex.engine.lora_request import LoRARequest
 from loraplex.engine.outputs import RequestOutput

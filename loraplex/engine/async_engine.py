@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
+from loraplex.engine.chat import chat_template_ids
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.engine_core import LLMEngine, check_type, load_tokenizer
 from loraplex.engine.protocol import EngineDeadError, EngineRequest, EngineStats, TokenDelta
@@ -321,18 +322,6 @@ class RequestStream:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(read(), timeout_s)
         return got
-
-
-def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                      continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
-    """The prompt's token ids from the tokenizer's chat template. ``template_kwargs``: extra template variables (the
-    caller keeps out the tokenizer's own parameters)."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                        continue_final_message=continue_final_message, tokenize=True,
-                                        **(template_kwargs or {}))
-    if hasattr(ids, "keys"):  # a BatchEncoding in newer transformers
-        ids = ids["input_ids"]
-    return list(ids)
 
 
 def check_ids_free(ids: list[str], open_streams: dict[str, _Stream]) -> None:

@@ -60,3 +60,15 @@ def template_call_parameters(tokenizer) -> set[str]:
     ``tools``, ...): the caller sets them, so ``chat_template_kwargs`` (template variables) cannot."""
     params = inspect.signature(tokenizer.apply_chat_template).parameters.values()
     return {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+
+def chat_template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                      continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+    """The prompt's token ids from the tokenizer's chat template. ``template_kwargs``: extra template variables (the
+    caller keeps out the tokenizer's own parameters)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message, tokenize=True,
+                                        **(template_kwargs or {}))
+    if hasattr(ids, "keys"):  # a BatchEncoding in newer transformers
+        ids = ids["input_ids"]
+    return list(ids)

@@ -121,8 +121,7 @@ class LLM:
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}`` dicts) or a list of them, each
         through the tokenizer's chat template (the server's path: ``chat_template_ids``), then ``generate``."""
-        from loraplex.engine.async_engine import chat_template_ids
-        from loraplex.engine.chat import chat_messages, template_call_parameters
+        from loraplex.engine.chat import chat_messages, chat_template_ids, template_call_parameters
 
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError(f"messages: must be a conversation (a list of message dicts) or a list of them, got "
