@@ -48,18 +48,27 @@ def compile_here(kernel: str, ptr_types: dict[str, str], constexprs: dict, runti
     return {"ptx": compiled.asm["ptx"], "cubin": bool(compiled.asm["cubin"]), "shared": compiled.metadata.shared}
 
 
-def _compile(kernel: str, ptr_types: dict[str, str], constexprs: dict, *, runtime_hints: bool = False,
-             **options) -> dict:
-    """In a child process without TRITON_INTERPRET: in this (interpreter) process triton's AOT compile fails on
-    a cold cache, the language being bound to the interpreter."""
+def job(kernel: str, ptr_types: dict[str, str], constexprs: dict, *, runtime_hints: bool = False, **options) -> list:
+    """One kernel build for ``_compile_all`` (the arguments of ``compile_here``)."""
+    return [kernel, ptr_types, constexprs, runtime_hints, options]
+
+
+def _compile_all(*jobs: list) -> list[dict]:
+    """``compile_here`` for each job, all in one child process without TRITON_INTERPRET (in this interpreter process
+    triton's AOT compile fails on a cold cache, the language being bound to the interpreter); one child for many
+    builds: each child pays the torch and triton imports once."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = json.dumps([kernel, ptr_types, constexprs, runtime_hints, options])
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from test_lora_compile import compile_here; "
-            "a = json.loads(sys.argv[2]); print(json.dumps(compile_here(*a[:4], **a[4])))")
-    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), args], env=env, cwd=REPO,
+            "print(json.dumps([compile_here(*a[:4], **a[4]) for a in json.loads(sys.argv[2])]))")
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), json.dumps(jobs)], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _compile(kernel: str, ptr_types: dict[str, str], constexprs: dict, *, runtime_hints: bool = False,
+             **options) -> dict:
+    return _compile_all(job(kernel, ptr_types, constexprs, runtime_hints=runtime_hints, **options))[0]
 
 
 @pytest.mark.skipif(ASTSource is None, reason="this triton has no ahead-of-time compile API")
@@ -67,19 +76,19 @@ def _compile(kernel: str, ptr_types: dict[str, str], constexprs: dict, *, runtim
 @pytest.mark.parametrize("regime", ["decode", "prefill"])
 def test_kernels_compile_for_sm90_in_bf16(regime):
     block_m, block_r, block_k, split_k = (16, 16, 128, 4) if regime == "decode" else (64, 64, 64, 1)
-    shrink = _compile("lora_shrink._lora_shrink_kernel", {"x_ptr": "*bf16", "a_ptr": "*bf16", "y_ptr": "*fp32"},
-                      dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
-                           DOT_PRECISION="tf32", USE_PDL=False, CHUNK_TABLES=False), num_warps=4, num_stages=3)
-    expand = _compile("lora_expand._lora_expand_kernel",
-                      {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"},
-                      dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=128, BLOCK_R=64, DOT_PRECISION="tf32", COL_ALIGN=8,
-                           USE_PDL=False, PREFETCH_OUT=True, CHUNK_TABLES=False), num_warps=4)
-    write_only = _compile("lora_expand._lora_expand_kernel",
-                          {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"},
-                          dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=128, BLOCK_R=64, DOT_PRECISION="tf32",
-                               COL_ALIGN=8, USE_PDL=False, PREFETCH_OUT=False, CHUNK_TABLES=False, ACCUMULATE=False),
-                          num_warps=4)
-    for compiled in (shrink, expand, write_only):
+    expand_types = {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"}
+    built = _compile_all(
+        job("lora_shrink._lora_shrink_kernel", {"x_ptr": "*bf16", "a_ptr": "*bf16", "y_ptr": "*fp32"},
+            dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
+                 DOT_PRECISION="tf32", USE_PDL=False, CHUNK_TABLES=False), num_warps=4, num_stages=3),
+        job("lora_expand._lora_expand_kernel", expand_types,
+            dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=128, BLOCK_R=64, DOT_PRECISION="tf32", COL_ALIGN=8,
+                 USE_PDL=False, PREFETCH_OUT=True, CHUNK_TABLES=False), num_warps=4),
+        job("lora_expand._lora_expand_kernel", expand_types,  # write-only
+            dict(SPLIT_K=split_k, BLOCK_M=block_m, BLOCK_N=128, BLOCK_R=64, DOT_PRECISION="tf32",
+                 COL_ALIGN=8, USE_PDL=False, PREFETCH_OUT=False, CHUNK_TABLES=False, ACCUMULATE=False),
+            num_warps=4))
+    for compiled in built:
         assert compiled["cubin"] and "mma" in compiled["ptx"]  # tensor-core dots, not scalar loops
         assert compiled["shared"] <= 100 * 1024
         assert "griddepcontrol" not in compiled["ptx"]  # programmatic dependent launch only when asked
@@ -105,15 +114,12 @@ def test_fused_kernel_compiles_for_sm90_in_bf16(split_k):
 def test_expand_column_hint_gives_pipelined_16_byte_accesses():
     """Without COL_ALIGN the slice offsets (loaded from memory) have unknown alignment: B and out become 2-byte
     scalar accesses and the N loop is not pipelined. With it: cp.async for B, 16-byte out loads and stores."""
-    ptx = {}
-    for align in (1, 8):
-        compiled = _compile("lora_expand._lora_expand_kernel",
-                            {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"},
-                            dict(SPLIT_K=8, BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="tf32",
-                                 COL_ALIGN=align, USE_PDL=False, PREFETCH_OUT=False, CHUNK_TABLES=False),
-                            runtime_hints=True, num_warps=4,
-                            num_stages=3)
-        ptx[align] = compiled["ptx"]
+    built = _compile_all(*[job("lora_expand._lora_expand_kernel",
+                               {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"},
+                               dict(SPLIT_K=8, BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="tf32",
+                                    COL_ALIGN=align, USE_PDL=False, PREFETCH_OUT=False, CHUNK_TABLES=False),
+                               runtime_hints=True, num_warps=4, num_stages=3) for align in (1, 8)])
+    ptx = {1: built[0]["ptx"], 8: built[1]["ptx"]}
     assert "cp.async" not in ptx[1] and "st.global.b16" in ptx[1]
     assert "cp.async" in ptx[8] and "st.global.v4" in ptx[8] and "st.global.b16" not in ptx[8]
 
@@ -128,15 +134,18 @@ def test_programmatic_dependent_launch_only_where_asked():
     shrink_types = {"x_ptr": "*bf16", "a_ptr": "*bf16", "y_ptr": "*fp32"}
     expand_types = {"y_ptr": "*fp32", "b_ptr": "*bf16", "out_ptr": "*bf16", "scaling_ptr": "*fp32"}
     loads_before_wait = {}
-    for prefetch in (0, 1, 2):  # weight_prefetch off / first / l2 (PDL off: test_kernels_compile_for_sm90_in_bf16)
-        shrink = _compile("lora_shrink._lora_shrink_kernel", shrink_types,
-                          dict(SPLIT_K=16, BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, DOT_PRECISION="tf32", USE_PDL=True,
-                               CHUNK_TABLES=True, PREFETCH_A=prefetch),
-                          runtime_hints=True, num_warps=2, num_stages=3)["ptx"]
-        expand = _compile("lora_expand._lora_expand_kernel", expand_types,
-                          dict(SPLIT_K=16, BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="tf32", COL_ALIGN=16,
-                               USE_PDL=True, PREFETCH_OUT=True, CHUNK_TABLES=True, PREFETCH_B=prefetch),
-                          runtime_hints=True, num_warps=4, num_stages=3)["ptx"]
+    prefetches_asked = (0, 1, 2)  # weight_prefetch off / first / l2 (PDL off: test_kernels_compile_for_sm90_in_bf16)
+    built = _compile_all(*[j for prefetch in prefetches_asked for j in (
+        job("lora_shrink._lora_shrink_kernel", shrink_types,
+            dict(SPLIT_K=16, BLOCK_M=16, BLOCK_R=16, BLOCK_K=128, DOT_PRECISION="tf32", USE_PDL=True,
+                 CHUNK_TABLES=True, PREFETCH_A=prefetch),
+            runtime_hints=True, num_warps=2, num_stages=3),
+        job("lora_expand._lora_expand_kernel", expand_types,
+            dict(SPLIT_K=16, BLOCK_M=16, BLOCK_N=128, BLOCK_R=16, DOT_PRECISION="tf32", COL_ALIGN=16,
+                 USE_PDL=True, PREFETCH_OUT=True, CHUNK_TABLES=True, PREFETCH_B=prefetch),
+            runtime_hints=True, num_warps=4, num_stages=3))])
+    for i, prefetch in enumerate(prefetches_asked):
+        shrink, expand = built[2 * i]["ptx"], built[2 * i + 1]["ptx"]
         assert "griddepcontrol.wait" in shrink and "griddepcontrol.launch_dependents" in shrink
         assert "griddepcontrol.wait" in expand and "griddepcontrol.launch_dependents" not in expand
         assert "ld.global.b16" not in shrink and "st.global.b16" not in expand and "st.global.v4" in expand

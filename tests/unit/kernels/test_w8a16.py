@@ -80,15 +80,16 @@ def test_linear_dispatch_on_the_cpu_is_the_dequantized_weight():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, tests/gpu compiles and runs the kernels for real")
 def test_kernel_compiles_for_sm90_in_bf16():
-    from tests.unit.kernels.test_lora_compile import _compile
+    from tests.unit.kernels.test_lora_compile import _compile_all, job
 
-    for (m_block, n_block, k_block, split_k), w_type in (((16, 32, 128, 1), "*i8"), ((64, 64, 64, 1), "*i8"),
-                                                         ((16, 32, 128, 1), "*fp8e4nv"), ((16, 64, 256, 4), "*i8")):
-        for accumulate in (False, True):
-            info = _compile("w8a16._w8a16_kernel", {"x_ptr": "*bf16", "w_ptr": w_type, "scale_ptr": "*fp32",
-                                                    "bias_ptr": "*bf16", "out_ptr": "*bf16"},
-                            dict(BLOCK_M=m_block, BLOCK_N=n_block, BLOCK_K=k_block, HAS_BIAS=True,
-                                 ACCUMULATE=accumulate, DOT_PRECISION="tf32", SPLIT_K=split_k),
-                            runtime_hints=True, num_warps=4, num_stages=3)
-            assert info["cubin"]
-            assert "cp.async" in info["ptx"]  # the int8 and bf16 tiles are pipelined
+    shapes = (((16, 32, 128, 1), "*i8"), ((64, 64, 64, 1), "*i8"), ((16, 32, 128, 1), "*fp8e4nv"), ((16, 64, 256, 4), "*i8"))
+    built = _compile_all(*[job("w8a16._w8a16_kernel", {"x_ptr": "*bf16", "w_ptr": w_type, "scale_ptr": "*fp32",
+                                                       "bias_ptr": "*bf16", "out_ptr": "*bf16"},
+                               dict(BLOCK_M=m_block, BLOCK_N=n_block, BLOCK_K=k_block, HAS_BIAS=True,
+                                    ACCUMULATE=accumulate, DOT_PRECISION="tf32", SPLIT_K=split_k),
+                               runtime_hints=True, num_warps=4, num_stages=3)
+                           for (m_block, n_block, k_block, split_k), w_type in shapes for accumulate in (False, True)])
+    assert len(built) == 2 * len(shapes)
+    for info in built:
+        assert info["cubin"]
+        assert "cp.async" in info["ptx"]  # the int8 and bf16 tiles are pipelined
