@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 LLAMA3_8B = {"hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
              "num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 32}
 SMOKE = {"hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 16, "num_hidden_layers": 2}
+         "head_dim": 16, "num_hidden_layers": 1}  # one layer: the interpreter pays per program
 STEP_TARGET_MS = 2.0
 SWEEP = {"split_k": (1, 2, 4, 8, 16), "block_k": (64, 128, 256), "warps": (2, 4, 8), "stages": (2, 3, 4),
          "block_n": (64, 128, 256), "n_splits": (1, 2, 4, 8, 16, 32)}
