@@ -82,8 +82,13 @@ class ProcessEngine(StreamingClient):
                   freeze_gc))
         self._proc.start()
         child_conn.close()  # the child's end lives in the child alone: its exit closes the pipe here
+        # the tokenizer (transformers' import, then the files) loads here while the child loads the model
+        tokenizer = concurrent.futures.ThreadPoolExecutor(1, "loraplex-tokenizer-load")
+        tokenizer_loaded = tokenizer.submit(load_tokenizer, config.tokenizer or config.model)
+        tokenizer.shutdown(wait=False)
         try:
             info = self._await_ready(start_timeout_s)
+            self.tokenizer = tokenizer_loaded.result()
         except BaseException:
             self._stop_child(timeout_s=5.0)
             self._conn.close()
@@ -93,7 +98,6 @@ class ProcessEngine(StreamingClient):
         self.vocab_size = info["vocab_size"]
         self.pid = self._proc.pid
         self._stats: EngineStats = info["stats"]
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self._streams: dict[str, _Stream] = {}
         self._replies: dict[int, concurrent.futures.Future] = {}
         self._tokens = itertools.count()
