@@ -45,6 +45,11 @@ def config_env() -> dict[str, str]:
     return {**one("ConfigMap")["data"], **one("Secret")["stringData"]}
 
 
+def service_monitor() -> dict:
+    (monitor,) = yaml.safe_load_all((K8S / "monitoring" / "servicemonitor.yaml").read_text())
+    return monitor
+
+
 def test_manifests_parse_and_kustomization_lists_them_all():
     listed = set(one("Kustomization")["resources"])
     on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
@@ -102,8 +107,11 @@ def test_ports_and_probes_are_the_apps():
     port = int(config_env()["LORAPLEX_PORT"])
     c = container()
     assert [p["containerPort"] for p in c["ports"] if p["name"] == "http"] == [port]
-    annotations = one("Deployment")["spec"]["template"]["metadata"]["annotations"]
-    assert int(annotations["prometheus.io/port"]) == port and annotations["prometheus.io/path"] == "/metrics"
+    # no annotation scrape (it cannot send the metrics token): the ServiceMonitor scrapes the Service's http port
+    assert not any(k.startswith("prometheus.io/")
+                   for k in one("Deployment")["spec"]["template"]["metadata"].get("annotations", {}))
+    (endpoint,) = service_monitor()["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics" and endpoint["port"] in [p["name"] for p in one("Service")["spec"]["ports"]]
     assert c["livenessProbe"]["httpGet"]["path"] == "/health"
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"  # 503 while loading or draining
     assert c["readinessProbe"].get("timeoutSeconds", 1) > DB_PROBE_TIMEOUT_S  # /ready pings the database
@@ -330,3 +338,30 @@ def test_dockerignore_keeps_the_build_context_to_what_the_images_copy():
     for path in ("pyproject.toml", "README.md", "loraplex/cli.py", "loraplex/data/README", "migrations/env.py",
                  "migrations/versions/0001_core.py"):
         assert not dockerignored(path, patterns), path
+
+
+def test_metrics_port_is_open_to_the_ingress_and_monitoring_only_and_scrapes_send_the_token():
+    """/metrics shares the API's port: the NetworkPolicy keeps that port to the ingress controller, Prometheus and
+    namespaces marked as API callers, and the ServiceMonitor sends the token the server demands (from the Secret the
+    pods read, under the setting's own name), on the Service the pods are behind."""
+    policy = one("NetworkPolicy")
+    pod_labels = one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert [p["port"] for p in rule["ports"]] == [p["name"] for p in container()["ports"]]
+    allowed = [peer["namespaceSelector"]["matchLabels"] for peer in rule["from"]]
+    assert all(set(peer) == {"namespaceSelector"} for peer in rule["from"])  # whole namespaces, named one by one
+    assert {"kubernetes.io/metadata.name": "ingress-nginx"} in allowed
+    assert {"kubernetes.io/metadata.name": "monitoring"} in allowed
+    assert {} not in allowed  # an empty selector would be every namespace
+
+    monitor = service_monitor()
+    assert monitor["metadata"]["namespace"] == one("Deployment")["metadata"]["namespace"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= one("Service")["metadata"]["labels"].items()
+    credentials = monitor["spec"]["endpoints"][0]["authorization"]["credentials"]
+    assert credentials["name"] in [e["secretRef"]["name"] for e in container()["envFrom"] if "secretRef" in e]
+    assert credentials["key"] == "LORAPLEX_METRICS_TOKEN" and credentials["key"] in SECRET_VARIABLES
+    assert credentials["key"] in one("Secret")["stringData"]  # the example Secret lists the key to create
+    readme = (DEPLOY / "README.md").read_text()
+    assert "--from-literal=LORAPLEX_METRICS_TOKEN=" in readme and "servicemonitor.yaml" in readme
