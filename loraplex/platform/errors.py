@@ -212,8 +212,15 @@ def _handle_http(request: Request, exc: HTTPException) -> Response[Any]:
     return error_response(status, message, _TYPES.get(status, "invalid_request_error"), param, code, exc.headers)
 
 
+def _where(request: Request) -> str:
+    """The request's path as the access log writes it (a key's secret redacted, bounded, control characters escaped)."""
+    from loraplex.platform.middleware import loggable_path  # (middleware imports this module)
+
+    return loggable_path(request.url.path)
+
+
 def _handle_internal(request: Request, exc: Exception) -> Response[Any]:
-    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    log.exception("unhandled error on %s %s", request.method, _where(request), exc_info=exc)
     return error_response(500, "The server had an error while processing your request.", "server_error",
                           code="internal_error")
 
@@ -244,13 +251,13 @@ def _handle_db(request: Request, exc: Exception) -> Response[Any]:
 def _handle_pool_timeout(request: Request, exc: Exception) -> Response[Any]:
     """Every pooled connection busy past LORAPLEX_DATABASE_POOL_TIMEOUT_S (SQLAlchemy's pool TimeoutError is not a
     DBAPI error): an overloaded replica, a 503 to retry like an unreachable database, never a 500."""
-    log.warning("database pool exhausted on %s %s: %s", request.method, request.url.path, exc)
+    log.warning("database pool exhausted on %s %s: %s", request.method, _where(request), exc)
     return error_response(503, "All of the server's database connections are busy; retry shortly.", "server_error",
                           code="database_unavailable", headers={"Retry-After": "2"})
 
 
 def _database_unavailable(request: Request, exc: Exception) -> Response[Any]:
-    log.warning("database unavailable on %s %s: %r", request.method, request.url.path, exc)
+    log.warning("database unavailable on %s %s: %r", request.method, _where(request), exc)
     return error_response(503, "The database is unavailable; retry shortly.", "server_error",
                           code="database_unavailable", headers={"Retry-After": "2"})
 
@@ -278,7 +285,7 @@ def _handle_os_error(request: Request, exc: Exception) -> Response[Any]:
 
 def _handle_redis(request: Request, exc: Exception) -> Response[Any]:
     """Redis (rate limits, caches) unreachable: fail closed with a 503, never admit unlimited traffic."""
-    log.warning("redis unavailable on %s %s: %s", request.method, request.url.path, exc)
+    log.warning("redis unavailable on %s %s: %s", request.method, _where(request), exc)
     return error_response(503, "A backing service is unavailable; retry shortly.", "server_error",
                           code="service_unavailable", headers={"Retry-After": "2"})
 

@@ -104,11 +104,16 @@ class _Exchange:
                 self.completion_id = match.group(1).decode()
 
 
+def loggable_path(path: str) -> str:
+    """A request path as logs show it: an API key's secret in it redacted, at most MAX_LOGGED_PATH_CHARS, control
+    characters escaped (a client's path cannot start a log line of its own)."""
+    return repr(_KEY_SECRET_IN_PATH.sub(r"\1[redacted]", path)[:MAX_LOGGED_PATH_CHARS])[1:-1]
+
+
 def _log_access(method: str, path: str, exchange: _Exchange, started: float) -> None:
     status = exchange.status or 500  # no response started: the server answers 500
     duration_ms = round((time.perf_counter() - started) * 1e3, 1)
-    path = _KEY_SECRET_IN_PATH.sub(r"\1[redacted]", path)
-    path = repr(path[:MAX_LOGGED_PATH_CHARS])[1:-1]  # a client's control characters cannot start a log line
+    path = loggable_path(path)
     access_log.info("%s %s %d %.1fms", method, path, status, duration_ms, extra={"fields": {
         "method": method, "path": path, "status": status, "duration_ms": duration_ms}})
 
