@@ -149,7 +149,7 @@ def create_app(
                 engine_task.cancel()
             if services.engine is not None and engine_client is None:
                 await services.engine.shutdown()
-            services.tokenizer_executor.shutdown(wait=False, cancel_futures=True)
+            services.tokenizer.shutdown()
             await services.authenticator.stop()
             await kv.close()
             await db.dispose()

@@ -8,7 +8,6 @@ import hmac
 import logging
 import os
 import secrets
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from loraplex.engine.protocol import EngineClient
 from loraplex.platform.auth import Authenticator
 from loraplex.platform.db import SessionFactory
 from loraplex.platform.hooks import ModelResolver, NoQuota, QuotaGate, UsageSink
+from loraplex.platform.inference.tokenizer_queue import TokenizerQueue
 from loraplex.platform.kv import KV
 from loraplex.platform.limits import Admission, RateLimiter
 from loraplex.platform.metrics import Metrics
@@ -50,9 +50,8 @@ class Services:
     drain_expired: bool = False
     extras: dict[str, object] = field(default_factory=dict)  # per-area state (e.g. "registry")
     background: set[asyncio.Task] = field(default_factory=set)
-    # the one thread that runs the HTTP side's tokenizer (see inference/pipeline.py)
-    tokenizer_executor: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-tokenizer"))
+    # the one thread that runs the HTTP side's tokenizer, tenants served in turn (inference/tokenizer_queue.py)
+    tokenizer: TokenizerQueue = field(default_factory=TokenizerQueue)
     quota: QuotaGate = field(default_factory=NoQuota)  # replaced by the usage area's quota tracker
 
     def spawn(self, coro, name: str | None = None) -> asyncio.Task:

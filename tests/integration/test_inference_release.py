@@ -161,8 +161,8 @@ class Blocked:
     def __init__(self, services):
         self.release_ = threading.Event()
         self.entered = threading.Event()
-        self.executor = services.tokenizer_executor
-        self.future = self.executor.submit(self._hold)
+        self.queue = services.tokenizer
+        self.task = asyncio.ensure_future(self.queue.run("another-tenant", self._hold))
 
     def _hold(self) -> None:
         self.entered.set()
@@ -174,7 +174,7 @@ class Blocked:
     async def waited_on(self) -> None:
         """Returns once a request's tokenizer call queues up behind the held thread."""
         for _ in range(500):
-            if self.executor._work_queue.qsize():
+            if self.queue.waiting():
                 return
             await asyncio.sleep(0.01)
         raise AssertionError("no tokenizer call came")

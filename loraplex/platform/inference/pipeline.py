@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
 import logging
 import weakref
 from collections.abc import Iterator
@@ -31,11 +29,10 @@ class Prepared:
     prompt_texts: list[str | None]  # for echo
 
 
-async def _tokenize(services, fn, *args) -> list[int]:
-    """Every tokenizer call runs on the one tokenizer thread: never on the event loop (a long prompt
-    would stall every stream), and never two at once (a fast tokenizer is not safe across threads)."""
-    loop = asyncio.get_running_loop()
-    return list(await loop.run_in_executor(services.tokenizer_executor, functools.partial(fn, *args)))
+async def _tokenize(services, tenant: str, fn, *args) -> list[int]:
+    """Every tokenizer call runs on the one tokenizer thread (never on the event loop, never two at once), tenants
+    served in turn (``tokenizer_queue``)."""
+    return list(await services.tokenizer.run(tenant, fn, *args))
 
 
 def _vocab_size(engine) -> int | None:
@@ -66,7 +63,7 @@ def _max_token_chars(tokenizer) -> int:
 def check_prompt_chars(services, chars: int, param: str) -> None:
     """A prompt text too long to fit the context whatever its tokens is refused before it is tokenized: every
     request's prompts go through the one tokenizer thread, ahead of the rate limits, so a 10 MB prompt held every
-    tenant's requests for seconds. The bound is the context times the longest token (times 2, for normalizers
+    tenant's requests for seconds (tenants now take turns there, so this bounds what one turn can cost). The bound is the context times the longest token (times 2, for normalizers
     that join characters), so no prompt the context could hold is refused."""
     engine = services.engine
     tokenizer = getattr(engine, "tokenizer", None)
@@ -91,40 +88,39 @@ def _text_chars(value) -> int:
     return 0
 
 
-async def completion_prompts(req: s.CompletionRequest, services) -> tuple[list[list[int]], list[str | None]]:
+async def completion_prompts(req: s.CompletionRequest, services, tenant: str,
+                             ) -> tuple[list[list[int]], list[str | None]]:
     """The request's prompts as token ids, and the text of each one given as a string (for echo)."""
     items = plan.completion_prompt_items(req, _vocab_size(services.engine))
     check_prompt_chars(services, sum(len(x) for x in items if isinstance(x, str)), "prompt")
-    prompts = [await _tokenize(services, services.engine.encode, x) if isinstance(x, str) else x for x in items]
+    prompts = [await _tokenize(services, tenant, services.engine.encode, x) if isinstance(x, str) else x
+               for x in items]
     return prompts, [x if isinstance(x, str) else None for x in items]
 
 
-async def echo_texts(services, prompts: list[list[int]], texts: list[str | None]) -> list[str]:
+async def echo_texts(services, tenant: str, prompts: list[list[int]], texts: list[str | None]) -> list[str]:
     """The text ``echo`` repeats: a string prompt as sent, a token-id prompt decoded (special tokens
     skipped, so that echoing ``encode(text)`` gives back ``text``)."""
     decode = services.engine.tokenizer.decode
     out = []
     for ids, text in zip(prompts, texts):
         if text is None:
-            loop = asyncio.get_running_loop()
-            text = await loop.run_in_executor(services.tokenizer_executor,
-                                              functools.partial(decode, ids, skip_special_tokens=True))
+            text = await services.tokenizer.run(tenant, decode, ids, skip_special_tokens=True)
         out.append(text)
     return out
 
 
-async def first_token_texts(services, prompts: list[list[int]]) -> list[str]:
+async def first_token_texts(services, tenant: str, prompts: list[list[int]]) -> list[str]:
     """The text of each prompt's first token (``echo`` + ``logprobs``; the engine gives the others')."""
     decode = services.engine.tokenizer.decode
-    loop = asyncio.get_running_loop()
-    return [await loop.run_in_executor(services.tokenizer_executor, decode, ids[:1]) for ids in prompts]
+    return [await services.tokenizer.run(tenant, decode, ids[:1]) for ids in prompts]
 
 
-async def chat_prompt(req: s.ChatCompletionRequest, services) -> list[int]:
+async def chat_prompt(req: s.ChatCompletionRequest, services, tenant: str) -> list[int]:
     call = plan.chat_template_call(req, services.engine.tokenizer, services.base_model_id)
     check_prompt_chars(services, _text_chars(call.messages), "messages")
     try:
-        return await _tokenize(services, services.engine.apply_chat_template, *call.args())
+        return await _tokenize(services, tenant, services.engine.apply_chat_template, *call.args())
     except plan.TEMPLATE_ERRORS as exc:
         raise plan.template_refusal(exc) from exc
 

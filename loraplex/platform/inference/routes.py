@@ -134,7 +134,7 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
     services = request.app.state.services
     engine = services.engine
     plan.check_completion(data)
-    prompts, texts = await completion_prompts(data, services)
+    prompts, texts = await completion_prompts(data, services, principal.tenant_id)
     prompts, texts = plan.truncate_prompts(prompts, texts, data.truncate_prompt_tokens, engine.max_model_len)
     outputs = plan.completion_outputs(data)
     score_prompt = outputs.score_prompt
@@ -147,8 +147,8 @@ async def _create_completion(request: Request, data: s.CompletionRequest) -> Res
         created = int(time.time())
         echo = None
         if data.echo:
-            prompt_texts = await echo_texts(services, prompts, texts)
-            first_tokens = await first_token_texts(services, prompts) if score_prompt else None
+            prompt_texts = await echo_texts(services, principal.tenant_id, prompts, texts)
+            first_tokens = await first_token_texts(services, principal.tenant_id, prompts) if score_prompt else None
             echo = _Echo(engine, prompts, prompt_texts, first_tokens, n)
         await _start(prep)
         if data.stream:
@@ -249,7 +249,7 @@ async def _create_chat_completion(request: Request, data: s.ChatCompletionReques
     principal, resolved = await authorize_and_resolve(request, data.model)
     engine = request.app.state.services.engine
     top_n = plan.check_chat(data)
-    prompt = await chat_prompt(data, request.app.state.services)
+    prompt = await chat_prompt(data, request.app.state.services, principal.tenant_id)
     [prompt], _ = plan.truncate_prompts([prompt], [None], data.truncate_prompt_tokens, engine.max_model_len)
     role = plan.chat_role(data)
     max_tokens, param = plan.chat_max_tokens(data)
