@@ -185,6 +185,25 @@ def names_a_password(query_arg: str) -> bool:
     return "password" in query_arg.lower()
 
 
+def hide_passwords(url: str) -> str:
+    """``url`` with every password in it shown as ``***``: the user part's, and any query argument named like one
+    (``password=``, which redis-py, asyncpg and libpq read, ``sslpassword=``, ``ssl_password=``: a TLS key's). For
+    messages and for what is recorded where others read it. Everything after ``?`` is the query (a ``#`` in a password
+    does not start a fragment that would be kept); a URL that does not parse is not shown at all."""
+    try:
+        parts = urlsplit(url, allow_fragments=False)
+        password = parts.password
+    except ValueError:
+        return "<a service URL that does not parse>"
+    netloc = parts.netloc
+    if password is not None:
+        userinfo, _, host = netloc.rpartition("@")
+        netloc = f"{userinfo.partition(':')[0]}:{HIDDEN_PASSWORD}@{host}"
+    query = [(k, HIDDEN_PASSWORD if names_a_password(k) else v)
+             for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe="*")))
+
+
 def url_password(url: str) -> str | None:
     """The password in a service URL (its user part, or a ``password=`` query argument), as written; None: none."""
     parts = urlsplit(url)

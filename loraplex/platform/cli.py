@@ -17,7 +17,7 @@ import re
 import sys
 import time
 
-from loraplex.settings import ConfigError, Settings
+from loraplex.settings import ConfigError, Settings, hide_passwords
 
 CONNECT_TIMEOUT_S = 10.0
 DATABASE_FILE = "loraplex.db"
@@ -134,10 +134,10 @@ async def check_database(settings: Settings) -> None:
     from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
     from loraplex.platform.db import make_engine
-    from loraplex.platform.migrate import cannot_connect, driver_reason, redact
+    from loraplex.platform.migrate import cannot_connect, driver_reason
 
     url = settings.effective_database_url
-    shown = redact(url)
+    shown = hide_passwords(url)
     try:
         engine = make_engine(url, settings)
     except (ArgumentError, ImportError) as exc:
@@ -165,9 +165,9 @@ async def check_redis(url: str) -> None:
     import redis.asyncio as redis
     from redis.exceptions import RedisError
 
-    from loraplex.platform.migrate import driver_reason, redact
+    from loraplex.platform.migrate import driver_reason
 
-    shown = redact(url)
+    shown = hide_passwords(url)
     try:
         client = redis.Redis.from_url(url, socket_connect_timeout=CONNECT_TIMEOUT_S,
                                       socket_timeout=CONNECT_TIMEOUT_S)
@@ -231,9 +231,9 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     except CommandError as exc:  # a relative target (+N) the database's state cannot reach
         raise FlagError(f"--revision {args.revision}: {exc}") from None
     if args.revision in ("head", "heads"):
-        print(f"database at {migrate.redact(url)} is at the latest revision ({', '.join(sorted(migrate.current_heads(url)))})")
+        print(f"database at {hide_passwords(url)} is at the latest revision ({', '.join(sorted(migrate.current_heads(url)))})")
     else:
-        print(f"database at {migrate.redact(url)} is at revision {args.revision}")
+        print(f"database at {hide_passwords(url)} is at revision {args.revision}")
     return 0
 
 

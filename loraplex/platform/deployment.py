@@ -13,7 +13,6 @@ deployment's secrets): the recorded URL holds ``***`` in its place, and the CLI 
 from __future__ import annotations
 
 import logging
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -22,25 +21,11 @@ from sqlalchemy.exc import OperationalError, ProgrammingError, SQLAlchemyError
 
 from loraplex.platform.db import SessionFactory, utcnow
 from loraplex.platform.models import DeploymentSetting
-from loraplex.settings import HIDDEN_PASSWORD, names_a_password, url_password
+from loraplex.settings import HIDDEN_PASSWORD, hide_passwords, url_password
 
 log = logging.getLogger(__name__)
 
 REDIS_URL = "redis_url"
-
-
-def without_password(url: str) -> str:
-    """``url`` with its password (in the user part or a ``password=`` query argument) replaced by ``***``, and any
-    other secret query argument named like one (``ssl_password=``: a TLS key's) too: the table is readable by
-    whoever reads the database."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if parts.password is not None:
-        userinfo, _, host = netloc.rpartition("@")
-        netloc = f"{userinfo.partition(':')[0]}:{HIDDEN_PASSWORD}@{host}"
-    query = [(k, HIDDEN_PASSWORD if names_a_password(k) else v)
-             for k, v in parse_qsl(parts.query, keep_blank_values=True)]
-    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe="*")))
 
 
 def password_hidden(url: str) -> bool:
@@ -51,7 +36,7 @@ def password_hidden(url: str) -> bool:
 async def record_redis_url(sessions: SessionFactory, redis_url: str | None) -> None:
     """At server start: the Redis URL this server takes invalidations from ('' without Redis), password hidden.
     The last server to start wins; replicas of one deployment share their Redis."""
-    value = without_password(redis_url) if redis_url else ""
+    value = hide_passwords(redis_url) if redis_url else ""
     try:
         async with sessions() as session:
             insert = pg_insert if session.bind.dialect.name == "postgresql" else sqlite_insert

@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 from pathlib import Path
 
-from loraplex.settings import ConfigError, Settings
+from loraplex.settings import ConfigError, Settings, hide_passwords
 
 # every module that defines tables on Base; a module not built yet is skipped
 MODEL_MODULES = (
@@ -92,7 +92,7 @@ def driver_reason(exc: BaseException) -> str:
 def cannot_connect(url: str, exc: BaseException, waited_s: float) -> ConfigError:
     """The one-line error for a database that refused, failed or did not answer a connection (``exc``)."""
     reason = f"no answer within {waited_s:.0f} s" if isinstance(exc, TimeoutError) else driver_reason(exc)
-    return ConfigError(f"cannot connect to the database at {redact(url)}: {reason} "
+    return ConfigError(f"cannot connect to the database at {hide_passwords(url)}: {reason} "
                        "(--database-url / LORAPLEX_DATABASE_URL)")
 
 
@@ -117,27 +117,3 @@ async def begin_startup_lock(session) -> None:
         await session.execute(text("BEGIN IMMEDIATE"))
     else:
         raise AssertionError(f"no start-up lock for {dialect}")
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for messages: the user part's and any query argument naming a password
-    (``password=``, which redis-py, asyncpg and libpq all read, ``sslpassword=``...), each shown as ``***``."""
-    from urllib.parse import parse_qsl, quote
-
-    from sqlalchemy.engine import make_url
-
-    from loraplex.settings import HIDDEN_PASSWORD, names_a_password
-
-    try:
-        shown = make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return "<database url>"
-    base, sep, query = shown.partition("?")
-    if not sep:
-        return shown
-    args = []  # (a '#' in a password is not taken as a fragment to keep: the whole argument goes)
-    for part in query.split("&"):
-        pairs = parse_qsl(part, keep_blank_values=True)
-        name = pairs[0][0] if pairs else part
-        args.append(f"{quote(name, safe='')}={HIDDEN_PASSWORD}" if names_a_password(name) else part)
-    return f"{base}?{'&'.join(args)}"

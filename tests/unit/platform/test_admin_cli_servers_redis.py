@@ -12,7 +12,7 @@ import pytest
 from loraplex.cli import main
 from loraplex.platform import deployment
 from loraplex.platform.db import make_engine, make_session_factory
-from loraplex.settings import ConfigError, Settings, url_with_password
+from loraplex.settings import ConfigError, Settings, hide_passwords, url_with_password
 
 
 @pytest.mark.parametrize("url, recorded", [
@@ -24,7 +24,7 @@ from loraplex.settings import ConfigError, Settings, url_with_password
     ("redis://redis.loraplex.svc:6379/0", "redis://redis.loraplex.svc:6379/0"),
 ])
 def test_a_recorded_url_keeps_everything_but_the_password(url, recorded):
-    assert deployment.without_password(url) == recorded
+    assert hide_passwords(url) == recorded
     assert deployment.password_hidden(recorded) == ("s3cret" in url)
 
 
@@ -43,7 +43,7 @@ def test_the_password_goes_where_the_recorded_url_hides_it(url, password, usable
 
     assert url_with_password(url, password) == usable
     assert redis.Redis.from_url(usable).get_connection_kwargs()["password"] == password  # as redis-py reads it
-    assert deployment.password_hidden(deployment.without_password(usable))  # what a server given it records
+    assert deployment.password_hidden(hide_passwords(usable))  # what a server given it records
 
 
 def test_a_redis_password_set_twice_is_refused_naming_both():
@@ -68,7 +68,7 @@ def record(data_dir: str, redis_url: str) -> None:
         try:
             await deployment.record_redis_url(make_session_factory(engine), redis_url)
             assert await deployment.servers_redis_url(make_session_factory(engine)) == \
-                deployment.without_password(redis_url)
+                hide_passwords(redis_url)
         finally:
             await engine.dispose()
 

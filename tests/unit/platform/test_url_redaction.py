@@ -8,8 +8,8 @@ import socket
 import pytest
 
 from loraplex.platform.cli import check_redis
-from loraplex.platform.migrate import cannot_connect, redact
-from loraplex.settings import ConfigError, Settings
+from loraplex.platform.migrate import cannot_connect
+from loraplex.settings import ConfigError, Settings, hide_passwords
 
 SECRET = "s3cretPW"
 
@@ -24,15 +24,22 @@ SECRET = "s3cretPW"
     f"postgresql+asyncpg://app@db:5432/prod?password={SECRET}",
     f"postgresql+asyncpg://app:{SECRET}@db:5432/prod?sslpassword={SECRET}",
 ])
-def test_redact_hides_a_password_in_the_user_part_or_the_query(url):
-    shown = redact(url)
+def test_hide_passwords_hides_a_password_in_the_user_part_or_the_query(url):
+    shown = hide_passwords(url)
     assert SECRET not in shown
     assert "***" in shown
 
 
-def test_redact_keeps_the_rest_of_the_url():
-    assert redact("redis://host:6379/0?db=2&password=x") == "redis://host:6379/0?db=2&password=***"
-    assert redact("postgresql+asyncpg://app@db:5432/prod") == "postgresql+asyncpg://app@db:5432/prod"
+def test_hide_passwords_of_an_at_sign_in_the_password_or_a_url_that_does_not_parse():
+    assert hide_passwords(f"postgresql+asyncpg://app:{SECRET}@x@db:5432/prod") == \
+        "postgresql+asyncpg://app:***@db:5432/prod"
+    shown = hide_passwords(f"redis://:{SECRET}@[::1:6379/0")  # an unclosed IPv6 host: urlsplit refuses it
+    assert SECRET not in shown and "does not parse" in shown
+
+
+def test_hide_passwords_keeps_the_rest_of_the_url():
+    assert hide_passwords("redis://host:6379/0?db=2&password=x") == "redis://host:6379/0?db=2&password=***"
+    assert hide_passwords("postgresql+asyncpg://app@db:5432/prod") == "postgresql+asyncpg://app@db:5432/prod"
 
 
 def _closed_port() -> int:
