@@ -165,6 +165,11 @@ def test_walk_through(server, browser, globex, tiny_model):
     page.click("[data-testid=upload] button[type=submit]")
     page.wait_for_selector("[data-testid=upload-note].err-text")
     assert "adapter refused" in page.inner_text("[data-testid=upload-note]")
+    # the field the refusal is about (the API's error.param) is marked, with the message beside it
+    assert page.get_attribute("#up-weights", "aria-invalid") == "true"
+    assert page.get_attribute("#up-weights", "aria-describedby") == "up-weights-error"
+    assert "adapter refused" in page.inner_text("#up-weights-error")
+    assert page.locator("[aria-invalid=true]").count() == 1
     # the progress bar followed the upload to its end before the registry answered
     assert page.is_visible("[data-testid=upload-progress]")
     assert page.eval_on_selector("[data-testid=upload-progress]", "n => n.value") == 100
@@ -189,9 +194,12 @@ def test_walk_through(server, browser, globex, tiny_model):
     page.fill("#pg-max", "")  # blank is refused, not silently 16
     page.click("#pg-run")
     assert "Max tokens must be a whole number" in page.inner_text("[data-testid=pg-status]")
+    assert page.get_attribute("#pg-max", "aria-invalid") == "true"
+    assert "Max tokens must be a whole number" in page.inner_text("#pg-max-error")
     page.fill("#pg-max", "24")
     page.click("#pg-run")
     page.wait_for_selector("#pg-usage:not([hidden])")
+    assert page.get_attribute("#pg-max", "aria-invalid") is None and page.locator("#pg-max-error").count() == 0
     assert page.inner_text("[data-testid=pg-status]") == "Done"
     assert page.inner_text("#pg-text").strip()
     completion_tokens = int(page.inner_text("[data-testid=pg-completion-tokens]"))

@@ -61,12 +61,40 @@
     sel.addRange(range);
   }
 
-  async function errorMessage(response) {
+  // an API refusal as an Error: its message, and the request field it is about (error.param) where it names one
+  async function apiError(response) {
+    const err = new Error("HTTP " + response.status);
     try {
       const body = await response.json();
-      if (body && body.error && body.error.message) return body.error.message;
+      if (body && body.error && body.error.message) {
+        err.message = body.error.message;
+        err.param = body.error.param || null;
+      }
     } catch (e) { /* not JSON */ }
-    return "HTTP " + response.status;
+    return err;
+  }
+
+  // ---- a refusal about one field: that field marked and the message beside it, as the server-rendered forms do --
+  function clearFieldErrors(form) {
+    form.querySelectorAll(".field-error.from-client").forEach((p) => p.remove());
+    form.querySelectorAll("[aria-invalid]").forEach((el) => {
+      el.removeAttribute("aria-invalid");
+      el.removeAttribute("aria-describedby");
+    });
+  }
+
+  function markField(form, param, message) {
+    const el = param ? form.elements.namedItem(param) : null;
+    if (!el || !el.id) return false; // a field this form does not have: the status line alone tells it
+    const p = document.createElement("p");
+    p.id = el.id + "-error";
+    p.className = "field-error from-client";
+    p.textContent = message;
+    el.setAttribute("aria-invalid", "true");
+    el.setAttribute("aria-describedby", p.id);
+    el.insertAdjacentElement("afterend", p);
+    el.focus();
+    return true;
   }
 
   // ---- playground: POST with stream=true, read the SSE body as it arrives -------------------------
@@ -83,11 +111,14 @@
     stop.addEventListener("click", () => controller && controller.abort());
     form.addEventListener("submit", async (ev) => {
       ev.preventDefault();
+      clearFieldErrors(form);
       const data = new FormData(form);
       const maxText = String(data.get("max_tokens") || "").trim();
       if (!/^[0-9]+$/.test(maxText) || parseInt(maxText, 10) < 1) {
         // not silently 16: the same rule as every number field (ASCII digits, at least 1)
-        return setStatus("Max tokens must be a whole number of at least 1, got '" + maxText + "'.", "err-text");
+        const message = "Max tokens must be a whole number of at least 1, got '" + maxText + "'.";
+        markField(form, "max_tokens", message);
+        return setStatus(message, "err-text");
       }
       const body = {
         model: data.get("model"), prompt: data.get("prompt"),
@@ -111,7 +142,7 @@
           body: JSON.stringify(body),
         });
         if (r.status === 401) return toLogin();
-        if (!r.ok) throw new Error(await errorMessage(r));
+        if (!r.ok) throw await apiError(r);
         const reader = r.body.getReader();
         const decoder = new TextDecoder();
         let buffer = "", finished = false;
@@ -148,6 +179,7 @@
         $("#pg-usage").hidden = false;
         setStatus("Done", "ok-text");
       } catch (e) {
+        if (e.param) markField(form, e.param, e.message);
         setStatus(e.name === "AbortError" ? "Stopped" : "Error: " + e.message, e.name === "AbortError" ? "" : "err-text");
       } finally {
         caret.hidden = true;
@@ -169,6 +201,7 @@
     }
     form.addEventListener("submit", (ev) => {
       ev.preventDefault();
+      clearFieldErrors(form);
       const data = new FormData(form);
       for (const [key, value] of Array.from(data.entries())) {
         if (value instanceof File && !value.name) data.delete(key); // unchosen file inputs
@@ -208,6 +241,7 @@
         } else {
           note.className = "err-text";
           note.textContent = (body.error && body.error.message) || "Upload failed (HTTP " + xhr.status + ").";
+          if (body.error && body.error.param) markField(form, body.error.param, body.error.message);
         }
       });
       xhr.addEventListener("error", () => {
