@@ -15,13 +15,71 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-KEY_RE = re.compile(r"admin key.*?(lpx-\S+)")
+KEY_RE = re.compile(r"lpx-[a-z0-9]{12}-[A-Za-z0-9]{40}")  # a key as the server prints it (platform/auth.py)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_serve(args: list[str], env: dict[str, str], cwd: Path | None = None) -> tuple[subprocess.Popen, list[str]]:
+    """``loraplex serve *args`` with exactly ``env``; its stdout and stderr lines gather in the returned list."""
+    proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "serve", *args], env=env, cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    output: list[str] = []
+
+    def pump() -> None:
+        for line in iter(proc.stdout.readline, ""):
+            output.append(line.rstrip("\n"))
+        proc.stdout.close()
+
+    threading.Thread(target=pump, daemon=True).start()
+    return proc, output
+
+
+def wait_ready(proc: subprocess.Popen, output: list[str], base_url: str, ready_timeout: float,
+               admin_key: str | None = None) -> str:
+    """Until ``/ready`` answers 200 and the bootstrap admin key is known (``admin_key``, or read from the output);
+    returns the key. RuntimeError when the server exits or its engine fails to start, TimeoutError after
+    ``ready_timeout`` (the process is killed then)."""
+    import httpx
+
+    deadline = time.monotonic() + ready_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"loraplex serve exited with {proc.returncode}:\n" + "\n".join(output[-60:]))
+        admin_key = admin_key or next((m.group(0) for line in list(output) if "admin key" in line
+                                       for m in [KEY_RE.search(line)] if m), None)
+        try:
+            r = httpx.get(base_url + "/ready", timeout=2.0)
+            if r.status_code == 200 and admin_key:
+                return admin_key
+            if r.status_code == 503 and r.json().get("status") == "engine_failed":
+                stop_serve(proc, 0)
+                raise RuntimeError("the engine failed to start:\n" + "\n".join(output[-60:]))
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.1)
+    stop_serve(proc, 0)
+    raise TimeoutError(f"loraplex serve not ready after {ready_timeout:.0f} s:\n" + "\n".join(output[-60:]))
+
+
+def stop_serve(proc: subprocess.Popen, timeout: float) -> bool:
+    """SIGTERM (the server drains), SIGKILL after ``timeout`` seconds (at once with 0); whether it was killed."""
+    if proc.poll() is not None:
+        return False
+    if timeout > 0:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=timeout)
+            return False
+        except subprocess.TimeoutExpired:
+            pass
+    proc.kill()
+    proc.wait()
+    return True
 
 
 @dataclass
@@ -59,15 +117,7 @@ class LaunchedServer:
     def stop(self, timeout: float = 60.0) -> dict:
         """SIGTERM (the server drains), SIGKILL after ``timeout``; returns how it ended."""
         started = time.monotonic()
-        killed = False
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                killed = True
+        killed = stop_serve(self.proc, timeout)
         return {"pid": self.proc.pid, "exit_code": self.proc.returncode, "killed": killed,
                 "stop_s": time.monotonic() - started}
 
@@ -98,9 +148,8 @@ def launch_server(model_dir: Path, serve_args: list[str], ready_timeout: float =
                   env: dict[str, str] | None = None) -> LaunchedServer:
     """``loraplex serve model_dir *serve_args`` on a free port with its own data dir; waits for ``/ready``.
     ``env``: more LORAPLEX_ settings for it (none of ``BENCH_OWNED``)."""
-    import httpx
 
-    port = _free_port()
+    port = free_port()
     data_dir = Path(tempfile.mkdtemp(prefix="loraplex-bench-serve-"))
     # only these LORAPLEX_ settings: no database or Redis URL, so the server runs the embedded default
     owned = sorted(set(env or {}) & set(BENCH_OWNED))
@@ -110,28 +159,7 @@ def launch_server(model_dir: Path, serve_args: list[str], ready_timeout: float =
                  **(env or {})}
     proc_env = {k: v for k, v in os.environ.items() if not k.startswith("LORAPLEX_")}
     proc_env.update(overrides, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "loraplex.cli", "serve", str(model_dir), *serve_args], env=proc_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-    output: list[str] = []
-
-    def pump() -> None:
-        for line in iter(proc.stdout.readline, ""):
-            output.append(line.rstrip("\n"))
-
-    threading.Thread(target=pump, daemon=True).start()
+    proc, output = spawn_serve([str(model_dir), *serve_args], proc_env)
     base = f"http://127.0.0.1:{port}"
-    key = None
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"loraplex serve exited with {proc.returncode}:\n" + "\n".join(output[-40:]))
-        key = key or next((m.group(1) for m in map(KEY_RE.search, list(output)) if m), None)
-        try:
-            if key and httpx.get(base + "/ready", timeout=2.0).status_code == 200:
-                return LaunchedServer(base, key, proc, output, data_dir, overrides)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    proc.wait()
-    raise TimeoutError(f"loraplex serve not ready after {ready_timeout:.0f} s:\n" + "\n".join(output[-40:]))
+    key = wait_ready(proc, output, base, ready_timeout)
+    return LaunchedServer(base, key, proc, output, data_dir, overrides)

@@ -23,27 +23,19 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
+from loraplex.bench.server_launch import KEY_RE, free_port, spawn_serve, stop_serve, wait_ready
+
 ROOT = Path(__file__).resolve().parents[2]
-KEY_RE = re.compile(r"lpx-[a-z0-9]{12}-[A-Za-z0-9]{40}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["KEY_RE", "free_port", "start_server", "backend_server", "FreshPostgres", "BACKENDS", "LiveServer"]
 
 
 @dataclass
@@ -99,20 +91,8 @@ class LiveServer:
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM (drain), wait, return the exit code (SIGKILL after ``timeout``)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_serve(self.proc, timeout)
         return self.proc.returncode
-
-
-def _pump(stream, sink: list[str]) -> None:
-    for line in iter(stream.readline, ""):
-        sink.append(line.rstrip("\n"))
-    stream.close()
 
 
 def start_server(
@@ -154,36 +134,10 @@ def start_server(
     if redis_url:
         full_env["LORAPLEX_REDIS_URL"] = redis_url
     full_env.update(env or {})
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "loraplex.cli", "serve", *args], env=full_env, cwd=ROOT,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-    )
-    output: list[str] = []
-    threading.Thread(target=_pump, args=(proc.stdout, output), daemon=True).start()
+    proc, output = spawn_serve(list(args), full_env, cwd=ROOT)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ready_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"loraplex serve exited with {proc.returncode}:\n" + "\n".join(output[-60:]))
-        if admin_key is None:
-            for line in output:
-                m = KEY_RE.search(line)
-                if m and "admin key" in line:
-                    admin_key = m.group(0)
-        try:
-            r = httpx.get(base + "/ready", timeout=2.0)
-            if r.status_code == 200 and admin_key:
-                return LiveServer(base, admin_key, data_dir, full_env, proc, output)
-            if r.status_code == 503 and r.json().get("status") == "engine_failed":
-                proc.kill()
-                proc.wait()
-                raise RuntimeError("the engine failed to start:\n" + "\n".join(output[-60:]))
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.1)
-    proc.kill()
-    proc.wait()
-    raise TimeoutError(f"loraplex serve not ready after {ready_timeout}s:\n" + "\n".join(output[-60:]))
+    admin_key = wait_ready(proc, output, base, ready_timeout, admin_key)
+    return LiveServer(base, admin_key, data_dir, full_env, proc, output)
 
 
 # ---- a throwaway PostgreSQL database per test run ----------------------------------------------
