@@ -7,28 +7,20 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from loraplex.engine.async_engine import AsyncEngine
-from loraplex.platform.app import create_app
-from loraplex.platform.engine_boot import engine_config
-from loraplex.settings import Settings
 from tests.e2e.server import free_port
+from tests.tiny_app import tiny_app
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory, tiny_model):
     import uvicorn
 
-    settings = Settings(data_dir=str(tmp_path_factory.mktemp("faults")), device="cpu", num_kv_blocks=256,
-                        model=tiny_model["model_dir"])
-    engine = AsyncEngine.from_config(engine_config(settings, Path(tiny_model["model_dir"]), "tiny"))
-    keys: list[str] = []
-    app = create_app(settings, engine_client=engine, on_bootstrap_key=keys.append)
+    app, engine, keys, model = tiny_app(tmp_path_factory.mktemp("faults"), tiny_model, num_kv_blocks=256)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -41,14 +33,14 @@ def live(tmp_path_factory, tiny_model):
     with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {keys[0]}"}) as c:
         c.post("/admin/tenants", json={"name": "faulty"}).raise_for_status()
         key = c.post("/admin/keys", json={"tenant": "faulty"}).json()["key"]
-    yield {"base": base, "key": key, "engine": engine, "app": app}
+    yield {"base": base, "key": key, "engine": engine, "app": app, "model": model}
     server.should_exit = True
     thread.join(30)
 
 
 def test_disconnect_aborts_engine_request_within_a_second(live):
     engine = live["engine"]
-    body = {"model": "tiny", "prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+    body = {"model": live["model"], "prompt": "go", "max_tokens": 2000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=live["base"], headers={"Authorization": f"Bearer {live['key']}"}) as c, \
             c.stream("POST", "/v1/completions", json=body) as r:
         lines = r.iter_lines()
@@ -62,7 +54,7 @@ def test_disconnect_aborts_engine_request_within_a_second(live):
 
 def test_non_streaming_disconnect_aborts_too(live):
     engine = live["engine"]
-    body = {"model": "tiny", "prompt": "go", "max_tokens": 2000, "ignore_eos": True}
+    body = {"model": live["model"], "prompt": "go", "max_tokens": 2000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(live["base"] + "/v1/completions", json=body, timeout=0.5,
                    headers={"Authorization": f"Bearer {live['key']}"})
@@ -75,7 +67,7 @@ def test_non_streaming_disconnect_aborts_too(live):
 def test_engine_death_ends_streams_with_an_error_and_fails_ready(live):
     engine = live["engine"]
     client = openai.OpenAI(api_key=live["key"], base_url=live["base"] + "/v1", max_retries=0, timeout=30)
-    stream = client.completions.create(model="tiny", prompt="go", max_tokens=2000, stream=True,
+    stream = client.completions.create(model=live["model"], prompt="go", max_tokens=2000, stream=True,
                                        extra_body={"ignore_eos": True})
     next(iter(stream))
 
@@ -94,6 +86,6 @@ def test_engine_death_ends_streams_with_an_error_and_fails_ready(live):
     assert httpx.get(live["base"] + "/health").status_code == 200  # liveness stays up
     t0 = time.monotonic()
     with pytest.raises(openai.APIStatusError) as err:
-        client.completions.create(model="tiny", prompt="x", max_tokens=2)
+        client.completions.create(model=live["model"], prompt="x", max_tokens=2)
     assert err.value.status_code == 503 and time.monotonic() - t0 < 2
     assert err.value.response.headers["retry-after"]
