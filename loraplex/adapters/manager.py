@@ -392,6 +392,16 @@ class LoRAManager:
         return (adapter_id in self._paths and adapter_id not in self._removed) or adapter_id in self._loading \
             or adapter_id in self._queued
 
+    def registration(self, adapter_id: int) -> tuple[str, str] | None:
+        """(name, directory) of a registered adapter, as a LoRA request gave them; None: not registered."""
+        if not self.is_registered(adapter_id):
+            return None
+        pending = self._loading.get(adapter_id)
+        if pending is not None:
+            return pending.name, pending.path
+        path = self._queued.get(adapter_id) or self._paths[adapter_id]
+        return self._names.get(adapter_id, f"lora-{adapter_id}"), path
+
     def loaded_adapter_ids(self) -> set[int]:
         """Adapters whose weights are here (host memory or a GPU slot), and the kept ones; not those removed."""
         ids = set(self.host_cache.ids()) | set(self._slot_of) | self._kept

@@ -11,9 +11,10 @@ vLLM's meaning, and Loraplex's:
 - ``pin_lora(lora_id) -> bool``: keep the adapter in a GPU slot (and in host memory) until it is removed; True.
   A ValueError for an id not registered, and for a pin that would leave no slot of ``max_loras`` to the other
   adapters (the scheduler then admits the others within the slots the pinned ones leave).
-All four are a ValueError naming ``enable_lora`` on an engine started without it. Under tensor parallelism the
-pin holds a slot on rank 0, whose scheduler leaves room for it on every rank; the other ranks read an adapter when
-a step first uses it.
+All four are a ValueError naming ``enable_lora`` on an engine started without it. Under tensor parallelism
+``add_lora`` and ``pin_lora`` reach every rank: each reads its shard of the adapter then (so its files may go once
+``add_lora`` has returned, as in vLLM) and holds the pinned one in a slot; rank 0's scheduler leaves room for the
+pinned ones on every rank. An adapter that only requests name is read by the other ranks at the first step that uses it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _check_id(name: str, lora_id) -> int:
 
 
 class LoRAFunctions:
-    """Mixed into ``LLMEngine`` (uses its ``config``, ``runner``, ``scheduler`` and ``remove_adapter``)."""
+    """Mixed into ``LLMEngine`` (uses its ``config``, ``runner``, ``scheduler``, ``tp_driver`` and ``remove_adapter``)."""
 
     def _lora_manager(self, method: str):
         if not self.config.enable_lora:
@@ -48,6 +49,8 @@ class LoRAFunctions:
             raise TypeError(f"add_lora: lora_request must be a LoRARequest, got {type(lora_request).__name__} "
                             f"{lora_request!r:.80}")
         self._lora_manager("add_lora").validate_and_prefetch(lora_request)
+        if self.tp_driver is not None:
+            self.tp_driver.add_adapter(lora_request)
         return True
 
     def remove_lora(self, lora_id: int) -> bool:
@@ -65,8 +68,12 @@ class LoRAFunctions:
     def pin_lora(self, lora_id: int) -> bool:
         """Keep a registered adapter in a GPU slot until ``remove_lora``."""
         lora_id = _check_id("pin_lora", lora_id)
+        manager = self._lora_manager("pin_lora")
         try:
-            self._lora_manager("pin_lora").keep_resident(lora_id)
+            manager.keep_resident(lora_id)
         except ValueError as exc:
             raise ValueError(f"pin_lora: {exc}") from exc
+        if self.tp_driver is not None:
+            name, path = manager.registration(lora_id)
+            self.tp_driver.keep_adapter(LoRARequest(name, lora_id, path))
         return True

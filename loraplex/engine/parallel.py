@@ -365,6 +365,14 @@ class Driver:
     def remove_adapter(self, adapter_id: int) -> None:
         self._send(("remove_adapter", adapter_id))
 
+    def add_adapter(self, lora_request) -> None:
+        """``add_lora`` on rank 0: every rank reads its shard now."""
+        self._send(("add_adapter", lora_request))
+
+    def keep_adapter(self, lora_request) -> None:
+        """``pin_lora`` on rank 0: every rank reads it (if it has not) and holds it in a slot."""
+        self._send(("keep_adapter", lora_request))
+
     def abort(self) -> None:
         """Rank 0 failed to start: the workers may wait in a collective that will never come; end them."""
         self.closed = True
@@ -419,6 +427,10 @@ def worker_main(config, rank: int, port: int) -> None:
                 runner.lora_manager.remove_adapter(message[1])
                 runner.lora_manager.take_dropped()  # (rank 0's prefix cache is the one that forgets)
             continue
+        if kind in ("add_adapter", "keep_adapter"):
+            if runner.lora_manager is not None:
+                _register_adapter(runner.lora_manager, message[1], keep=kind == "keep_adapter")
+            continue
         _, step, has_prev = message
         out = mirror.apply(step)
         if runner.lora_manager is not None:
@@ -433,6 +445,17 @@ def worker_main(config, rank: int, port: int) -> None:
             pending.result()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _register_adapter(manager, lora_request, keep: bool) -> None:
+    """Rank 0's ``add_lora`` / ``pin_lora`` on this rank. Rank 0 read the same files a moment ago: a failure here
+    (they changed or went away since) is logged, and the rank tries again at the first step that uses the adapter."""
+    try:
+        manager.validate_and_prefetch(lora_request)
+        if keep:
+            manager.keep_resident(lora_request.lora_int_id)
+    except Exception:  # noqa: BLE001 - the rank goes on: its steps are rank 0's to decide
+        log.exception("tensor parallel: adapter %d could not be registered on this rank", lora_request.lora_int_id)
 
 
 def _receive():

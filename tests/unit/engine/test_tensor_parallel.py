@@ -402,3 +402,29 @@ def test_a_dead_worker_is_noticed(tiny_model):
     driver.procs[0].kill()
     assert noticed.wait(timeout=10)
     driver.abort()
+
+
+def test_add_lora_and_pin_lora_reach_every_rank(tiny_model, tmp_path):
+    """vLLM's add_lora reads the adapter now, so its files may go once it returns: every rank must have read its
+    shard by then (the other ranks used to read at the first step that used it, from files gone by then), and
+    pin_lora holds it on every rank."""
+    import shutil
+
+    kw = dict(dtype="float32", enable_lora=True, max_loras=2, seed=5, num_kv_blocks=16, max_model_len=96)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1] + list(range(60, 80))}]
+    want = LLM(tiny_model["model_dir"], **kw).generate(prompts, params,
+                                                        lora_request=LoRARequest("a3", 4, adapter_dir(tiny_model, 3)))
+    with LLM(tiny_model["model_dir"], tensor_parallel_size=2, **kw) as two:
+        for lora_id, index in ((4, 3), (5, 4)):
+            copy = tmp_path / f"a{index}"
+            shutil.copytree(adapter_dir(tiny_model, index), copy)
+            assert two.llm_engine.add_lora(LoRARequest(f"a{index}", lora_id, str(copy))) is True
+        assert two.llm_engine.pin_lora(4) is True
+        shutil.rmtree(tmp_path / "a3")
+        shutil.rmtree(tmp_path / "a4")
+        got = two.generate(prompts, params, lora_request=LoRARequest("a3", 4, str(tmp_path / "a3")))
+        assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids, got[0].outputs[0]
+        other = two.generate(prompts, params, lora_request=LoRARequest("a4", 5, str(tmp_path / "a4")))
+        assert other[0].outputs[0].finish_reason == "length"  # added, not pinned: every rank serves it too
+        assert two.llm_engine.list_loras() == {4, 5}
