@@ -73,7 +73,7 @@ class ProcessEngine(StreamingClient):
     """``EngineClient`` over an engine in a child process (started here; blocks until its model has loaded)."""
 
     def __init__(self, config: EngineConfig, model_id: str | None = None, *, freeze_gc: bool = False,
-                 start_timeout_s: float = START_TIMEOUT_S):
+                 start_timeout_s: float = START_TIMEOUT_S, stalled_close_s: float = STALLED_CLOSE_S):
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self._proc = ctx.Process(
@@ -104,6 +104,7 @@ class ProcessEngine(StreamingClient):
         self._dead: BaseException | None = None
         self._heard_at = time.monotonic()  # when the child last sent anything (the reader thread sets it)
         self._kill_reason: str | None = None
+        self._stalled_close_s = stalled_close_s
         self._lock = threading.Lock()  # orders streams, replies and sends against the child's death
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_loop, name="loraplex-engine-writer", daemon=True)
@@ -171,8 +172,8 @@ class ProcessEngine(StreamingClient):
         self._closed = True
         atexit.unregister(self._at_exit)
         self._send(("shutdown",))
-        if self.silent_s() > STALLED_CLOSE_S:  # stuck: it would not read the shutdown command in time anyway
-            timeout_s = min(timeout_s, STALLED_CLOSE_S)
+        if self.silent_s() > self._stalled_close_s:  # stuck: it would not read the shutdown command in time anyway
+            timeout_s = min(timeout_s, self._stalled_close_s)
         self._stop_child(timeout_s)
         self._reader.join(5.0)
         self._mark_dead(EngineDeadError("the engine was shut down"))

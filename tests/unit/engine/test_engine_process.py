@@ -16,7 +16,7 @@ import pytest
 
 from loraplex import LLM, LoRARequest, SamplingParams
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.engine_process import HEARTBEAT_S, STALLED_CLOSE_S, ProcessEngine
+from loraplex.engine.engine_process import HEARTBEAT_S, ProcessEngine
 from loraplex.engine.protocol import EngineDeadError, EngineRequest
 from loraplex.engine.sampling_params import RequestLimitError, SamplingParamsError
 from tests.unit.engine.test_async_engine import _long_stream_started
@@ -169,12 +169,14 @@ async def test_an_idle_engine_beats_and_a_stopped_one_falls_silent_then_is_kille
 
 
 async def test_closing_a_stuck_engine_waits_the_short_stall_timeout_not_the_full_one(tiny_model):
-    eng = ProcessEngine.from_config(EngineConfig(model=tiny_model["model_dir"], dtype="float32"))
+    stalled_close_s = 1.0  # (the server's is STALLED_CLOSE_S)
+    eng = ProcessEngine.from_config(EngineConfig(model=tiny_model["model_dir"], dtype="float32"),
+                                    stalled_close_s=stalled_close_s)
     os.kill(eng.pid, signal.SIGSTOP)
-    await asyncio.sleep(STALLED_CLOSE_S + 2 * HEARTBEAT_S)
+    await asyncio.sleep(stalled_close_s + 2 * HEARTBEAT_S)
     started = time.monotonic()
     await asyncio.to_thread(eng.close, 60.0)
-    assert time.monotonic() - started < STALLED_CLOSE_S + 10  # stopped and killed, not 60 s of waiting
+    assert time.monotonic() - started < stalled_close_s + 10  # stopped and killed, not 60 s of waiting
     assert not _alive(eng.pid)
 
 
