@@ -144,7 +144,7 @@ def _run(args) -> int:
         scanned = files.scan(src)
         limits = _request_limits() if fmt == OPENAI else None
         line_defaults = None if fmt == OPENAI else {"max_tokens": _max_tokens(args), "temperature": _temperature(args)}
-        plan = files.plan_output(args, scanned, fmt, line_defaults, limits)
+        plan = files.plan_output(args, src, scanned, fmt, line_defaults, limits)
         llm = _load(args)  # before OUTPUT is opened: a run that cannot start leaves it as it was
         dst = files.open_output(args, plan)
         try:

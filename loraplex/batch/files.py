@@ -149,10 +149,10 @@ class OutputPlan:
     options: dict | None = None
 
 
-def plan_output(args, scanned: Iterator[tuple[int, bytes]], fmt: str, line_defaults: dict | None,
+def plan_output(args, src, scanned: Iterator[tuple[int, bytes]], fmt: str, line_defaults: dict | None,
                 limits: dict | None) -> OutputPlan:
     """Every check of OUTPUT, writing nothing: how many of its lines an earlier run left (their input lines are
-    taken from ``scanned``), and how many of those failed. ``line_defaults``, ``limits``: what the run records of
+    taken from ``scanned``, read from ``src``), and how many of those failed. ``line_defaults``, ``limits``: what the run records of
     loraplex-format lines' defaults and of an OpenAI-format run's request limits (run_options.of_args)."""
     path = args.output
     if os.path.isdir(path):  # not a regular file, but no stream either
@@ -163,7 +163,8 @@ def plan_output(args, scanned: Iterator[tuple[int, bytes]], fmt: str, line_defau
         if path != "-" and not os.access(path, os.W_OK):
             raise BatchError(f"cannot write OUTPUT {path}: permission denied")
         return OutputPlan(stream=True)
-    if args.input != "-" and os.path.exists(path) and os.path.samefile(args.input, path):
+    # by the open input, not its name: INPUT - may be OUTPUT too (``- OUT --overwrite < OUT`` truncated its lines)
+    if os.path.exists(path) and is_regular_file(src) and os.path.samestat(os.fstat(src.fileno()), os.stat(path)):
         raise BatchError(f"OUTPUT {path} is the INPUT file")
     size = os.path.getsize(path) if os.path.isfile(path) else 0
     plan = OutputPlan(stream=False, options=run_options.of_args(args, line_defaults, limits))

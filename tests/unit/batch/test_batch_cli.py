@@ -538,6 +538,21 @@ def test_stdin_input_runs_like_a_file(tiny_model, tmp_path, monkeypatch):
     assert [o["outputs"][0]["token_ids"] for o in out] == _greedy(tiny_model, [([1, 40], 2), ([1, 41], 2)])
 
 
+def test_overwrite_refuses_an_output_that_is_the_file_stdin_reads(tiny_model, tmp_path, monkeypatch, capsys):
+    """``loraplex batch - IN.jsonl --overwrite < IN.jsonl`` truncated its own input before reading its lines: 0 lines
+    written, exit 0, the input gone. INPUT - read from OUTPUT is refused as INPUT OUTPUT is."""
+    import io
+
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"id": "a", "prompt_token_ids": [1, 40]}, {"id": "b", "prompt_token_ids": [1, 41]}])
+    before = src.read_bytes()
+    with open(src, "rb") as f:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(f))
+        assert _run(tiny_model, "-", src, "--overwrite", "--max-tokens", "2") == 2
+    assert "is the INPUT file" in capsys.readouterr().err
+    assert src.read_bytes() == before
+
+
 def test_an_output_that_is_not_a_regular_file_is_written_like_stdout(tiny_model, tmp_path, capsys):
     """OUTPUT /dev/null, a named pipe or /dev/stdout failed writing OUTPUT.options.json beside it (as root it wrote
     /dev/null.options.json): such an OUTPUT gets the lines and nothing beside it, and --resume is refused."""
