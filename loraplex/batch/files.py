@@ -8,6 +8,7 @@ import codecs
 import json
 import logging
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from loraplex.batch import openai_format, own_format, run_options
 
 log = logging.getLogger(__name__)
+_DESCRIPTOR = re.compile(r"/dev/(stdout|stderr|fd/\d+)|/proc/(self|thread-self|\d+)/fd/\d+")
 LORAPLEX, OPENAI = "loraplex", "openai"  # the input formats (one a file): loraplex's own lines, OpenAI's batch lines
 
 
@@ -189,7 +191,8 @@ def open_output(args, plan: OutputPlan):
     if plan.stream and path == "-":
         return stdout()
     try:
-        dst = open(path, "ab" if args.resume else "wb")  # noqa: SIM115
+        # a stream is appended to: /dev/stdout redirected to a file (``>> log``) keeps what the file held
+        dst = open(path, "ab" if args.resume or plan.stream else "wb")  # noqa: SIM115
     except OSError as exc:
         raise BatchError(f"cannot write OUTPUT {path}: {exc.strerror}") from None
     if plan.stream:
@@ -203,9 +206,12 @@ def open_output(args, plan: OutputPlan):
 
 
 def is_stream(path: str) -> bool:
-    """OUTPUT ``-``, or a path that exists and is not a regular file (``/dev/null``, a named pipe, ``/dev/stdout``):
-    written like stdout, with no ``OUTPUT.options.json`` beside it (``/dev/null.options.json``) and no --resume."""
-    return path == "-" or (os.path.exists(path) and not os.path.isfile(path))
+    """OUTPUT ``-``, a path naming a descriptor of the process (``/dev/stdout``, ``/dev/fd/N``: a regular file too
+    where the shell redirected it to one), or a path that exists and is not a regular file (``/dev/null``, a named
+    pipe): written like stdout, with no ``OUTPUT.options.json`` beside it (``/dev/null.options.json``) and no
+    --resume."""
+    return (path == "-" or _DESCRIPTOR.fullmatch(os.path.abspath(path)) is not None
+            or (os.path.exists(path) and not os.path.isfile(path)))
 
 
 def check_options(path: str, options: dict) -> None:

@@ -581,6 +581,32 @@ def test_an_output_that_is_not_a_regular_file_is_written_like_stdout(tiny_model,
     assert "--resume needs OUTPUT to be a regular file, not /dev/null" in err and "Traceback" not in err, err
 
 
+def test_dev_stdout_redirected_to_a_file_is_written_like_stdout(tiny_model, tmp_path, capfd):
+    """``loraplex batch IN /dev/stdout > out.jsonl``: /dev/stdout is then a regular file, so the run wrote
+    /dev/stdout.options.json into /dev (as root; refused after the model loaded as anyone else), and a stdout appended
+    to (``>> log``) was "not empty", refused. A path naming a descriptor of the process is written like ``-``."""
+    import os
+
+    src = tmp_path / "in.jsonl"
+    _write_jsonl(src, [{"id": "a", "prompt_token_ids": [1, 40], "params": {"ignore_eos": True}}])
+    print("earlier output", flush=True)  # pytest's capture: fd 1 is a regular file that is not empty
+    try:
+        for output in ("/dev/stdout", "/proc/self/fd/1"):
+            assert os.path.isfile(output)
+            rc = _run(tiny_model, src, output, "--max-tokens", "2")
+            captured = capfd.readouterr()
+            assert rc == 0, captured.err
+            assert [json.loads(x)["id"] for x in captured.out.splitlines() if x.startswith("{")] == ["a"]
+            assert output != "/dev/stdout" or captured.out.startswith("earlier output\n")  # appended, not truncated
+            assert not os.path.exists(output + ".options.json")
+        assert _run(tiny_model, src, "/dev/stdout", "--resume") == 2
+        assert "--resume needs OUTPUT to be a regular file, not /dev/stdout" in capfd.readouterr().err
+    finally:
+        for output in ("/dev/stdout", "/proc/self/fd/1"):
+            if os.path.exists(output + ".options.json"):
+                os.remove(output + ".options.json")
+
+
 def test_a_lora_line_without_enable_lora_fails_naming_the_flag(tiny_model, tmp_path):
     """Its error named the engine's field ("this engine was started without enable_lora"), not the flag to pass;
     the other lines still run."""
