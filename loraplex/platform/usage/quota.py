@@ -161,7 +161,7 @@ class QuotaTracker:
         used = await self.used(principal.tenant_id, now)
         # no await from here on: check and reserve are one step
         key = (principal.tenant_id, start)
-        taken = used + self._reserved[key]
+        taken = used + self._reserved_in(principal.tenant_id, start)
         grant = estimated_tokens
         if at_least is not None:
             grant = max(min(estimated_tokens, quota - taken), at_least)
@@ -169,6 +169,11 @@ class QuotaTracker:
             raise insufficient_quota(quota, taken, grant, default_budget=at_least is not None)
         self._reserved[key] += grant
         return Reservation(principal.tenant_id, start, grant)
+
+    def _reserved_in(self, tenant_id: str, month: datetime) -> int:
+        """What ``tenant_id``'s running requests reserved in ``month`` or an earlier one: a request is billed when it
+        ends, so one admitted late last month and still running lands in this month's tokens."""
+        return sum(tokens for (tenant, since), tokens in self._reserved.items() if tenant == tenant_id and since <= month)
 
     def release(self, reservation: Reservation | None) -> None:
         if reservation is None:
