@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -52,8 +53,11 @@ async def _export_async(args: argparse.Namespace, out) -> int:
             async with sessions() as s:
                 tenant_id = (await get_tenant(s, args.tenant)).id
         q = aggregate.Query(lo, hi, args.group_by, tenant_id)
-        async for chunk in export.encode(sessions, q, args.fmt):
-            out.write(chunk)
+        # closed here, not when garbage-collected: a write that fails (stdout's reader gone) otherwise left the
+        # ledger query's connection checked out past dispose(), and its cleanup ran at exit with tracebacks
+        async with contextlib.aclosing(export.encode(sessions, q, args.fmt)) as chunks:
+            async for chunk in chunks:
+                out.write(chunk)
     except ApiError as exc:
         print(flag_error(exc, EXPORT_FLAGS), file=sys.stderr)
         return 2

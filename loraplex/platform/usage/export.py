@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -23,8 +24,9 @@ async def encode(sessions: SessionFactory, q: Query, fmt: str) -> AsyncIterator[
     cols = columns(q.group_by)
     if fmt == "csv":
         yield _csv_line(cols)
-    async for row in rows(sessions, q):
-        if fmt == "csv":
-            yield _csv_line([row[c] for c in cols])
-        else:
-            yield json.dumps({c: row[c] for c in cols}, separators=(",", ":")).encode() + b"\n"
+    async with contextlib.aclosing(rows(sessions, q)) as items:  # closing the export closes the query
+        async for row in items:
+            if fmt == "csv":
+                yield _csv_line([row[c] for c in cols])
+            else:
+                yield json.dumps({c: row[c] for c in cols}, separators=(",", ":")).encode() + b"\n"

@@ -46,3 +46,63 @@ def test_an_empty_window_names_both_flags_and_the_default_that_was_taken(flags, 
     out, err = capsys.readouterr()
     assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert err.startswith("error: ") and all(n in err for n in needles), err
+
+
+def test_an_export_whose_reader_goes_away_gives_its_connection_back_before_it_ends(data_dir):
+    """``loraplex usage export | head -1`` on a ledger with rows: the write that fails comes while the ledger query
+    streams. The query's connection was left checked out past the engine's dispose and cleaned up by the garbage
+    collector at exit, which wrote "Task was destroyed but it is pending!" and pool tracebacks under the one-line
+    message (about every other run)."""
+    import asyncio
+    import os
+    from datetime import datetime, timedelta, timezone
+
+    from sqlalchemy import event as sa_event
+    from sqlalchemy.pool import Pool
+
+    from loraplex.cli import build_parser
+    from loraplex.platform.db import make_engine, make_session_factory
+    from loraplex.platform.tenants import get_tenant
+    from loraplex.platform.usage.cli import _export_async
+    from loraplex.platform.usage.ledger import event_record, insert_records
+    from tests.unit.usage.ledger_env import event
+
+    async def fill() -> None:
+        db = make_engine(f"sqlite+aiosqlite:///{data_dir}/loraplex.db")
+        sessions = make_session_factory(db)
+        async with sessions() as s:
+            tid = (await get_tenant(s, "acme")).id
+        start = datetime(2020, 1, 1, tzinfo=timezone.utc)
+        await insert_records(sessions, [event_record(event(f"r{i}", tid, at=start + timedelta(days=i)))
+                                        for i in range(50)])
+        await db.dispose()
+
+    asyncio.run(fill())
+
+    class HeadOne:
+        """A pipe to a reader that takes the first line (the CSV header) and exits, as ``| head -1`` does."""
+
+        def __init__(self):
+            self.read_end, self.write_end = os.pipe()
+
+        def write(self, chunk: bytes) -> None:
+            os.write(self.write_end, chunk)
+            if self.read_end is not None:
+                os.close(self.read_end)
+                self.read_end = None
+
+    checked_out = []
+    on_checkout, on_checkin = (lambda *a: checked_out.append(1)), (lambda *a: checked_out.pop())
+    sa_event.listen(Pool, "checkout", on_checkout)
+    sa_event.listen(Pool, "checkin", on_checkin)
+    out = HeadOne()
+    try:
+        args = build_parser().parse_args(["usage", "export", "--data-dir", data_dir, "--from", "2020-01-01",
+                                          "--to", "2021-01-01"])
+        with pytest.raises(BrokenPipeError):
+            asyncio.run(_export_async(args, out))
+        assert checked_out == [], "the ledger query's connection was still checked out when the export ended"
+    finally:
+        sa_event.remove(Pool, "checkout", on_checkout)
+        sa_event.remove(Pool, "checkin", on_checkin)
+        os.close(out.write_end)
