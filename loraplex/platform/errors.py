@@ -192,6 +192,16 @@ def _body_limit(request: Request) -> int | None:
         return None
 
 
+def _sent_name(request: Request, param: str | None) -> str | None:
+    """Litestar names a handler's argument; one declared under another name (``start`` for the query's ``from``)
+    is named as the client sent it."""
+    try:
+        kwarg = request.route_handler.parsed_fn_signature.parameters[param].kwarg_definition
+    except (AttributeError, KeyError):
+        return param
+    return getattr(kwarg, "query", None) or getattr(kwarg, "header", None) or param
+
+
 def _handle_http(request: Request, exc: HTTPException) -> Response[Any]:
     status = exc.status_code
     param = None
@@ -205,7 +215,7 @@ def _handle_http(request: Request, exc: HTTPException) -> Response[Any]:
     if isinstance(exc, ValidationException):
         # framework validation (malformed JSON, wrong types, missing fields): 400 like OpenAI
         status = 400
-        param = validation_param(exc.extra)
+        param = _sent_name(request, validation_param(exc.extra))
         message, code = validation_message(str(exc.detail or "error"), exc.extra)
     if status >= 500:
         return error_response(status, message, "server_error", code="server_error", headers=exc.headers)

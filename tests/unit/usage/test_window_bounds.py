@@ -38,3 +38,15 @@ def test_the_cli_export_names_the_flag(tmp_path, capsys):
     assert main(["usage", "export", "--data-dir", data, "--from", OUT_OF_RANGE["from"]]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --from ") and "out of range" in err and "Traceback" not in err, err
+
+
+async def test_a_bound_too_long_is_refused_under_the_name_the_client_sent(tmp_path):
+    """``from`` and ``to`` are the handler's ``start`` and ``end``: a value over the 40-character limit was a 400
+    whose ``param`` named ``start`` or ``end``, which no client sends."""
+    async with usage_app(tmp_path) as ua:
+        acme = await ua.tenant("acme")
+        for param in ("from", "to"):
+            for path, key in (("/v1/usage", acme["key"]), ("/admin/usage/export", None)):
+                r = await ua.client.get(path, params={param: "2026-01-01T00:00:00.000000000000000000000000Z"},
+                                        headers=ua.headers(key))
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
