@@ -346,3 +346,33 @@ async def test_shutdown_while_the_consumer_writes_lands_every_event_in_the_ledge
         assert time.monotonic() - started < 5
         assert not sink.pending and list_segments(sink.spool.directory) == []
         assert "incomplete" not in caplog.text
+
+
+async def test_a_restart_with_the_database_down_keeps_the_spool_it_found_pending(db_url, bad_url, tmp_path):
+    """A server killed while the database was down restarts with events in its spool and the database still down:
+    those events are pending like its own. Before, only events recorded since the restart were: exports said
+    ``x-usage-complete: true`` without them, and quotas did not count them, until the consumer's next try (up to
+    30 s after the database came back)."""
+    from loraplex.platform.db import make_engine, make_session_factory
+
+    async with migrated(db_url) as good:
+        tid = await add_tenant(good, "acme")
+        down = make_engine(bad_url)
+        killed = LedgerSink(make_session_factory(down), tmp_path / "spool")
+        killed.spool.open()
+        for i in range(3):
+            await killed.record(event(f"k{i}", tid, prompt=10, completion=5))
+        killed.spool.close()  # SIGKILL: nothing reached the ledger
+
+        restarted = LedgerSink(make_session_factory(down), tmp_path / "spool", interval_s=0.05)
+        await restarted.start(initial_drain_timeout_s=5)
+        now = datetime.now(UTC)
+        assert not await restarted.wait_ingested_before(now + timedelta(seconds=1), 0.3)
+        month = (datetime(now.year, now.month, 1, tzinfo=UTC), datetime(now.year + 1, 1, 1, tzinfo=UTC))
+        assert restarted.pending_tokens(tid, *month) == 45
+        restarted.sessions = good  # the database is back
+        assert await restarted.wait_ingested_before(now + timedelta(seconds=1), 40)
+        assert restarted.pending_tokens(tid, *month) == 0
+        await restarted.stop()
+        await down.dispose()
+        assert sorted(await _rows(good)) == ["k0", "k1", "k2"]

@@ -63,11 +63,22 @@ class LedgerSink:
 
     async def start(self, initial_drain_timeout_s: float = 10.0) -> None:
         self.spool.open()
+        self._track_spooled()
         try:  # replay what a previous run left, before traffic (bounded: the database may be down)
             await asyncio.wait_for(self.drain_once(include_orphans=True), initial_drain_timeout_s)
         except Exception as exc:
             log.warning("usage replay at start did not finish (%s); the consumer keeps trying", exc)
         self._task = asyncio.create_task(self._run(), name="usage-consumer")
+
+    def _track_spooled(self) -> None:
+        """What a previous run left in this spool is pending like the events recorded since: until the ledger has
+        it (the database may still be down), exports are not complete and quotas count it."""
+        for segment in self.spool.closed_segments():
+            for rec in read_segment(segment):
+                try:
+                    self.pending[rec["request_id"]] = (rec, as_utc(datetime.fromisoformat(rec["created_at"])))
+                except (KeyError, TypeError, ValueError):
+                    continue  # not a usage event: the ledger write logs and skips it
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         loop = asyncio.get_running_loop()
