@@ -307,10 +307,17 @@ async def test_an_odd_record_never_blocks_the_ones_behind_it(db_url, tmp_path):
         sink.spool.open()
         await sink.record(replace(event("odd", tid), model="m" * 5000, adapter_name="a" * 999, finish_reason="x" * 99))
         await sink.spool.append({"request_id": "broken"})  # valid JSON, not a usage event: logged, skipped
+        # more cached than prompt tokens (an accounting fault upstream): pricing it failed every export of its window
+        await sink.record(event("overcached", tid, prompt=10, cached=12, completion=3))
         await sink.record(event("next", tid))
         await sink.drain_once()
         rows = await _rows(sessions)
-        assert sorted(rows) == ["next", "odd"] and len(rows["odd"].model) == 256
+        assert sorted(rows) == ["next", "odd", "overcached"] and len(rows["odd"].model) == 256
+        assert (rows["overcached"].prompt_tokens, rows["overcached"].cached_prompt_tokens) == (10, 10)
+        start = datetime.now(UTC) - timedelta(days=1)
+        exported = [r async for r in aggregate.rows(sessions, aggregate.Query(start, start + timedelta(days=2),
+                                                                              "day"))]
+        assert [r["requests"] for r in exported] == [3]
         assert sink.spool.closed_segments() == []
         sink.spool.close()
 

@@ -53,7 +53,13 @@ def record_row(record: dict) -> dict:
         raise ValueError("a usage record needs a request_id")
     row["created_at"] = as_utc(datetime.fromisoformat(record["created_at"]))
     for c in ("prompt_tokens", "cached_prompt_tokens", "completion_tokens"):
-        row[c] = int(row[c] or 0)
+        row[c] = max(0, int(row[c] or 0))
+    if row["cached_prompt_tokens"] > row["prompt_tokens"]:
+        # cached tokens are a part of the prompt's (pricing counts on it: one such row would fail every export over
+        # its window); kept as the whole prompt cached, and said, as it is an accounting fault upstream
+        log.warning("usage record %s: %d cached prompt tokens of %d prompt tokens; stored as %d cached",
+                    row["request_id"], row["cached_prompt_tokens"], row["prompt_tokens"], row["prompt_tokens"])
+        row["cached_prompt_tokens"] = row["prompt_tokens"]
     row["total_s"] = float(row["total_s"] or 0.0)
     for c in _REQUIRED_TEXT:
         row[c] = "" if row[c] is None else row[c]
