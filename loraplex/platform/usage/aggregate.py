@@ -58,10 +58,28 @@ def parse_time(value: str | None, param: str) -> datetime | None:
                           param=param) from None
 
 
-def window(start: str | None, end: str | None) -> tuple[datetime, datetime]:
-    """``from``/``to`` query values -> [start, end); defaults: the current UTC month."""
+def window(start: str | None, end: str | None, names: tuple[str, str] = ("from", "to")) -> tuple[datetime, datetime]:
+    """``from``/``to`` values -> [start, end); defaults: the current UTC month. A window that holds no time is a
+    400 naming the bound that was given (``names``: how the caller calls them) and the default the other took."""
     month_start, month_end = month_bounds(utcnow())
-    return parse_time(start, "from") or month_start, parse_time(end, "to") or month_end
+    lo, hi = parse_time(start, "from") or month_start, parse_time(end, "to") or month_end
+    if hi <= lo:
+        raise bad_request(empty_window(lo, hi, start is not None, end is not None, names),
+                          param=names[1] if end is not None or start is None else names[0])
+    return lo, hi
+
+
+def empty_window(lo: datetime, hi: datetime, start_given: bool, end_given: bool,
+                 names: tuple[str, str] = ("from", "to")) -> str:
+    """Why [from, to) holds no time, naming a bound that was left out and the default it took (a lone ``from`` in a
+    later month met the default ``to``, the start of next month, and the message named a ``to`` never sent)."""
+    def value(name: str, given: bool, when: datetime, default: str) -> str:
+        stamp = when.strftime("%Y-%m-%dT%H:%M:%SZ")
+        return f"{name} {stamp}" if given else f"{name} (not given: {default}, {stamp})"
+
+    hint = "" if start_given and end_given else "; pass both for another month"
+    return (f"{value(names[1], end_given, hi, 'the start of next month')} must be later than "
+            f"{value(names[0], start_given, lo, 'the start of this month')}{hint}.")
 
 
 @dataclass(frozen=True)

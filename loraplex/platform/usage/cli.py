@@ -44,10 +44,7 @@ async def _export_async(args: argparse.Namespace, out) -> int:
     db = make_engine(settings.effective_database_url, settings)
     sessions = make_session_factory(db)
     try:
-        lo, hi = aggregate.window(args.start, args.end)
-        if hi <= lo:
-            print(f"error: {_empty_window(args, lo, hi)}", file=sys.stderr)
-            return 2
+        lo, hi = aggregate.window(args.start, args.end, ("--from", "--to"))
         tenant_id = None
         if args.tenant:
             async with sessions() as s:
@@ -64,19 +61,6 @@ async def _export_async(args: argparse.Namespace, out) -> int:
     finally:
         await db.dispose()
     return 0
-
-
-def _empty_window(args: argparse.Namespace, lo, hi) -> str:
-    """Why [--from, --to) holds no time, naming the flag the operator left out and the default it took (a lone
-    ``--from`` in a later month met the default --to, the start of next month, and the message named a --to
-    that was never typed)."""
-    def value(flag: str, typed: str | None, when, default: str) -> str:
-        stamp = when.strftime("%Y-%m-%dT%H:%M:%SZ")
-        return f"{flag} {stamp}" if typed else f"{flag} (not given: {default}, {stamp})"
-
-    hint = "" if args.start and args.end else "; pass both to export another month"
-    return (f"{value('--to', args.end, hi, 'the start of next month')} must be later than "
-            f"{value('--from', args.start, lo, 'the start of this month')}{hint}")
 
 
 def _export(args: argparse.Namespace) -> int:

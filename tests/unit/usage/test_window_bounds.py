@@ -7,7 +7,7 @@ import pytest
 
 from loraplex.cli import main
 from loraplex.platform.errors import ApiError
-from loraplex.platform.usage.aggregate import parse_time
+from loraplex.platform.usage.aggregate import parse_time, window
 from tests.integration.usage_app import usage_app
 
 OUT_OF_RANGE = {"from": "0001-01-01T00:00:00+01:00", "to": "9999-12-31T23:59:59-01:00"}
@@ -50,3 +50,20 @@ async def test_a_bound_too_long_is_refused_under_the_name_the_client_sent(tmp_pa
                 r = await ua.client.get(path, params={param: "2026-01-01T00:00:00.000000000000000000000000Z"},
                                         headers=ua.headers(key))
                 assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+
+
+async def test_a_lone_bound_past_the_default_one_is_refused_naming_the_default():
+    """``from`` in a later month with no ``to``: the window meets the default ``to`` (the start of next month); the
+    400 named a ``to`` the client never sent ("to must be later than from.", param "to")."""
+    with pytest.raises(ApiError) as raised:
+        window("2999-02-01", None)
+    assert raised.value.status_code == 400 and raised.value.param == "from"
+    assert raised.value.message.startswith("to (not given: the start of next month, ")
+    assert "from 2999-02-01T00:00:00Z" in raised.value.message and "pass both" in raised.value.message
+    with pytest.raises(ApiError) as raised:
+        window(None, "2000-01-01")
+    assert raised.value.param == "to" and "from (not given: the start of this month" in raised.value.message
+    with pytest.raises(ApiError) as raised:
+        window("2026-03-01", "2026-02-01")
+    assert raised.value.param == "to" and "pass both" not in raised.value.message
+    assert raised.value.message == "to 2026-02-01T00:00:00Z must be later than from 2026-03-01T00:00:00Z."
