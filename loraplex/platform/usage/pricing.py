@@ -25,14 +25,17 @@ def parse_price(value: str | int | float, param: str) -> Decimal:
     Numbers are read through their shortest decimal text, so ``0.1`` means exactly 0.1."""
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise bad_request(f"{param} must be a decimal string such as \"0.15\".", param=param)
+    text = str(value).strip()
     try:
-        price = Decimal(str(value).strip())
+        if "_" in text:  # Decimal reads "1_0" as 10, as Python source would: not a price anyone writes
+            raise InvalidOperation
+        price = Decimal(text)
     except InvalidOperation:
         raise bad_request(f"{param} must be a decimal number, got {value!r}.", param=param) from None
     if not price.is_finite() or price < 0 or price > MAX_PRICE:
         raise bad_request(f"{param} must be between 0 and {MAX_PRICE} per million tokens, got {value!r}.",
                           param=param)
-    if -price.as_tuple().exponent > MAX_PRICE_DECIMALS:
+    if -price.normalize().as_tuple().exponent > MAX_PRICE_DECIMALS:  # trailing zeros are not places: "0.10000000000"
         raise bad_request(f"{param} has more than {MAX_PRICE_DECIMALS} decimal places.", param=param)
     return price
 

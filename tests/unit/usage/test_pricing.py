@@ -35,12 +35,13 @@ def test_huge_totals_do_not_round():
     assert prices.cost(10**15, 0, 0) == Decimal("999999.123456789") * 10**9
 
 
-@pytest.mark.parametrize("value", ["0.15", 2, 0.1, "1e-3", "0", "1000000"])
+@pytest.mark.parametrize("value", ["0.15", 2, 0.1, "1e-3", "0", "1000000", "0.10000000000", "1000000.000000000000"])
 def test_valid_prices(value):
-    assert parse_price(value, "input_per_mtok") == Decimal(str(value))
+    assert parse_price(value, "input_per_mtok") == Decimal(str(value))  # trailing zeros are no decimal places
 
 
-@pytest.mark.parametrize("value", ["-1", "abc", "NaN", "Infinity", "1000001", "0.0000000001", True, None, [1]])
+@pytest.mark.parametrize("value", ["-1", "abc", "NaN", "Infinity", "1000001", "0.0000000001", "1_0", "0.1_5", True,
+                                   None, [1]])
 def test_invalid_prices_name_the_field(value):
     with pytest.raises(ApiError) as err:
         parse_price(value, "output_per_mtok")
