@@ -244,7 +244,7 @@ class OpenAIFormat:
     def finished(self, line: Line, out: RequestOutput, failed: bool) -> dict:
         if failed:  # as the server answers a generation that failed (an adapter that cannot be loaded)
             why = next(c.error for c in out.outputs if c.finish_reason == "error")
-            return _record(line, plan.engine_failed(why or "engine error"))
+            return _record(line, plan.engine_failed(self.ctx.refusal_text(why or "engine error")))
         request: Request = line.request
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         usage = render.usage(len(out.prompt_token_ids), completion_tokens, out.num_cached_tokens)

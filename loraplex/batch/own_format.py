@@ -116,7 +116,8 @@ class LoraplexFormat:
     def finished(self, line: Line, out: RequestOutput, failed: bool) -> dict:
         record = {"id": line.id, "num_prompt_tokens": len(out.prompt_token_ids),
                   "num_cached_tokens": out.num_cached_tokens,
-                  "outputs": [_output_record(c, line.params.logprobs is not None) for c in out.outputs]}
+                  "outputs": [_output_record(c, line.params.logprobs is not None, self.refusal_text)
+                              for c in out.outputs]}
         if line.params.prompt_logprobs is not None:
             record["prompt_logprobs"] = [_logprob_entry(e) for e in out.prompt_logprobs or []]
         return record
@@ -144,8 +145,10 @@ def _lora_request(lora, enable_lora: bool) -> LoRARequest:
     return LoRARequest(lora["name"], lora["id"], lora["path"])
 
 
-def _output_record(comp: CompletionOutput, with_logprobs: bool) -> dict:
+def _output_record(comp: CompletionOutput, with_logprobs: bool, error_text: Callable[[str], str] = str) -> dict:
     record = {k: getattr(comp, k) for k in _OUTPUT_FIELDS}
+    if record["error"] is not None:  # (an adapter that failed to load: named as the user's flags name it)
+        record["error"] = error_text(record["error"])
     if with_logprobs:  # only when the line asked for them: they are most of a line's size
         record["logprobs"] = [_logprob_entry(e) for e in comp.logprobs or []]
         record["cumulative_logprob"] = comp.cumulative_logprob

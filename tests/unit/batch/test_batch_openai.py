@@ -201,6 +201,24 @@ def test_lora_modules_name_the_adapters_body_model_may_name(tiny_model, tmp_path
         assert needle in capsys.readouterr().err
 
 
+def test_an_adapter_over_the_rank_limit_fails_its_lines_naming_the_flag(tiny_model, tmp_path):
+    """The engine says max_lora_rank; the batch's user typed --max-lora-rank (as the engine's other refusals of a
+    line are worded), in both formats."""
+    big = adapter_dir(tiny_model, 5)  # rank 64
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    _write_jsonl(src, [_line("big", COMPLETIONS, {"model": "big", "prompt": [1, 40], "max_tokens": 2})])
+    assert _run(tiny_model, src, dst, "--enable-lora", "--max-lora-rank", "32", "--lora-modules", f"big={big}") == 1
+    (failed,) = _read(dst)
+    message = failed["response"]["body"]["error"]["message"]
+    assert "--max-lora-rank" in message and "max_lora_rank" not in message, message
+    own_src, own_dst = tmp_path / "own.jsonl", tmp_path / "own.out.jsonl"
+    _write_jsonl(own_src, [{"prompt_token_ids": [1, 40], "params": {"max_tokens": 2},
+                            "lora": {"name": "big", "id": 1, "path": big}}])
+    assert _run(tiny_model, own_src, own_dst, "--enable-lora", "--max-lora-rank", "32") == 1
+    error = json.loads(own_dst.read_text())["outputs"][0]["error"]
+    assert "--max-lora-rank" in error and "max_lora_rank" not in error, error
+
+
 def test_resume_continues_an_openai_output_and_holds_to_its_lora_modules(tiny_model, tmp_path, capsys):
     """--resume matches OUTPUT's lines with the input's by custom_id and runs only the rest; --lora-modules is
     recorded with the run's options, so a resume with other adapters is refused naming the flag."""
