@@ -24,6 +24,7 @@ from loraplex.platform.console.deps import session_of
 from loraplex.platform.console.render import STATIC, page, read_flash, redirect
 from loraplex.platform.console.session import COOKIE, CSRF_HEADER, LoginRequired
 from loraplex.platform.errors import ApiError
+from loraplex.platform.middleware import loggable_path
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ def _on_error(request: Request, exc: HTTPException) -> Response:
     status = exc.status_code
     message = exc.message if isinstance(exc, ApiError) else str(exc.detail or "Something went wrong.")
     if status >= 500:
-        log.error("console error on %s %s: %s", request.method, request.url.path, message)
+        log.error("console error on %s %s: %s", request.method, loggable_path(request.url.path), message)
     back = _same_console_page(request) if request.method == "POST" else None
     if back and status < 500:
         # a form the user filled in wrongly, or an action refused (403, or 404 for what it named): back to the
@@ -72,7 +73,7 @@ def _on_error(request: Request, exc: HTTPException) -> Response:
 
 def _on_internal(request: Request, exc: Exception) -> Response:
     """A fault in a console page: the console's error page (the API's JSON error is not for a browser)."""
-    log.exception("console error on %s %s", request.method, request.url.path, exc_info=exc)
+    log.exception("console error on %s %s", request.method, loggable_path(request.url.path), exc_info=exc)
     return page(request, "error.html", request.state.get("console_session"), status_code=500, status=500,
                 message="The console had an error while showing this page. Try again; if it persists, the server's "
                         "log has the details.")
