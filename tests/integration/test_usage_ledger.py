@@ -11,7 +11,6 @@ from decimal import Decimal
 import pytest
 from sqlalchemy import func, select
 
-from loraplex.platform.auth import Principal
 from loraplex.platform.errors import ApiError
 from loraplex.platform.registry.models import Adapter
 from loraplex.platform.usage import aggregate, plans
@@ -19,7 +18,7 @@ from loraplex.platform.usage.models import UsageRecord
 from loraplex.platform.usage.quota import QuotaTracker
 from loraplex.platform.usage.sink import LedgerSink
 from loraplex.platform.usage.spool import list_segments
-from tests.unit.usage.ledger_env import add_tenant, event, migrated
+from tests.unit.usage.ledger_env import add_tenant, event, migrated, tenant_with_quota
 
 UTC = timezone.utc
 
@@ -215,15 +214,9 @@ async def test_export_costs_use_each_tenants_plan_and_adapter_surcharges(db_url,
 
 async def test_quota_counts_ledger_pending_and_reservations(db_url, tmp_path):
     async with migrated(db_url) as sessions:
-        tid = await add_tenant(sessions, "acme")
-        async with sessions() as s:
-            await plans.create_plan(s, "small", {"monthly_token_quota": 100})
-            await plans.set_tenant_plan(s, "acme", {"plan": "small"})
-        sink = LedgerSink(sessions, tmp_path / "spool")
-        sink.spool.open()
+        tid, sink, who = await tenant_with_quota(sessions, tmp_path / "spool")
         quota = QuotaTracker(sessions, sink)
         sink.on_ingested = quota.on_ingested
-        who = Principal(tenant_id=tid, tenant_name="acme", key_id="k", scopes=frozenset({"inference"}))
         await sink.record(event("q1", tid, prompt=20, completion=10))  # pending: 30
         first = await quota.reserve(who, 50)  # 30 + 50 <= 100
         with pytest.raises(ApiError) as err:
@@ -255,13 +248,7 @@ async def test_quota_with_database_down_uses_last_known_values_else_503(db_url, 
     from loraplex.platform.db import make_engine, make_session_factory
 
     async with migrated(db_url) as sessions:
-        tid = await add_tenant(sessions, "acme")
-        async with sessions() as s:
-            await plans.create_plan(s, "small", {"monthly_token_quota": 100})
-            await plans.set_tenant_plan(s, "acme", {"plan": "small"})
-        sink = LedgerSink(sessions, tmp_path / "spool")
-        sink.spool.open()
-        who = Principal(tenant_id=tid, tenant_name="acme", key_id="k", scopes=frozenset({"inference"}))
+        tid, sink, who = await tenant_with_quota(sessions, tmp_path / "spool")
         quota = QuotaTracker(sessions, sink, ledger_ttl_s=0, plan_ttl_s=0)  # every call asks the database
         await sink.record(event("q1", tid, prompt=60, completion=0))
         await sink.drain_once()

@@ -35,3 +35,20 @@ def event(rid: str, tenant_id: str, *, prompt: int = 10, cached: int = 0, comple
         status=status, adapter_id=adapter_id, adapter_version=1 if adapter_id else None, total_s=0.1,
         created_at=at or datetime.now(timezone.utc),
     )
+
+
+async def tenant_with_quota(sessions, spool_dir, quota: int = 100):
+    """(tenant id, an opened ledger sink, a principal of its key): tenant "acme" on plan "small" with a monthly token
+    quota of ``quota``, for the quota tests (each builds its own QuotaTracker over them)."""
+    from loraplex.platform.auth import Principal
+    from loraplex.platform.usage import plans
+    from loraplex.platform.usage.sink import LedgerSink
+
+    tid = await add_tenant(sessions, "acme")
+    async with sessions() as s:
+        await plans.create_plan(s, "small", {"monthly_token_quota": quota})
+        await plans.set_tenant_plan(s, "acme", {"plan": "small"})
+    sink = LedgerSink(sessions, spool_dir)
+    sink.spool.open()
+    who = Principal(tenant_id=tid, tenant_name="acme", key_id="k", scopes=frozenset({"inference"}))
+    return tid, sink, who

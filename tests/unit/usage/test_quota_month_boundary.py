@@ -7,28 +7,19 @@ from datetime import datetime, timezone
 
 import pytest
 
-from loraplex.platform.auth import Principal
 from loraplex.platform.errors import ApiError
-from loraplex.platform.usage import plans
 from loraplex.platform.usage.quota import QuotaTracker
-from loraplex.platform.usage.sink import LedgerSink
-from tests.unit.usage.ledger_env import add_tenant, event, migrated
+from tests.unit.usage.ledger_env import event, migrated, tenant_with_quota
 
 UTC = timezone.utc
 
 
 async def test_a_request_running_across_midnight_counts_in_the_new_month(tmp_path):
     async with migrated(f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}") as sessions:
-        tid = await add_tenant(sessions, "acme")
-        async with sessions() as s:
-            await plans.create_plan(s, "small", {"monthly_token_quota": 100})
-            await plans.set_tenant_plan(s, "acme", {"plan": "small"})
-        sink = LedgerSink(sessions, tmp_path / "spool")
-        sink.spool.open()
+        tid, sink, who = await tenant_with_quota(sessions, tmp_path / "spool")
         now = [datetime(2026, 1, 31, 23, 59, 59, tzinfo=UTC)]
         quota = QuotaTracker(sessions, sink, clock=lambda: now[0])
         sink.on_ingested = quota.on_ingested
-        who = Principal(tenant_id=tid, tenant_name="acme", key_id="k", scopes=frozenset({"inference"}))
         late_january = await quota.reserve(who, 100)
         now[0] = datetime(2026, 2, 1, 0, 0, 1, tzinfo=UTC)
         with pytest.raises(ApiError) as err:  # it was admitted as 100 more February tokens before
