@@ -205,8 +205,7 @@ async def assert_nothing_held(app, tenant) -> None:
     await settled(app)
     services = app.services
     assert services.admission.in_flight == 0, "admission slots leaked"
-    assert sum(v for (tid, _), v in services.quota._reserved.items() if tid == tenant["id"]) == 0, \
-        "quota reservation leaked"
+    assert services.quota.reserved_tokens(tenant["id"]) == 0, "quota reservation leaked"
     assert not services.engine.engine.has_unfinished_requests(), "engine requests left running"
     # nothing used: the bucket is back to (nearly) full; a leaked ~200-token reservation would show
     assert await bucket_tokens(app, tenant) > TPM - 20, "rate-limit tokens not refunded"
@@ -360,7 +359,7 @@ async def test_a_failure_while_finishing_still_gives_back_the_slot(app, tenant, 
     rows = (await ledger(app, tenant))[before:]
     assert len(rows) == CAP + 1 and all(row.completion_tokens == 2 for row in rows)
     assert app.services.admission.in_flight == 0, "admission slots leaked"
-    assert sum(v for (tid, _), v in app.services.quota._reserved.items() if tid == tenant["id"]) == 0
+    assert app.services.quota.reserved_tokens(tenant["id"]) == 0
     await normal_request_gets_in(app, tenant)
 
 

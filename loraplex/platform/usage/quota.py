@@ -82,7 +82,9 @@ class QuotaTracker:
         # (tenant, month) -> (expires, ledger total, self._ingested at load)
         self._ledger: dict[tuple[str, datetime], tuple[float, int, int]] = {}
         self._ingested: dict[tuple[str, datetime], int] = defaultdict(int)
-        self._reserved: dict[tuple[str, datetime], int] = defaultdict(int)
+        # tenant -> month a running request was admitted in -> the tokens those requests reserved (per tenant: an
+        # admission sums its own tenant's months, not every tenant's)
+        self._reserved: dict[str, dict[datetime, int]] = {}
         # a burst of requests after an entry expires makes one query per key, not one each
         self._quota_reads: SingleFlight[int | None] = SingleFlight()
         self._ledger_reads: SingleFlight[tuple[int, int]] = SingleFlight()
@@ -160,26 +162,31 @@ class QuotaTracker:
         start, _ = month_bounds(now)
         used = await self.used(principal.tenant_id, now)
         # no await from here on: check and reserve are one step
-        key = (principal.tenant_id, start)
-        taken = used + self._reserved_in(principal.tenant_id, start)
+        taken = used + self.reserved_tokens(principal.tenant_id, through=start)
         grant = estimated_tokens
         if at_least is not None:
             grant = max(min(estimated_tokens, quota - taken), at_least)
         if taken + grant > quota:
             raise insufficient_quota(quota, taken, grant, default_budget=at_least is not None)
-        self._reserved[key] += grant
+        months = self._reserved.setdefault(principal.tenant_id, {})
+        months[start] = months.get(start, 0) + grant
         return Reservation(principal.tenant_id, start, grant)
 
-    def _reserved_in(self, tenant_id: str, month: datetime) -> int:
-        """What ``tenant_id``'s running requests reserved in ``month`` or an earlier one: a request is billed when it
-        ends, so one admitted late last month and still running lands in this month's tokens."""
-        return sum(tokens for (tenant, since), tokens in self._reserved.items() if tenant == tenant_id and since <= month)
+    def reserved_tokens(self, tenant_id: str, through: datetime | None = None) -> int:
+        """What ``tenant_id``'s running requests reserved, admitted in ``through`` or an earlier month (default: any).
+        A request is billed when it ends, so one admitted late last month and still running lands in this month's
+        tokens."""
+        return sum(tokens for month, tokens in self._reserved.get(tenant_id, {}).items()
+                   if through is None or month <= through)
 
     def release(self, reservation: Reservation | None) -> None:
         if reservation is None:
             return
-        key = (reservation.tenant_id, reservation.month)
-        self._reserved[key] -= reservation.tokens
-        assert self._reserved[key] >= 0, "quota reservation released twice"
-        if not self._reserved[key]:
-            del self._reserved[key]
+        months = self._reserved.get(reservation.tenant_id, {})
+        left = months.get(reservation.month, 0) - reservation.tokens
+        assert left >= 0, "quota reservation released twice"
+        months[reservation.month] = left
+        if not left:
+            del months[reservation.month]
+            if not months:
+                del self._reserved[reservation.tenant_id]
