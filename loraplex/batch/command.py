@@ -34,8 +34,8 @@ is refused, naming the flags. No exception of one line ends the run (window.py).
 finished lines before the oldest unfinished one are written, and the command exits with 128 + the signal
 number; ``--resume`` continues from there. OUTPUT ``-`` whose reader closes the pipe (``| head``) stops the run
 with one line on stderr and exit code 141 (128 + SIGPIPE). An OUTPUT that is not a regular file (``/dev/null``, a
-named pipe) or names a descriptor (``/dev/stdout``) is written like ``-``: no options file beside it, no --resume. Ctrl-C before the first line starts
-(reading the input, loading the model) is one line on stderr and exit code 130. Exit codes: 0 every line ran,
+named pipe) or names a descriptor (``/dev/stdout``) is written like ``-``: no options file beside it, no --resume.
+Ctrl-C before the first line starts (reading the input, loading the model) is one line on stderr and exit code 130. Exit codes: 0 every line ran,
 1 some line failed (the others ran), 2 bad arguments or an OUTPUT that cannot be used, 3 the run itself failed (an
 engine step, writing OUTPUT: logged with its traceback; OUTPUT holds the lines written before, --resume continues).
 """

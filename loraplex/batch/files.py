@@ -154,8 +154,9 @@ class OutputPlan:
 def plan_output(args, src, scanned: Iterator[tuple[int, bytes]], fmt: str, line_defaults: dict | None,
                 limits: dict | None) -> OutputPlan:
     """Every check of OUTPUT, writing nothing: how many of its lines an earlier run left (their input lines are
-    taken from ``scanned``, read from ``src``), and how many of those failed. ``line_defaults``, ``limits``: what the run records of
-    loraplex-format lines' defaults and of an OpenAI-format run's request limits (run_options.of_args)."""
+    taken from ``scanned``, read from ``src``), and how many of those failed. ``line_defaults``, ``limits``: what the
+    run records of loraplex-format lines' defaults and of an OpenAI-format run's request limits
+    (run_options.of_args)."""
     path = args.output
     if os.path.isdir(path):  # not a regular file, but no stream either
         raise BatchError(f"cannot write OUTPUT {path}: it is a folder")

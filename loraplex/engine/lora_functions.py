@@ -14,7 +14,8 @@ vLLM's meaning, and Loraplex's:
 All four are a ValueError naming ``enable_lora`` on an engine started without it. Under tensor parallelism
 ``add_lora`` and ``pin_lora`` reach every rank: each reads its shard of the adapter then (so its files may go once
 ``add_lora`` has returned, as in vLLM) and holds the pinned one in a slot; rank 0's scheduler leaves room for the
-pinned ones on every rank. An adapter that only requests name is read by the other ranks at the first step that uses it.
+pinned ones on every rank. An adapter named only by requests is read by the other ranks at the first step that
+uses it.
 """
 
 from __future__ import annotations

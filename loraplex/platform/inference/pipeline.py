@@ -63,8 +63,9 @@ def _max_token_chars(tokenizer) -> int:
 def check_prompt_chars(services, chars: int, param: str) -> None:
     """A prompt text too long to fit the context whatever its tokens is refused before it is tokenized: every
     request's prompts go through the one tokenizer thread, ahead of the rate limits, so a 10 MB prompt held every
-    tenant's requests for seconds (tenants now take turns there, so this bounds what one turn can cost). The bound is the context times the longest token (times 2, for normalizers
-    that join characters), so no prompt the context could hold is refused."""
+    tenant's requests for seconds (tenants now take turns there: this bounds what one turn can cost). The bound is
+    the context times the longest token (times 2, for normalizers that join characters), so no prompt the context
+    could hold is refused."""
     engine = services.engine
     tokenizer = getattr(engine, "tokenizer", None)
     max_model_len = getattr(engine, "max_model_len", None)
