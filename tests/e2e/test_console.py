@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from tests.conftest import IN_CI, adapter_dir
-from tests.e2e.server import start_server
+from tests.e2e.server import KEY_RE, start_server
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -28,7 +28,6 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 SHOTS = Path(os.environ.get("LORAPLEX_SCREENSHOT_DIR") or tempfile.mkdtemp(prefix="loraplex-console-shots-"))
 WIDE = {"width": 1280, "height": 800}
 NARROW = {"width": 390, "height": 844}
-KEY_RE = re.compile(r"lpx-[a-z0-9]{12}-[A-Za-z0-9]{40}")
 
 
 def _require_chromium() -> None:
